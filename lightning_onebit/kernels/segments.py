@@ -1,0 +1,62 @@
+"""Contiguous segments of a flat buffer: the granularity at which 1-bit compression keeps one scale."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class Segments:
+    """Consecutive ``[start, stop)`` ranges covering ``[0, total)`` of a flat buffer, none of them empty.
+
+    Args:
+        offsets: ``0 = o_0 < o_1 < ... < o_S = total``; segment ``s`` is ``[o_s, o_{s+1})``.
+    """
+
+    def __init__(self, offsets: Sequence[int]) -> None:
+        offsets = tuple(int(o) for o in offsets)
+        if not offsets or offsets[0] != 0:
+            raise ValueError(f"segment offsets must start at 0, got {offsets[:3]}...")
+        if any(b <= a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError("segment offsets must be strictly increasing (no empty segments)")
+        self.offsets = offsets
+        self.bounds = tuple(zip(offsets[:-1], offsets[1:]))
+        self.lengths = tuple(b - a for a, b in self.bounds)
+        self._sqrt_lengths: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int]) -> "Segments":
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + int(n))
+        return cls(offsets)
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1]
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Segments) and other.offsets == self.offsets
+
+    def __hash__(self) -> int:
+        return hash(self.offsets)
+
+    def __repr__(self) -> str:
+        return f"Segments(count={len(self)}, total={self.total})"
+
+    def split(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``buffer`` (1-D), one per segment."""
+        return [buffer[a:b] for a, b in self.bounds]
+
+    def sqrt_lengths(self, device: torch.device) -> torch.Tensor:
+        """``sqrt(len_s)`` as a float32 tensor on ``device`` (cached)."""
+        device = torch.device(device)
+        cached = self._sqrt_lengths.get(device)
+        if cached is None:
+            cached = torch.tensor(self.lengths, dtype=torch.float32, device=device).sqrt_()
+            self._sqrt_lengths[device] = cached
+        return cached

@@ -1,0 +1,135 @@
+"""Reference sign-packing and compression kernels in pure torch (any device).
+
+Bit layout: bit ``1`` means "non-negative" (``sgn(0) = +1``), packed most significant bit first, i.e. exactly the
+bytes of ``numpy.packbits(x >= 0)``. Packing uses one 64-bit multiply per output byte: eight 0/1 bytes read as a
+little-endian int64 word ``w`` are gathered into the top byte of ``w * 0x8040201008040201`` (the eight partial
+products land on distinct bit positions, so no carries disturb the result).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from lightning_onebit.kernels.segments import Segments
+
+# 0x8040201008040201 as a two's-complement int64 (torch has no general uint64 arithmetic).
+_GATHER_MAGIC = 0x8040201008040201 - (1 << 64)
+# Spreads one byte over eight: byte k of (b * 0x0101010101010101) & _SPREAD_MASK keeps bit (7 - k) of b.
+_SPREAD_MASK = 0x0102040810204080
+_REPLICATE = 0x0101010101010101
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _check_packable(x: torch.Tensor) -> None:
+    if x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"expected a contiguous 1-D tensor, got shape {tuple(x.shape)}")
+    if x.numel() % 8:
+        raise ValueError(f"the number of elements ({x.numel()}) must be a multiple of 8; pad the buffer first")
+
+
+def pack_bool(bits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pack a 1-D bool tensor (length multiple of 8) into uint8, most significant bit first."""
+    _check_packable(bits)
+    n_bytes = bits.numel() // 8
+    if out is None:
+        out = torch.empty(n_bytes, dtype=torch.uint8, device=bits.device)
+    if n_bytes == 0:
+        return out
+    if _LITTLE_ENDIAN:
+        words = bits.view(torch.uint8).view(torch.int64)
+        gathered = torch.mul(words, _GATHER_MAGIC).bitwise_right_shift_(56)
+        out.copy_(gathered)  # keeps the low byte (the top byte of the product, sign-extended)
+    else:  # pragma: no cover - no big-endian machine in CI
+        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=bits.device)
+        torch.sum(bits.view(n_bytes, 8).to(torch.uint8) * weights, dim=1, dtype=torch.uint8, out=out)
+    return out
+
+
+def unpack_bool(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`pack_bool`: uint8 tensor of ``n`` bytes -> bool tensor of ``8 n`` elements."""
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError(f"expected a 1-D uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}")
+    n_bytes = packed.numel()
+    if out is None:
+        out = torch.empty(8 * n_bytes, dtype=torch.bool, device=packed.device)
+    if n_bytes == 0:
+        return out
+    if _LITTLE_ENDIAN:
+        spread = packed.to(torch.int64).mul_(_REPLICATE).bitwise_and_(_SPREAD_MASK)
+        torch.ne(spread.view(torch.uint8), 0, out=out)
+    else:  # pragma: no cover
+        shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+        torch.ne((packed.unsqueeze(1) >> shifts) & 1, 0, out=out.view(n_bytes, 8))
+    return out
+
+
+def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pack ``x >= 0`` into bytes (MSB first); ``x.numel()`` must be a multiple of 8."""
+    _check_packable(x)
+    return pack_bool(torch.ge(x, 0), out=out)
+
+
+def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpack bytes to a tensor of +1/-1 in ``dtype`` (length ``8 * packed.numel()``)."""
+    bits = unpack_bool(packed)
+    return torch.where(bits, torch.ones((), dtype=dtype, device=packed.device), -1)
+
+
+PackFn = Callable[..., torch.Tensor]
+UnpackFn = Callable[..., torch.Tensor]
+
+
+def segment_scales(y: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """``||y_s||_2 / sqrt(len_s)`` for every segment ``s`` of ``y``, in float32."""
+    views = segments.split(y)
+    norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
+    if not norms:
+        return torch.empty(0, dtype=torch.float32, device=y.device)
+    return torch.stack(norms).div_(segments.sqrt_lengths(y.device))
+
+
+def compress_with_error_feedback(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    segments: Segments,
+    packed_out: Optional[torch.Tensor] = None,
+    pack: PackFn = pack_bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error-compensated 1-bit compression, in place on ``error``.
+
+    ``y = x + error``; per segment ``scale = ||y_s|| / sqrt(len_s)``; ``packed = bits(y >= 0)``;
+    ``error <- y - scale * sgn(y)``. Returns ``(scales, packed)`` with float32 scales, one per segment.
+    """
+    y = error.add_(x)
+    scales = segment_scales(y, segments)
+    bits = torch.ge(y, 0)
+    packed = pack(bits, out=packed_out)
+    for (start, stop), scale in zip(segments.bounds, scales.to(y.dtype).unbind()):
+        seg = y[start:stop]
+        seg.sub_(torch.where(bits[start:stop], scale, -scale))
+    return scales, packed
+
+
+def decompress(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    segments: Segments,
+    out: torch.Tensor,
+    accumulate: bool = False,
+    unpack: UnpackFn = unpack_bool,
+) -> torch.Tensor:
+    """``out (+)= scale_s * sgn`` per segment, from packed sign bits and per-segment scales."""
+    bits = unpack(packed)
+    for (start, stop), scale in zip(segments.bounds, scales.to(out.dtype).unbind()):
+        value = torch.where(bits[start:stop], scale, -scale)
+        if accumulate:
+            out[start:stop].add_(value)
+        else:
+            out[start:stop].copy_(value)
+    if not accumulate and segments.total < out.numel():
+        out[segments.total :].zero_()
+    return out
+

@@ -1,0 +1,432 @@
+"""1-bit Adam (arXiv 2102.02888) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.comm import BucketLayout, CommunicationCounters, CompressedAllreduceState, compressed_allreduce_
+from lightning_onebit.kernels import Backend
+
+log = logging.getLogger(__name__)
+
+_CHECKPOINT_KEY = "onebit"
+
+
+class OnebitStage(str, enum.Enum):
+    """The stage an optimizer step runs in."""
+
+    WARMUP = "warmup"
+    COMPRESSION = "compression"
+
+
+class _Bucket:
+    """A flat, zero-padded momentum buffer; the momenta of its parameters are views into it."""
+
+    def __init__(self, key: int, params: list[torch.Tensor], layout: BucketLayout, flat: torch.Tensor) -> None:
+        self.key = key
+        self.params = params
+        self.layout = layout
+        self.flat = flat
+
+
+class OnebitAdam(torch.optim.Optimizer):
+    r"""1-bit Adam: AdamW during warmup, then Adam with frozen variance and 1-bit compressed momentum averaging.
+
+    **Warmup** (steps ``1..freeze_step``): the caller averages gradients across ranks (DDP's allreduce, or the
+    ``onebit_adam`` strategy does it), and the update is exactly :class:`torch.optim.AdamW`::
+
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
+
+    **Compression** (steps ``freeze_step + 1`` on): gradients are *local* (not averaged). Each rank updates its
+    momentum with its own gradient, the momenta are averaged with the error-compensated 1-bit compressed allreduce of
+    :mod:`lightning_onebit.comm` (the result is identical on every rank), masked by ``exp_avg_mask`` if given, and
+    applied with the variance frozen at its step-``freeze_step`` value::
+
+        m = CompressedAllreduce(b1 m + (1 - b1) g_local) * mask
+        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat_frozen) + eps)
+
+    Bias correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` (``t`` the current step) and ``v`` by
+    ``1 - b2^t_v`` with ``t_v = min(t, freeze_step)``, the number of updates ``v`` received. With
+    ``bias_correction=False`` neither is corrected (this is DeepSpeed's actual behaviour, which ignored the flag).
+
+    Momenta of all trainable parameters are packed, at the first compressed step, into flat buckets of about
+    ``bucket_cap_mb`` MB; each bucket costs two collectives per step however many parameters it holds. A parameter
+    without a gradient on a rank in a compressed step contributes a zero gradient to that rank's momentum (the
+    momentum is global, so the parameter still moves). A parameter that never had a gradient during warmup has no
+    variance estimate: it is kept out of the update (frozen) and a warning names it.
+
+    Nothing here touches ``torch.distributed`` before the first compressed step, so the optimizer can be built before
+    the process group exists (LightningCLI does). Without an initialised process group (or with one rank) the
+    compressed allreduce is the identity.
+
+    Args:
+        params: parameters or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``bias_correction`` and ``exp_avg_mask``.
+        lr: learning rate. Default ``1e-3``.
+        betas: ``(b1, b2)`` decay rates of momentum and variance, each in ``[0, 1)``. Default ``(0.9, 0.999)``.
+        eps: added to ``sqrt(v_hat)``; ``>= 0``. Default ``1e-8``.
+        weight_decay: decoupled weight decay coefficient (AdamW's), ``>= 0``. Default ``0``.
+        freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step. No
+            default: the paper uses 15-25% of training; the variance must have settled by then.
+        bias_correction: see above. Default ``True``.
+        amsgrad: not supported (the variance is frozen); only ``False`` is accepted, so AdamW configs port with a
+            clear error instead of a silently ignored flag.
+        bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype). Default ``25``.
+        process_group: group whose ranks average momenta; ``None`` (default) means WORLD, resolved at step time.
+            The Lightning strategy sets its data-parallel group here.
+        kernel_backend: ``"auto"`` (default), ``"torch"`` or ``"cupy"``, see :mod:`lightning_onebit.kernels`.
+
+    Param-group option ``exp_avg_mask``: a tensor of each parameter's shape (the group-wide DeepSpeed form, for
+    groups whose parameters share one shape) or a list with one tensor or ``None`` per parameter. It multiplies the
+    averaged momentum in the compression stage, so masked coordinates (mask 0) have momentum exactly zero and do not
+    move except by weight decay. Masks come from the code, never from a checkpoint.
+    """
+
+    def __init__(
+        self,
+        params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        freeze_step: int,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+        bucket_cap_mb: float = 25.0,
+        process_group: Optional[dist.ProcessGroup] = None,
+        kernel_backend: Backend = "auto",
+    ) -> None:
+        if amsgrad:
+            raise ValueError("OnebitAdam does not support amsgrad=True: the variance is frozen after warmup")
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(
+                f"freeze_step must be an integer >= 1 (the number of warmup steps that estimate the variance), "
+                f"got {freeze_step!r}"
+            )
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        self.freeze_step = freeze_step
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.compression = CompressedAllreduceState(process_group, kernel_backend)
+        self._step = 0
+        self._buckets: Optional[list[_Bucket]] = None
+        self._frozen_params: set[int] = set()
+        self.last_dropped_error_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ validation
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if isinstance(lr, torch.Tensor):
+            raise ValueError("OnebitAdam takes lr as a float, not a tensor")
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must each be in [0, 1), got {group['betas']}")
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not wd >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {wd}")
+        group["exp_avg_mask"] = _normalise_masks(group.get("exp_avg_mask"), group["params"])
+        self._buckets = None  # a new group changes the bucket layout
+
+    # ------------------------------------------------------------------ read-only status
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken so far (warmup and compressed)."""
+        return self._step
+
+    @property
+    def stage(self) -> OnebitStage:
+        """The stage the next :meth:`step` runs in."""
+        return OnebitStage.WARMUP if self._step < self.freeze_step else OnebitStage.COMPRESSION
+
+    @property
+    def needs_gradient_allreduce(self) -> bool:
+        """Whether gradients of the next backward must be averaged across ranks (true during warmup only)."""
+        return self.stage is OnebitStage.WARMUP
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        return self.compression.process_group
+
+    @process_group.setter
+    def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        if group is not self.compression.process_group:
+            self.compression.process_group = group
+            self.compression.reset_error_feedback()
+            self._buckets = None
+
+    @property
+    def communication(self) -> CommunicationCounters:
+        """Cumulative counters of the compressed allreduce on this rank (warmup gradient sync is not included)."""
+        return self.compression.counters
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimization step; warmup or compressed according to :attr:`stage`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError("OnebitAdam does not support sparse gradients; use dense embeddings")
+        stage = self.stage
+        self._step += 1
+        if stage is OnebitStage.WARMUP:
+            self._warmup_step()
+        else:
+            self._compressed_step()
+        return loss
+
+    def _warmup_step(self) -> None:
+        t = self._step
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+            if not params:
+                continue
+            b1, b2 = group["betas"]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+            torch._foreach_mul_(exp_avg_sqs, b2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+            self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t)
+
+    def _compressed_step(self) -> None:
+        buckets = self._ensure_buckets()
+        for group in self.param_groups:
+            grads, exp_avgs, decays = [], [], []
+            for p in _trainable(group):
+                m = self.state[p]["exp_avg"]
+                (decays if p.grad is None else exp_avgs).append(m)
+                if p.grad is not None:
+                    grads.append(p.grad)
+            b1 = group["betas"][0]
+            if exp_avgs:
+                torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+            if decays:
+                torch._foreach_mul_(decays, b1)
+        for bucket in buckets:
+            compressed_allreduce_(self.compression, bucket.key, bucket.flat, bucket.layout)
+        t, t_v = self._step, self.freeze_step
+        for group in self.param_groups:
+            params, exp_avgs, exp_avg_sqs = [], [], []
+            masks = group["exp_avg_mask"]
+            for i, p in enumerate(group["params"]):
+                if not p.requires_grad:
+                    continue
+                state = self.state[p]
+                if masks[i] is not None:
+                    state["exp_avg"].mul_(_mask_like(masks, i, state["exp_avg"]))
+                if id(p) in self._frozen_params:
+                    continue
+                params.append(p)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+            if params:
+                self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t_v)
+
+    @staticmethod
+    def _apply_update(
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        t: int,
+        t_v: int,
+    ) -> None:
+        """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations."""
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if group["bias_correction"]:
+            bias_correction1 = 1 - b1**t
+            bias_correction2_sqrt = math.sqrt(1 - b2**t_v)
+        else:
+            bias_correction1 = bias_correction2_sqrt = 1.0
+        if wd != 0:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, bias_correction2_sqrt)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / bias_correction1)
+
+    # ------------------------------------------------------------------ buckets
+    def _ensure_buckets(self) -> list[_Bucket]:
+        """Pack momenta of trainable parameters into flat padded buckets (once per layout); momenta become views."""
+        world_size = self.compression.world_size()
+        trainable = [p for group in self.param_groups for p in _trainable(group)]
+        if self._buckets is not None:
+            same_params = [p for b in self._buckets for p in b.params] == trainable
+            if same_params and all(b.layout.world_size == world_size for b in self._buckets):
+                return self._buckets
+        if not trainable:
+            self._buckets = []
+            return self._buckets
+        self._frozen_params = set()
+        never_updated = []
+        for p in trainable:
+            state = self.state[p]
+            if "exp_avg_sq" not in state:
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+                self._frozen_params.add(id(p))
+                never_updated.append(tuple(p.shape))
+        if never_updated:
+            log.warning(
+                "OnebitAdam: %d parameter(s) had no gradient during warmup (shapes %s); without a variance estimate "
+                "they stay frozen in the compression stage. Mask or exclude them, or lengthen warmup.",
+                len(never_updated),
+                never_updated[:8],
+            )
+        # Buckets hold one device and dtype each and are filled in parameter order up to bucket_cap_bytes.
+        groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        filled: dict[tuple[torch.device, torch.dtype], int] = {}
+        for p in trainable:
+            m = self.state[p]["exp_avg"]
+            kind, nbytes = (m.device, m.dtype), m.numel() * m.element_size()
+            runs = groups.setdefault(kind, [[]])
+            if runs[-1] and filled[kind] + nbytes > self.bucket_cap_bytes:
+                runs.append([])
+                filled[kind] = 0
+            runs[-1].append(p)
+            filled[kind] = filled.get(kind, 0) + nbytes
+        buckets = []
+        for (device, dtype), runs in groups.items():
+            for params in runs:
+                layout = BucketLayout.build([p.numel() for p in params], world_size)
+                flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+                offset = 0
+                for p in params:
+                    view = flat[offset : offset + p.numel()].view_as(p)
+                    view.copy_(self.state[p]["exp_avg"])
+                    self.state[p]["exp_avg"] = view
+                    offset += p.numel()
+                buckets.append(_Bucket(len(buckets), params, layout, flat))
+        self._buckets = buckets
+        log.info(
+            "OnebitAdam: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)",
+            self._step,
+            len(trainable),
+            len(buckets),
+            world_size,
+        )
+        return buckets
+
+    def bucket_layouts(self) -> dict[int, BucketLayout]:
+        """Layouts of the compressed buckets (building them if needed); keys are bucket keys."""
+        return {b.key: b.layout for b in self._ensure_buckets()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's optimizer state plus ``"onebit"``: the global step and freeze step. Masks and error feedback are
+        not included (masks come from the code; error feedback is per rank, see :meth:`error_feedback_state_dict`)."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group.pop("exp_avg_mask", None)
+        state_dict[_CHECKPOINT_KEY] = {"step": self._step, "freeze_step": self.freeze_step}
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or from ``torch.optim.AdamW``: the step is then taken from its
+        per-parameter ``step``). The stage is re-derived from the step; masks stay those of the code; error feedback
+        is reset to zero and the norm that was dropped is kept in :attr:`last_dropped_error_norm`."""
+        state_dict = dict(state_dict)
+        meta = state_dict.pop(_CHECKPOINT_KEY, None)
+        masks = [group["exp_avg_mask"] for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, mask in zip(self.param_groups, masks):
+            group["exp_avg_mask"] = mask
+        if meta is not None:
+            step = int(meta["step"])
+            if meta.get("freeze_step", self.freeze_step) != self.freeze_step:
+                log.info(
+                    "OnebitAdam: checkpoint used freeze_step=%s; continuing with freeze_step=%s from the code",
+                    meta["freeze_step"],
+                    self.freeze_step,
+                )
+        else:
+            steps = [int(s["step"]) for s in self.state.values() if isinstance(s, dict) and "step" in s]
+            step = max(steps, default=0)
+        self._step = step
+        for state in self.state.values():
+            state.pop("step", None)  # AdamW's per-parameter step; OnebitAdam keeps one global step
+        self._buckets = None
+        self.last_dropped_error_norm = self.compression.reset_error_feedback()
+
+    def error_feedback_state_dict(self) -> dict[str, Any]:
+        """This rank's compression error buffers (worker and server, per bucket). Each rank must save its own."""
+        return self.compression.error_feedback_state_dict()
+
+    def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` (changing
+        nothing) if the bucket layout or world size differ; callers can then fall back to the default reset."""
+        if state.get("world_size") != self.compression.world_size():
+            raise ValueError(
+                f"error feedback was saved with world size {state.get('world_size')}, "
+                f"the current world size is {self.compression.world_size()}"
+            )
+        self.compression.load_error_feedback_state_dict(state, self.bucket_layouts())
+
+    def reset_error_feedback(self) -> float:
+        """Zero the compression error buffers; returns the L2 norm that was dropped."""
+        return self.compression.reset_error_feedback()
+
+
+def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:
+    return [p for p in group["params"] if p.requires_grad]
+
+
+def _normalise_masks(mask: Any, params: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    """One mask (or None) per parameter of the group, each checked against its parameter's shape."""
+    if mask is None:
+        return [None] * len(params)
+    if isinstance(mask, torch.Tensor):
+        masks = [mask] * len(params)
+    elif isinstance(mask, (list, tuple)):
+        masks = list(mask)
+        if len(masks) != len(params):
+            raise ValueError(f"exp_avg_mask has {len(masks)} entries but the param group has {len(params)} parameters")
+    else:
+        raise ValueError(f"exp_avg_mask must be a tensor, a list of tensors/None, or None; got {type(mask).__name__}")
+    for i, (m, p) in enumerate(zip(masks, params)):
+        if m is None:
+            continue
+        if not isinstance(m, torch.Tensor):
+            raise ValueError(f"exp_avg_mask[{i}] must be a tensor or None, got {type(m).__name__}")
+        if m.shape != p.shape:
+            raise ValueError(
+                f"exp_avg_mask[{i}] has shape {tuple(m.shape)} but its parameter has shape {tuple(p.shape)}; "
+                "a mask must have exactly the parameter's shape"
+            )
+    return masks
+
+
+def _mask_like(masks: list[Optional[torch.Tensor]], index: int, like: torch.Tensor) -> torch.Tensor:
+    """The mask on ``like``'s device and dtype, converted once and cached in the group's mask list."""
+    mask = masks[index]
+    if mask.device != like.device or mask.dtype != like.dtype:
+        mask = masks[index] = mask.to(device=like.device, dtype=like.dtype)
+    return mask

@@ -1,0 +1,58 @@
+"""Run a function on several CPU processes joined by a gloo process group (the project's multi-rank test bed)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str, timeout_s: float) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the results by rank.
+
+    ``fn`` must be a module-level function. A rank that raises fails the call with its traceback; a run that takes
+    longer than ``timeout_s`` (e.g. a collective that hangs) is killed and raises ``TimeoutError``.
+    """
+    with tempfile.TemporaryDirectory() as result_dir:
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), fn, args, result_dir, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout_s} s (a hang?)")
+        return [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
