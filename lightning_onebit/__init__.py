@@ -1,4 +1,10 @@
-"""lightning-onebit: 1-bit Adam for PyTorch Lightning, on plain torch.distributed (NCCL and gloo)."""
+"""lightning-onebit: 1-bit Adam for PyTorch Lightning, on plain torch.distributed (NCCL and gloo).
+
+Importing the package registers the ``onebit_adam`` strategies (``onebit_adam``, ``onebit_adam_spawn``,
+``onebit_adam_fork``, ``onebit_adam_notebook``) with Lightning's ``StrategyRegistry``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_onebit.comm import (
     BucketLayout,
@@ -7,16 +13,26 @@ from lightning_onebit.comm import (
     compressed_allreduce_,
     ring_allreduce_bytes,
 )
+from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import OnebitAdam, OnebitStage
+from lightning_onebit.precision import RankSyncedGradScaler
+from lightning_onebit.strategy import OnebitAdamStrategy
 
 __version__ = "0.1.0"
+
+if "onebit_adam" not in StrategyRegistry:
+    OnebitAdamStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "BucketLayout",
     "CommunicationCounters",
     "CompressedAllreduceState",
+    "GradientSyncState",
     "OnebitAdam",
+    "OnebitAdamStrategy",
     "OnebitStage",
+    "RankSyncedGradScaler",
     "compressed_allreduce_",
     "ring_allreduce_bytes",
+    "switchable_allreduce_hook",
 ]

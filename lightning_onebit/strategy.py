@@ -1,0 +1,218 @@
+"""The ``onebit_adam`` Lightning strategy: DDP whose gradient allreduce switches off after 1-bit Adam's warmup."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_onebit.comm import CommunicationCounters
+from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.optim import OnebitAdam, OnebitStage
+from lightning_onebit.precision import RankSyncedGradScaler
+
+log = logging.getLogger(__name__)
+
+
+class OnebitAdamStrategy(DDPStrategy):
+    """Data-parallel training with 1-bit Adam: DDP during warmup, compressed momentum averaging afterwards.
+
+    ``configure_optimizers`` must return one :class:`~lightning_onebit.OnebitAdam`. For its first ``freeze_step``
+    steps this is ordinary DDP (gradients averaged by allreduce, an AdamW update). From step ``freeze_step + 1`` on,
+    DDP's gradient allreduce is switched off by a communication hook, each rank's local gradient enters its momentum,
+    and the optimizer averages momenta with the 1-bit compressed allreduce (~32x fewer bytes than fp32).
+
+    The stage follows the optimizer's own step, so resuming from a checkpoint lands in the right stage.
+
+    Semantics worth knowing:
+
+    * Gradient accumulation: Lightning averages micro-batch losses, so the gradient entering the momentum is the
+      mean over micro-batches in both stages.
+    * Gradient clipping in the compression stage clips each rank's *local* gradient by its local norm (there is no
+      global gradient any more). A warning says so once.
+    * ``16-mixed``: the GradScaler's inf/NaN verdict is agreed across ranks, so an overflow on one rank skips the step
+      on all of them (a per-rank skip would deadlock the compressed collective).
+    * Combining with FSDP, DeepSpeed or other sharded strategies is not supported: this strategy *is* DDP.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+        timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        find_unused_parameters: passed to ``DistributedDataParallel``. Default ``False``.
+        static_graph: passed to ``DistributedDataParallel``. Default ``False``.
+        gradient_as_bucket_view: passed to ``DistributedDataParallel``. Default ``False``.
+        broadcast_buffers: passed to ``DistributedDataParallel``. Default ``True``.
+        ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce); ``None`` keeps DDP's default (25).
+    """
+
+    strategy_name = "onebit_adam"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = True,
+        ddp_bucket_cap_mb: Optional[float] = None,
+    ) -> None:
+        ddp_kwargs: dict[str, Any] = dict(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+        )
+        if ddp_bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = ddp_bucket_cap_mb
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self.gradient_sync = GradientSyncState(sync_predicate=self._gradient_allreduce_needed)
+        self._onebit_optimizer: Optional[OnebitAdam] = None
+        self._announced_stage: Optional[OnebitStage] = None
+        self._warned_local_clipping = False
+
+    # ------------------------------------------------------------------ wiring
+    @property
+    def onebit_optimizer(self) -> Optional[OnebitAdam]:
+        """The :class:`OnebitAdam` this strategy drives (``None`` before setup)."""
+        return self._onebit_optimizer
+
+    @property
+    def stage(self) -> OnebitStage:
+        """Stage of the next optimizer step (warmup until an optimizer is connected)."""
+        return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+
+    @property
+    def communication(self) -> CommunicationCounters:
+        """This rank's cumulative communication: warmup gradient allreduces plus compressed momentum allreduces."""
+        total = self.gradient_sync.counters.snapshot()
+        if self._onebit_optimizer is not None:
+            total = total + self._onebit_optimizer.communication
+        return total
+
+    def _gradient_allreduce_needed(self) -> bool:
+        return self._onebit_optimizer is None or self._onebit_optimizer.needs_gradient_allreduce
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers `ddp_comm_hook` only on CUDA; this hook must run on every device.
+        assert isinstance(self.model, DistributedDataParallel)
+        self.gradient_sync.process_group = self.model.process_group
+        self.model.register_comm_hook(self.gradient_sync, switchable_allreduce_hook)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if len(optimizers) != 1 or not isinstance(optimizers[0], OnebitAdam):
+            names = ", ".join(type(o).__name__ for o in optimizers) or "no optimizer"
+            raise ValueError(
+                f"The 'onebit_adam' strategy needs exactly one lightning_onebit.OnebitAdam optimizer, but "
+                f"configure_optimizers returned: {names}. Return e.g. "
+                "`OnebitAdam(self.parameters(), lr=1e-4, freeze_step=1000)` (in LightningCLI: "
+                "`optimizer: {class_path: lightning_onebit.OnebitAdam, init_args: {lr: 1e-4, freeze_step: 1000}}`), "
+                "or use strategy='ddp' for other optimizers."
+            )
+        optimizer = optimizers[0]
+        assert isinstance(self.model, DistributedDataParallel)
+        optimizer.process_group = self.model.process_group
+        self._onebit_optimizer = optimizer
+        self._announced_stage = None
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        precision = self.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+            if not isinstance(precision.scaler, RankSyncedGradScaler):
+                precision.scaler = RankSyncedGradScaler.from_scaler(precision.scaler)
+
+    # ------------------------------------------------------------------ stepping
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        onebit = self._onebit_optimizer
+        if onebit is not None:
+            self._announce_stage(onebit)
+            if onebit.stage is OnebitStage.COMPRESSION:
+                self._warn_local_clipping()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _announce_stage(self, onebit: OnebitAdam) -> None:
+        stage = onebit.stage
+        if stage is self._announced_stage:
+            return
+        if stage is OnebitStage.WARMUP:
+            rank_zero_info(
+                f"onebit_adam: warmup (DDP gradient allreduce + AdamW) until optimizer step {onebit.freeze_step}"
+            )
+        else:
+            rank_zero_info(
+                f"onebit_adam: compression stage from optimizer step {onebit.step_count + 1}: DDP gradient "
+                "allreduce off, momenta averaged by the 1-bit compressed allreduce, variance frozen"
+            )
+        self._announced_stage = stage
+
+    def _warn_local_clipping(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._warned_local_clipping or trainer is None or not trainer.gradient_clip_val:
+            return
+        rank_zero_warn(
+            "onebit_adam: gradient clipping in the compression stage clips each rank's local gradient by its local "
+            "norm (gradients are no longer averaged before the optimizer)."
+        )
+        self._warned_local_clipping = True
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("onebit_adam", "popen"),
+            ("onebit_adam_spawn", "spawn"),
+            ("onebit_adam_fork", "fork"),
+            ("onebit_adam_notebook", "fork"),
+        )
+        for name, start_method in entries:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"1-bit Adam on DDP with start_method '{start_method}'",
+                start_method=start_method,
+            )
