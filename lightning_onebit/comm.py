@@ -177,6 +177,7 @@ class _BucketBuffers:
         self.gather_send = torch.zeros(layout.block_bytes, dtype=torch.uint8, device=device)
         self.gather_recv = torch.empty(blocks, dtype=torch.uint8, device=device)
         self.server_mean = torch.empty(c, dtype=dtype, device=device)
+        self.workspace = kernels.Workspace()
 
 
 class CompressedAllreduceState:
@@ -318,7 +319,7 @@ def compressed_allreduce_(
 
     # Phase 1 (worker): compress x + e_w; chunk r's signs and scales go to rank r.
     worker_scales, packed = kernels.compress_with_error_feedback(
-        buffer, bufs.worker_error, layout.segments, packed_out=bufs.packed, backend=backend
+        buffer, bufs.worker_error, layout.segments, packed_out=bufs.packed, backend=backend, workspace=bufs.workspace
     )
     first_segment = 0
     for r, chunk_segments in enumerate(layout.chunk_segments):
@@ -336,10 +337,12 @@ def compressed_allreduce_(
     own_segments = layout.chunk_segments[rank]
     for j in range(world_size):
         scales, signs = _read_block(bufs.recv[j * block : (j + 1) * block], len(own_segments), s_max)
-        kernels.decompress(signs, scales, own_segments, bufs.server_mean, accumulate=j > 0, backend=backend)
+        kernels.decompress(
+            signs, scales, own_segments, bufs.server_mean, accumulate=j > 0, backend=backend, workspace=bufs.workspace
+        )
     bufs.server_mean.div_(world_size)
     server_scales, server_packed = kernels.compress_with_error_feedback(
-        bufs.server_mean, bufs.server_error, own_segments, backend=backend
+        bufs.server_mean, bufs.server_error, own_segments, backend=backend, workspace=bufs.workspace
     )
     _write_block(bufs.gather_send, server_scales, server_packed, s_max)
     _all_gather(bufs.gather_recv, bufs.gather_send, group)
@@ -347,7 +350,9 @@ def compressed_allreduce_(
     # Every rank rebuilds the full result from all servers' chunks.
     for j, chunk_segments in enumerate(layout.chunk_segments):
         scales, signs = _read_block(bufs.gather_recv[j * block : (j + 1) * block], len(chunk_segments), s_max)
-        kernels.decompress(signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend)
+        kernels.decompress(
+            signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=bufs.workspace
+        )
 
     counters = state.counters
     counters.bytes_sent += layout.bytes_per_call()

@@ -9,7 +9,7 @@ Every entry point takes ``backend="auto" | "torch" | "cupy"``; ``"auto"`` follow
 (itself ``"auto"`` unless changed), which picks cupy for CUDA tensors when available and torch otherwise.
 
 The one fused entry point that performance work optimises is :func:`compress_with_error_feedback`; its inverse is
-:func:`decompress`.
+:func:`decompress`. Both take an optional :class:`Workspace` so that per-step calls reuse their scratch memory.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from lightning_onebit.kernels import cupy_kernels, torch_kernels
 from lightning_onebit.kernels.segments import Segments
+from lightning_onebit.kernels.workspace import Workspace
 
 Backend = Literal["auto", "torch", "cupy"]
 _BACKENDS = ("auto", "torch", "cupy")
@@ -28,6 +29,7 @@ _default_backend: str = "auto"
 __all__ = [
     "Backend",
     "Segments",
+    "Workspace",
     "available_backends",
     "compress_with_error_feedback",
     "decompress",
@@ -68,7 +70,7 @@ def resolve_backend(tensor: torch.Tensor, backend: Backend = "auto") -> str:
 
 def _bit_kernels(tensor: torch.Tensor, backend: Backend):
     module = cupy_kernels if resolve_backend(tensor, backend) == "cupy" else torch_kernels
-    return module.pack_bool, module.unpack_bool
+    return module.pack_bool, module.unpack_signs_into
 
 
 def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None, backend: Backend = "auto") -> torch.Tensor:
@@ -83,9 +85,8 @@ def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None, backend: Bac
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> torch.Tensor:
     """Unpack bytes to +1/-1 values of ``dtype``; the result has ``8 * packed.numel()`` elements."""
-    _, unpack_bool = _bit_kernels(packed, backend)
-    bits = unpack_bool(packed)
-    return torch.where(bits, torch.ones((), dtype=dtype, device=packed.device), -1)
+    _, signs_into = _bit_kernels(packed, backend)
+    return signs_into(packed, torch.empty(8 * packed.numel(), dtype=dtype, device=packed.device))
 
 
 def compress_with_error_feedback(
@@ -94,6 +95,7 @@ def compress_with_error_feedback(
     segments: Segments,
     packed_out: Optional[torch.Tensor] = None,
     backend: Backend = "auto",
+    workspace: Optional[Workspace] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Error-compensated 1-bit compression of ``x``; updates ``error`` in place.
 
@@ -107,8 +109,10 @@ def compress_with_error_feedback(
     if segments.total != x.numel():
         raise ValueError(f"segments cover {segments.total} elements but the buffer has {x.numel()}")
     torch_kernels._check_packable(x)
-    pack_bool, _ = _bit_kernels(x, backend)
-    return torch_kernels.compress_with_error_feedback(x, error, segments, packed_out=packed_out, pack=pack_bool)
+    pack_bool, signs_into = _bit_kernels(x, backend)
+    return torch_kernels.compress_with_error_feedback(
+        x, error, segments, packed_out=packed_out, pack=pack_bool, signs_into=signs_into, workspace=workspace
+    )
 
 
 def decompress(
@@ -118,6 +122,7 @@ def decompress(
     out: torch.Tensor,
     accumulate: bool = False,
     backend: Backend = "auto",
+    workspace: Optional[Workspace] = None,
 ) -> torch.Tensor:
     """Write (or with ``accumulate=True`` add) ``scale_s * sgn`` into ``out`` for every segment; returns ``out``.
 
@@ -128,5 +133,7 @@ def decompress(
         raise ValueError(f"{packed.numel()} packed bytes cannot hold {segments.total} signs")
     if scales.numel() != len(segments):
         raise ValueError(f"got {scales.numel()} scales for {len(segments)} segments")
-    _, unpack_bool = _bit_kernels(packed, backend)
-    return torch_kernels.decompress(packed, scales, segments, out, accumulate=accumulate, unpack=unpack_bool)
+    _, signs_into = _bit_kernels(packed, backend)
+    return torch_kernels.decompress(
+        packed, scales, segments, out, accumulate=accumulate, signs_into=signs_into, workspace=workspace
+    )

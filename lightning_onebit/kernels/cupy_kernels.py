@@ -66,3 +66,9 @@ def unpack_bool(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(packed.device).cuda_stream):
             _as_cupy(out.view(torch.uint8))[...] = cupy.unpackbits(_as_cupy(packed), bitorder="big")
     return out
+
+
+def unpack_signs_into(packed: torch.Tensor, out: torch.Tensor, workspace=None) -> torch.Tensor:
+    """Write the +1/-1 signs encoded by ``packed`` into the floating CUDA tensor ``out``."""
+    bits = unpack_bool(packed)
+    return out.copy_(bits).mul_(2).sub_(1)

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from lightning_onebit.kernels.segments import Segments
+from lightning_onebit.kernels.workspace import Workspace
 
 # 0x8040201008040201 as a two's-complement int64 (torch has no general uint64 arithmetic).
 _GATHER_MAGIC = 0x8040201008040201 - (1 << 64)
@@ -72,23 +73,55 @@ def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
     return pack_bool(torch.ge(x, 0), out=out)
 
 
+_SIGN_TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _sign_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``table[b]`` = the eight signs (+1/-1, MSB first) encoded by byte ``b``: a (256, 8) tensor."""
+    key = (torch.device(device), dtype)
+    table = _SIGN_TABLES.get(key)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(7, -1, -1)) & 1
+        table = _SIGN_TABLES[key] = (bits * 2 - 1).to(device=device, dtype=dtype)
+    return table
+
+
+def unpack_signs_into(packed: torch.Tensor, out: torch.Tensor, workspace: Optional[Workspace] = None) -> torch.Tensor:
+    """Write the +1/-1 signs encoded by ``packed`` into ``out`` (``8 * packed.numel()`` floating elements).
+
+    One table lookup per byte (``index_select`` of a 256 x 8 table): a single pass writing ``out``.
+    """
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError(f"expected a 1-D uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}")
+    if out.numel() != 8 * packed.numel():
+        raise ValueError(f"{packed.numel()} bytes hold {8 * packed.numel()} signs, but out has {out.numel()} elements")
+    if packed.numel() == 0:
+        return out
+    ws = workspace or Workspace()
+    index = ws.get("sign_index", packed.numel(), torch.int32, packed.device)
+    index.copy_(packed)
+    torch.index_select(_sign_table(out.device, out.dtype), 0, index, out=out.view(-1, 8))
+    return out
+
+
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unpack bytes to a tensor of +1/-1 in ``dtype`` (length ``8 * packed.numel()``)."""
-    bits = unpack_bool(packed)
-    return torch.where(bits, torch.ones((), dtype=dtype, device=packed.device), -1)
+    return unpack_signs_into(packed, torch.empty(8 * packed.numel(), dtype=dtype, device=packed.device))
 
 
 PackFn = Callable[..., torch.Tensor]
-UnpackFn = Callable[..., torch.Tensor]
+SignsFn = Callable[..., torch.Tensor]
 
 
 def segment_scales(y: torch.Tensor, segments: Segments) -> torch.Tensor:
     """``||y_s||_2 / sqrt(len_s)`` for every segment ``s`` of ``y``, in float32."""
     views = segments.split(y)
-    norms = torch._foreach_norm(views, 2, dtype=torch.float32) if views else []
+    # Accumulate in at least float32 but never narrow (torch refuses a float64 -> float32 norm dtype).
+    norm_dtype = torch.promote_types(y.dtype, torch.float32)
+    norms = torch._foreach_norm(views, 2, dtype=norm_dtype) if views else []
     if not norms:
         return torch.empty(0, dtype=torch.float32, device=y.device)
-    return torch.stack(norms).div_(segments.sqrt_lengths(y.device))
+    return torch.stack(norms).to(torch.float32).div_(segments.sqrt_lengths(y.device))
 
 
 def compress_with_error_feedback(
@@ -97,19 +130,23 @@ def compress_with_error_feedback(
     segments: Segments,
     packed_out: Optional[torch.Tensor] = None,
     pack: PackFn = pack_bool,
+    signs_into: SignsFn = unpack_signs_into,
+    workspace: Optional[Workspace] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Error-compensated 1-bit compression, in place on ``error``.
 
     ``y = x + error``; per segment ``scale = ||y_s|| / sqrt(len_s)``; ``packed = bits(y >= 0)``;
     ``error <- y - scale * sgn(y)``. Returns ``(scales, packed)`` with float32 scales, one per segment.
+    The signs subtracted are decoded from ``packed``, so the error is exactly consistent with what was sent.
     """
+    ws = workspace or Workspace()
     y = error.add_(x)
     scales = segment_scales(y, segments)
-    bits = torch.ge(y, 0)
+    bits = torch.ge(y, 0, out=ws.get("bits", y.numel(), torch.bool, y.device))
     packed = pack(bits, out=packed_out)
-    for (start, stop), scale in zip(segments.bounds, scales.to(y.dtype).unbind()):
-        seg = y[start:stop]
-        seg.sub_(torch.where(bits[start:stop], scale, -scale))
+    signs = signs_into(packed, ws.get("signs", y.numel(), y.dtype, y.device), workspace=ws)
+    for (start, stop), scale in zip(segments.bounds, scales.tolist()):
+        y[start:stop].sub_(signs[start:stop], alpha=scale)
     return scales, packed
 
 
@@ -119,17 +156,19 @@ def decompress(
     segments: Segments,
     out: torch.Tensor,
     accumulate: bool = False,
-    unpack: UnpackFn = unpack_bool,
+    signs_into: SignsFn = unpack_signs_into,
+    workspace: Optional[Workspace] = None,
 ) -> torch.Tensor:
     """``out (+)= scale_s * sgn`` per segment, from packed sign bits and per-segment scales."""
-    bits = unpack(packed)
-    for (start, stop), scale in zip(segments.bounds, scales.to(out.dtype).unbind()):
-        value = torch.where(bits[start:stop], scale, -scale)
+    ws = workspace or Workspace()
+    n = segments.total
+    signs = ws.get("signs", n, out.dtype, out.device) if accumulate else out[:n]
+    signs_into(packed, signs, workspace=ws)
+    for (start, stop), scale in zip(segments.bounds, scales.tolist()):
         if accumulate:
-            out[start:stop].add_(value)
+            out[start:stop].add_(signs[start:stop], alpha=scale)
         else:
-            out[start:stop].copy_(value)
-    if not accumulate and segments.total < out.numel():
-        out[segments.total :].zero_()
+            out[start:stop].mul_(scale)
+    if not accumulate and n < out.numel():
+        out[n:].zero_()
     return out
-

@@ -1,0 +1,64 @@
+"""Shared helpers for the benchmark scripts: process launching and BERT-like parameter shapes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600))
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes on this machine; results by rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _entry, args=(world_size, _free_port(), fn, args, out_dir, threads), nprocs=world_size, start_method="spawn"
+        )
+        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def bert_like_shapes(n_params: float) -> list[tuple[int, ...]]:
+    """Parameter shapes of a BERT-like encoder (embeddings, per-layer attention/FFN/LayerNorm), ~``n_params`` total."""
+    hidden, vocab = (256 if n_params < 15e6 else 384 if n_params < 50e6 else 768), 30522
+    shapes: list[tuple[int, ...]] = [(vocab, hidden), (512, hidden), (2, hidden), (hidden,), (hidden,)]
+    layer = [(hidden, hidden), (hidden,)] * 4 + [(hidden,), (hidden,)] + [(4 * hidden, hidden), (4 * hidden,)]
+    layer += [(hidden, 4 * hidden), (hidden,), (hidden,), (hidden,)]
+    total = lambda s: sum(torch.Size(x).numel() for x in s)  # noqa: E731
+    while total(shapes) + total(layer) <= n_params:
+        shapes += layer
+    if total(shapes) < n_params:
+        shapes.append((int(n_params) - total(shapes),))
+    return shapes
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path
