@@ -201,9 +201,11 @@ class OnebitAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if "exp_avg_sq" not in state:
+                    if "exp_avg" not in state:  # else: a zero momentum view into a bucket built early
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    self._frozen_params.discard(id(p))  # it has a variance estimate now
                 params.append(p)
                 grads.append(p.grad)
                 exp_avgs.append(state["exp_avg"])
@@ -279,7 +281,9 @@ class OnebitAdam(torch.optim.Optimizer):
         world_size = self.compression.world_size()
         trainable = [p for group in self.param_groups for p in _trainable(group)]
         if self._buckets is not None:
-            same_params = [p for b in self._buckets for p in b.params] == trainable
+            bucketed = [p for b in self._buckets for p in b.params]
+            # by identity: `==` on lists of tensors compares tensors elementwise (and raises) when they differ
+            same_params = len(bucketed) == len(trainable) and all(p is q for p, q in zip(bucketed, trainable))
             if same_params and all(b.layout.world_size == world_size for b in self._buckets):
                 return self._buckets
         if not trainable:
@@ -290,8 +294,10 @@ class OnebitAdam(torch.optim.Optimizer):
         for p in trainable:
             state = self.state[p]
             if "exp_avg_sq" not in state:
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
+                # No variance estimate: frozen. It gets no exp_avg_sq, so it is recognised again whenever the
+                # buckets are rebuilt (after load_state_dict, a process-group change).
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p)
                 self._frozen_params.add(id(p))
                 never_updated.append(tuple(p.shape))
         if never_updated:
@@ -355,10 +361,12 @@ class OnebitAdam(torch.optim.Optimizer):
         is reset to zero and the norm that was dropped is kept in :attr:`last_dropped_error_norm`."""
         state_dict = dict(state_dict)
         meta = state_dict.pop(_CHECKPOINT_KEY, None)
-        masks = [group["exp_avg_mask"] for group in self.param_groups]
+        code_groups = self.param_groups
         super().load_state_dict(state_dict)
-        for group, mask in zip(self.param_groups, masks):
-            group["exp_avg_mask"] = mask
+        for group, code_group in zip(self.param_groups, code_groups):
+            for key, value in code_group.items():  # e.g. bias_correction, absent from a torch.optim.AdamW state dict
+                group.setdefault(key, value)
+            group["exp_avg_mask"] = code_group["exp_avg_mask"]
         if meta is not None:
             step = int(meta["step"])
             if meta.get("freeze_step", self.freeze_step) != self.freeze_step:
@@ -388,6 +396,11 @@ class OnebitAdam(torch.optim.Optimizer):
                 f"error feedback was saved with world size {state.get('world_size')}, "
                 f"the current world size is {self.compression.world_size()}"
             )
+        if not state.get("buckets"):
+            # Nothing had been compressed (one rank, or saved before the first compressed step): the saved error
+            # feedback is all zero. Building the layouts here would also be wrong during warmup.
+            self.compression.reset_error_feedback()
+            return
         self.compression.load_error_feedback_state_dict(state, self.bucket_layouts())
 
     def reset_error_feedback(self) -> float:

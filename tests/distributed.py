@@ -23,6 +23,9 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str, timeout_s: float) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # With these set, Lightning treats the processes as externally launched (as under torchrun), so a Trainer with
+    # devices=world_size can run inside `fn` on every rank.
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
