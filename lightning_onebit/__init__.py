@@ -6,6 +6,7 @@ Importing the package registers the ``onebit_adam`` strategies (``onebit_adam``,
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_onebit.callbacks import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask
 from lightning_onebit.comm import (
     BucketLayout,
     CommunicationCounters,
@@ -26,8 +27,11 @@ if "onebit_adam" not in StrategyRegistry:
 __all__ = [
     "BucketLayout",
     "CommunicationCounters",
+    "CommunicationMonitor",
     "CompressedAllreduceState",
+    "ErrorFeedbackCheckpoint",
     "GradientSyncState",
+    "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
     "OnebitStage",

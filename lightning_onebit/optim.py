@@ -341,6 +341,18 @@ class OnebitAdam(torch.optim.Optimizer):
         )
         return buckets
 
+    def set_exp_avg_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+        """Set (or with ``None`` clear) the momentum mask of one parameter of this optimizer.
+
+        ``mask`` must have exactly the parameter's shape; it takes effect from the next compressed step.
+        """
+        for group in self.param_groups:
+            for index, p in enumerate(group["params"]):
+                if p is param:
+                    group["exp_avg_mask"][index] = _normalise_masks([mask], [p])[0]
+                    return
+        raise ValueError("set_exp_avg_mask: the parameter is not managed by this optimizer")
+
     def bucket_layouts(self) -> dict[int, BucketLayout]:
         """Layouts of the compressed buckets (building them if needed); keys are bucket keys."""
         return {b.key: b.layout for b in self._ensure_buckets()}

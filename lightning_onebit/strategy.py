@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -26,6 +27,16 @@ from lightning_onebit.optim import OnebitAdam, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
 
 log = logging.getLogger(__name__)
+
+#: Checkpoint key under which callbacks put state that differs per rank (e.g. compression error feedback). The
+#: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint) and, on load, puts each
+#: rank's own sidecar back under this key.
+PER_RANK_STATE_KEY = "onebit_per_rank"
+
+
+def per_rank_checkpoint_path(filepath: Union[str, "os.PathLike[str]"], rank: int) -> str:
+    """Path of rank ``rank``'s sidecar file for the checkpoint at ``filepath``."""
+    return f"{os.fspath(filepath)}.onebit-rank{rank}"
 
 
 class OnebitAdamStrategy(DDPStrategy):
@@ -54,8 +65,8 @@ class OnebitAdamStrategy(DDPStrategy):
         find_unused_parameters: passed to ``DistributedDataParallel``. Default ``False``.
         static_graph: passed to ``DistributedDataParallel``. Default ``False``.
         gradient_as_bucket_view: passed to ``DistributedDataParallel``. Default ``False``.
-        broadcast_buffers: passed to ``DistributedDataParallel``. Default ``True``.
         ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce); ``None`` keeps DDP's default (25).
+        ddp_kwargs: any other ``DistributedDataParallel`` arguments (e.g. ``{"broadcast_buffers": False}``).
     """
 
     strategy_name = "onebit_adam"
@@ -73,14 +84,17 @@ class OnebitAdamStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
         ddp_bucket_cap_mb: Optional[float] = None,
+        ddp_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
-        ddp_kwargs: dict[str, Any] = dict(
+        ddp_kwargs = dict(ddp_kwargs or {})
+        for reserved in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"):
+            if reserved in ddp_kwargs:
+                raise ValueError(f"pass {reserved!r} as a strategy argument, not inside ddp_kwargs")
+        ddp_kwargs.update(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
         )
         if ddp_bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = ddp_bucket_cap_mb
@@ -198,6 +212,39 @@ class OnebitAdamStrategy(DDPStrategy):
             "norm (gradients are no longer averaged before the optimizer)."
         )
         self._warned_local_clipping = True
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None
+    ) -> None:
+        per_rank = checkpoint.pop(PER_RANK_STATE_KEY, None)
+        if per_rank is not None:
+            payload = {"rank": self.global_rank, "world_size": self.world_size, "state": per_rank}
+            self.checkpoint_io.save_checkpoint(payload, per_rank_checkpoint_path(filepath, self.global_rank))
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        sidecar = per_rank_checkpoint_path(checkpoint_path, self.global_rank)
+        if os.path.exists(sidecar):
+            payload = self.checkpoint_io.load_checkpoint(sidecar)
+            if payload.get("world_size") == self.world_size and payload.get("rank") == self.global_rank:
+                checkpoint[PER_RANK_STATE_KEY] = payload["state"]
+            else:
+                log.info(
+                    "onebit_adam: ignoring %s: written by rank %s of %s, this is rank %s of %s",
+                    sidecar, payload.get("rank"), payload.get("world_size"), self.global_rank, self.world_size,
+                )
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
+        super().remove_checkpoint(filepath)
+        sidecar = per_rank_checkpoint_path(filepath, self.global_rank)
+        if os.path.exists(sidecar):
+            os.remove(sidecar)
 
     # ------------------------------------------------------------------ registry
     @classmethod

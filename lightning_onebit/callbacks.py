@@ -1,0 +1,357 @@
+"""Lightning callbacks for 1-bit Adam: momentum masks, compression state across checkpoints, communication logging.
+
+All three need the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitAdamStrategy`) and fail at setup with a
+clear message otherwise.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Any, Callable, Literal, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_onebit.comm import CommunicationCounters
+from lightning_onebit.optim import OnebitAdam, OnebitStage
+from lightning_onebit.strategy import PER_RANK_STATE_KEY, OnebitAdamStrategy
+
+log = logging.getLogger(__name__)
+
+MaskSpec = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _onebit_strategy(trainer: "pl.Trainer", who: str) -> OnebitAdamStrategy:
+    strategy = trainer.strategy
+    if not isinstance(strategy, OnebitAdamStrategy):
+        raise ValueError(
+            f"{who} needs the 'onebit_adam' strategy (lightning_onebit.OnebitAdamStrategy), but the Trainer uses "
+            f"{type(strategy).__name__}. Pass Trainer(strategy='onebit_adam') or remove the callback."
+        )
+    return strategy
+
+
+def _onebit_optimizer(trainer: "pl.Trainer", who: str) -> OnebitAdam:
+    optimizer = _onebit_strategy(trainer, who).onebit_optimizer
+    if optimizer is None:
+        raise RuntimeError(f"{who}: the onebit_adam strategy has no OnebitAdam connected yet")
+    return optimizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class MomentumMask(Callback):
+    """Masks momentum coordinates that must not move in the compression stage.
+
+    1-bit compression cannot send an exact zero: a coordinate whose gradient is always zero (BERT position embeddings
+    past the training sequence length, embedding rows never looked up) receives ``+-scale`` every step while its
+    variance is ~0, and its update explodes to ``scale / eps``. A mask of 0 there keeps its momentum exactly zero
+    (DeepSpeed's ``exp_avg_mask`` semantics: the mask multiplies the averaged momentum).
+
+    Args:
+        masks: explicit masks, ``{name_or_glob: mask}`` where ``mask`` is a 0/1 tensor of the parameter's shape or a
+            callable ``f(parameter) -> tensor``. Names are those of ``LightningModule.named_parameters()``; a glob
+            (``"*.position_embeddings.weight"``) applies to every parameter it matches. Explicit masks always come
+            from the code, also on resume. A pattern that matches nothing or a mask of the wrong shape is an error at
+            setup.
+        auto: detect masks during warmup: coordinates whose (averaged) gradient stayed exactly zero in every warmup
+            step are masked from the first compressed step on. Costs one bool per parameter element during warmup.
+            Where an explicit mask is also given, the two are multiplied. The detected masks are saved in the
+            checkpoint and restored on resume.
+        log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
+    """
+
+    def __init__(
+        self, masks: Optional[Mapping[str, MaskSpec]] = None, auto: bool = False, log_level: int = logging.INFO
+    ) -> None:
+        if not masks and not auto:
+            raise ValueError("MomentumMask needs explicit `masks`, `auto=True`, or both")
+        self.masks = dict(masks or {})
+        self.auto = auto
+        self.log_level = log_level
+        self._explicit: dict[str, torch.Tensor] = {}
+        self._seen_nonzero: dict[str, torch.Tensor] = {}
+        self._auto_masks: Optional[dict[str, torch.Tensor]] = None
+        self._restored_auto: Optional[dict[str, torch.Tensor]] = None
+        self._restored_seen: Optional[dict[str, torch.Tensor]] = None
+        self._installed = False
+
+    # -- resolution --------------------------------------------------------------------------------------------------
+    def _resolve_explicit(self, pl_module: "pl.LightningModule") -> dict[str, torch.Tensor]:
+        named = dict(pl_module.named_parameters())
+        resolved: dict[str, torch.Tensor] = {}
+        for pattern, spec in self.masks.items():
+            names = [pattern] if pattern in named else fnmatch.filter(named, pattern)
+            if not names:
+                raise ValueError(
+                    f"MomentumMask: {pattern!r} matches no parameter of {type(pl_module).__name__}; "
+                    f"parameter names look like {list(named)[:4]}"
+                )
+            for name in names:
+                param = named[name]
+                mask = spec(param) if callable(spec) else spec
+                if not isinstance(mask, torch.Tensor):
+                    raise ValueError(f"MomentumMask: the mask for {name!r} is a {type(mask).__name__}, not a tensor")
+                if mask.shape != param.shape:
+                    raise ValueError(
+                        f"MomentumMask: the mask for {name!r} has shape {tuple(mask.shape)}, the parameter has "
+                        f"{tuple(param.shape)}; a mask must have exactly the parameter's shape"
+                    )
+                mask = mask.detach().to(device=param.device, dtype=param.dtype)
+                resolved[name] = mask if name not in resolved else resolved[name] * mask
+        return resolved
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        _onebit_strategy(trainer, "MomentumMask")
+        self._explicit = self._resolve_explicit(pl_module)
+        self._installed = False
+        if self.auto:
+            self._seen_nonzero = {
+                name: torch.zeros_like(p, dtype=torch.bool) for name, p in pl_module.named_parameters() if p.requires_grad
+            }
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Runs after the strategy moved the model to its device and after a checkpoint was restored.
+        restored, self._restored_seen = self._restored_seen, None
+        if not self.auto or self._auto_masks is not None:
+            return
+        for name, p in pl_module.named_parameters():
+            seen = self._seen_nonzero.get(name)
+            if seen is None:
+                continue
+            seen = self._seen_nonzero[name] = seen.to(p.device)  # setup allocated it before the model was moved
+            if restored is not None and name in restored and restored[name].shape == seen.shape:
+                seen |= restored[name].to(p.device)  # the warmup steps before the checkpoint
+
+    # -- detection and installation ----------------------------------------------------------------------------------
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        onebit = _onebit_optimizer(trainer, "MomentumMask")
+        if onebit.stage is OnebitStage.WARMUP:
+            if self.auto and self._auto_masks is None:
+                for name, p in pl_module.named_parameters():
+                    seen = self._seen_nonzero.get(name)
+                    if seen is not None and p.grad is not None:
+                        seen |= p.grad != 0
+            return
+        if not self._installed:
+            self._install(onebit, pl_module)
+
+    def _install(self, onebit: OnebitAdam, pl_module: "pl.LightningModule") -> None:
+        named = dict(pl_module.named_parameters())
+        if self.auto and self._auto_masks is None:
+            if self._restored_auto is not None:
+                self._auto_masks = self._restored_auto
+            elif self._seen_nonzero:
+                self._auto_masks = {name: seen.to(named[name].dtype) for name, seen in self._seen_nonzero.items()}
+            else:
+                raise RuntimeError(
+                    "MomentumMask(auto=True) has no warmup statistics: training resumed in the compression stage from "
+                    "a checkpoint without saved masks. Resume from a checkpoint written by this callback, or give "
+                    "explicit masks."
+                )
+            self._seen_nonzero = {}
+        combined = dict(self._explicit)
+        for name, mask in (self._auto_masks or {}).items():
+            if name not in named:
+                raise ValueError(f"MomentumMask: the saved auto mask names {name!r}, which the model no longer has")
+            if mask.shape != named[name].shape:
+                raise ValueError(
+                    f"MomentumMask: the saved auto mask for {name!r} has shape {tuple(mask.shape)} but the parameter "
+                    f"now has {tuple(named[name].shape)}; masks cannot be re-detected in the compression stage. "
+                    "Resume from a warmup checkpoint or give explicit masks."
+                )
+            mask = mask.to(device=named[name].device, dtype=named[name].dtype)
+            combined[name] = combined[name] * mask if name in combined else mask
+        for name, mask in combined.items():
+            onebit.set_exp_avg_mask(named[name], mask)
+        self._installed = True
+        report = {name: int((mask == 0).sum()) for name, mask in combined.items()}
+        self.masked_coordinates = report
+        for name, count in report.items():
+            log.log(self.log_level, "MomentumMask: %s: %d of %d coordinates masked", name, count, combined[name].numel())
+        total = sum(report.values())
+        rank_zero_info(f"MomentumMask: {total} momentum coordinates masked in {len(report)} parameter(s)")
+
+    # -- checkpoint ----------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        masks = self._auto_masks
+        state: dict[str, Any] = {
+            "auto_masks": None if masks is None else {k: v.to(torch.bool).cpu() for k, v in masks.items()}
+        }
+        if self.auto and masks is None:
+            # saved during warmup: the detection so far, so that a resumed warmup still covers every warmup step
+            state["seen_nonzero"] = {k: v.cpu() for k, v in self._seen_nonzero.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("auto_masks")
+        self._restored_auto = None if saved is None or not self.auto else dict(saved)
+        seen = state_dict.get("seen_nonzero")
+        self._restored_seen = dict(seen) if self.auto and saved is None and seen else None
+        self._auto_masks = None
+        self._installed = False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class ErrorFeedbackCheckpoint(Callback):
+    """What happens to the compression error buffers when training resumes from a checkpoint.
+
+    Each rank holds its own worker and server error buffers (they are what makes 1-bit compression unbiased over
+    time). Lightning writes only rank 0's state, so they need a policy:
+
+    * ``"reset"`` (default, DeepSpeed's behaviour): they restart from zero after a load; the norm that was dropped
+      (rank 0's buffers at save time) is logged. The 1-bit Adam paper reports that occasional resets do not hurt.
+    * ``"keep"``: every rank saves its own buffers in a sidecar file next to the checkpoint
+      (``<checkpoint>.onebit-rank<r>``) and restores them on resume when the world size and bucket layout match, so
+      a resumed run continues exactly as an uninterrupted one would. Otherwise it warns with the reason and resets.
+
+    Args:
+        policy: ``"reset"`` or ``"keep"``.
+    """
+
+    _STATE_NAME = "error_feedback"
+
+    def __init__(self, policy: Literal["reset", "keep"] = "reset") -> None:
+        if policy not in ("reset", "keep"):
+            raise ValueError(f"ErrorFeedbackCheckpoint policy must be 'reset' or 'keep', got {policy!r}")
+        self.policy = policy
+        self._pending: Optional[dict[str, Any]] = None
+        self._saved_norm: Optional[float] = None
+        self._saved_world_size: Optional[int] = None
+        self._strategy: Optional[OnebitAdamStrategy] = None
+        self._loaded = False
+        self.restored: Optional[bool] = None  # after a resume: True if buffers were restored, False if reset
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            self._strategy = _onebit_strategy(trainer, "ErrorFeedbackCheckpoint")
+
+    def on_save_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        optimizer = _onebit_optimizer(trainer, "ErrorFeedbackCheckpoint")
+        self._saved_norm = optimizer.compression.error_feedback_norm()
+        if self.policy == "keep":
+            per_rank = checkpoint.setdefault(PER_RANK_STATE_KEY, {})
+            per_rank[self._STATE_NAME] = optimizer.error_feedback_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning collects callback state before it calls `on_save_checkpoint`: measure the norm here, or the
+        # checkpoint would carry the norm of the previous save.
+        strategy = self._strategy
+        optimizer = None if strategy is None else strategy.onebit_optimizer
+        if optimizer is not None:
+            self._saved_norm = optimizer.compression.error_feedback_norm()
+        world_size = None if strategy is None else strategy.world_size
+        return {"policy": self.policy, "error_norm_rank0": self._saved_norm, "world_size": world_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved_norm = state_dict.get("error_norm_rank0")
+        self._saved_world_size = state_dict.get("world_size")
+        self._loaded = True
+
+    def on_load_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        self._loaded = True
+        self._pending = (checkpoint.get(PER_RANK_STATE_KEY) or {}).get(self._STATE_NAME)
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Runs after the optimizer state was restored (which resets the error buffers).
+        if not self._loaded:
+            return
+        self._loaded = False
+        optimizer = _onebit_optimizer(trainer, "ErrorFeedbackCheckpoint")
+        pending, self._pending = self._pending, None
+        reason = None
+        if self.policy == "keep":
+            if pending is None and self._saved_world_size not in (None, trainer.world_size):
+                reason = (
+                    f"the checkpoint was saved by {self._saved_world_size} ranks and this run has "
+                    f"{trainer.world_size} (error feedback is per rank and world size)"
+                )
+            elif pending is None:
+                reason = f"no per-rank error-feedback file for rank {trainer.global_rank} next to the checkpoint"
+            else:
+                try:
+                    optimizer.load_error_feedback_state_dict(pending)
+                except ValueError as err:
+                    reason = str(err)
+            if reason is None:
+                self.restored = True
+                rank_zero_info("ErrorFeedbackCheckpoint: compression error feedback restored on every rank")
+                return
+            optimizer.reset_error_feedback()
+            rank_zero_warn(f"ErrorFeedbackCheckpoint(policy='keep'): error feedback reset because {reason}")
+        self.restored = False
+        norm = "unknown" if self._saved_norm is None else f"{self._saved_norm:.4g}"
+        rank_zero_info(f"ErrorFeedbackCheckpoint: compression error feedback reset (rank 0 norm at save: {norm})")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class CommunicationMonitor(Callback):
+    """Logs this rank's communication every optimizer step to the Trainer's logger.
+
+    Metrics (bytes are real payload bytes of this rank in this step unless marked total):
+
+    * ``comm/bytes_sent``, ``comm/bytes_received``
+    * ``comm/bytes_fp32_equivalent``: what an fp32 ring allreduce of the same gradients/momenta sends
+    * ``comm/compression_ratio``: ``bytes_fp32_equivalent / bytes_sent`` (1 in fp32 warmup, ~32 compressed)
+    * ``comm/bytes_sent_total``: cumulative since the start of ``fit``
+    * ``comm/time_ms``: time in communication calls (compressed allreduce including its compression kernels; for
+      the warmup allreduce, launch-to-completion, which overlaps the backward pass)
+    * ``comm/stage``: 0 warmup, 1 compression (the stage of the step just taken)
+
+    Warmup steps count DDP's gradient allreduce. Stage and compression ratio also show in the progress bar.
+
+    Args:
+        prog_bar: show ``comm/stage`` and ``comm/compression_ratio`` in the progress bar. Default ``True``.
+    """
+
+    def __init__(self, prog_bar: bool = True) -> None:
+        self.prog_bar = prog_bar
+        self._last: Optional[CommunicationCounters] = None
+        self._start: Optional[CommunicationCounters] = None
+        self._last_step = -1
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            _onebit_strategy(trainer, "CommunicationMonitor")
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._start = self._last = trainer.strategy.communication
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._last_step:  # accumulating: no optimizer step yet
+            return
+        self._last_step = trainer.global_step
+        optimizer = _onebit_optimizer(trainer, "CommunicationMonitor")
+        now = trainer.strategy.communication
+        step = now - self._last
+        self._last = now
+        stage = 0.0 if optimizer.step_count <= optimizer.freeze_step else 1.0
+        ratio = step.bytes_fp32_equivalent / step.bytes_sent if step.bytes_sent else 0.0
+        metrics = {
+            "comm/bytes_sent": float(step.bytes_sent),
+            "comm/bytes_received": float(step.bytes_received),
+            "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
+            "comm/bytes_sent_total": float((now - self._start).bytes_sent),
+            "comm/time_ms": 1000.0 * step.time_s,
+        }
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log_dict(
+            {"comm/stage": stage, "comm/compression_ratio": ratio},
+            on_step=True,
+            on_epoch=False,
+            prog_bar=self.prog_bar,
+            batch_size=1,
+        )
