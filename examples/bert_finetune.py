@@ -1,0 +1,345 @@
+"""Fine-tune BERT for sequence classification with 1-bit Adam (``onebit_adam``), driven by LightningCLI.
+
+Runs offline by default: a small BERT (4 layers, hidden 256) built from a config, on a synthetic review-sentiment task
+generated here (see :func:`make_reviews`). Real models and data plug in through the same code:
+
+    # offline, 2 CPU processes, a few minutes (the README's command)
+    python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml
+
+    # the same with DDP + AdamW, for comparison
+    python examples/bert_finetune.py fit --config examples/configs/bert_adamw.yaml
+
+    # with a hub or local model and GLUE SST-2 (needs network access and `pip install datasets`)
+    python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml \\
+        --model.model_name_or_path bert-base-uncased --data.dataset glue/sst2 --data.max_length 128
+
+    # your own data: a .tsv or .csv file with columns `text` and `label` (integer labels)
+    python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml --data.dataset reviews.tsv
+
+Validation accuracy and macro F1 (torchmetrics) are logged every validation run; at the end rank 0 prints them with
+a communication summary (bytes sent by this rank in each stage), and writes it as JSON with ``--summary_json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torchmetrics
+from lightning.pytorch.cli import LightningCLI
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
+from lightning_onebit import GradientSyncState, OnebitAdamStrategy, switchable_allreduce_hook
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The offline task
+_SUBJECTS = ["the movie", "the film", "the plot", "the acting", "the soundtrack", "the ending", "the cast",
+             "the script", "the story", "the pacing", "the dialogue", "the camera work"]
+_VERBS = ["was", "is", "felt", "seemed", "looked"]
+_POSITIVE = ["good", "great", "excellent", "wonderful", "brilliant", "enjoyable", "moving", "superb", "delightful",
+             "charming", "clever", "fun"]
+_NEGATIVE = ["bad", "awful", "terrible", "boring", "dull", "weak", "poor", "tedious", "horrible", "bland", "messy",
+             "clumsy"]
+_NEGATORS = ["not", "never", "hardly"]
+_INTENSIFIERS = ["very", "really", "quite", "truly", "rather"]
+_FILLERS = ["honestly", "overall", "i think", "to be fair", "in the end", "frankly"]
+_CONNECTIVES = ["and", "but", "although"]
+
+
+def _clause(rng: random.Random, polarity: int) -> str:
+    """A clause of the given polarity (+1/-1), negated 30% of the time (a negated adjective flips polarity)."""
+    negated = rng.random() < 0.3
+    adjective_polarity = -polarity if negated else polarity
+    words = [rng.choice(_SUBJECTS), rng.choice(_VERBS)]
+    if negated:
+        words.append(rng.choice(_NEGATORS))
+    if rng.random() < 0.4:
+        words.append(rng.choice(_INTENSIFIERS))
+    words.append(rng.choice(_POSITIVE if adjective_polarity > 0 else _NEGATIVE))
+    return " ".join(words)
+
+
+def make_reviews(n: int, seed: int) -> list[tuple[str, int]]:
+    """``n`` labelled synthetic reviews (label 1 positive, 0 negative), balanced, deterministic in ``seed``.
+
+    No single token decides the label: every adjective occurs in both classes because negators flip a clause, and
+    two-clause reviews need word order: ``A and B`` (same polarity), ``A but B`` (B decides, A is opposite),
+    ``although A, B`` (B decides, A is opposite). A bag-of-words model therefore stays far from solving it
+    (``benchmarks/bert_parity.py --bag-of-words`` measures it); a small transformer learns it in a few hundred steps.
+    """
+    rng = random.Random(seed)
+    reviews = []
+    for i in range(n):
+        label = i % 2
+        polarity = 1 if label else -1
+        form = rng.random()
+        if form < 0.3:
+            text = _clause(rng, polarity)
+        else:
+            connective = rng.choice(_CONNECTIVES)
+            if connective == "and":
+                text = f"{_clause(rng, polarity)} and {_clause(rng, polarity)}"
+            elif connective == "but":
+                text = f"{_clause(rng, -polarity)} but {_clause(rng, polarity)}"
+            else:
+                text = f"although {_clause(rng, -polarity)} {_clause(rng, polarity)}"
+        if rng.random() < 0.3:
+            text = f"{rng.choice(_FILLERS)} {text}"
+        reviews.append((text, label))
+    rng.shuffle(reviews)
+    return reviews
+
+
+def _word_vocab(texts: list[str]) -> dict[str, int]:
+    words = sorted({w for t in texts for w in t.lower().split()})
+    return {w: i for i, w in enumerate(SPECIAL_TOKENS + [w for w in words if w not in SPECIAL_TOKENS])}
+
+
+def _read_table(path: str) -> list[tuple[str, int]]:
+    delimiter = "\t" if path.endswith(".tsv") else ","
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        if reader.fieldnames is None or not {"text", "label"} <= set(reader.fieldnames):
+            raise ValueError(f"{path} must have a header with columns 'text' and 'label', got {reader.fieldnames}")
+        return [(row["text"], int(row["label"])) for row in reader]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class _Encoded(Dataset):
+    def __init__(self, encodings: dict[str, torch.Tensor], labels: list[int]) -> None:
+        self.encodings, self.labels = encodings, torch.tensor(labels)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = {k: v[i] for k, v in self.encodings.items()}
+        item["labels"] = self.labels[i]
+        return item
+
+
+class TextClassificationData(L.LightningDataModule):
+    """Text classification data: the offline synthetic reviews, a GLUE task, or a local table.
+
+    Args:
+        dataset: ``"synthetic"`` (default, built here, offline), ``"glue/sst2"`` or ``"glue/mrpc"`` (through the
+            ``datasets`` package, needs a reachable hub), or a path to a ``.tsv``/``.csv`` with ``text`` and ``label``
+            columns (90% train / 10% validation, split by ``seed``).
+        tokenizer: hub name or local directory of a tokenizer. ``None`` (default) builds a word-level BERT tokenizer
+            from the training texts (offline); use the model's tokenizer with a pretrained model.
+        max_length: tokens per example (padding and truncation). Default 32.
+        batch_size: examples per rank per step. Default 32.
+        num_train, num_val: sizes of the synthetic splits. Defaults 4000 and 1000.
+        seed: seed of the synthetic data and of the table split. Default 0.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "synthetic",
+        tokenizer: Optional[str] = None,
+        max_length: int = 32,
+        batch_size: int = 32,
+        num_train: int = 4000,
+        num_val: int = 1000,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_rows, self.val_rows = self._load(dataset, num_train, num_val, seed)
+        self.tokenizer = self._tokenizer(tokenizer, [t for t, _ in self.train_rows])
+        self.vocab_size = len(self.tokenizer)
+        self.num_labels = max(label for _, label in self.train_rows + self.val_rows) + 1
+
+    @staticmethod
+    def _load(dataset: str, num_train: int, num_val: int, seed: int):
+        if dataset == "synthetic":
+            return make_reviews(num_train, seed), make_reviews(num_val, seed + 1)
+        if dataset.startswith("glue/"):
+            try:
+                import datasets
+            except ImportError as err:
+                raise ImportError("GLUE tasks need the `datasets` package: pip install datasets") from err
+            task = dataset.split("/", 1)[1]
+            splits = datasets.load_dataset("glue", task)
+
+            def rows(split):
+                if task == "mrpc":
+                    return [(f"{r['sentence1']} [SEP] {r['sentence2']}", r["label"]) for r in splits[split]]
+                return [(r["sentence"], r["label"]) for r in splits[split]]
+
+            return rows("train"), rows("validation")
+        if os.path.exists(dataset):
+            rows = _read_table(dataset)
+            random.Random(seed).shuffle(rows)
+            n_val = max(1, len(rows) // 10)
+            return rows[n_val:], rows[:n_val]
+        raise ValueError(f"unknown dataset {dataset!r}: use 'synthetic', 'glue/sst2', 'glue/mrpc' or a .tsv/.csv path")
+
+    @staticmethod
+    def _tokenizer(name_or_path: Optional[str], texts: list[str]):
+        from transformers import AutoTokenizer, BertTokenizerFast
+
+        if name_or_path is not None:
+            return AutoTokenizer.from_pretrained(name_or_path)
+        return BertTokenizerFast(vocab=_word_vocab(texts))
+
+    def _encode(self, rows: list[tuple[str, int]]) -> _Encoded:
+        encodings = self.tokenizer(
+            [t for t, _ in rows],
+            padding="max_length",
+            truncation=True,
+            max_length=self.hparams.max_length,
+            return_tensors="pt",
+        )
+        keep = {k: encodings[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in encodings}
+        return _Encoded(keep, [label for _, label in rows])
+
+    def setup(self, stage: str) -> None:
+        self.train_set, self.val_set = self._encode(self.train_rows), self._encode(self.val_rows)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=2 * self.hparams.batch_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class BertClassifier(L.LightningModule):
+    """BERT for sequence classification with torchmetrics accuracy and macro F1 on validation.
+
+    Args:
+        model_name_or_path: hub name or local directory of a pretrained BERT (e.g. ``bert-base-uncased``).
+            ``None`` (default) builds a fresh BERT from the size arguments below, offline.
+        vocab_size, num_labels: linked from the data module by the CLI.
+        hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings, dropout: size of the fresh
+            BERT (defaults: 256, 4, 4, 1024, 64, 0.1). Ignored with ``model_name_or_path``.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: Optional[str] = None,
+        vocab_size: int = 30522,
+        num_labels: int = 2,
+        hidden_size: int = 256,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        intermediate_size: int = 1024,
+        max_position_embeddings: int = 64,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+
+        if model_name_or_path is not None:
+            self.bert = AutoModelForSequenceClassification.from_pretrained(model_name_or_path, num_labels=num_labels)
+        else:
+            config = BertConfig(
+                vocab_size=vocab_size,
+                hidden_size=hidden_size,
+                num_hidden_layers=num_layers,
+                num_attention_heads=num_heads,
+                intermediate_size=intermediate_size,
+                max_position_embeddings=max_position_embeddings,
+                hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout,
+                num_labels=num_labels,
+            )
+            self.bert = BertForSequenceClassification(config)
+        self.val_accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=num_labels)
+        self.val_f1 = torchmetrics.F1Score(task="multiclass", num_classes=num_labels, average="macro")
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.bert(**batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.bert(**batch)
+        predictions = out.logits.argmax(-1)
+        self.val_accuracy(predictions, batch["labels"])
+        self.val_f1(predictions, batch["labels"])
+        self.log("val_loss", out.loss, sync_dist=True)
+        self.log("val_acc", self.val_accuracy, prog_bar=True)
+        self.log("val_f1", self.val_f1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class _CountDDPBytes(L.Callback):
+    """For strategies other than onebit_adam: count DDP's gradient allreduce bytes with an always-averaging hook."""
+
+    def __init__(self) -> None:
+        self.state = GradientSyncState()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            self.state.process_group = trainer.strategy.model.process_group
+            trainer.strategy.model.register_comm_hook(self.state, switchable_allreduce_hook)
+
+
+class BertFinetuneCLI(LightningCLI):
+    """LightningCLI that links data to model sizes and prints an accuracy and communication summary after fit."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.num_labels", "model.num_labels", apply_on="instantiate")
+        parser.add_argument("--summary_json", type=Optional[str], default=None, help="write the final summary here")
+
+    def before_fit(self) -> None:
+        self._started = time.perf_counter()
+        if not isinstance(self.trainer.strategy, OnebitAdamStrategy):
+            self._ddp_counter = _CountDDPBytes()
+            self.trainer.callbacks.append(self._ddp_counter)
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        summary: dict[str, Any] = {
+            "strategy": type(trainer.strategy).__name__,
+            "optimizer": type(trainer.optimizers[0]).__name__,
+            "steps": trainer.global_step,
+            "wall_s": round(time.perf_counter() - self._started, 1),
+            **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")},
+        }
+        strategy = trainer.strategy
+        if isinstance(strategy, OnebitAdamStrategy):
+            optimizer = strategy.onebit_optimizer
+            warm, comp = strategy.gradient_sync.counters, optimizer.communication
+            summary.update(
+                freeze_step=optimizer.freeze_step,
+                stage=optimizer.stage.value,
+                bytes_sent_warmup=warm.bytes_sent,
+                bytes_sent_compression=comp.bytes_sent,
+                bytes_sent=warm.bytes_sent + comp.bytes_sent,
+                bytes_fp32_equivalent=warm.bytes_fp32_equivalent + comp.bytes_fp32_equivalent,
+            )
+        else:
+            counters = self._ddp_counter.state.counters
+            summary.update(bytes_sent=counters.bytes_sent, bytes_fp32_equivalent=counters.bytes_fp32_equivalent)
+        if trainer.global_rank != 0:
+            return
+        lines = [f"{k:>24s}: {v:,}" if isinstance(v, int) else f"{k:>24s}: {v}" for k, v in summary.items()]
+        print("\n== bert_finetune summary (rank 0) ==\n" + "\n".join(lines), flush=True)
+        summary_json = self.config[self.subcommand].get("summary_json")
+        if summary_json:
+            Path(summary_json).write_text(json.dumps(summary, indent=2))
+
+
+def main() -> None:
+    torch.set_float32_matmul_precision("high")
+    BertFinetuneCLI(BertClassifier, TextClassificationData, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

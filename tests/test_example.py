@@ -1,0 +1,83 @@
+"""The BERT example: the synthetic task, local data loading, and a short 2-process run that must learn."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "bert_finetune.py"
+CONFIG = ROOT / "examples" / "configs" / "bert_onebit.yaml"
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("bert_finetune", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_synthetic_reviews_are_balanced_deterministic_and_not_decided_by_one_word(example):
+    reviews = example.make_reviews(2000, seed=3)
+    assert reviews == example.make_reviews(2000, seed=3)
+    assert reviews != example.make_reviews(2000, seed=4)
+    assert Counter(label for _, label in reviews) == {0: 1000, 1: 1000}
+    # Every adjective appears under both labels (negation and "but"/"although" clauses flip it).
+    by_word = {}
+    for text, label in reviews:
+        for word in text.split():
+            by_word.setdefault(word, set()).add(label)
+    for adjective in example._POSITIVE + example._NEGATIVE:
+        assert by_word[adjective] == {0, 1}, adjective
+    # The same words in another order can carry the other label.
+    assert any(t.startswith("although") for t, _ in reviews) and any(" but " in t for t, _ in reviews)
+
+
+def test_local_table_and_errors(example, tmp_path):
+    table = tmp_path / "reviews.tsv"
+    rows = [("a fine film", 1), ("a dull film", 0)] * 10
+    table.write_text("text\tlabel\n" + "".join(f"{t}\t{label}\n" for t, label in rows))
+    data = example.TextClassificationData(dataset=str(table), max_length=8, batch_size=4)
+    assert len(data.train_rows) == 18 and len(data.val_rows) == 2
+    assert data.num_labels == 2 and data.vocab_size == len(example.SPECIAL_TOKENS) + 4
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch["input_ids"].shape == (4, 8) and set(batch["labels"].tolist()) <= {0, 1}
+
+    bad = tmp_path / "bad.csv"
+    bad.write_text("sentence,y\nhello,1\n")
+    with pytest.raises(ValueError, match="'text' and 'label'"):
+        example.TextClassificationData(dataset=str(bad))
+    with pytest.raises(ValueError, match="unknown dataset"):
+        example.TextClassificationData(dataset="no/such/thing")
+
+
+def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path):
+    summary = tmp_path / "summary.json"
+    command = [
+        sys.executable, str(EXAMPLE), "fit", "--config", str(CONFIG),
+        "--trainer.max_steps", "STEPS", "--trainer.val_check_interval", "STEPS",
+        "--optimizer.init_args.freeze_step", "FREEZE", "--optimizer.init_args.lr", "0.001",
+        "--model.num_layers", "2", "--model.hidden_size", "64", "--model.intermediate_size", "256",
+        "--data.num_val", "500", "--trainer.enable_progress_bar", "false",
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary),
+    ]
+    # The tiny model leaves its initial plateau around step 90 and has settled by ~150; freezing the variance during
+    # that transition collapses training (README, "Choosing freeze_step"), so the freeze comes well after it.
+    steps, freeze = 300, 200
+    command = [{"STEPS": str(steps), "FREEZE": str(freeze)}.get(a, a) for a in command]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["strategy"] == "OnebitAdamStrategy" and result["optimizer"] == "OnebitAdam"
+    assert result["steps"] == steps and result["stage"] == "compression" and result["freeze_step"] == freeze
+    assert result["val_acc"] > 0.65, result  # chance is 0.5
+    warmup_per_step = result["bytes_sent_warmup"] / freeze
+    compressed_per_step = result["bytes_sent_compression"] / (steps - freeze)
+    assert 0 < compressed_per_step < warmup_per_step / 10, result
+    assert "bert_finetune summary" in proc.stdout
