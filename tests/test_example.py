@@ -61,7 +61,7 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     summary = tmp_path / "summary.json"
     command = [
         sys.executable, str(EXAMPLE), "fit", "--config", str(CONFIG),
-        "--trainer.max_steps", "STEPS", "--trainer.val_check_interval", "STEPS",
+        "--trainer.max_epochs", "EPOCHS",
         "--optimizer.init_args.freeze_step", "FREEZE", "--optimizer.init_args.lr", "0.001",
         "--model.num_layers", "2", "--model.hidden_size", "64", "--model.intermediate_size", "256",
         "--data.num_val", "500", "--trainer.enable_progress_bar", "false",
@@ -69,8 +69,9 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     ]
     # The tiny model leaves its initial plateau around step 90 and has settled by ~150; freezing the variance during
     # that transition collapses training (README, "Choosing freeze_step"), so the freeze comes well after it.
-    steps, freeze = 300, 200
-    command = [{"STEPS": str(steps), "FREEZE": str(freeze)}.get(a, a) for a in command]
+    epochs, freeze = 5, 200
+    steps = epochs * 62  # 4000 examples, 2 ranks, batch 32, drop_last
+    command = [{"EPOCHS": str(epochs), "FREEZE": str(freeze)}.get(a, a) for a in command]
     proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(summary.read_text())

@@ -336,6 +336,25 @@ def scenario_checkpoint_resume(rank: int, world_size: int, workdir: str) -> dict
     return out
 
 
+BF16_FREEZE, BF16_STEPS = 3, 8
+
+
+def scenario_bf16_mixed(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """bf16-mixed autocast (no loss scaler) with different data per rank, across the freeze boundary."""
+    model = Regressor(freeze_step=BF16_FREEZE)
+    trainer = pl.Trainer(**trainer_kwargs(world_size, BF16_STEPS, precision="bf16-mixed"))
+    trainer.fit(model, loader(rank, BF16_STEPS))
+    precision = trainer.precision_plugin
+    return dict(
+        records=_records(model),
+        losses=model.losses,
+        precision=getattr(precision, "precision", None),
+        has_scaler=getattr(precision, "scaler", None) is not None,
+        step_count=trainer.strategy.onebit_optimizer.step_count,
+        compressed_bytes=trainer.strategy.onebit_optimizer.communication.bytes_sent,
+    )
+
+
 # ---------------------------------------------------------------------------------------- failure paths
 def scenario_adamw_rejected(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     model = Regressor(optimizer="adamw")
@@ -382,6 +401,7 @@ _SCENARIOS: dict[str, Callable[[int, int, str], dict[str, Any]]] = {
     "loss_parity": scenario_loss_parity,
     "checkpoint": scenario_checkpoint_resume,
     "adamw_rejected": scenario_adamw_rejected,
+    "bf16_mixed": scenario_bf16_mixed,
     "fp16_overflow": scenario_fp16_overflow_on_one_rank,
 }
 _MAIN_SESSION = (
@@ -393,6 +413,7 @@ _MAIN_SESSION = (
     "clipping",
     "loss_parity",
     "checkpoint",
+    "bf16_mixed",
     "adamw_rejected",  # last: a fit that fails in setup leaves nothing behind for a later scenario to trip on
 )
 _FP16_SESSION = ("fp16_overflow",)
@@ -711,3 +732,20 @@ def test_gradient_clipping_warns_once_in_compression_stage(main_session: list[di
     assert rank0["no_clipping"] == 0
     assert rank1["compression"] == 0  # rank-zero warning
     assert _identical([r["params"] for r in results])
+
+
+def test_bf16_mixed_trains_through_both_stages_with_identical_replicas(main_session: list[dict[str, Any]]) -> None:
+    results = _per_rank(main_session, "bf16_mixed")
+    for result in results:
+        assert result["precision"] == "bf16-mixed" and not result["has_scaler"]
+        assert result["step_count"] == BF16_STEPS
+        assert [r["stage"] for r in result["records"]] == (
+            ["warmup"] * BF16_FREEZE + ["compression"] * (BF16_STEPS - BF16_FREEZE)
+        )
+        assert result["compressed_bytes"] > 0
+        assert all(math.isfinite(loss) for loss in result["losses"])
+    for step in range(BF16_STEPS):
+        assert _identical([r["records"][step]["params_after"] for r in results]), f"replicas differ after step {step}"
+    # Local gradients (compression stage) differ across ranks: each rank has its own data.
+    last = [r["records"][-1]["grad"] for r in results]
+    assert not torch.equal(last[0], last[1])
