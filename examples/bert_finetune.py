@@ -192,6 +192,7 @@ class TextClassificationData(L.LightningDataModule):
 
         if name_or_path is not None:
             return AutoTokenizer.from_pretrained(name_or_path)
+        # transformers >= 5 builds a WordPiece tokenizer from an in-memory vocabulary (4.x would ignore `vocab`).
         return BertTokenizerFast(vocab=_word_vocab(texts))
 
     def _encode(self, rows: list[tuple[str, int]]) -> _Encoded:

@@ -168,6 +168,8 @@ class MomentumMask(Callback):
                 )
             mask = mask.to(device=named[name].device, dtype=named[name].dtype)
             combined[name] = combined[name] * mask if name in combined else mask
+        # A mask of all ones changes nothing: leave it out rather than multiply by it every step.
+        combined = {name: mask for name, mask in combined.items() if not bool((mask == 1).all())}
         for name, mask in combined.items():
             onebit.set_exp_avg_mask(named[name], mask)
         self._installed = True
@@ -236,7 +238,6 @@ class ErrorFeedbackCheckpoint(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
     ) -> None:
         optimizer = _onebit_optimizer(trainer, "ErrorFeedbackCheckpoint")
-        self._saved_norm = optimizer.compression.error_feedback_norm()
         if self.policy == "keep":
             per_rank = checkpoint.setdefault(PER_RANK_STATE_KEY, {})
             per_rank[self._STATE_NAME] = optimizer.error_feedback_state_dict()

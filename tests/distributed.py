@@ -7,6 +7,7 @@ import os
 import socket
 import tempfile
 import time
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -59,3 +60,32 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                         process.kill()
                 raise TimeoutError(f"distributed run of {fn.__name__} exceeded {timeout_s} s (a hang?)")
         return [torch.load(os.path.join(result_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+Scenario = Callable[[int, int, str], dict]
+
+
+def run_scenarios(rank: int, world_size: int, scenarios: tuple[tuple[str, Scenario], ...], workdir: str) -> dict:
+    """Run named scenarios one after another in the same ranks (one process start-up for all of them).
+
+    A scenario that raises is recorded as ``{"__error__": traceback}`` and the next one runs, so each test can report
+    its own scenario's failure (see :func:`scenario_results`).
+    """
+    results: dict = {}
+    for name, scenario in scenarios:
+        try:
+            results[name] = scenario(rank, world_size, workdir)
+        except Exception:  # noqa: BLE001 - reported by the test that owns the scenario
+            results[name] = {"__error__": traceback.format_exc()}
+    return results
+
+
+def scenario_results(session: list[dict], name: str) -> list[dict]:
+    """Per-rank results of scenario ``name`` from a :func:`run_scenarios` session; fails the test on a rank's error."""
+    import pytest
+
+    results = [ranks[name] for ranks in session]
+    for rank, result in enumerate(results):
+        if "__error__" in result:
+            pytest.fail(f"scenario {name!r} failed on rank {rank}:\n{result['__error__']}")
+    return results

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import traceback
 import warnings
 from typing import Any, Callable, Optional
 
@@ -26,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning_onebit import OnebitAdamStrategy, RankSyncedGradScaler
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import (
     ManualRegressor,
     Regressor,
@@ -419,35 +418,25 @@ _MAIN_SESSION = (
 _FP16_SESSION = ("fp16_overflow",)
 
 
-def run_scenarios(rank: int, world_size: int, names: tuple[str, ...], workdir: str) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for name in names:
-        try:
-            results[name] = _SCENARIOS[name](rank, world_size, workdir)
-        except Exception:  # noqa: BLE001 - reported by the test that owns the scenario
-            results[name] = {"__error__": traceback.format_exc()}
-    return results
+def _pick(names: tuple[str, ...]) -> tuple[tuple[str, Callable[[int, int, str], dict[str, Any]]], ...]:
+    return tuple((name, _SCENARIOS[name]) for name in names)
+
+
 
 
 @pytest.fixture(scope="module")
 def main_session(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("onebit_strategy")
-    return run_distributed(run_scenarios, WORLD_SIZE, _MAIN_SESSION, str(workdir), timeout_s=360)
+    return run_distributed(run_scenarios, WORLD_SIZE, _pick(_MAIN_SESSION), str(workdir), timeout_s=360)
 
 
 @pytest.fixture(scope="module")
 def fp16_session(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # its own processes and time limit: without the rank-agreed inf verdict this run deadlocks (TimeoutError)
     workdir = tmp_path_factory.mktemp("onebit_strategy_fp16")
-    return run_distributed(run_scenarios, WORLD_SIZE, _FP16_SESSION, str(workdir), timeout_s=150)
+    return run_distributed(run_scenarios, WORLD_SIZE, _pick(_FP16_SESSION), str(workdir), timeout_s=150)
 
 
-def _per_rank(session: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    results = [ranks[name] for ranks in session]
-    for rank, result in enumerate(results):
-        if "__error__" in result:
-            pytest.fail(f"scenario {name!r} failed on rank {rank}:\n{result['__error__']}")
-    return results
 
 
 def _identical(tensors: list[torch.Tensor]) -> bool:
@@ -477,7 +466,7 @@ def test_registry_and_trainer_builds_onebit_strategy() -> None:
 
 # ======================================================================================== 2. different data per rank
 def test_different_data_gradients_params_and_collectives(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "different_data")
+    results = scenario_results(main_session, "different_data")
     n_compressed = DIFF_STEPS - DIFF_FREEZE
     records = [r["records"] for r in results]
     assert [len(rs) for rs in records] == [DIFF_STEPS] * WORLD_SIZE
@@ -549,7 +538,7 @@ def test_different_data_gradients_params_and_collectives(main_session: list[dict
 
 # ======================================================================================== 3. loss parity with DDP AdamW
 def test_loss_parity_with_ddp_adamw(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "loss_parity")
+    results = scenario_results(main_session, "loss_parity")
     for name in ("onebit", "ddp_adamw"):
         assert _identical([r[name]["params"] for r in results]), name
     # the final loss: MSE on 512 held-out samples (the same on both ranks, as the parameters are identical)
@@ -565,7 +554,7 @@ def test_loss_parity_with_ddp_adamw(main_session: list[dict[str, Any]]) -> None:
 
 # ======================================================================================== 4. other optimizers refused
 def test_non_onebit_optimizer_is_refused_at_setup(main_session: list[dict[str, Any]]) -> None:
-    for result in _per_rank(main_session, "adamw_rejected"):
+    for result in scenario_results(main_session, "adamw_rejected"):
         assert result["error_type"] == "ValueError"
         assert "OnebitAdam" in result["message"] and "AdamW" in result["message"]
         assert result["steps_taken"] == 0
@@ -573,7 +562,7 @@ def test_non_onebit_optimizer_is_refused_at_setup(main_session: list[dict[str, A
 
 # ======================================================================================== 5. fp16 overflow on one rank
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(fp16_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(fp16_session, "fp16_overflow")
+    results = scenario_results(fp16_session, "fp16_overflow")
     for r in results:
         assert r["scaler_type"] == RankSyncedGradScaler.__name__
         assert r["global_step"] == FP16_STEPS
@@ -597,7 +586,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(fp16_session: list[
 
 # ======================================================================================== 6. accumulation scale
 def test_gradient_accumulation_gives_mean_of_micro_batches(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "accumulation")
+    results = scenario_results(main_session, "accumulation")
     for r in results:
         records = r["records"]
         assert [rec["stage"] for rec in records] == ["warmup"] * ACC_FREEZE + ["compression"] * (
@@ -615,7 +604,7 @@ def test_gradient_accumulation_gives_mean_of_micro_batches(main_session: list[di
 
 # ======================================================================================== 7. checkpoint resume
 def test_checkpoint_resume_in_warmup_at_boundary_and_in_compression(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "checkpoint")
+    results = scenario_results(main_session, "checkpoint")
     expected_files = [f"step={s}.ckpt" for s in range(1, CKPT_STEPS + 1)]
     assert sorted(results[0]["files"]) == sorted(expected_files)
     run_a = [r["run_a"] for r in results]
@@ -662,7 +651,7 @@ def test_checkpoint_resume_in_warmup_at_boundary_and_in_compression(main_session
 
 # ======================================================================================== 8. LR scheduler
 def test_lr_scheduler_controls_the_compression_stage(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "lr_zero")
+    results = scenario_results(main_session, "lr_zero")
     for r in results:
         records = r["records"]
         assert r["step_count"] == LR_STEPS
@@ -676,7 +665,7 @@ def test_lr_scheduler_controls_the_compression_stage(main_session: list[dict[str
                 assert torch.equal(rec["params_after"], rec["params_before"]), f"step {step} moved with lr=0"
     assert _identical([r["records"][-1]["params_after"] for r in results])
     # control: with a non-zero lr the compressed steps do move the parameters
-    control = _per_rank(main_session, "different_data")[0]["records"]
+    control = scenario_results(main_session, "different_data")[0]["records"]
     for rec in control[DIFF_FREEZE:]:
         assert rec["stage"] == "compression" and rec["lr"] > 0
         assert not torch.equal(rec["params_after"], rec["params_before"])
@@ -684,7 +673,7 @@ def test_lr_scheduler_controls_the_compression_stage(main_session: list[dict[str
 
 # ======================================================================================== 9. manual opt, unused, frozen
 def test_manual_optimization_across_the_freeze_boundary(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "manual")
+    results = scenario_results(main_session, "manual")
     for r in results:
         assert r["global_step"] == MANUAL_STEPS and r["step_count"] == MANUAL_STEPS
         assert [rec["stage"] for rec in r["records"]] == ["warmup"] * MANUAL_FREEZE + ["compression"] * (
@@ -698,7 +687,7 @@ def test_manual_optimization_across_the_freeze_boundary(main_session: list[dict[
 
 
 def test_find_unused_parameters_and_frozen_parameters(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "unused_and_frozen")
+    results = scenario_results(main_session, "unused_and_frozen")
     for r in results:
         assert r["step_count"] == UNUSED_STEPS
         assert r["stages"] == ["warmup"] * UNUSED_FREEZE + ["compression"] * (UNUSED_STEPS - UNUSED_FREEZE)
@@ -725,7 +714,7 @@ def test_find_unused_parameters_and_frozen_parameters(main_session: list[dict[st
 
 # ======================================================================================== 10. clipping warning
 def test_gradient_clipping_warns_once_in_compression_stage(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "clipping")
+    results = scenario_results(main_session, "clipping")
     rank0, rank1 = results
     assert rank0["warmup_only"] == 0  # clipping in warmup clips the averaged gradient: nothing to warn about
     assert rank0["compression"] == 1  # once, although 4 compressed steps clipped
@@ -735,7 +724,7 @@ def test_gradient_clipping_warns_once_in_compression_stage(main_session: list[di
 
 
 def test_bf16_mixed_trains_through_both_stages_with_identical_replicas(main_session: list[dict[str, Any]]) -> None:
-    results = _per_rank(main_session, "bf16_mixed")
+    results = scenario_results(main_session, "bf16_mixed")
     for result in results:
         assert result["precision"] == "bf16-mixed" and not result["has_scaler"]
         assert result["step_count"] == BF16_STEPS
