@@ -401,7 +401,8 @@ def test_unused_rows_drift_without_mask_and_stay_put_with_explicit_or_auto_mask(
         # counts per parameter in the log
         logs = result["auto"]["logs"]
         assert "MomentumMask: emb.weight: 80 of 160 coordinates masked" in logs, logs
-        assert "MomentumMask: head.weight: 0 of 8 coordinates masked" in result["auto"]["logs"]
+        # Fully used parameters get no mask (an all-ones mask would only cost a multiply per step).
+        assert not any("head.weight" in m for m in result["auto"]["logs"]), result["auto"]["logs"]
         if rank == 0:
             assert any("80 momentum coordinates masked" in m for m in result["explicit"]["logs"])
     # replicas stay bit-identical in every run
