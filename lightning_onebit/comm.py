@@ -176,8 +176,6 @@ class _BucketBuffers:
         self.recv = torch.empty(blocks, dtype=torch.uint8, device=device)
         self.gather_send = torch.zeros(layout.block_bytes, dtype=torch.uint8, device=device)
         self.gather_recv = torch.empty(blocks, dtype=torch.uint8, device=device)
-        self.server_mean = torch.empty(c, dtype=dtype, device=device)
-        self.workspace = kernels.Workspace()
 
 
 class CompressedAllreduceState:
@@ -198,6 +196,9 @@ class CompressedAllreduceState:
         self.backend = backend
         self.counters = CommunicationCounters()
         self._buckets: dict[Hashable, _BucketBuffers] = {}
+        # Scratch memory for the kernels, shared by all buckets (they are reduced one after another): it is sized
+        # for the largest bucket instead of growing with their number.
+        self.workspace = kernels.Workspace()
 
     # ------------------------------------------------------------------ group
     def world_size(self) -> int:
@@ -316,10 +317,12 @@ def compressed_allreduce_(
     group, backend = state.process_group, state.backend
     rank, c, s_max, block = state.rank(), layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
     bufs = state.buffers(key, layout, buffer)
+    workspace = state.workspace
+    server_mean = workspace.get("server_mean", c, buffer.dtype, buffer.device)
 
     # Phase 1 (worker): compress x + e_w; chunk r's signs and scales go to rank r.
     worker_scales, packed = kernels.compress_with_error_feedback(
-        buffer, bufs.worker_error, layout.segments, packed_out=bufs.packed, backend=backend, workspace=bufs.workspace
+        buffer, bufs.worker_error, layout.segments, packed_out=bufs.packed, backend=backend, workspace=workspace
     )
     first_segment = 0
     for r, chunk_segments in enumerate(layout.chunk_segments):
@@ -338,11 +341,11 @@ def compressed_allreduce_(
     for j in range(world_size):
         scales, signs = _read_block(bufs.recv[j * block : (j + 1) * block], len(own_segments), s_max)
         kernels.decompress(
-            signs, scales, own_segments, bufs.server_mean, accumulate=j > 0, backend=backend, workspace=bufs.workspace
+            signs, scales, own_segments, server_mean, accumulate=j > 0, backend=backend, workspace=workspace
         )
-    bufs.server_mean.div_(world_size)
+    server_mean.div_(world_size)
     server_scales, server_packed = kernels.compress_with_error_feedback(
-        bufs.server_mean, bufs.server_error, own_segments, backend=backend, workspace=bufs.workspace
+        server_mean, bufs.server_error, own_segments, backend=backend, workspace=workspace
     )
     _write_block(bufs.gather_send, server_scales, server_packed, s_max)
     _all_gather(bufs.gather_recv, bufs.gather_send, group)
@@ -351,7 +354,7 @@ def compressed_allreduce_(
     for j, chunk_segments in enumerate(layout.chunk_segments):
         scales, signs = _read_block(bufs.gather_recv[j * block : (j + 1) * block], len(chunk_segments), s_max)
         kernels.decompress(
-            signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=bufs.workspace
+            signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=workspace
         )
 
     counters = state.counters

@@ -10,16 +10,17 @@ import torch
 
 
 class Workspace:
-    """Named scratch tensors. A request gets a prefix of the named buffer, which is (re)allocated only when it is too
-    small or of another dtype or device."""
+    """Named scratch tensors, one per (name, dtype, device). A request gets a prefix of that buffer, which is
+    (re)allocated only when it is too small."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != torch.device(device):
-            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device)
+        key = (name, dtype, torch.device(device))
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buffer[:numel]
 
     def nbytes(self) -> int:

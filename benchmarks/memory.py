@@ -1,0 +1,97 @@
+"""Memory of OnebitAdam vs AdamW: optimizer-held bytes and peak process memory, 2 ranks on loopback.
+
+For a BERT-like model of ``--params`` parameters (fp32), each method runs a few steps in its own pair of processes:
+
+* ``torch.optim.AdamW``: gradients averaged by allreduce (as DDP does).
+* ``OnebitAdam`` past ``freeze_step``: local gradients, compressed momentum allreduce.
+
+Reported per rank: bytes of every tensor the optimizer holds (counted once per storage: state, flat momentum
+buckets, error-feedback buffers, communication workspaces), broken down for OnebitAdam, and the process's peak
+resident memory (``ru_maxrss``). Results: ``results/memory.json``.
+
+    python benchmarks/memory.py --params 25e6
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import bert_like_shapes, launch, write_results  # noqa: E402
+from lightning_onebit import OnebitAdam  # noqa: E402
+
+
+def _storage_bytes(tensors, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _run(rank: int, world_size: int, method: str, n_params: float, steps: int) -> dict:
+    torch.manual_seed(rank)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in bert_like_shapes(n_params)]
+    if method == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    else:
+        optimizer = OnebitAdam(params, lr=1e-4, freeze_step=1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+            if method == "adamw" or optimizer.needs_gradient_allreduce:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
+        optimizer.step()
+    seen = {p.untyped_storage().data_ptr() for p in params} | {p.grad.untyped_storage().data_ptr() for p in params}
+    state = _storage_bytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)], seen)
+    breakdown = {"state (momentum, variance)": state}
+    if method == "onebit":
+        buckets = optimizer.compression._buckets.values()
+        breakdown["error feedback (worker + server)"] = _storage_bytes(
+            [t for b in buckets for t in (b.worker_error, b.server_error)], seen
+        )
+        breakdown["communication buffers and workspaces"] = _storage_bytes(
+            [t for b in buckets for t in (b.packed, b.send, b.recv, b.gather_send, b.gather_recv)]
+            + list(optimizer.compression.workspace._buffers.values()),
+            seen,
+        )
+    return dict(
+        method=method,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        optimizer_bytes=sum(breakdown.values()),
+        breakdown=breakdown,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=25e6)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    results = {m: launch(_run, args.world_size, m, args.params, args.steps) for m in ("adamw", "onebit")}
+    mb = 2.0**20
+    adamw, onebit = results["adamw"][0], results["onebit"][0]
+    print(f"{args.params / 1e6:.1f}M fp32 parameters ({adamw['param_bytes'] / mb:.1f} MiB), P={args.world_size}, rank 0")
+    print(f"{'':44s}{'AdamW':>12s}{'OnebitAdam':>12s}")
+    print(f"{'optimizer-held memory (MiB)':44s}{adamw['optimizer_bytes'] / mb:>12.1f}{onebit['optimizer_bytes'] / mb:>12.1f}")
+    for key, value in onebit["breakdown"].items():
+        print(f"{'  ' + key:44s}{adamw['breakdown'].get(key, 0) / mb:>12.1f}{value / mb:>12.1f}")
+    print(f"{'peak resident memory of the process (MiB)':44s}"
+          f"{max(r['peak_rss_bytes'] for r in results['adamw']) / mb:>12.1f}"
+          f"{max(r['peak_rss_bytes'] for r in results['onebit']) / mb:>12.1f}")
+    print(f"written to {write_results('memory', dict(args=vars(args), per_rank=results))}")
+
+
+if __name__ == "__main__":
+    main()
