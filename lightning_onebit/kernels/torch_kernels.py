@@ -114,14 +114,20 @@ SignsFn = Callable[..., torch.Tensor]
 
 
 def segment_scales(y: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """``||y_s||_2 / sqrt(len_s)`` for every segment ``s`` of ``y``, in float32."""
-    views = segments.split(y)
+    """``||y_s||_2 / sqrt(len_s)`` for every segment ``s`` of ``y``, in float32.
+
+    Norms of chunks of at most ``NORM_CHUNK`` elements (float32 accumulation is accurate at that length) are combined
+    per segment in float64, which keeps the scale accurate for tensors of any size at float32 speed.
+    """
+    if not segments.bounds:
+        return torch.empty(0, dtype=torch.float32, device=y.device)
+    views = [y[a:b] for a, b in segments.chunk_bounds]
     # Accumulate in at least float32 but never narrow (torch refuses a float64 -> float32 norm dtype).
     norm_dtype = torch.promote_types(y.dtype, torch.float32)
-    norms = torch._foreach_norm(views, 2, dtype=norm_dtype) if views else []
-    if not norms:
-        return torch.empty(0, dtype=torch.float32, device=y.device)
-    return torch.stack(norms).to(torch.float32).div_(segments.sqrt_lengths(y.device))
+    norms = torch.stack(torch._foreach_norm(views, 2, dtype=norm_dtype)).to(torch.float64)
+    sum_squares = torch.zeros(len(segments), dtype=torch.float64, device=y.device)
+    sum_squares.index_add_(0, segments.chunk_owner(y.device), norms.square_())
+    return sum_squares.sqrt_().div_(segments.sqrt_lengths(y.device)).to(torch.float32)
 
 
 def compress_with_error_feedback(
