@@ -1,0 +1,634 @@
+"""End-to-end training step time and bytes per step on a simulated bandwidth-limited link (2 gloo CPU ranks).
+
+A BERT encoder (transformers ``BertForSequenceClassification`` built from a ``BertConfig``: ``--layers`` layers,
+``--hidden`` hidden size, vocabulary 30522) is trained on random token batches (``--batch`` sequences of ``--seq``
+tokens per rank, random binary labels) by 2 gloo ranks with one torch thread each. Compared in one run, per link rate:
+
+  ddp_fp32        DDP (default fp32 allreduce) + torch.optim.AdamW
+  ddp_bf16        DDP + torch's bf16_compress_hook + AdamW (registered under another name: DDP refuses the hook by
+                  name without CUDA/NCCL, see bf16_compress_hook_any_backend)
+  ddp_powersgd    DDP + torch's powerSGD_hook (matrix_approximation_rank=4, start_powerSGD_iter=W) + AdamW; timed
+                  after its W allreduce steps. Buckets are compressed one after another (ordered_powerSGD_hook): the
+                  unmodified hook can issue collectives in different orders on different ranks, which gloo rejects
+  onebit_adam     DDP + lightning_onebit.switchable_allreduce_hook + OnebitAdam(freeze_step=W); its W warmup steps
+                  and its compression-stage steps are timed separately
+  local_2proc     both ranks train their own replica, no gradient communication (the compute floor under the same
+                  2-process CPU load; not a goal, a reference)
+  floor           one process, no communication, the same per-rank batch (the issue's compute floor; run once,
+                  outside any namespace)
+
+Each link rate runs in its own network namespace whose loopback is shaped with a token bucket filter (REFERENCE.md 6):
+``ip netns add NAME; ip netns exec NAME ip link set lo up; ip netns exec NAME tc qdisc add dev lo root tbf rate RATE
+burst 256kb latency 50ms``; the ranks run under ``ip netns exec NAME`` on 127.0.0.1 and the namespace is deleted
+afterwards (also on errors). On loopback both ranks' traffic passes the one shaped device, so RATE is the *aggregate*
+bandwidth of the 2-rank link (a 91 MB fp32 ring allreduce moves 2 x 91 MB through it: ~1.5 s at 1 Gbit/s).
+
+Per method: ``--untimed`` steps untimed, then the median of ``--steps`` timed steps (forward + backward + optimizer
+step, after a barrier; a step's time is the slower rank's). Bytes per rank per step:
+  * ddp_fp32, ddp_bf16: analytic, ``lightning_onebit.ring_allreduce_bytes`` of the gradient at 4 / 2 bytes per
+    element (for bf16 also measured by counting the hook's ``dist.all_reduce`` calls);
+  * ddp_powersgd: measured by counting the hook's ``dist.all_reduce`` calls (P, Q and the uncompressed 1-D tensors,
+    ring-allreduce bytes), checked against the analytic sizes of P and Q;
+  * onebit_adam: GradientSyncState counters (warmup) + OnebitAdam.communication counters (compression);
+  * also, in a namespace, the bytes that really crossed the shaped device during the timed steps (``tc -s``: both
+    ranks' TCP payload and headers, barriers included), divided by 2 ranks and the step count.
+All DDP methods additionally broadcast the model's buffers (BERT's position/token-type ids) from rank 0 every forward
+(DDP's ``broadcast_buffers=True`` default); that is listed separately, not in the per-method bytes.
+
+Results go to results/slow_link.json; ``python benchmarks/plot_slow_link.py`` draws results/slow_link.png.
+
+    python benchmarks/slow_link.py                                  # 1gbit and 200mbit, 6 layers / 384 hidden
+    python benchmarks/slow_link.py --rate 1gbit --layers 2 --hidden 128 --steps 3
+    python benchmarks/slow_link.py --no-netns                        # plain (unshaped) loopback
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import launch, write_results  # noqa: E402
+from lightning_onebit import GradientSyncState, OnebitAdam, ring_allreduce_bytes, switchable_allreduce_hook  # noqa: E402
+
+SCRIPT = Path(__file__).resolve()
+DIST_METHODS = ("ddp_fp32", "ddp_bf16", "ddp_powersgd", "onebit_adam", "local_2proc")
+WORLD_SIZE = 2
+LR, WEIGHT_DECAY = 1e-4, 0.01
+POWERSGD_RANK = 4
+GOALS = (  # (label, numerator row, denominator row, comparison, target), defined by the issue at 1 Gbit/s
+    ("DDP fp32 / onebit compression", "ddp_fp32", "onebit_adam:compression", ">=", 2.5),
+    ("DDP bf16 hook / onebit compression", "ddp_bf16", "onebit_adam:compression", ">=", 1.5),
+    ("DDP PowerSGD / onebit compression", "ddp_powersgd", "onebit_adam:compression", ">=", 1.0),
+    ("onebit compression / compute floor", "onebit_adam:compression", "floor", "<=", 1.15),
+)
+GOAL_RATE = "1gbit"
+
+
+# ---------------------------------------------------------------------------------------------------- model and data
+def build_model(cfg: dict) -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hidden = cfg["hidden"]
+    heads = cfg["heads"] or (hidden // 64 if hidden % 64 == 0 and hidden >= 64 else 1)
+    config = BertConfig(
+        vocab_size=cfg["vocab"],
+        hidden_size=hidden,
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=max(512, cfg["seq"]),
+        num_labels=2,
+    )
+    torch.manual_seed(0)  # identical initial replicas (DDP broadcasts rank 0's anyway)
+    model = BertForSequenceClassification(config)
+    model.train()
+    return model
+
+
+class RandomBatches:
+    """Random token ids over the whole vocabulary and random binary labels; a different stream per rank."""
+
+    def __init__(self, cfg: dict, rank: int) -> None:
+        self.cfg = cfg
+        self.generator = torch.Generator().manual_seed(1234 + rank)
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        c, g = self.cfg, self.generator
+        return dict(
+            input_ids=torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=g),
+            labels=torch.randint(0, 2, (c["batch"],), generator=g),
+        )
+
+
+def make_adamw(params, cfg: dict) -> torch.optim.AdamW:
+    impl = {"fused": dict(fused=True), "foreach": dict(foreach=True), "forloop": dict(foreach=False)}[cfg["adamw"]]
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **impl)
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+class AllreduceCounter:
+    """Counts ``torch.distributed.all_reduce`` calls made from Python (DDP comm hooks call it as ``dist.all_reduce``)
+    while active, as ring-allreduce bytes per rank in the tensor's dtype. DDP's built-in allreduce (no hook) is C++
+    and is not seen."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.bytes_sent = 0
+        self.calls = 0
+        self._original: Optional[Callable] = None
+
+    def __enter__(self) -> "AllreduceCounter":
+        self._original = original = dist.all_reduce
+
+        def counted(tensor, *args, **kwargs):
+            self.bytes_sent += ring_allreduce_bytes(tensor.numel(), tensor.element_size(), self.world_size)
+            self.calls += 1
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._original
+
+
+def bf16_compress_hook_any_backend(process_group, bucket):
+    """torch's ``bf16_compress_hook``, unchanged, under another name: DDP refuses to register a hook *named*
+    ``bf16_compress_hook`` unless CUDA+NCCL or XPU+XCCL is present, although the hook is plain Python (cast to bf16,
+    ``dist.all_reduce``, cast back) and gloo allreduces bf16 tensors. (No annotations: DDP checks them as objects.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+class OrderedPowerSGD:
+    """State of :func:`ordered_powerSGD_hook`: a ``PowerSGDState`` and the future of the last bucket's hook."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.previous: Optional[torch.futures.Future] = None
+
+
+def ordered_powerSGD_hook(ordered, bucket):
+    """torch's ``powerSGD_hook``, with each bucket's compressed allreduce started only after the previous bucket's
+    finished. The hook issues its P and Q allreduces from callbacks of the previous collective (gloo's threads) while
+    the autograd thread issues the next bucket's first allreduce, so with several DDP buckets the ranks can issue
+    collectives in different orders; gloo matches collectives by issue order and fails ("Received data size doesn't
+    match expected size"), which happened here at 200 Mbit/s. Waiting costs some overlap of the compressed buckets
+    with the backward pass; the vanilla-allreduce iterations before ``start_powerSGD_iter`` are not delayed."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    state = ordered.state
+    if ordered.previous is not None and state.iter >= state.start_powerSGD_iter:
+        ordered.previous.wait()
+    ordered.previous = future = powerSGD_hook.powerSGD_hook(state, bucket)
+    return future
+
+
+def _tc_sent_bytes() -> Optional[int]:
+    """Bytes the shaped loopback of this network namespace has sent so far (None outside a shaped namespace)."""
+    if not os.environ.get("SLOW_LINK_NETNS"):
+        return None
+    out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    match = re.search(r"Sent (\d+) bytes", out)
+    return int(match.group(1)) if match else None
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def run_steps(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: RandomBatches,
+    n: int,
+    stage: str,
+    meter: Optional[Callable[[], dict[str, float]]] = None,
+    wire: bool = False,
+) -> dict[str, Any]:
+    """``n`` training steps, each after a barrier; per-step wall time, loss and meter deltas."""
+    times, losses, deltas = [], [], []
+    _barrier()
+    wire_before = _tc_sent_bytes() if wire and dist.get_rank() == 0 else None
+    for _ in range(n):
+        batch = batches()
+        before = meter() if meter else {}
+        _barrier()
+        t0 = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        after = meter() if meter else {}
+        deltas.append({k: after[k] - before[k] for k in after})
+        losses.append(float(loss.detach()))
+    _barrier()
+    wire_after = _tc_sent_bytes() if wire_before is not None else None
+    return dict(
+        stage=stage,
+        times_s=times,
+        losses=losses,
+        meter=deltas,
+        wire_bytes_total=None if wire_after is None else wire_after - wire_before,
+    )
+
+
+def _model_info(model: torch.nn.Module, world_size: int) -> dict[str, Any]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    psgd_p = psgd_q = psgd_uncompressed = 0
+    for p in params:
+        n = p.shape[0]
+        m = p.numel() // n
+        r = min(n, m, POWERSGD_RANK)
+        if (n + m) * r * 2 < n * m:  # powerSGD_hook._should_compress with min_compression_rate=2
+            psgd_p += n * r
+            psgd_q += m * r
+        else:
+            psgd_uncompressed += p.numel()
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    ring = lambda k, size: ring_allreduce_bytes(k, size, world_size)  # noqa: E731
+    return dict(
+        params=numel,
+        tensors=len(params),
+        grad_fp32_bytes=numel * 4,
+        analytic_bytes=dict(
+            ddp_fp32=ring(numel, 4),
+            ddp_bf16=ring(numel, 2),
+            ddp_powersgd=ring(psgd_uncompressed, 4) + ring(psgd_p, 4) + ring(psgd_q, 4),
+        ),
+        powersgd_elements=dict(P=psgd_p, Q=psgd_q, uncompressed=psgd_uncompressed),
+        ddp_buffer_broadcast_bytes=buffers,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- per-rank work
+def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    W, U, N = cfg["warmup_steps"], cfg["untimed"], cfg["steps"]
+    out: dict[str, Any] = dict(rank=rank, methods={})
+    wire = bool(os.environ.get("SLOW_LINK_NETNS"))
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"  [{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    for method in cfg["methods"]:
+        if method not in DIST_METHODS:
+            continue
+        started = time.perf_counter()
+        batches = RandomBatches(cfg, rank)
+        model = build_model(cfg)
+        if rank == 0 and "model" not in out:
+            out["model"] = _model_info(model, world_size)
+        phases = []
+        extra: dict[str, Any] = {}
+        if method == "local_2proc":
+            opt = make_adamw(model.parameters(), cfg)
+            phases.append(run_steps(model, opt, batches, U, "untimed"))
+            phases.append(run_steps(model, opt, batches, N, "timed", wire=wire))
+        elif method in ("ddp_fp32", "ddp_bf16"):
+            model = DDP(model)
+            counter = AllreduceCounter(world_size)
+            if method == "ddp_bf16":
+                model.register_comm_hook(None, bf16_compress_hook_any_backend)
+            opt = make_adamw(model.parameters(), cfg)
+            with counter:
+                meter = lambda: {"hook_allreduce_bytes": counter.bytes_sent, "hook_allreduce_calls": counter.calls}  # noqa: E731
+                phases.append(run_steps(model, opt, batches, U, "untimed", meter))
+                phases.append(run_steps(model, opt, batches, N, "timed", meter, wire=wire))
+        elif method == "ddp_powersgd":
+            model = DDP(model)
+            start = max(2, W)  # PowerSGD with error feedback / warm start needs start_powerSGD_iter >= 2
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=start
+            )
+            model.register_comm_hook(OrderedPowerSGD(state), ordered_powerSGD_hook)
+            opt = make_adamw(model.parameters(), cfg)
+            counter = AllreduceCounter(world_size)
+            with counter:
+                meter = lambda: {"hook_allreduce_bytes": counter.bytes_sent, "hook_allreduce_calls": counter.calls}  # noqa: E731
+                phases.append(run_steps(model, opt, batches, start, "warmup", meter))
+                phases.append(run_steps(model, opt, batches, U, "untimed", meter))
+                if state.iter < state.start_powerSGD_iter:
+                    raise RuntimeError(f"PowerSGD not started after {start + U} steps (iter {state.iter})")
+                phases.append(run_steps(model, opt, batches, N, "timed", meter, wire=wire))
+            extra["start_powerSGD_iter"] = start
+            extra["powersgd_compression_stats"] = list(state.compression_stats())
+        elif method == "onebit_adam":
+            model = DDP(model)
+            opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W)
+            sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
+            model.register_comm_hook(sync, switchable_allreduce_hook)
+
+            def meter() -> dict[str, float]:
+                c, s = opt.communication, sync.counters
+                return dict(
+                    grad_sync_bytes=s.bytes_sent,
+                    compressed_bytes=c.bytes_sent,
+                    collectives=c.collectives + s.collectives,
+                    compressed_allreduce_s=c.time_s,
+                )
+
+            phases.append(run_steps(model, opt, batches, W, "warmup", meter, wire=wire))
+            phases.append(run_steps(model, opt, batches, U, "untimed", meter))
+            phases.append(run_steps(model, opt, batches, N, "timed", meter, wire=wire))
+            extra["buckets"] = len(opt.bucket_layouts())
+            extra["skipped_grad_buckets"] = sync.skipped_buckets
+        else:  # pragma: no cover
+            raise ValueError(method)
+        out["methods"][method] = dict(
+            phases=phases, wall_s=time.perf_counter() - started, loadavg_1min_after=os.getloadavg()[0], **extra
+        )
+        timed = phases[-1]["times_s"]
+        log(f"{method}: median {statistics.median(timed):.3f} s/step (rank 0), loss {phases[-1]['losses'][-1]:.3f}, "
+            f"{time.perf_counter() - started:.0f} s, load average {os.getloadavg()[0]:.2f}")
+        del model, opt
+        gc.collect()
+    return out
+
+
+def _floor_rank(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
+    batches = RandomBatches(cfg, rank)
+    model = build_model(cfg)
+    opt = make_adamw(model.parameters(), cfg)
+    untimed = run_steps(model, opt, batches, cfg["untimed"], "untimed")
+    timed = run_steps(model, opt, batches, cfg["steps"], "timed")
+    floor = dict(phases=[untimed, timed], loadavg_1min_after=os.getloadavg()[0])
+    return dict(rank=rank, model=_model_info(model, WORLD_SIZE), methods=dict(floor=floor))
+
+
+# ---------------------------------------------------------------------------------------------------- orchestration
+def _slowest_median(per_rank: list[dict], method: str, stage: str, skip_first: bool = False) -> Optional[float]:
+    """Median over steps of the slower rank's step time."""
+    series = []
+    for res in per_rank:
+        phase = [p for p in res["methods"][method]["phases"] if p["stage"] == stage][0]
+        times = phase["times_s"][1:] if skip_first and len(phase["times_s"]) > 1 else phase["times_s"]
+        series.append(times)
+    if not series or not series[0]:
+        return None
+    return statistics.median(max(step) for step in zip(*series))
+
+
+def _phase(res: dict, method: str, stage: str) -> dict:
+    return [p for p in res["methods"][method]["phases"] if p["stage"] == stage][0]
+
+
+def _mean_meter(res: dict, method: str, stage: str, key: str) -> float:
+    values = [d[key] for d in _phase(res, method, stage)["meter"]]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def summarise(per_rank: list[dict], floor: Optional[list[dict]], cfg: dict) -> dict[str, Any]:
+    """Rows keyed ``method`` or ``method:stage`` with step time, bytes per rank per step and how the bytes are known."""
+    info = per_rank[0]["model"]
+    rows: dict[str, dict[str, Any]] = {}
+    steps = cfg["steps"]
+
+    def wire(method: str, stage: str) -> Optional[float]:
+        total = _phase(per_rank[0], method, stage)["wire_bytes_total"]
+        n = len(_phase(per_rank[0], method, stage)["times_s"])
+        return None if total is None or n == 0 else total / (WORLD_SIZE * n)
+
+    methods = per_rank[0]["methods"]
+    if "ddp_fp32" in methods:
+        rows["ddp_fp32"] = dict(
+            step_s=_slowest_median(per_rank, "ddp_fp32", "timed"),
+            bytes_per_step=info["analytic_bytes"]["ddp_fp32"],
+            bytes_source="analytic: ring allreduce of the fp32 gradient",
+            wire_bytes_per_step=wire("ddp_fp32", "timed"),
+        )
+    if "ddp_bf16" in methods:
+        rows["ddp_bf16"] = dict(
+            step_s=_slowest_median(per_rank, "ddp_bf16", "timed"),
+            bytes_per_step=info["analytic_bytes"]["ddp_bf16"],
+            bytes_source="analytic: ring allreduce of the gradient in bf16",
+            measured_hook_bytes_per_step=max(_mean_meter(r, "ddp_bf16", "timed", "hook_allreduce_bytes") for r in per_rank),
+            wire_bytes_per_step=wire("ddp_bf16", "timed"),
+        )
+    if "ddp_powersgd" in methods:
+        rows["ddp_powersgd"] = dict(
+            step_s=_slowest_median(per_rank, "ddp_powersgd", "timed"),
+            bytes_per_step=max(_mean_meter(r, "ddp_powersgd", "timed", "hook_allreduce_bytes") for r in per_rank),
+            bytes_source="measured: hook's dist.all_reduce calls counted (ring bytes)",
+            analytic_bytes_per_step=info["analytic_bytes"]["ddp_powersgd"],
+            warmup_step_s=_slowest_median(per_rank, "ddp_powersgd", "warmup", skip_first=True),
+            warmup_bytes_per_step=max(_mean_meter(r, "ddp_powersgd", "warmup", "hook_allreduce_bytes") for r in per_rank),
+            wire_bytes_per_step=wire("ddp_powersgd", "timed"),
+        )
+    if "onebit_adam" in methods:
+        for stage, label in (("warmup", "warmup"), ("timed", "compression")):
+            sent = [
+                _mean_meter(r, "onebit_adam", stage, "grad_sync_bytes") + _mean_meter(r, "onebit_adam", stage, "compressed_bytes")
+                for r in per_rank
+            ]
+            rows[f"onebit_adam:{label}"] = dict(
+                step_s=_slowest_median(per_rank, "onebit_adam", stage, skip_first=stage == "warmup"),
+                bytes_per_step=max(sent),
+                bytes_source="measured: GradientSyncState + OnebitAdam.communication counters",
+                collectives_per_step=_mean_meter(per_rank[0], "onebit_adam", stage, "collectives"),
+                compressed_allreduce_s=max(_mean_meter(r, "onebit_adam", stage, "compressed_allreduce_s") for r in per_rank),
+                wire_bytes_per_step=wire("onebit_adam", stage),
+            )
+        rows["onebit_adam:warmup"]["note"] = "median of warmup steps 2..W (step 1 allocates optimizer state)"
+    if "local_2proc" in methods:
+        rows["local_2proc"] = dict(
+            step_s=_slowest_median(per_rank, "local_2proc", "timed"),
+            bytes_per_step=0,
+            bytes_source="no gradient communication (2 processes, each its own replica)",
+            wire_bytes_per_step=wire("local_2proc", "timed"),
+        )
+    if floor:
+        rows["floor"] = dict(
+            step_s=_slowest_median(floor, "floor", "timed"),
+            bytes_per_step=0,
+            bytes_source="one process, no communication",
+        )
+    ref = rows.get("onebit_adam:compression", {}).get("step_s")
+    for row in rows.values():
+        row["ratio_to_onebit_compression"] = row["step_s"] / ref if ref and row.get("step_s") else None
+    losses = {m: [_phase(r, m, "timed")["losses"][-1] for r in per_rank] for m in methods}
+    goals = []
+    for label, num, den, op, target in GOALS:
+        if num in rows and den in rows and rows[num]["step_s"] and rows[den]["step_s"]:
+            value = rows[num]["step_s"] / rows[den]["step_s"]
+            goals.append(dict(goal=label, value=value, target=f"{op} {target}",
+                              met=value >= target if op == ">=" else value <= target))
+    return dict(rows=rows, goals=goals, final_losses=losses)
+
+
+def _print_table(rate: str, summary: dict) -> None:
+    rows = summary["rows"]
+    print(f"\n=== link: {rate} ===")
+    header = f"{'method':26s}{'step (s)':>10s}{'/ onebit-c':>12s}{'bytes/rank/step':>18s}{'on the wire':>14s}  bytes from"
+    print(header)
+    print("-" * len(header))
+    for name, row in rows.items():
+        ratio = row["ratio_to_onebit_compression"]
+        wire = row.get("wire_bytes_per_step")
+        print(f"{name:26s}{row['step_s']:>10.3f}{(f'{ratio:.2f}x' if ratio else '-'):>12s}"
+              f"{row['bytes_per_step']:>18,.0f}{(f'{wire:,.0f}' if wire is not None else '-'):>14s}  {row['bytes_source']}")
+    if "ddp_powersgd" in rows:
+        r = rows["ddp_powersgd"]
+        print(f"  PowerSGD analytic bytes (P, Q, uncompressed 1-D tensors): {r['analytic_bytes_per_step']:,}; "
+              f"its warmup (allreduce) steps: {r['warmup_step_s']:.3f} s, {r['warmup_bytes_per_step']:,.0f} B")
+    if "onebit_adam:compression" in rows:
+        r = rows["onebit_adam:compression"]
+        print(f"  onebit compression: {r['collectives_per_step']:.0f} collectives/step, "
+              f"{r['compressed_allreduce_s']:.3f} s/step inside the compressed allreduce (compression included)")
+    goal_note = "" if rate == GOAL_RATE else f" (the issue sets them at {GOAL_RATE}; shown for reference)"
+    print(f"goals{goal_note}:")
+    for g in summary["goals"]:
+        print(f"  {g['goal']:40s}{g['value']:>8.2f}   goal {g['target']:<8s} {'met' if g['met'] else 'NOT met'}")
+
+
+def _sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def shaped_namespace(name: str, rate: str, burst: str, latency: str):
+    """A network namespace whose loopback is up and shaped by a tbf qdisc; deleted on exit, also on errors."""
+    _sh(["ip", "netns", "add", name])
+    try:
+        _sh(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"])
+        _sh(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+             "rate", rate, "burst", burst, "latency", latency])
+        yield name
+    finally:
+        _sh(["ip", "netns", "del", name], check=False)
+
+
+def _worker_command(args: argparse.Namespace, mode: str, out: str) -> list[str]:
+    cmd = [sys.executable, str(SCRIPT), mode, "--out", out]
+    for flag in ("layers", "hidden", "heads", "batch", "seq", "vocab", "warmup_steps", "steps", "untimed", "adamw"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(value)]
+    cmd += ["--methods", *args.methods]
+    return cmd
+
+
+def _run_worker(cmd: list[str], out: str, timeout: float, netns: Optional[str] = None) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONUNBUFFERED="1")
+    if netns:
+        env["SLOW_LINK_NETNS"] = netns
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except BaseException:
+        # the workers (and their spawned ranks) are our own process group: end exactly that group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait()
+        raise
+    if rc != 0:
+        raise RuntimeError(f"worker failed with exit code {rc}: {' '.join(cmd)}")
+    return json.loads(Path(out).read_text())
+
+
+def _config(args: argparse.Namespace) -> dict:
+    return dict(layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq,
+                vocab=args.vocab, warmup_steps=args.warmup_steps, steps=args.steps, untimed=args.untimed,
+                adamw=args.adamw, methods=list(args.methods))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", nargs="+", default=["1gbit", "200mbit"],
+                        help="tbf rates, one namespace each, run in turn (default: 1gbit 200mbit)")
+    parser.add_argument("--layers", type=int, default=6, help="BERT layers (default 6)")
+    parser.add_argument("--hidden", type=int, default=384, help="BERT hidden size (default 384)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step (default 16)")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    parser.add_argument("--vocab", type=int, default=30522, help="vocabulary size (default 30522)")
+    parser.add_argument("--warmup-steps", type=int, default=5,
+                        help="W: OnebitAdam freeze_step and PowerSGD start_powerSGD_iter (default 5)")
+    parser.add_argument("--steps", type=int, default=8, help="N: timed steps per method and stage (default 8)")
+    parser.add_argument("--untimed", type=int, default=2, help="untimed steps before the timed ones (default 2)")
+    parser.add_argument("--adamw", choices=("fused", "foreach", "forloop"), default="fused",
+                        help="torch.optim.AdamW implementation of the baselines and the floor (default fused, the "
+                             "fastest on CPU; torch's CPU default is forloop)")
+    parser.add_argument("--methods", nargs="+", default=[*DIST_METHODS, "floor"],
+                        choices=[*DIST_METHODS, "floor"], help="subset of methods (default all)")
+    parser.add_argument("--no-netns", action="store_true", help="plain unshaped loopback, no namespace")
+    parser.add_argument("--burst", default="256kb", help="tbf burst (default 256kb)")
+    parser.add_argument("--latency", default="50ms", help="tbf latency (default 50ms)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker run before it is killed")
+    parser.add_argument("--name", default="slow_link", help="results/<name>.json (default slow_link)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.warmup_steps < 1 or args.steps < 1 or args.untimed < 1:
+        parser.error("--warmup-steps, --steps and --untimed must be >= 1")
+    cfg = _config(args)
+
+    if args.worker or args.worker_floor:  # inside the namespace (or for the floor, outside): run and write results
+        fn, world_size = (_bench_ranks, WORLD_SIZE) if args.worker else (_floor_rank, 1)
+        results = launch(fn, world_size, cfg, threads=1)
+        Path(args.out).write_text(json.dumps(results))
+        return
+
+    if not args.no_netns:
+        if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+            parser.error("network namespaces need root and the ip/tc tools; use --no-netns for plain loopback")
+    rates = ["loopback"] if args.no_netns else args.rate
+    started = time.perf_counter()
+    payload: dict[str, Any] = dict(
+        args=vars(args),
+        config=cfg,
+        environment=dict(torch=torch.__version__, python=platform.python_version(), cpus=os.cpu_count(),
+                         world_size=WORLD_SIZE, threads_per_rank=1, backend="gloo",
+                         tbf=dict(burst=args.burst, latency=args.latency), loadavg_at_start=os.getloadavg()),
+        goals_defined_at=GOAL_RATE,
+        caveat="CPU timings on a shared 2-core machine; other work may have used the CPUs at the same time",
+        rates={},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        floor = None
+        if "floor" in args.methods:
+            print(f"[{time.strftime('%H:%M:%S')}] compute floor: 1 process, no communication", flush=True)
+            out = os.path.join(tmp, "floor.json")
+            floor = _run_worker(_worker_command(args, "--worker-floor", out), out, args.timeout)
+            payload["floor"] = dict(per_rank=floor, step_s=_slowest_median(floor, "floor", "timed"))
+            payload["model"] = floor[0]["model"]
+            print(f"  floor: {payload['floor']['step_s']:.3f} s/step", flush=True)
+        for rate in rates:
+            print(f"[{time.strftime('%H:%M:%S')}] link {rate}: 2 ranks, methods "
+                  f"{', '.join(m for m in args.methods if m in DIST_METHODS)}", flush=True)
+            out = os.path.join(tmp, f"{rate}.json")
+            cmd = _worker_command(args, "--worker", out)
+            if args.no_netns:
+                per_rank = _run_worker(cmd, out, args.timeout)
+            else:
+                name = f"slowlink{os.getpid()}_{re.sub(r'[^A-Za-z0-9]', '', rate)}"
+                with shaped_namespace(name, rate, args.burst, args.latency):
+                    per_rank = _run_worker(cmd, out, args.timeout, netns=name)
+            payload.setdefault("model", per_rank[0].get("model"))
+            summary = summarise(per_rank, floor, cfg)
+            payload["rates"][rate] = dict(per_rank=per_rank, **summary)
+            _print_table(rate, summary)
+    payload["total_wall_s"] = time.perf_counter() - started
+    model = payload.get("model") or {}
+    if model:
+        print(f"\nmodel: {model['params'] / 1e6:.2f}M parameters in {model['tensors']} tensors "
+              f"(fp32 gradient {model['grad_fp32_bytes'] / 1e6:.1f} MB); {cfg['layers']} layers, hidden "
+              f"{cfg['hidden']}, batch {cfg['batch']} x seq {cfg['seq']} per rank; W={cfg['warmup_steps']}, "
+              f"N={cfg['steps']}; AdamW {cfg['adamw']}. DDP also broadcasts {model['ddp_buffer_broadcast_bytes']:,} B "
+              f"of buffers from rank 0 per forward (not in the bytes above).")
+    print("Timings are preliminary: a shared 2-core CPU machine, other work may have run at the same time.")
+    path = write_results(args.name, payload)
+    print(f"written to {path} in {payload['total_wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
