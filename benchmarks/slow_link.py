@@ -388,7 +388,6 @@ def summarise(per_rank: list[dict], floor: Optional[list[dict]], cfg: dict) -> d
     """Rows keyed ``method`` or ``method:stage`` with step time, bytes per rank per step and how the bytes are known."""
     info = per_rank[0]["model"]
     rows: dict[str, dict[str, Any]] = {}
-    steps = cfg["steps"]
 
     def wire(method: str, stage: str) -> Optional[float]:
         total = _phase(per_rank[0], method, stage)["wire_bytes_total"]
