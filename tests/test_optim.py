@@ -144,6 +144,16 @@ class _Reference:
 
 
 # ---------------------------------------------------------------------------------------------------- warmup
+def _train_side_by_side(net_a, opt_a, net_b, opt_b, steps: int) -> None:
+    """Step both optimizers on the same gradients; the parameters must agree within 1e-6 after every step."""
+    for s in range(steps):
+        for net, opt in ((net_a, opt_a), (net_b, opt_b)):
+            opt.zero_grad()
+            _backward(net, s)
+            opt.step()
+        assert _max_diff(_params(net_a), _params(net_b)) < 1e-6, f"step {s + 1}"
+
+
 def test_warmup_equals_adamw_two_groups_with_weight_decay():
     net_a, net_b = Net(), Net()
     # Masks only act in the compression stage, so warmup must still be exactly AdamW with them present.
@@ -151,13 +161,8 @@ def test_warmup_equals_adamw_two_groups_with_weight_decay():
     opt_b = torch.optim.AdamW(_groups(net_b, mask=False), betas=(0.8, 0.99))
     assert opt_a.param_groups[0]["weight_decay"] != opt_a.param_groups[1]["weight_decay"]
     start = _params(net_a)
-    for s in range(30):
-        for net, opt in ((net_a, opt_a), (net_b, opt_b)):
-            opt.zero_grad()
-            _backward(net, s)
-            opt.step()
-        assert _max_diff(_params(net_a), _params(net_b)) < 1e-6, f"step {s + 1}"
-        assert opt_a.stage is OnebitStage.WARMUP
+    _train_side_by_side(net_a, opt_a, net_b, opt_b, steps=30)
+    assert opt_a.stage is OnebitStage.WARMUP
     assert _max_diff(_params(net_a), start) > 1e-2  # the comparison is not vacuous
     for p, q in zip(net_a.parameters(), net_b.parameters()):
         state_b = opt_b.state[q]
@@ -169,12 +174,7 @@ def test_warmup_default_hyperparameters_equal_adamw():
     net_a, net_b = Net(seed=3), Net(seed=3)
     opt_a = OnebitAdam(net_a.parameters(), lr=0.01, weight_decay=0.1, freeze_step=50)
     opt_b = torch.optim.AdamW(net_b.parameters(), lr=0.01, weight_decay=0.1)
-    for s in range(25):
-        for net, opt in ((net_a, opt_a), (net_b, opt_b)):
-            opt.zero_grad()
-            _backward(net, s)
-            opt.step()
-        assert _max_diff(_params(net_a), _params(net_b)) < 1e-6, f"step {s + 1}"
+    _train_side_by_side(net_a, opt_a, net_b, opt_b, steps=25)
 
 
 def test_bias_correction_false_matches_uncorrected_reference():
