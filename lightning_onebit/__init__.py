@@ -12,6 +12,7 @@ from lightning_onebit.comm import (
     CommunicationCounters,
     CompressedAllreduceState,
     compressed_allreduce_,
+    compressed_allreduce_buckets_,
     ring_allreduce_bytes,
 )
 from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
@@ -37,6 +38,7 @@ __all__ = [
     "OnebitStage",
     "RankSyncedGradScaler",
     "compressed_allreduce_",
+    "compressed_allreduce_buckets_",
     "ring_allreduce_bytes",
     "switchable_allreduce_hook",
 ]

@@ -270,10 +270,10 @@ class CompressedAllreduceState:
             buffers.server_error.copy_(entry["server_error"])
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, input, group=group)
+    return gather(output, input, group=group, async_op=True)
 
 
 def _write_block(block: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, n_scales_max: int) -> None:
@@ -303,65 +303,102 @@ def compressed_allreduce_(
     Returns:
         ``buffer``, now holding the same values on every rank.
     """
+    compressed_allreduce_buckets_(state, [(key, buffer, layout)])
+    return buffer
+
+
+def compressed_allreduce_buckets_(
+    state: CompressedAllreduceState, buckets: Sequence[tuple[Hashable, torch.Tensor, BucketLayout]]
+) -> None:
+    """:func:`compressed_allreduce_` of several buckets, pipelined: one bucket's transfer overlaps another's compression.
+
+    Every collective is asynchronous. All buckets are compressed and their ``all_to_all`` launched first (the transfer
+    of bucket ``k`` runs while bucket ``k + 1`` is compressed); then, bucket by bucket, the server phase waits for its
+    ``all_to_all`` and launches its ``all_gather``; finally each bucket waits for its ``all_gather`` and decodes. Still
+    two collectives per bucket, issued in the same order on every rank. All arguments are checked before the first
+    collective, so a bad bucket raises on every rank instead of leaving the others waiting.
+
+    Args:
+        state: as for :func:`compressed_allreduce_`.
+        buckets: ``(key, buffer, layout)`` triples, each as for :func:`compressed_allreduce_`; keys must differ.
+    """
     world_size = state.world_size()
-    if layout.world_size != world_size:
-        raise ValueError(f"layout was built for {layout.world_size} ranks but the process group has {world_size}")
-    if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() != layout.padded_numel:
-        raise ValueError(f"buffer must be 1-D contiguous with {layout.padded_numel} elements, got {tuple(buffer.shape)}")
-    if not buffer.is_floating_point():
-        raise ValueError(f"buffer must be floating point, got {buffer.dtype}")
-    if world_size == 1:
-        return buffer
+    keys = set()
+    for key, buffer, layout in buckets:
+        if key in keys:
+            raise ValueError(f"bucket key {key!r} appears twice")
+        keys.add(key)
+        if layout.world_size != world_size:
+            raise ValueError(f"layout was built for {layout.world_size} ranks but the process group has {world_size}")
+        if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() != layout.padded_numel:
+            raise ValueError(
+                f"buffer must be 1-D contiguous with {layout.padded_numel} elements, got {tuple(buffer.shape)}"
+            )
+        if not buffer.is_floating_point():
+            raise ValueError(f"buffer must be floating point, got {buffer.dtype}")
+    if world_size == 1 or not buckets:
+        return
 
     started = time.perf_counter()
-    group, backend = state.process_group, state.backend
-    rank, c, s_max, block = state.rank(), layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
-    bufs = state.buffers(key, layout, buffer)
-    workspace = state.workspace
-    server_mean = workspace.get("server_mean", c, buffer.dtype, buffer.device)
+    group, backend, workspace = state.process_group, state.backend, state.workspace
+    rank = state.rank()
+    bucket_buffers = [state.buffers(key, layout, buffer) for key, buffer, layout in buckets]
 
     # Phase 1 (worker): compress x + e_w; chunk r's signs and scales go to rank r.
-    worker_scales, packed = kernels.compress_with_error_feedback(
-        buffer, bufs.worker_error, layout.segments, packed_out=bufs.packed, backend=backend, workspace=workspace
-    )
-    first_segment = 0
-    for r, chunk_segments in enumerate(layout.chunk_segments):
-        n = len(chunk_segments)
-        _write_block(
-            bufs.send[r * block : (r + 1) * block],
-            worker_scales[first_segment : first_segment + n],
-            packed[r * c // 8 : (r + 1) * c // 8],
-            s_max,
+    exchanges = []
+    for (_, buffer, layout), bufs in zip(buckets, bucket_buffers):
+        c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
+        worker_scales, packed = kernels.compress_with_error_feedback(
+            buffer, bufs.worker_error, layout.segments, packed_out=bufs.packed, backend=backend, workspace=workspace
         )
-        first_segment += n
-    dist.all_to_all_single(bufs.recv, bufs.send, group=group)
+        first_segment = 0
+        for r, chunk_segments in enumerate(layout.chunk_segments):
+            n = len(chunk_segments)
+            _write_block(
+                bufs.send[r * block : (r + 1) * block],
+                worker_scales[first_segment : first_segment + n],
+                packed[r * c // 8 : (r + 1) * c // 8],
+                s_max,
+            )
+            first_segment += n
+        exchanges.append(dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True))
 
-    # Phase 2 (server of chunk `rank`): average the P decompressed chunks, compress with e_s.
-    own_segments = layout.chunk_segments[rank]
-    for j in range(world_size):
-        scales, signs = _read_block(bufs.recv[j * block : (j + 1) * block], len(own_segments), s_max)
-        kernels.decompress(
-            signs, scales, own_segments, server_mean, accumulate=j > 0, backend=backend, workspace=workspace
+    # Phase 2 (server of chunk `rank`): e_s += mean of the P decompressed chunks; compress e_s; all_gather.
+    gathers = []
+    for (_, buffer, layout), bufs, exchange in zip(buckets, bucket_buffers, exchanges):
+        s_max, block = layout.max_chunk_segments, layout.block_bytes
+        own_segments = layout.chunk_segments[rank]
+        exchange.wait()
+        blocks = [_read_block(bufs.recv[j * block : (j + 1) * block], len(own_segments), s_max) for j in range(world_size)]
+        kernels.add_mean_of_signs_(
+            bufs.server_error,
+            [signs for _, signs in blocks],
+            [scales for scales, _ in blocks],
+            own_segments,
+            backend=backend,
+            workspace=workspace,
         )
-    server_mean.div_(world_size)
-    server_scales, server_packed = kernels.compress_with_error_feedback(
-        server_mean, bufs.server_error, own_segments, backend=backend, workspace=workspace
-    )
-    _write_block(bufs.gather_send, server_scales, server_packed, s_max)
-    _all_gather(bufs.gather_recv, bufs.gather_send, group)
+        server_scales, server_packed = kernels.compress_in_place(
+            bufs.server_error, own_segments, backend=backend, workspace=workspace
+        )
+        _write_block(bufs.gather_send, server_scales, server_packed, s_max)
+        gathers.append(_all_gather(bufs.gather_recv, bufs.gather_send, group))
 
     # Every rank rebuilds the full result from all servers' chunks.
-    for j, chunk_segments in enumerate(layout.chunk_segments):
-        scales, signs = _read_block(bufs.gather_recv[j * block : (j + 1) * block], len(chunk_segments), s_max)
-        kernels.decompress(
-            signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=workspace
-        )
+    for (_, buffer, layout), bufs, gather in zip(buckets, bucket_buffers, gathers):
+        c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
+        gather.wait()
+        for j, chunk_segments in enumerate(layout.chunk_segments):
+            scales, signs = _read_block(bufs.gather_recv[j * block : (j + 1) * block], len(chunk_segments), s_max)
+            kernels.decompress(
+                signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=workspace
+            )
 
     counters = state.counters
-    counters.bytes_sent += layout.bytes_per_call()
-    counters.bytes_received += layout.bytes_per_call()
-    counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
-    counters.collectives += 2
-    counters.calls += 1
+    for _, _, layout in buckets:
+        counters.bytes_sent += layout.bytes_per_call()
+        counters.bytes_received += layout.bytes_per_call()
+        counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
+        counters.collectives += 2
+        counters.calls += 1
     counters.time_s += time.perf_counter() - started
-    return buffer

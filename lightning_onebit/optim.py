@@ -9,8 +9,15 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.optim.adamw import adamw as adamw_functional
 
-from lightning_onebit.comm import BucketLayout, CommunicationCounters, CompressedAllreduceState, compressed_allreduce_
+from lightning_onebit import kernels
+from lightning_onebit.comm import (
+    BucketLayout,
+    CommunicationCounters,
+    CompressedAllreduceState,
+    compressed_allreduce_buckets_,
+)
 from lightning_onebit.kernels import Backend
 
 log = logging.getLogger(__name__)
@@ -39,7 +46,8 @@ class OnebitAdam(torch.optim.Optimizer):
     r"""1-bit Adam: AdamW during warmup, then Adam with frozen variance and 1-bit compressed momentum averaging.
 
     **Warmup** (steps ``1..freeze_step``): the caller averages gradients across ranks (DDP's allreduce, or the
-    ``onebit_adam`` strategy does it), and the update is exactly :class:`torch.optim.AdamW`::
+    ``onebit_adam`` strategy does it), and the update is exactly :class:`torch.optim.AdamW` (run by torch's fused
+    AdamW kernel for float32/float64 tensors on CPU or CUDA when ``bias_correction=True``)::
 
         m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
         p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
@@ -213,6 +221,15 @@ class OnebitAdam(torch.optim.Optimizer):
             if not params:
                 continue
             b1, b2 = group["betas"]
+            if group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
+                # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
+                # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
+                steps = [torch.tensor(float(t - 1)) for _ in params]
+                adamw_functional(
+                    params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=b1, beta2=b2,
+                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                )
+                continue
             torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
             torch._foreach_mul_(exp_avg_sqs, b2)
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
@@ -232,8 +249,7 @@ class OnebitAdam(torch.optim.Optimizer):
                 torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
             if decays:
                 torch._foreach_mul_(decays, b1)
-        for bucket in buckets:
-            compressed_allreduce_(self.compression, bucket.key, bucket.flat, bucket.layout)
+        compressed_allreduce_buckets_(self.compression, [(b.key, b.flat, b.layout) for b in buckets])
         t, t_v = self._step, self.freeze_step
         for group in self.param_groups:
             params, exp_avgs, exp_avg_sqs = [], [], []
@@ -250,7 +266,7 @@ class OnebitAdam(torch.optim.Optimizer):
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
             if params:
-                self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t_v)
+                self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
 
     @staticmethod
     def _apply_update(
@@ -260,20 +276,29 @@ class OnebitAdam(torch.optim.Optimizer):
         exp_avg_sqs: list[torch.Tensor],
         t: int,
         t_v: int,
+        backend: Backend = "torch",
     ) -> None:
-        """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations."""
+        """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations.
+
+        Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
+        compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
+        """
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if group["bias_correction"]:
             bias_correction1 = 1 - b1**t
             bias_correction2_sqrt = math.sqrt(1 - b2**t_v)
         else:
             bias_correction1 = bias_correction2_sqrt = 1.0
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        denoms = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denoms, bias_correction2_sqrt)
-        torch._foreach_add_(denoms, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / bias_correction1)
+        kernels.frozen_adam_update_(
+            params,
+            exp_avgs,
+            exp_avg_sqs,
+            decay=1 - lr * wd if wd != 0 else None,
+            bias_correction2_sqrt=bias_correction2_sqrt,
+            eps=eps,
+            step=-lr / bias_correction1,
+            backend=backend,
+        )
 
     # ------------------------------------------------------------------ buckets
     def _ensure_buckets(self) -> list[_Bucket]:
@@ -418,6 +443,15 @@ class OnebitAdam(torch.optim.Optimizer):
     def reset_error_feedback(self) -> float:
         """Zero the compression error buffers; returns the L2 norm that was dropped."""
         return self.compression.reset_error_feedback()
+
+
+def _fused_adamw_supports(*tensor_lists: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel takes these tensors: dense float32/float64 on CPU or CUDA."""
+    return all(
+        t.device.type in ("cpu", "cuda") and t.dtype in (torch.float32, torch.float64) and not t.is_sparse
+        for tensors in tensor_lists
+        for t in tensors
+    )
 
 
 def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_onebit import kernels
-from lightning_onebit.kernels import Segments, cupy_kernels
+from lightning_onebit.kernels import Segments, cpu_kernels, cupy_kernels
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 PACK_LENGTHS = [0, 8, 16, 24, 32, 40, 56, 64, 72, 120, 128, 136, 248, 256, 264, 1000, 4096, 8 * 12345]
@@ -154,9 +154,12 @@ def magnitudes_for(offsets: list[int], seed: int) -> torch.Tensor:
     return segment_scale_per_element(mags, offsets)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "dtype, backend", [(torch.float32, "torch"), (torch.float32, "auto"), (torch.float64, "torch")]
+)
 @pytest.mark.parametrize("n", [8, 64, 1000, 4104])
-def test_compress_with_error_feedback_matches_reference(dtype, n):
+def test_compress_with_error_feedback_matches_reference(dtype, backend, n):
+    """Against a float64 re-implementation; "auto" takes the native kernels for float32 where they build."""
     for name, offsets in segmentations(n, seed=n).items():
         segments = Segments(offsets)
         mags = magnitudes_for(offsets, seed=n + 1)
@@ -171,7 +174,7 @@ def test_compress_with_error_feedback_matches_reference(dtype, n):
         x_before, error_before = x.clone(), error.clone()
 
         ref_scales, ref_q, ref_error, y64 = reference_compress(x, error, offsets)
-        scales, packed = kernels.compress_with_error_feedback(x, error, segments)
+        scales, packed = kernels.compress_with_error_feedback(x, error, segments, backend=backend)
 
         assert torch.equal(x, x_before), "x must not be modified"
         assert scales.dtype == torch.float32 and scales.shape == (len(segments),)
@@ -190,7 +193,7 @@ def test_compress_with_error_feedback_matches_reference(dtype, n):
 
         # decompress reproduces q = scale * sgn(y)
         out = torch.full((n,), float("nan"), dtype=dtype)
-        result = kernels.decompress(packed, scales, segments, out)
+        result = kernels.decompress(packed, scales, segments, out, backend=backend)
         assert result.data_ptr() == out.data_ptr()
         rel_q = ((out.double() - ref_q).abs() / per_element).max().item()
         assert rel_q < tol, f"{name}: decompress differs from scale*sgn by {rel_q}"
@@ -202,7 +205,7 @@ def test_compress_with_error_feedback_matches_reference(dtype, n):
 
         # accumulate=True adds to out
         base = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
-        acc = kernels.decompress(packed, scales, segments, base.clone(), accumulate=True)
+        acc = kernels.decompress(packed, scales, segments, base.clone(), accumulate=True, backend=backend)
         torch.testing.assert_close(acc, base + out, rtol=0, atol=0)
 
 
@@ -262,12 +265,15 @@ def test_segments_validation():
 
 
 # --------------------------------------------------------------------------------------------------- backends
-def test_resolve_backend_auto_on_cpu_is_torch(restore_default_backend):
+def test_resolve_backend_auto_on_cpu(restore_default_backend):
     x = torch.zeros(8)
-    assert kernels.resolve_backend(x) == "torch"
-    assert kernels.resolve_backend(x, "auto") == "torch"
+    native = "cpu" if cpu_kernels.is_available() else "torch"
+    assert kernels.resolve_backend(x) == native
+    assert kernels.resolve_backend(x, "auto") == native
+    assert kernels.resolve_backend(x.double(), "auto") == "torch", "the native kernels take float32 only"
     assert kernels.resolve_backend(x, "torch") == "torch"
     assert "torch" in kernels.available_backends()
+    assert ("cpu" in kernels.available_backends()) == cpu_kernels.is_available()
 
 
 def test_cupy_backend_on_cpu_tensor_raises():
@@ -303,7 +309,7 @@ def test_set_default_backend_validates_and_applies(restore_default_backend):
         kernels.resolve_backend(x, "auto")
     assert kernels.resolve_backend(x, "torch") == "torch"
     kernels.set_default_backend("auto")
-    assert kernels.resolve_backend(x, "auto") == "torch"
+    assert kernels.resolve_backend(x.double(), "auto") == "torch"
 
 
 # --------------------------------------------------------------------------------------------------- CUDA / cupy

@@ -1,38 +1,45 @@
 """Sign-packing and 1-bit compression kernels ("bits on a device").
 
-Two implementations give identical bytes:
+Three implementations give identical bits:
 
-* ``"torch"``: pure torch, any device; the reference.
-* ``"cupy"``: CUDA tensors only, used automatically for CUDA tensors when cupy is importable.
+* ``"torch"``: pure torch, any device and floating dtype; the reference.
+* ``"cpu"``: fused C kernels (AVX2 where available) for float32 tensors in CPU memory, compiled on first use (see
+  :mod:`lightning_onebit.kernels.cpu_kernels`); one pass over memory where the torch path makes several.
+* ``"cupy"``: sign packing for CUDA tensors with cupy.
 
-Every entry point takes ``backend="auto" | "torch" | "cupy"``; ``"auto"`` follows :func:`set_default_backend`
-(itself ``"auto"`` unless changed), which picks cupy for CUDA tensors when available and torch otherwise.
+Every entry point takes ``backend="auto" | "torch" | "cpu" | "cupy"``; ``"auto"`` follows :func:`set_default_backend`
+(itself ``"auto"`` unless changed), which picks ``"cupy"`` for CUDA tensors when cupy is importable, ``"cpu"`` for
+float32 CPU tensors when the native library builds, and ``"torch"`` otherwise.
 
-The one fused entry point that performance work optimises is :func:`compress_with_error_feedback`; its inverse is
-:func:`decompress`. Both take an optional :class:`Workspace` so that per-step calls reuse their scratch memory.
+The fused entry points that performance work optimises: :func:`compress_with_error_feedback` (and
+:func:`compress_in_place`), :func:`decompress`, :func:`add_mean_of_signs_` and :func:`frozen_adam_update_`. They take
+an optional :class:`Workspace` so that per-step calls reuse their scratch memory.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 
-from lightning_onebit.kernels import cupy_kernels, torch_kernels
+from lightning_onebit.kernels import cpu_kernels, cupy_kernels, torch_kernels
 from lightning_onebit.kernels.segments import Segments
 from lightning_onebit.kernels.workspace import Workspace
 
-Backend = Literal["auto", "torch", "cupy"]
-_BACKENDS = ("auto", "torch", "cupy")
+Backend = Literal["auto", "torch", "cpu", "cupy"]
+_BACKENDS = ("auto", "torch", "cpu", "cupy")
 _default_backend: str = "auto"
 
 __all__ = [
     "Backend",
     "Segments",
     "Workspace",
+    "add_mean_of_signs_",
     "available_backends",
+    "compress_in_place",
     "compress_with_error_feedback",
     "decompress",
+    "frozen_adam_update_",
     "pack_signs",
     "resolve_backend",
     "set_default_backend",
@@ -49,17 +56,33 @@ def set_default_backend(backend: Backend) -> None:
 
 
 def available_backends() -> tuple[str, ...]:
-    return ("torch", "cupy") if cupy_kernels.is_available() else ("torch",)
+    """The backends usable in this process (``"torch"`` always)."""
+    found = ["torch"]
+    if cpu_kernels.is_available():
+        found.append("cpu")
+    if cupy_kernels.is_available():
+        found.append("cupy")
+    return tuple(found)
 
 
 def resolve_backend(tensor: torch.Tensor, backend: Backend = "auto") -> str:
-    """The backend a call on ``tensor`` runs with: ``"torch"`` or ``"cupy"``."""
+    """The backend a call on ``tensor`` runs with: ``"torch"``, ``"cpu"`` or ``"cupy"``."""
     if backend not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {_BACKENDS}")
     if backend == "auto":
         backend = _default_backend
     if backend == "auto":
-        return "cupy" if tensor.is_cuda and cupy_kernels.is_available() else "torch"
+        if tensor.is_cuda:
+            return "cupy" if cupy_kernels.is_available() else "torch"
+        return "cpu" if cpu_kernels.supports(tensor) and cpu_kernels.is_available() else "torch"
+    if backend == "cpu":
+        if not cpu_kernels.supports(tensor):
+            raise ValueError(f"backend='cpu' needs float32 CPU tensors, got {tensor.dtype} on {tensor.device}")
+        if not cpu_kernels.is_available():
+            raise RuntimeError(
+                "backend='cpu' was requested but the native kernels could not be built: install a C compiler "
+                "(or set CC), unset LIGHTNING_ONEBIT_NATIVE=0, or use backend='torch'"
+            )
     if backend == "cupy":
         if not tensor.is_cuda:
             raise ValueError(f"backend='cupy' needs CUDA tensors, got a tensor on {tensor.device}")
@@ -68,8 +91,9 @@ def resolve_backend(tensor: torch.Tensor, backend: Backend = "auto") -> str:
     return backend
 
 
-def _bit_kernels(tensor: torch.Tensor, backend: Backend):
-    module = cupy_kernels if resolve_backend(tensor, backend) == "cupy" else torch_kernels
+def _bit_kernels(tensor: torch.Tensor, backend: str):
+    # pack/unpack of bool bits: the cpu backend has no separate bit kernels (its fused kernels do not need them)
+    module = cupy_kernels if backend == "cupy" else torch_kernels
     return module.pack_bool, module.unpack_signs_into
 
 
@@ -78,14 +102,14 @@ def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None, backend: Bac
 
     The bytes equal ``numpy.packbits(x >= 0)``. ``x.numel()`` must be a multiple of 8.
     """
-    pack_bool, _ = _bit_kernels(x, backend)
+    pack_bool, _ = _bit_kernels(x, resolve_backend(x, backend))
     torch_kernels._check_packable(x)
     return pack_bool(torch.ge(x, 0), out=out)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> torch.Tensor:
     """Unpack bytes to +1/-1 values of ``dtype``; the result has ``8 * packed.numel()`` elements."""
-    _, signs_into = _bit_kernels(packed, backend)
+    _, signs_into = _bit_kernels(packed, resolve_backend(packed, backend))
     return signs_into(packed, torch.empty(8 * packed.numel(), dtype=dtype, device=packed.device))
 
 
@@ -109,9 +133,33 @@ def compress_with_error_feedback(
     if segments.total != x.numel():
         raise ValueError(f"segments cover {segments.total} elements but the buffer has {x.numel()}")
     torch_kernels._check_packable(x)
-    pack_bool, signs_into = _bit_kernels(x, backend)
-    return torch_kernels.compress_with_error_feedback(
-        x, error, segments, packed_out=packed_out, pack=pack_bool, signs_into=signs_into, workspace=workspace
+    resolved = resolve_backend(x, backend)  # raises before `error` is touched
+    error.add_(x)
+    return compress_in_place(error, segments, packed_out=packed_out, backend=resolved, workspace=workspace)
+
+
+def compress_in_place(
+    y: torch.Tensor,
+    segments: Segments,
+    packed_out: Optional[torch.Tensor] = None,
+    backend: Backend = "auto",
+    workspace: Optional[Workspace] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit compression of ``y`` that leaves the compression error in ``y``.
+
+    Per segment ``scale_s = ||y_s||_2 / sqrt(len_s)``; ``packed = bits(y >= 0)``; ``y_s <- y_s - scale_s sgn(y_s)``.
+    Returns ``(scales, packed)`` as :func:`compress_with_error_feedback` does (which is ``error += x`` followed by
+    this).
+    """
+    if segments.total != y.numel():
+        raise ValueError(f"segments cover {segments.total} elements but the buffer has {y.numel()}")
+    torch_kernels._check_packable(y)
+    resolved = resolve_backend(y, backend)
+    if resolved == "cpu":
+        return cpu_kernels.compress_in_place(y, segments, packed_out=packed_out)
+    pack_bool, signs_into = _bit_kernels(y, resolved)
+    return torch_kernels.compress_in_place(
+        y, segments, packed_out=packed_out, pack=pack_bool, signs_into=signs_into, workspace=workspace
     )
 
 
@@ -133,7 +181,67 @@ def decompress(
         raise ValueError(f"{packed.numel()} packed bytes cannot hold {segments.total} signs")
     if scales.numel() != len(segments):
         raise ValueError(f"got {scales.numel()} scales for {len(segments)} segments")
-    _, signs_into = _bit_kernels(packed, backend)
+    resolved = resolve_backend(out, backend)
+    if resolved == "cpu":
+        return cpu_kernels.decompress(packed, scales, segments, out, accumulate=accumulate)
+    _, signs_into = _bit_kernels(packed, resolved)
     return torch_kernels.decompress(
         packed, scales, segments, out, accumulate=accumulate, signs_into=signs_into, workspace=workspace
     )
+
+
+def add_mean_of_signs_(
+    target: torch.Tensor,
+    packed: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    segments: Segments,
+    backend: Backend = "auto",
+    workspace: Optional[Workspace] = None,
+) -> torch.Tensor:
+    """``target += (sum_j scale_{j,s} * sgn_j) / J``: the mean of ``J`` packed sign vectors (each with per-segment
+    scales over ``segments``) added to ``target``; the sum runs over ``j`` in order. Returns ``target``."""
+    if not packed or len(packed) != len(scales):
+        raise ValueError(f"need one scale tensor per packed source, got {len(packed)} and {len(scales)}")
+    if target.numel() != segments.total:
+        raise ValueError(f"target has {target.numel()} elements but the segments cover {segments.total}")
+    for p, s in zip(packed, scales):
+        if p.numel() * 8 != segments.total or s.numel() != len(segments):
+            raise ValueError("every source needs segments.total / 8 packed bytes and one scale per segment")
+    resolved = resolve_backend(target, backend)
+    if resolved == "cpu":
+        return cpu_kernels.add_mean_of_signs_(target, packed, scales, segments)
+    _, signs_into = _bit_kernels(target, resolved)
+    return torch_kernels.add_mean_of_signs_(target, packed, scales, segments, signs_into=signs_into, workspace=workspace)
+
+
+def frozen_adam_update_(
+    params: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    decay: Optional[float],
+    bias_correction2_sqrt: float,
+    eps: float,
+    step: float,
+    backend: Backend = "auto",
+) -> None:
+    """The parameter update of Adam with a frozen variance, in place on ``params``::
+
+        p <- p * decay                     (skipped when decay is None)
+        p <- p + (step * m) / (sqrt(v) / bias_correction2_sqrt + eps)
+
+    ``step`` is ``-lr / bias_correction1``. The ``"cpu"`` backend makes one pass per parameter (all tensors float32
+    and contiguous in CPU memory) with a correctly rounded ``sqrt``; otherwise the ``torch._foreach`` sequence of
+    AdamW runs. They can differ in the last bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about
+    1 element in 140); every rank runs the same backend, so replicas stay identical.
+    """
+    if not params:
+        return
+    native = all(
+        t.is_contiguous() and cpu_kernels.supports(t) for group in (params, exp_avgs, exp_avg_sqs) for t in group
+    )
+    if backend == "cpu" and not native:
+        raise ValueError("backend='cpu' needs contiguous float32 CPU tensors for params and Adam state")
+    if native and resolve_backend(params[0], backend) == "cpu":
+        cpu_kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step)
+        return
+    torch_kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step)

@@ -30,6 +30,7 @@ class Segments:
         self.lengths = tuple(b - a for a, b in self.bounds)
         self._sqrt_lengths: dict[torch.device, torch.Tensor] = {}
         self._chunk_owner: dict[torch.device, torch.Tensor] = {}
+        self._offsets: dict[torch.device, torch.Tensor] = {}
         # Norm chunks: every segment cut into pieces of at most NORM_CHUNK elements (see torch_kernels.segment_scales).
         self.chunk_bounds = tuple(
             (start, min(start + NORM_CHUNK, b)) for a, b in self.bounds for start in range(a, b, NORM_CHUNK)
@@ -70,6 +71,14 @@ class Segments:
         if cached is None:
             cached = torch.tensor(self.lengths, dtype=torch.float32, device=device).sqrt_()
             self._sqrt_lengths[device] = cached
+        return cached
+
+    def offsets_tensor(self, device: torch.device) -> torch.Tensor:
+        """The offsets ``o_0 .. o_S`` as a contiguous int64 tensor on ``device`` (cached)."""
+        device = torch.device(device)
+        cached = self._offsets.get(device)
+        if cached is None:
+            cached = self._offsets[device] = torch.tensor(self.offsets, dtype=torch.int64, device=device)
         return cached
 
     def chunk_owner(self, device: torch.device) -> torch.Tensor:

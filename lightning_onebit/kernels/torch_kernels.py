@@ -9,7 +9,7 @@ products land on distinct bit positions, so no carries disturb the result).
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -130,6 +130,30 @@ def segment_scales(y: torch.Tensor, segments: Segments) -> torch.Tensor:
     return sum_squares.sqrt_().div_(segments.sqrt_lengths(y.device)).to(torch.float32)
 
 
+def compress_in_place(
+    y: torch.Tensor,
+    segments: Segments,
+    packed_out: Optional[torch.Tensor] = None,
+    pack: PackFn = pack_bool,
+    signs_into: SignsFn = unpack_signs_into,
+    workspace: Optional[Workspace] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit compression of ``y``, leaving the compression error in ``y``.
+
+    Per segment ``scale = ||y_s|| / sqrt(len_s)``; ``packed = bits(y >= 0)``; ``y <- y - scale * sgn(y)``. Returns
+    ``(scales, packed)`` with float32 scales, one per segment. The signs subtracted are decoded from ``packed``, so the
+    error is exactly consistent with what was sent.
+    """
+    ws = workspace or Workspace()
+    scales = segment_scales(y, segments)
+    bits = torch.ge(y, 0, out=ws.get("bits", y.numel(), torch.bool, y.device))
+    packed = pack(bits, out=packed_out)
+    signs = signs_into(packed, ws.get("signs", y.numel(), y.dtype, y.device), workspace=ws)
+    for (start, stop), scale in zip(segments.bounds, scales.tolist()):
+        y[start:stop].sub_(signs[start:stop], alpha=scale)
+    return scales, packed
+
+
 def compress_with_error_feedback(
     x: torch.Tensor,
     error: torch.Tensor,
@@ -139,21 +163,8 @@ def compress_with_error_feedback(
     signs_into: SignsFn = unpack_signs_into,
     workspace: Optional[Workspace] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Error-compensated 1-bit compression, in place on ``error``.
-
-    ``y = x + error``; per segment ``scale = ||y_s|| / sqrt(len_s)``; ``packed = bits(y >= 0)``;
-    ``error <- y - scale * sgn(y)``. Returns ``(scales, packed)`` with float32 scales, one per segment.
-    The signs subtracted are decoded from ``packed``, so the error is exactly consistent with what was sent.
-    """
-    ws = workspace or Workspace()
-    y = error.add_(x)
-    scales = segment_scales(y, segments)
-    bits = torch.ge(y, 0, out=ws.get("bits", y.numel(), torch.bool, y.device))
-    packed = pack(bits, out=packed_out)
-    signs = signs_into(packed, ws.get("signs", y.numel(), y.dtype, y.device), workspace=ws)
-    for (start, stop), scale in zip(segments.bounds, scales.tolist()):
-        y[start:stop].sub_(signs[start:stop], alpha=scale)
-    return scales, packed
+    """Error-compensated 1-bit compression, in place on ``error``: ``error += x``, then :func:`compress_in_place`."""
+    return compress_in_place(error.add_(x), segments, packed_out, pack=pack, signs_into=signs_into, workspace=workspace)
 
 
 def decompress(
@@ -178,3 +189,42 @@ def decompress(
     if not accumulate and n < out.numel():
         out[n:].zero_()
     return out
+
+
+def add_mean_of_signs_(
+    target: torch.Tensor,
+    packed: Sequence[torch.Tensor],
+    scales: Sequence[torch.Tensor],
+    segments: Segments,
+    signs_into: SignsFn = unpack_signs_into,
+    workspace: Optional[Workspace] = None,
+) -> torch.Tensor:
+    """``target += (sum_j scale_{j,s} sgn_j) / J`` over ``J`` sources of packed signs sharing one segmentation.
+
+    The sum runs over ``j = 0, 1, ...`` in order and is divided by ``J`` before it is added (the server phase of the
+    compressed allreduce: the mean of the workers' compressed chunks, plus the server's error).
+    """
+    ws = workspace or Workspace()
+    mean = ws.get("mean_of_signs", segments.total, target.dtype, target.device)
+    for j, (p, s) in enumerate(zip(packed, scales)):
+        decompress(p, s, segments, mean, accumulate=j > 0, signs_into=signs_into, workspace=ws)
+    return target.add_(mean.div_(len(packed)))
+
+
+def frozen_adam_update_(
+    params: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    decay: Optional[float],
+    bias_correction2_sqrt: float,
+    eps: float,
+    step: float,
+) -> None:
+    """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / (sqrt(v) / bias_correction2_sqrt + eps)``,
+    as the ``_foreach`` sequence of :class:`torch.optim.AdamW`."""
+    if decay is not None:
+        torch._foreach_mul_(params, decay)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, bias_correction2_sqrt)
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, value=step)

@@ -1,0 +1,201 @@
+"""Regenerate the result tables of README.md from the benchmark outputs in results/.
+
+Each table in the README sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; this script renders
+every NAME from its results file and rewrites the README in place. ``--check`` only compares (exit status 1 when the
+README is stale); the test suite runs that check, so a table cannot drift from the figures it claims.
+
+    python benchmarks/readme_results.py            # rewrite README.md
+    python benchmarks/readme_results.py --check    # verify only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+README = ROOT / "README.md"
+MIB = 2**20
+
+
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3f} s"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def bytes_table() -> str:
+    rows = []
+    for world_size in (2, 3):
+        data = _load(f"compressed_step_P{world_size}_10000000")
+        r = data["per_rank"][0]
+        rows.append([
+            str(world_size),
+            f"{r['bytes_sent_per_step']:,} B",
+            f"{r['fp32_allreduce_bytes']:,} B",
+            f"1/{r['fp32_allreduce_bytes'] / r['bytes_sent_per_step']:.1f}",
+            f"{r['collectives_per_step']} ({r['collectives_per_step'] // r['buckets']} per bucket)",
+        ])
+    r = _load("compressed_step_P2_10000000")["per_rank"][0]
+    intro = (f"A BERT-like model of {r['numel'] / 1e6:.1f}M parameters ({r['tensors']} tensors, {r['buckets']} momentum "
+             "buckets), bytes each rank sends per step:\n\n")
+    return intro + _table(["ranks", "compressed step", "fp32 ring allreduce", "ratio", "collectives per compressed step"], rows)
+
+
+def allreduce_table() -> str:
+    data = _load("allreduce_sweep_P2")
+    rows = [
+        [f"{r['numel']:,}", _s(r["fp32_s"]), _s(r["onebit_s"]), f"{r['fp32_s'] / r['onebit_s']:.2f}",
+         f"{r['fp32_bytes'] / r['onebit_bytes']:.1f}"]
+        for r in data["rows"]
+    ]
+    header = ["elements", "fp32 `all_reduce`", "compressed allreduce", "speed ratio (fp32 / compressed)", "bytes ratio"]
+    return f"{data['args']['world_size']} ranks, median of {data['args']['repeats']}:\n\n" + _table(header, rows)
+
+
+def loopback_step_table() -> str:
+    rows = []
+    for world_size, params in ((2, 25_000_000), (2, 10_000_000), (3, 10_000_000)):
+        data = _load(f"compressed_step_P{world_size}_{params}")
+        base, onebit = data["max_baseline_s"], data["max_compressed_s"]
+        rows.append([f"{params / 1e6:.0f}M", str(world_size), _s(base), _s(onebit), f"{base / onebit:.2f}x"])
+    header = ["parameters", "ranks", "fp32 allreduce + AdamW(foreach)", "OnebitAdam compressed step",
+              "speed ratio (goal >= 1 at 25M, 2 ranks)"]
+    return _table(header, rows)
+
+
+_SLOW_LINK_ROWS = (
+    ("ddp_fp32", "DDP fp32 + AdamW"),
+    ("ddp_bf16", "DDP + bf16_compress_hook + AdamW"),
+    ("ddp_powersgd", "DDP + PowerSGD rank 4 + AdamW"),
+    ("onebit_adam:warmup", "onebit_adam, warmup"),
+    ("onebit_adam:compression", "**onebit_adam, compression stage**"),
+    ("local_2proc", "2 processes, no communication"),
+    ("floor", "compute floor (1 process, no communication)"),
+)
+
+
+def slow_link_table(name: str = "slow_link") -> str:
+    data = _load(name)
+    rates = list(data["rates"])
+    cfg = data["config"]
+    model = data.get("model", {})
+    header = ["method", "bytes per rank per step"]
+    for rate in rates:
+        header += [f"{rate} step", "vs onebit"]
+    rows = []
+    for key, label in _SLOW_LINK_ROWS:
+        first = data["rates"][rates[0]]["rows"].get(key)
+        if first is None:
+            continue
+        row = [label, f"{int(first['bytes_per_step']):,}"]
+        for rate in rates:
+            r = data["rates"][rate]["rows"][key]
+            row += [_s(r["step_s"]), f"{r['ratio_to_onebit_compression']:.2f}x"]
+        rows.append(row)
+    params = model.get("params")
+    described = f"{params / 1e6:.1f}M parameters, " if params else ""
+    intro = (f"BERT {cfg['layers']} layers / hidden {cfg['hidden']} ({described}batch {cfg['batch']} x sequence "
+             f"{cfg['seq']} per rank), {data['environment']['world_size']} ranks, median of {cfg['steps']} steps "
+             f"(slower rank) after {cfg['warmup_steps']} warmup steps:\n\n")
+    goals = []
+    for rate in rates:
+        for g in data["rates"][rate]["goals"]:
+            verdict = "met" if g["met"] else "**not met**"
+            goals.append(f"- {rate}: {g['goal']} = **{g['value']:.2f}** (goal {g['target']}): {verdict}")
+    return intro + _table(header, rows) + "\n\nGoals (defined at 1 Gbit/s; 200 Mbit/s shown for reference):\n\n" + "\n".join(goals)
+
+
+def memory_table() -> str:
+    data = _load("memory")
+    adamw, onebit = data["per_rank"]["adamw"][0], data["per_rank"]["onebit"][0]
+    rows = [["optimizer state (momentum, variance)", f"{adamw['optimizer_bytes'] / MIB:.0f} MiB",
+             f"{onebit['breakdown']['state (momentum, variance)'] / MIB:.0f} MiB"]]
+    for key, value in onebit["breakdown"].items():
+        if key != "state (momentum, variance)":
+            rows.append([key, "-", f"{value / MIB:.0f} MiB"])
+    rows.append(["**optimizer total**", f"**{adamw['optimizer_bytes'] / MIB:.0f} MiB**",
+                 f"**{onebit['optimizer_bytes'] / MIB:.0f} MiB**"])
+    rows.append(["peak resident memory of the process", f"{adamw['peak_rss_bytes'] / MIB:.0f} MiB",
+                 f"{onebit['peak_rss_bytes'] / MIB:.0f} MiB"])
+    intro = (f"{data['args']['params'] / 1e6:.0f}M fp32 parameters, {data['args']['world_size']} ranks, rank 0 "
+             f"(parameters themselves: {adamw['param_bytes'] / MIB:.0f} MiB):\n\n")
+    return intro + _table(["", "AdamW", "OnebitAdam"], rows)
+
+
+def parity_table() -> str:
+    data = _load("bert_parity")
+    a, o = data["runs"]["ddp_adamw"], data["runs"]["onebit_adam"]
+    steps = o["steps"]
+    compressed_steps = steps - o["freeze_step"]
+    warm = o["bytes_sent_warmup"] / o["freeze_step"]
+    comp = o["bytes_sent_compression"] / compressed_steps
+    rows = [
+        ["validation accuracy", f"{a['val_acc']:.2%}", f"{o['val_acc']:.2%}"],
+        ["validation macro F1", f"{a['val_f1']:.4f}", f"{o['val_f1']:.4f}"],
+        ["bytes sent per rank, whole run", f"{a['bytes_sent']:,}",
+         f"{o['bytes_sent']:,} ({a['bytes_sent'] / o['bytes_sent']:.1f}x less)"],
+        ["bytes per rank per step", f"{a['bytes_sent'] / a['steps']:,.0f}",
+         f"{warm:,.0f} in warmup, {comp:,.0f} compressed ({warm / comp:.1f}x less)"],
+        ["wall time (loopback, validation included)", f"{a['wall_s']:.1f} s", f"{o['wall_s']:.1f} s"],
+    ]
+    intro = f"{steps} steps, onebit_adam froze at step {o['freeze_step']}:\n\n"
+    table = _table(["", "DDP + AdamW", "onebit_adam"], rows)
+    if "bag_of_words_val_acc" in data:
+        table += (f"\n\nA bag-of-words logistic regression reaches {data['bag_of_words_val_acc']:.1%} on the same task "
+                  "(chance is 50%): the task needs word order.")
+    return intro + table
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "bytes": bytes_table,
+    "allreduce_sweep": allreduce_table,
+    "loopback_step": loopback_step_table,
+    "slow_link": slow_link_table,
+    "memory": memory_table,
+    "bert_parity": parity_table,
+}
+
+
+def render(readme: str) -> str:
+    """``readme`` with every marked section replaced by its rendering from results/."""
+    for name, build in SECTIONS.items():
+        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
+        if not pattern.search(readme):
+            raise SystemExit(f"README.md has no <!-- results:{name} --> ... <!-- /results:{name} --> block")
+        body = build()
+        readme = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), readme)
+    return readme
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from the results")
+    args = parser.parse_args()
+    current = README.read_text()
+    updated = render(current)
+    if args.check:
+        if updated != current:
+            print("README.md result tables are stale: run python benchmarks/readme_results.py", file=sys.stderr)
+            sys.exit(1)
+        print("README.md result tables match results/")
+        return
+    README.write_text(updated)
+    print("README.md result tables regenerated from results/")
+
+
+if __name__ == "__main__":
+    main()

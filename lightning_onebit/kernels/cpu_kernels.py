@@ -1,0 +1,217 @@
+"""Fused 1-bit kernels for float32 tensors in CPU memory, compiled from ``cpu_native.c`` on first use.
+
+The pure-torch kernels make several passes over memory per operation (``torch.ge``, a bool buffer, a multiply-pack, a
+table decode, one ``sub_`` per segment). These C kernels make one, with AVX2 where the CPU has it, and the compression
+kernels give exactly the same bits (tests compare them byte for byte). They are optional: :func:`is_available` is ``False`` when no C compiler
+is found or the build fails, and the dispatcher in :mod:`lightning_onebit.kernels` then uses the torch kernels.
+
+Build: one ``cc -O3 -shared`` call (well under a second) into a cache directory, keyed by a hash of the source, the
+compiler and its flags, and written atomically, so concurrent ranks neither rebuild each other's file nor load a half
+written one. Environment variables:
+
+* ``LIGHTNING_ONEBIT_NATIVE=0``: never build or load the library (the torch kernels are used).
+* ``LIGHTNING_ONEBIT_CACHE_DIR``: where the library goes (default ``$XDG_CACHE_HOME/lightning_onebit``, else
+  ``~/.cache/lightning_onebit``).
+* ``CC``: the C compiler (default ``cc``).
+
+The functions run with the GIL released (ctypes does so for every foreign call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd.graph import increment_version
+
+from lightning_onebit.kernels.segments import Segments
+from lightning_onebit.kernels.torch_kernels import segment_scales
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_native.c")
+# No -ffast-math and no contraction: every element must be the same IEEE operation as in the torch reference.
+_CFLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_f32 = ctypes.c_float
+_SIGNATURES = {
+    "onebit_pack_and_subtract": [_p, _i64, _p, _p, _p],
+    "onebit_decode": [_p, _i64, _p, _p, _p, ctypes.c_int],
+    "onebit_add_mean_of_signs": [_p, _i64, _p, _p, _p, _i64],
+    "onebit_frozen_adam_update": [_p, _p, _p, _i64, _f32, ctypes.c_int, _f32, _f32, _f32],
+}
+
+
+def cache_dir() -> Path:
+    """Directory holding the compiled library."""
+    explicit = os.environ.get("LIGHTNING_ONEBIT_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning_onebit"
+
+
+def _compiler() -> Optional[list[str]]:
+    command = shlex.split(os.environ.get("CC", "cc"))
+    if not command or shutil.which(command[0]) is None:
+        return None
+    return command
+
+
+def _build(compiler: list[str]) -> Path:
+    source = _SOURCE.read_bytes()
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = b""
+    digest = hashlib.sha256(b"\0".join([source, version, " ".join(_CFLAGS).encode()])).hexdigest()[:16]
+    target = cache_dir() / f"onebit_cpu_{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [*compiler, *_CFLAGS, "-o", scratch, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(compiler)} failed:\n{result.stderr.strip()}")
+        os.replace(scratch, target)  # atomic: another rank either sees no file or a complete one
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> Optional[ctypes.CDLL]:
+    if os.environ.get("LIGHTNING_ONEBIT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        log.debug("native CPU kernels disabled by LIGHTNING_ONEBIT_NATIVE")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.info("no C compiler found (set CC); using the torch CPU kernels")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except Exception as error:  # a broken toolchain must not stop training: the torch kernels give the same bits
+        log.warning("could not build the native CPU kernels, using the torch kernels instead: %s", error)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes = argtypes
+        function.restype = None
+    return library
+
+
+def is_available() -> bool:
+    """True when the native library is built (or buildable now) and loads."""
+    return _library() is not None
+
+
+def supports(tensor: torch.Tensor) -> bool:
+    """True for tensors these kernels take: float32 in CPU memory."""
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32
+
+
+def _lib() -> ctypes.CDLL:
+    library = _library()
+    if library is None:
+        raise RuntimeError(
+            "the native CPU kernels are unavailable (no working C compiler, or LIGHTNING_ONEBIT_NATIVE=0); "
+            "use kernel_backend='torch' or 'auto'"
+        )
+    return library
+
+
+def _check(tensor: torch.Tensor, name: str, dtype: torch.dtype = torch.float32) -> None:
+    if tensor.device.type != "cpu" or tensor.dtype != dtype or not tensor.is_contiguous():
+        raise ValueError(f"{name}: the native CPU kernels need a contiguous {dtype} CPU tensor, got "
+                         f"{tensor.dtype} on {tensor.device}")
+
+
+def compress_in_place(
+    y: torch.Tensor, segments: Segments, packed_out: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per segment ``scale = ||y_s|| / sqrt(len_s)``; ``packed = bits(y >= 0)``; ``y <- y - scale * sgn(y)``."""
+    _check(y, "y")
+    scales = segment_scales(y, segments)  # shared with the torch path, so the scales are the same bits
+    if packed_out is None:
+        packed_out = torch.empty(y.numel() // 8, dtype=torch.uint8)
+    _check(packed_out, "packed_out", torch.uint8)
+    _lib().onebit_pack_and_subtract(
+        y.data_ptr(), y.numel(), segments.offsets_tensor(y.device).data_ptr(), scales.data_ptr(), packed_out.data_ptr()
+    )
+    return scales, packed_out
+
+
+def decompress(
+    packed: torch.Tensor, scales: torch.Tensor, segments: Segments, out: torch.Tensor, accumulate: bool = False
+) -> torch.Tensor:
+    """``out (+)= scale_s * sgn`` per segment; elements past ``segments.total`` are zeroed when not accumulating."""
+    _check(out, "out")
+    _check(packed, "packed", torch.uint8)
+    scales = scales.to(torch.float32).contiguous()
+    n = segments.total
+    _lib().onebit_decode(
+        packed.data_ptr(), n, segments.offsets_tensor(out.device).data_ptr(), scales.data_ptr(), out.data_ptr(),
+        int(accumulate),
+    )
+    if not accumulate and n < out.numel():
+        out[n:].zero_()
+    return out
+
+
+def add_mean_of_signs_(
+    target: torch.Tensor, packed: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], segments: Segments
+) -> torch.Tensor:
+    """``target += mean_j(scale_{j,s} * sgn_j)`` over the sources ``j`` (summed in order, then divided)."""
+    _check(target, "target")
+    scales = [s.to(torch.float32).contiguous() for s in scales]
+    for p in packed:
+        _check(p, "packed", torch.uint8)
+    count = len(packed)
+    packed_pointers = (ctypes.c_void_p * count)(*(p.data_ptr() for p in packed))
+    scale_pointers = (ctypes.c_void_p * count)(*(s.data_ptr() for s in scales))
+    _lib().onebit_add_mean_of_signs(
+        target.data_ptr(), segments.total, segments.offsets_tensor(target.device).data_ptr(),
+        packed_pointers, scale_pointers, count,
+    )
+    return target
+
+
+def frozen_adam_update_(
+    params: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    decay: Optional[float],
+    bias_correction2_sqrt: float,
+    eps: float,
+    step: float,
+) -> None:
+    """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / (sqrt(v) / bias_correction2_sqrt + eps)``.
+
+    One pass per parameter. Every operation is correctly rounded IEEE float32 (numpy's float32 sequence gives the same
+    bits); torch's own CPU ``sqrt`` is not always, so the torch path can differ in the last bit.
+    """
+    update = _lib().onebit_frozen_adam_update
+    for p, m, v in zip(params, exp_avgs, exp_avg_sqs):
+        for tensor, name in ((p, "param"), (m, "exp_avg"), (v, "exp_avg_sq")):
+            _check(tensor, name)
+        update(
+            p.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), 1.0 if decay is None else decay, decay is not None,
+            bias_correction2_sqrt, eps, step,
+        )
+        increment_version(p)  # as an in-place torch op would: autograd must see that p changed
