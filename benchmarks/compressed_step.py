@@ -51,7 +51,7 @@ def _allreduce_grads(buckets: list[list[torch.Tensor]], world_size: int) -> None
             offset += p.numel()
 
 
-def _bench(rank: int, world_size: int, n_params: float, steps: int) -> dict:
+def _bench(rank: int, world_size: int, n_params: float, steps: int, bucket_cap_mb: float = 25.0) -> dict:
     torch.manual_seed(rank)
     shapes = bert_like_shapes(n_params)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
@@ -69,7 +69,7 @@ def _bench(rank: int, world_size: int, n_params: float, steps: int) -> dict:
         adamw.step()
         baseline.append(time.perf_counter() - t0)
 
-    onebit = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1)
+    onebit = OnebitAdam(params, lr=1e-4, weight_decay=0.01, freeze_step=1, bucket_cap_mb=bucket_cap_mb)
     _allreduce_grads(buckets, world_size)
     onebit.step()  # the one warmup step
     compressed, sent, collectives = [], [], []
@@ -100,8 +100,10 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of loopback ranks (default 2)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method (default 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="OnebitAdam bucket_cap_mb (default 25)")
+    parser.add_argument("--name", help="results/<name>.json (default compressed_step_P{world_size}_{params})")
     args = parser.parse_args()
-    results = launch(_bench, args.world_size, args.params, args.steps, threads=args.threads)
+    results = launch(_bench, args.world_size, args.params, args.steps, args.bucket_cap_mb, threads=args.threads)
     r = results[0]
     slowest = {k: max(res[k] for res in results) for k in ("baseline_s", "compressed_s")}
     ratio = r["bytes_sent_per_step"] / r["fp32_allreduce_bytes"]
@@ -116,7 +118,7 @@ def main() -> None:
     print(f"{'OnebitAdam compressed step (s)':40s}{slowest['compressed_s']:>16.4f}")
     print(f"{'speed ratio (baseline / compressed)':40s}{slowest['baseline_s'] / slowest['compressed_s']:>16.2f}")
     path = write_results(
-        f"compressed_step_P{args.world_size}_{int(args.params)}",
+        args.name or f"compressed_step_P{args.world_size}_{int(args.params)}",
         dict(args=vars(args), per_rank=results, bytes_ratio=ratio, **{f"max_{k}": v for k, v in slowest.items()}),
     )
     print(f"written to {path}")

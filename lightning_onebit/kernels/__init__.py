@@ -234,6 +234,8 @@ def frozen_adam_update_(
     AdamW runs. They can differ in the last bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about
     1 element in 140); every rank runs the same backend, so replicas stay identical.
     """
+    if not len(params) == len(exp_avgs) == len(exp_avg_sqs):
+        raise ValueError(f"got {len(params)} params, {len(exp_avgs)} exp_avgs and {len(exp_avg_sqs)} exp_avg_sqs")
     if not params:
         return
     native = all(

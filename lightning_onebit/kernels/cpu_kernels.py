@@ -151,6 +151,9 @@ def compress_in_place(
     if packed_out is None:
         packed_out = torch.empty(y.numel() // 8, dtype=torch.uint8)
     _check(packed_out, "packed_out", torch.uint8)
+    if packed_out.numel() * 8 != y.numel() or segments.total != y.numel():
+        raise ValueError(f"{y.numel()} elements need {y.numel() // 8} packed bytes and segments covering them, got "
+                         f"{packed_out.numel()} bytes and segments of {segments.total}")
     _lib().onebit_pack_and_subtract(
         y.data_ptr(), y.numel(), segments.offsets_tensor(y.device).data_ptr(), scales.data_ptr(), packed_out.data_ptr()
     )
@@ -165,6 +168,9 @@ def decompress(
     _check(packed, "packed", torch.uint8)
     scales = scales.to(torch.float32).contiguous()
     n = segments.total
+    if packed.numel() * 8 != n or out.numel() < n or scales.numel() != len(segments):
+        raise ValueError(f"decompress: {packed.numel()} bytes, {scales.numel()} scales and out of {out.numel()} "
+                         f"elements do not fit segments of {n} elements in {len(segments)} segments")
     _lib().onebit_decode(
         packed.data_ptr(), n, segments.offsets_tensor(out.device).data_ptr(), scales.data_ptr(), out.data_ptr(),
         int(accumulate),
@@ -182,6 +188,11 @@ def add_mean_of_signs_(
     scales = [s.to(torch.float32).contiguous() for s in scales]
     for p in packed:
         _check(p, "packed", torch.uint8)
+    if not packed or len(packed) != len(scales) or target.numel() != segments.total:
+        raise ValueError("add_mean_of_signs_: need one scale tensor per source and a target covering the segments")
+    for p, sc in zip(packed, scales):
+        if p.numel() * 8 != segments.total or sc.numel() != len(segments):
+            raise ValueError("add_mean_of_signs_: every source needs segments.total / 8 bytes and one scale per segment")
     count = len(packed)
     packed_pointers = (ctypes.c_void_p * count)(*(p.data_ptr() for p in packed))
     scale_pointers = (ctypes.c_void_p * count)(*(s.data_ptr() for s in scales))
@@ -207,9 +218,14 @@ def frozen_adam_update_(
     bits); torch's own CPU ``sqrt`` is not always, so the torch path can differ in the last bit.
     """
     update = _lib().onebit_frozen_adam_update
+    if not len(params) == len(exp_avgs) == len(exp_avg_sqs):
+        raise ValueError(f"got {len(params)} params, {len(exp_avgs)} exp_avgs and {len(exp_avg_sqs)} exp_avg_sqs")
     for p, m, v in zip(params, exp_avgs, exp_avg_sqs):
         for tensor, name in ((p, "param"), (m, "exp_avg"), (v, "exp_avg_sq")):
             _check(tensor, name)
+        if not p.numel() == m.numel() == v.numel():
+            raise ValueError(f"param, exp_avg and exp_avg_sq differ in size: {p.numel()}, {m.numel()}, {v.numel()}")
+    for p, m, v in zip(params, exp_avgs, exp_avg_sqs):
         update(
             p.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), 1.0 if decay is None else decay, decay is not None,
             bias_correction2_sqrt, eps, step,
