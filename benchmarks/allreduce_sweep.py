@@ -6,6 +6,7 @@ sends. Results: ``results/allreduce_sweep_P{world_size}.json``.
 
     python benchmarks/allreduce_sweep.py                 # 1M, 3M, 10M, 30M, 100M elements
     python benchmarks/allreduce_sweep.py --sizes 1e6 1e7
+    python benchmarks/allreduce_sweep.py --backend torch --name allreduce_sweep_P2_torch   # the pure-torch kernels
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from benchmarks.common import launch, write_results  # noqa: E402
 from lightning_onebit import BucketLayout, CompressedAllreduceState, compressed_allreduce_  # noqa: E402
 
 
-def _sweep(rank: int, world_size: int, sizes: list[int], repeats: int) -> list[dict]:
+def _sweep(rank: int, world_size: int, sizes: list[int], repeats: int, backend: str = "auto") -> list[dict]:
     rows = []
     for n in sizes:
         layout = BucketLayout.build([n], world_size)
         data = torch.randn(layout.padded_numel, generator=torch.Generator().manual_seed(rank))
         data[n:] = 0
         plain, compressed = data[:n].clone(), data.clone()
-        state = CompressedAllreduceState()
+        state = CompressedAllreduceState(backend=backend)
         fp32_times, onebit_times = [], []
         for _ in range(repeats + 1):  # the first call of each warms up buffers and connections
             plain.copy_(data[:n])
@@ -62,9 +63,12 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 3e6, 1e7, 3e7, 1e8], help="elements")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backend", choices=("auto", "torch", "cpu"), default="auto",
+                        help="kernel backend of the compressed allreduce (default auto: the fused C kernels on CPU)")
+    parser.add_argument("--name", help="results/<name>.json (default allreduce_sweep_P{world_size})")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes]
-    per_rank = launch(_sweep, args.world_size, sizes, args.repeats)
+    per_rank = launch(_sweep, args.world_size, sizes, args.repeats, args.backend)
     rows = []
     for i, n in enumerate(sizes):
         row = dict(per_rank[0][i])
@@ -77,7 +81,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['numel']:>12,d}{r['fp32_s']:>18.4f}{r['onebit_s']:>14.4f}{r['fp32_s'] / r['onebit_s']:>13.2f}"
               f"{r['fp32_bytes']:>14,d}{r['onebit_bytes']:>13,d}{r['fp32_bytes'] / r['onebit_bytes']:>13.1f}")
-    print(f"written to {write_results(f'allreduce_sweep_P{args.world_size}', dict(args=vars(args), rows=rows))}")
+    print(f"written to {write_results(args.name or f'allreduce_sweep_P{args.world_size}', dict(args=vars(args), rows=rows))}")
 
 
 if __name__ == "__main__":

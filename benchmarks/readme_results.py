@@ -57,12 +57,15 @@ def bytes_table() -> str:
 
 def allreduce_table() -> str:
     data = _load("allreduce_sweep_P2")
+    torch_rows = {r["numel"]: r for r in _load("allreduce_sweep_P2_torch")["rows"]}
     rows = [
         [f"{r['numel']:,}", _s(r["fp32_s"]), _s(r["onebit_s"]), f"{r['fp32_s'] / r['onebit_s']:.2f}",
+         _s(torch_rows[r["numel"]]["onebit_s"]), f"{torch_rows[r['numel']]['fp32_s'] / torch_rows[r['numel']]['onebit_s']:.2f}",
          f"{r['fp32_bytes'] / r['onebit_bytes']:.1f}"]
         for r in data["rows"]
     ]
-    header = ["elements", "fp32 `all_reduce`", "compressed allreduce", "speed ratio (fp32 / compressed)", "bytes ratio"]
+    header = ["elements", "fp32 `all_reduce`", "compressed (C kernels)", "speed ratio", "compressed (torch kernels)",
+              "speed ratio", "bytes ratio"]
     return f"{data['args']['world_size']} ranks, median of {data['args']['repeats']}:\n\n" + _table(header, rows)
 
 
@@ -116,7 +119,28 @@ def slow_link_table(name: str = "slow_link") -> str:
         for g in data["rates"][rate]["goals"]:
             verdict = "met" if g["met"] else "**not met**"
             goals.append(f"- {rate}: {g['goal']} = **{g['value']:.2f}** (goal {g['target']}): {verdict}")
-    return intro + _table(header, rows) + "\n\nGoals (defined at 1 Gbit/s; 200 Mbit/s shown for reference):\n\n" + "\n".join(goals)
+    others = [rate for rate in rates if rate != "1gbit"]
+    scope = f"; {', '.join(others)} shown for reference" if others else ""
+    return intro + _table(header, rows) + f"\n\nGoals (defined at 1 Gbit/s{scope}):\n\n" + "\n".join(goals)
+
+
+def bucket_sweep_table() -> str:
+    """Compression-stage step time per bucket size, from the slow_link_onebit_bucket*.json runs."""
+    runs = {}
+    for path in sorted(RESULTS.glob("slow_link_onebit_bucket*.json")):
+        data = json.loads(path.read_text())
+        runs[float(data["config"]["onebit_bucket_cap_mb"])] = data
+    rates = list(next(iter(runs.values()))["rates"])
+    header = ["bucket_cap_mb", "collectives per step"] + [f"{rate} step" for rate in rates]
+    rows = []
+    for cap in sorted(runs):
+        data = runs[cap]
+        first = data["rates"][rates[0]]["rows"]["onebit_adam:compression"]
+        row = [f"{cap:g}" + (" (default)" if cap == 25.0 else ""), f"{first['collectives_per_step']:g}"]
+        for rate in rates:
+            row.append(_s(data["rates"][rate]["rows"]["onebit_adam:compression"]["step_s"]))
+        rows.append(row)
+    return _table(header, rows)
 
 
 def memory_table() -> str:
@@ -165,6 +189,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "allreduce_sweep": allreduce_table,
     "loopback_step": loopback_step_table,
     "slow_link": slow_link_table,
+    "slow_link_batch8": lambda: slow_link_table("slow_link_batch8"),
+    "bucket_sweep": bucket_sweep_table,
     "memory": memory_table,
     "bert_parity": parity_table,
 }

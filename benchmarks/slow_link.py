@@ -321,7 +321,8 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             extra["powersgd_compression_stats"] = list(state.compression_stats())
         elif method == "onebit_adam":
             model = DDP(model)
-            opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W)
+            opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W,
+                             bucket_cap_mb=cfg["onebit_bucket_cap_mb"])
             sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
             model.register_comm_hook(sync, switchable_allreduce_hook)
 
@@ -505,7 +506,8 @@ def shaped_namespace(name: str, rate: str, burst: str, latency: str):
 
 def _worker_command(args: argparse.Namespace, mode: str, out: str) -> list[str]:
     cmd = [sys.executable, str(SCRIPT), mode, "--out", out]
-    for flag in ("layers", "hidden", "heads", "batch", "seq", "vocab", "warmup_steps", "steps", "untimed", "adamw"):
+    for flag in ("layers", "hidden", "heads", "batch", "seq", "vocab", "warmup_steps", "steps", "untimed", "adamw",
+                 "onebit_bucket_cap_mb"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
@@ -536,7 +538,7 @@ def _run_worker(cmd: list[str], out: str, timeout: float, netns: Optional[str] =
 def _config(args: argparse.Namespace) -> dict:
     return dict(layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq,
                 vocab=args.vocab, warmup_steps=args.warmup_steps, steps=args.steps, untimed=args.untimed,
-                adamw=args.adamw, methods=list(args.methods))
+                adamw=args.adamw, onebit_bucket_cap_mb=args.onebit_bucket_cap_mb, methods=list(args.methods))
 
 
 def main() -> None:
@@ -558,6 +560,8 @@ def main() -> None:
                              "fastest on CPU; torch's CPU default is forloop)")
     parser.add_argument("--methods", nargs="+", default=[*DIST_METHODS, "floor"],
                         choices=[*DIST_METHODS, "floor"], help="subset of methods (default all)")
+    parser.add_argument("--onebit-bucket-cap-mb", type=float, default=25.0,
+                        help="OnebitAdam bucket_cap_mb: size of the compressed momentum buckets (default 25)")
     parser.add_argument("--no-netns", action="store_true", help="plain unshaped loopback, no namespace")
     parser.add_argument("--burst", default="256kb", help="tbf burst (default 256kb)")
     parser.add_argument("--latency", default="50ms", help="tbf latency (default 50ms)")

@@ -26,7 +26,7 @@ from lightning_onebit.comm import (
 )
 from lightning_onebit.kernels import cpu_kernels
 from tests.distributed import run_distributed
-from tests.test_comm import CountCollectives, _seed, reference_allreduce
+from tests.test_comm import CountCollectives, _make_buffer, _seed, reference_allreduce
 
 CALLS = 5
 # Three buckets of different layouts: many tensors with padding and a zero-size tensor; one tensor that is all zeros
@@ -36,16 +36,6 @@ BUCKETS: dict[Hashable, tuple[tuple[int, ...], tuple[float, ...]]] = {
     ("zeros", 1): ((64, 130, 811), (2.0, 0.0, 0.01)),
     7: ((3,), (1.0,)),
 }
-
-
-def _make_buffer(layout: BucketLayout, magnitudes, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    buffer = torch.zeros(layout.padded_numel)
-    offset = 0
-    for n, mag in zip(layout.tensor_numels, magnitudes):
-        buffer[offset : offset + n] = torch.randn(n, generator=g) * mag
-        offset += n
-    return buffer
 
 
 def _inputs(layouts: dict, rank: int, t: int) -> dict[Hashable, torch.Tensor]:
