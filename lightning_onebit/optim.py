@@ -89,7 +89,8 @@ class OnebitAdam(torch.optim.Optimizer):
         bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype). Default ``25``.
         process_group: group whose ranks average momenta; ``None`` (default) means WORLD, resolved at step time.
             The Lightning strategy sets its data-parallel group here.
-        kernel_backend: ``"auto"`` (default), ``"torch"`` or ``"cupy"``, see :mod:`lightning_onebit.kernels`.
+        kernel_backend: ``"auto"`` (default), ``"torch"``, ``"cpu"`` (fused C kernels for float32 CPU tensors) or
+            ``"cupy"``, see :mod:`lightning_onebit.kernels`. ``"auto"`` takes the fastest one available per tensor.
 
     Param-group option ``exp_avg_mask``: a tensor of each parameter's shape (the group-wide DeepSpeed form, for
     groups whose parameters share one shape) or a list with one tensor or ``None`` per parameter. It multiplies the
