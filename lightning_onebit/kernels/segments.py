@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -28,9 +28,7 @@ class Segments:
         self.offsets = offsets
         self.bounds = tuple(zip(offsets[:-1], offsets[1:]))
         self.lengths = tuple(b - a for a, b in self.bounds)
-        self._sqrt_lengths: dict[torch.device, torch.Tensor] = {}
-        self._chunk_owner: dict[torch.device, torch.Tensor] = {}
-        self._offsets: dict[torch.device, torch.Tensor] = {}
+        self._device_tensors: dict[tuple[str, torch.device], torch.Tensor] = {}
         # Norm chunks: every segment cut into pieces of at most NORM_CHUNK elements (see torch_kernels.segment_scales).
         self.chunk_bounds = tuple(
             (start, min(start + NORM_CHUNK, b)) for a, b in self.bounds for start in range(a, b, NORM_CHUNK)
@@ -64,27 +62,26 @@ class Segments:
         """Views of ``buffer`` (1-D), one per segment."""
         return [buffer[a:b] for a, b in self.bounds]
 
+    def _on_device(self, name: str, device: torch.device, build: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
+        """``build(device)``, computed once per (name, device)."""
+        key = (name, torch.device(device))
+        cached = self._device_tensors.get(key)
+        if cached is None:
+            cached = self._device_tensors[key] = build(key[1])
+        return cached
+
     def sqrt_lengths(self, device: torch.device) -> torch.Tensor:
         """``sqrt(len_s)`` as a float32 tensor on ``device`` (cached)."""
-        device = torch.device(device)
-        cached = self._sqrt_lengths.get(device)
-        if cached is None:
-            cached = torch.tensor(self.lengths, dtype=torch.float32, device=device).sqrt_()
-            self._sqrt_lengths[device] = cached
-        return cached
+        return self._on_device(
+            "sqrt_lengths", device, lambda d: torch.tensor(self.lengths, dtype=torch.float32, device=d).sqrt_()
+        )
 
     def offsets_tensor(self, device: torch.device) -> torch.Tensor:
         """The offsets ``o_0 .. o_S`` as a contiguous int64 tensor on ``device`` (cached)."""
-        device = torch.device(device)
-        cached = self._offsets.get(device)
-        if cached is None:
-            cached = self._offsets[device] = torch.tensor(self.offsets, dtype=torch.int64, device=device)
-        return cached
+        return self._on_device("offsets", device, lambda d: torch.tensor(self.offsets, dtype=torch.int64, device=d))
 
     def chunk_owner(self, device: torch.device) -> torch.Tensor:
         """For every norm chunk, the index of its segment (int64 on ``device``, cached)."""
-        device = torch.device(device)
-        cached = self._chunk_owner.get(device)
-        if cached is None:
-            cached = self._chunk_owner[device] = torch.tensor(self._chunk_owner_list, dtype=torch.int64, device=device)
-        return cached
+        return self._on_device(
+            "chunk_owner", device, lambda d: torch.tensor(self._chunk_owner_list, dtype=torch.int64, device=d)
+        )
