@@ -37,6 +37,23 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def kernels_table() -> str:
+    data = _load("kernels")
+    by_kernel: dict[str, dict[str, dict]] = {}
+    for r in data["rows"]:
+        by_kernel.setdefault(r["kernel"], {})[r["backend"]] = r
+    backends = [b for b in ("torch", "cpu") if any(b in v for v in by_kernel.values())]
+    header = ["kernel"] + [f"{b} ({'C' if b == 'cpu' else 'pure torch'})" for b in backends]
+    rows = []
+    for kernel, per_backend in by_kernel.items():
+        rows.append([kernel] + [f"{per_backend[b]['ms']:.1f} ms = {per_backend[b]['copies']:.2f}x copy"
+                                for b in backends])
+    intro = (f"One float32 buffer of {data['numel']:,} elements in {data['segments']} segments (a BERT-like momentum "
+             f"bucket), one thread, best of {data['args']['repeats']}; a plain copy of it takes {data['copy_ms']:.1f} "
+             "ms (the Adam update covers all parameters, its copy figure is scaled to their count):\n\n")
+    return intro + _table(header, rows)
+
+
 def bytes_table() -> str:
     rows = []
     for world_size in (2, 3):
@@ -185,6 +202,7 @@ def parity_table() -> str:
 
 
 SECTIONS: dict[str, Callable[[], str]] = {
+    "kernels": kernels_table,
     "bytes": bytes_table,
     "allreduce_sweep": allreduce_table,
     "loopback_step": loopback_step_table,

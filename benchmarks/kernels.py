@@ -1,0 +1,109 @@
+"""Single-thread time of each compression kernel against a plain copy of the same buffer, per backend.
+
+For one flat float32 buffer cut into BERT-like tensor segments (the momentum bucket of
+``benchmarks.common.bert_like_shapes(--params)`` that holds the most tensors, padded for 2 ranks), the best of
+``--repeats`` runs of:
+
+  copy                  ``dst.copy_(src)``: reads and writes the buffer once, the memory-bandwidth yardstick
+  compress              ``compress_with_error_feedback``: error add, per-segment scales, sign packing, error update
+  decompress            ``decompress``: unpack and scale into a buffer
+  decompress+accumulate ``decompress(accumulate=True)``
+  server mean           ``add_mean_of_signs_`` over 2 sources of half the buffer each (the server phase at P = 2)
+  frozen Adam update    ``frozen_adam_update_`` of all parameters (one pass over p, m, v per tensor)
+
+for every available CPU backend (``torch``, and ``cpu`` where the C kernels build). Results: results/kernels.json.
+
+    python benchmarks/kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import bert_like_shapes, write_results  # noqa: E402
+from lightning_onebit import BucketLayout, kernels  # noqa: E402
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def _best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm: page faults, lazy builds
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=22.7e6, help="BERT-like model size (default 22.7e6)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per kernel, best kept (default 7)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    numels = [int(torch.Size(s).numel()) for s in bert_like_shapes(args.params)]
+    buckets, size = [[]], 0
+    for n in numels:  # momentum buckets as OnebitAdam cuts them (25 MB)
+        if buckets[-1] and size + 4 * n > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(n)
+        size += 4 * n
+    # the bucket of encoder-layer tensors with the most segments (the first one holds the word embedding alone)
+    layout = BucketLayout.build(max(buckets, key=len), 2)
+    n = layout.padded_numel
+    g = torch.Generator().manual_seed(0)
+    x, error, out = torch.randn(n, generator=g), torch.zeros(n), torch.empty(n)
+    packed = torch.empty(n // 8, dtype=torch.uint8)
+    chunk, own = layout.chunk_numel, layout.chunk_segments[0]
+    server_error = torch.zeros(chunk)
+    params = [torch.randn(k, generator=g) for k in numels]
+    exp_avgs = [torch.randn(k, generator=g) for k in numels]
+    exp_avg_sqs = [torch.rand(k, generator=g) for k in numels]
+
+    backends = [b for b in kernels.available_backends() if b in ("torch", "cpu")]
+    copy_ms = _best_ms(lambda: out.copy_(x), args.repeats)
+    rows = []
+    for backend in backends:
+        workspace = kernels.Workspace()
+        scales, _ = kernels.compress_with_error_feedback(x, error, layout.segments, packed, backend, workspace)
+        halves = [packed[: chunk // 8], packed[chunk // 8 :]]
+        half_scales = [torch.rand(len(own), generator=g), torch.rand(len(own), generator=g)]
+        timings = {
+            "compress": lambda: kernels.compress_with_error_feedback(
+                x, error, layout.segments, packed, backend, workspace),
+            "decompress": lambda: kernels.decompress(packed, scales, layout.segments, out, False, backend, workspace),
+            "decompress+accumulate": lambda: kernels.decompress(
+                packed, scales, layout.segments, out, True, backend, workspace),
+            "server mean (P=2)": lambda: kernels.add_mean_of_signs_(
+                server_error, halves, half_scales, own, backend, workspace),
+            "frozen Adam update": lambda: kernels.frozen_adam_update_(
+                params, exp_avgs, exp_avg_sqs, 0.999, 0.9, 1e-8, -1e-4, backend),
+        }
+        for name, fn in timings.items():
+            ms = _best_ms(fn, args.repeats)
+            elements = sum(numels) if name == "frozen Adam update" else n
+            rows.append(dict(backend=backend, kernel=name, elements=elements, ms=ms,
+                             copies=ms / (copy_ms * elements / n)))
+
+    print(f"buffer: {n:,} float32 elements in {len(layout.segments)} segments; 1 thread; best of {args.repeats}")
+    print(f"plain copy of the buffer: {copy_ms:.2f} ms")
+    print(f"{'kernel':24s}{'backend':>8s}{'elements':>13s}{'ms':>10s}{'x copy':>9s}")
+    for r in rows:
+        print(f"{r['kernel']:24s}{r['backend']:>8s}{r['elements']:>13,d}{r['ms']:>10.2f}{r['copies']:>9.2f}")
+    path = write_results("kernels", dict(args=vars(args), numel=n, segments=len(layout.segments), copy_ms=copy_ms,
+                                         rows=rows))
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
