@@ -7,7 +7,8 @@ For a BERT-like model of ``--params`` parameters (fp32), each method runs a few 
 
 Reported per rank: bytes of every tensor the optimizer holds (counted once per storage: state, flat momentum
 buckets, error-feedback buffers, communication workspaces), broken down for OnebitAdam, and the process's peak
-resident memory (``ru_maxrss``). Results: ``results/memory.json``.
+resident memory (``ru_maxrss``), and what one more steady-state OnebitAdam step allocates (torch profiler).
+Results: ``results/memory.json``.
 
     python benchmarks/memory.py --params 25e6
 """
@@ -37,6 +38,35 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
     return total
 
 
+def _step_allocations(optimizer: torch.optim.Optimizer) -> dict:
+    """Allocations of one more steady-state step, from the torch profiler: ``aten::empty*`` events (every tensor
+    allocation ends in one), split into those made inside a c10d collective or on gloo's threads (gloo's own copies)
+    and the rest (this package's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        optimizer.step()
+    own, collective, own_sources = [], [], {}
+    events = prof.events()
+    step_threads = {e.thread for e in events if e.name.startswith("Optimizer.step")}
+    for event in events:
+        if not event.name.startswith("aten::empty") or event.cpu_memory_usage <= 0:
+            continue
+        # gloo runs asynchronous collectives on its own threads
+        parent, inside = event.cpu_parent, event.thread not in step_threads
+        while parent is not None:
+            inside = inside or any(k in parent.name for k in ("c10d", "all_gather", "all_to_all", "allgather", "alltoall"))
+            parent = parent.cpu_parent
+        (collective if inside else own).append(event.cpu_memory_usage)
+        if not inside and event.cpu_parent is not None:
+            top = event
+            while top.cpu_parent is not None:
+                top = top.cpu_parent
+            own_sources[top.name] = own_sources.get(top.name, 0) + event.cpu_memory_usage
+    return dict(own_count=len(own), own_bytes=sum(own), own_largest_bytes=max(own, default=0), own_sources=own_sources,
+                collective_count=len(collective), collective_bytes=sum(collective))
+
+
 def _run(rank: int, world_size: int, method: str, n_params: float, steps: int) -> dict:
     torch.manual_seed(rank)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in bert_like_shapes(n_params)]
@@ -64,8 +94,10 @@ def _run(rank: int, world_size: int, method: str, n_params: float, steps: int) -
             + list(optimizer.compression.workspace._buffers.values()),
             seen,
         )
+    allocations = _step_allocations(optimizer) if method == "onebit" else None
     return dict(
         method=method,
+        step_allocations=allocations,
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         optimizer_bytes=sum(breakdown.values()),
         breakdown=breakdown,
@@ -90,6 +122,10 @@ def main() -> None:
     print(f"{'peak resident memory of the process (MiB)':44s}"
           f"{max(r['peak_rss_bytes'] for r in results['adamw']) / mb:>12.1f}"
           f"{max(r['peak_rss_bytes'] for r in results['onebit']) / mb:>12.1f}")
+    a = onebit["step_allocations"]
+    print(f"one steady-state OnebitAdam step allocates {a['own_count']} tensors, {a['own_bytes'] / 1024:.1f} KiB in "
+          f"all (largest {a['own_largest_bytes'] / 1024:.1f} KiB), plus {a['collective_bytes'] / mb:.1f} MiB inside "
+          f"gloo's collectives ({a['collective_count']} allocations)")
     print(f"written to {write_results('memory', dict(args=vars(args), per_rank=results))}")
 
 

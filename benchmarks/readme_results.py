@@ -174,7 +174,14 @@ def memory_table() -> str:
                  f"{onebit['peak_rss_bytes'] / MIB:.0f} MiB"])
     intro = (f"{data['args']['params'] / 1e6:.0f}M fp32 parameters, {data['args']['world_size']} ranks, rank 0 "
              f"(parameters themselves: {adamw['param_bytes'] / MIB:.0f} MiB):\n\n")
-    return intro + _table(["", "AdamW", "OnebitAdam"], rows)
+    table = _table(["", "AdamW", "OnebitAdam"], rows)
+    a = onebit.get("step_allocations")
+    if a:
+        table += (f"\n\nOne more steady-state OnebitAdam step (torch profiler) allocates {a['own_count']} small tensors "
+                  f"of its own, {a['own_bytes'] / 1024:.1f} KiB in all (largest {a['own_largest_bytes'] / 1024:.1f} "
+                  f"KiB: per-segment scales and norms), plus {a['collective_bytes'] / MIB:.1f} MiB that gloo "
+                  f"allocates inside its collectives.")
+    return intro + table
 
 
 def parity_table() -> str:

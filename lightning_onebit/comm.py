@@ -279,7 +279,8 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.
 def _write_block(block: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, n_scales_max: int) -> None:
     scale_bytes = _SCALE_BYTES * n_scales_max
     block[: _SCALE_BYTES * scales.numel()].copy_(scales.view(torch.uint8))
-    block[scale_bytes:].copy_(packed)
+    if packed.data_ptr() != block[scale_bytes:].data_ptr():  # else it was packed in place
+        block[scale_bytes:].copy_(packed)
 
 
 def _read_block(block: torch.Tensor, n_scales: int, n_scales_max: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,8 +379,13 @@ def compressed_allreduce_buckets_(
             backend=backend,
             workspace=workspace,
         )
+        # the server's signs are packed straight into its all_gather block, behind the scales
         server_scales, server_packed = kernels.compress_in_place(
-            bufs.server_error, own_segments, backend=backend, workspace=workspace
+            bufs.server_error,
+            own_segments,
+            packed_out=bufs.gather_send[_SCALE_BYTES * s_max :],
+            backend=backend,
+            workspace=workspace,
         )
         _write_block(bufs.gather_send, server_scales, server_packed, s_max)
         gathers.append(_all_gather(bufs.gather_recv, bufs.gather_send, group))
