@@ -22,6 +22,9 @@ Bytes per rank and call, counted as each rank's payload on the wire: the all_to_
 ``(P-1) B_1`` and the all_gather ``(P-1) B_2``, with blocks ``B = c/8 + 4 S_max`` (``S_max`` = most segments in one
 chunk). An fp32 ring allreduce of the same ``N`` elements sends ``2 (P-1)/P * 4 N``: the compressed call is ~32x
 lighter. With ``P = 1`` nothing is communicated and the buffer is left exactly as it is (the mean over one rank).
+
+:func:`compressed_allreduce_buckets_` runs several buckets at once with asynchronous collectives, so that one
+bucket's transfer overlaps another's compression; :func:`compressed_allreduce_` is the one-bucket case.
 """
 
 from __future__ import annotations

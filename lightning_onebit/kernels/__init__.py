@@ -12,8 +12,9 @@ Every entry point takes ``backend="auto" | "torch" | "cpu" | "cupy"``; ``"auto"`
 float32 CPU tensors when the native library builds, and ``"torch"`` otherwise.
 
 The fused entry points that performance work optimises: :func:`compress_with_error_feedback` (and
-:func:`compress_in_place`), :func:`decompress`, :func:`add_mean_of_signs_` and :func:`frozen_adam_update_`. They take
-an optional :class:`Workspace` so that per-step calls reuse their scratch memory.
+:func:`compress_in_place`), :func:`decompress`, :func:`add_mean_of_signs_` and :func:`frozen_adam_update_`. The torch
+versions take an optional :class:`Workspace` so that per-step calls reuse their scratch memory (the C kernels need
+none).
 """
 
 from __future__ import annotations
