@@ -90,7 +90,7 @@ def _run(rank: int, world_size: int, method: str, n_params: float, steps: int) -
             [t for b in buckets for t in (b.worker_error, b.server_error)], seen
         )
         breakdown["communication buffers and workspaces"] = _storage_bytes(
-            [t for b in buckets for t in (b.packed, b.send, b.recv, b.gather_send, b.gather_recv)]
+            [t for b in buckets for t in (b.send, b.recv, b.gather_send, b.gather_recv)]
             + list(optimizer.compression.workspace._buffers.values()),
             seen,
         )

@@ -174,7 +174,6 @@ class _BucketBuffers:
         self.layout = layout
         self.worker_error = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         self.server_error = torch.zeros(c, dtype=dtype, device=device)
-        self.packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8, device=device)
         self.send = torch.zeros(blocks, dtype=torch.uint8, device=device)
         self.recv = torch.empty(blocks, dtype=torch.uint8, device=device)
         self.gather_send = torch.zeros(layout.block_bytes, dtype=torch.uint8, device=device)
@@ -279,11 +278,9 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.
     return gather(output, input, group=group, async_op=True)
 
 
-def _write_block(block: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, n_scales_max: int) -> None:
-    scale_bytes = _SCALE_BYTES * n_scales_max
+def _write_scales(block: torch.Tensor, scales: torch.Tensor) -> None:
+    # A wire block is S_max float32 scales (unused tail left as is) followed by the packed signs, written in place.
     block[: _SCALE_BYTES * scales.numel()].copy_(scales.view(torch.uint8))
-    if packed.data_ptr() != block[scale_bytes:].data_ptr():  # else it was packed in place
-        block[scale_bytes:].copy_(packed)
 
 
 def _read_block(block: torch.Tensor, n_scales: int, n_scales_max: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,19 +349,18 @@ def compressed_allreduce_buckets_(
     exchanges = []
     for (_, buffer, layout), bufs in zip(buckets, bucket_buffers):
         c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
-        worker_scales, packed = kernels.compress_with_error_feedback(
-            buffer, bufs.worker_error, layout.segments, packed_out=bufs.packed, backend=backend, workspace=workspace
-        )
-        first_segment = 0
+        # chunk r is compressed straight into its all_to_all block (segments never cross a chunk boundary)
         for r, chunk_segments in enumerate(layout.chunk_segments):
-            n = len(chunk_segments)
-            _write_block(
-                bufs.send[r * block : (r + 1) * block],
-                worker_scales[first_segment : first_segment + n],
-                packed[r * c // 8 : (r + 1) * c // 8],
-                s_max,
+            chunk, send = slice(r * c, (r + 1) * c), bufs.send[r * block : (r + 1) * block]
+            scales, _ = kernels.compress_with_error_feedback(
+                buffer[chunk],
+                bufs.worker_error[chunk],
+                chunk_segments,
+                packed_out=send[_SCALE_BYTES * s_max :],
+                backend=backend,
+                workspace=workspace,
             )
-            first_segment += n
+            _write_scales(send, scales)
         exchanges.append(dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True))
 
     # Phase 2 (server of chunk `rank`): e_s += mean of the P decompressed chunks; compress e_s; all_gather.
@@ -383,14 +379,14 @@ def compressed_allreduce_buckets_(
             workspace=workspace,
         )
         # the server's signs are packed straight into its all_gather block, behind the scales
-        server_scales, server_packed = kernels.compress_in_place(
+        server_scales, _ = kernels.compress_in_place(
             bufs.server_error,
             own_segments,
             packed_out=bufs.gather_send[_SCALE_BYTES * s_max :],
             backend=backend,
             workspace=workspace,
         )
-        _write_block(bufs.gather_send, server_scales, server_packed, s_max)
+        _write_scales(bufs.gather_send, server_scales)
         gathers.append(_all_gather(bufs.gather_recv, bufs.gather_send, group))
 
     # Every rank rebuilds the full result from all servers' chunks.

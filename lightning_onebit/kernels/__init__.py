@@ -92,7 +92,7 @@ def resolve_backend(tensor: torch.Tensor, backend: Backend = "auto") -> str:
     return backend
 
 
-def _bit_kernels(tensor: torch.Tensor, backend: str):
+def _bit_kernels(backend: str):
     # pack/unpack of bool bits: the cpu backend has no separate bit kernels (its fused kernels do not need them)
     module = cupy_kernels if backend == "cupy" else torch_kernels
     return module.pack_bool, module.unpack_signs_into
@@ -103,14 +103,14 @@ def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None, backend: Bac
 
     The bytes equal ``numpy.packbits(x >= 0)``. ``x.numel()`` must be a multiple of 8.
     """
-    pack_bool, _ = _bit_kernels(x, resolve_backend(x, backend))
+    pack_bool, _ = _bit_kernels(resolve_backend(x, backend))
     torch_kernels._check_packable(x)
     return pack_bool(torch.ge(x, 0), out=out)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32, backend: Backend = "auto") -> torch.Tensor:
     """Unpack bytes to +1/-1 values of ``dtype``; the result has ``8 * packed.numel()`` elements."""
-    _, signs_into = _bit_kernels(packed, resolve_backend(packed, backend))
+    _, signs_into = _bit_kernels(resolve_backend(packed, backend))
     return signs_into(packed, torch.empty(8 * packed.numel(), dtype=dtype, device=packed.device))
 
 
@@ -158,7 +158,7 @@ def compress_in_place(
     resolved = resolve_backend(y, backend)
     if resolved == "cpu":
         return cpu_kernels.compress_in_place(y, segments, packed_out=packed_out)
-    pack_bool, signs_into = _bit_kernels(y, resolved)
+    pack_bool, signs_into = _bit_kernels(resolved)
     return torch_kernels.compress_in_place(
         y, segments, packed_out=packed_out, pack=pack_bool, signs_into=signs_into, workspace=workspace
     )
@@ -185,7 +185,7 @@ def decompress(
     resolved = resolve_backend(out, backend)
     if resolved == "cpu":
         return cpu_kernels.decompress(packed, scales, segments, out, accumulate=accumulate)
-    _, signs_into = _bit_kernels(packed, resolved)
+    _, signs_into = _bit_kernels(resolved)
     return torch_kernels.decompress(
         packed, scales, segments, out, accumulate=accumulate, signs_into=signs_into, workspace=workspace
     )
@@ -211,7 +211,7 @@ def add_mean_of_signs_(
     resolved = resolve_backend(target, backend)
     if resolved == "cpu":
         return cpu_kernels.add_mean_of_signs_(target, packed, scales, segments)
-    _, signs_into = _bit_kernels(target, resolved)
+    _, signs_into = _bit_kernels(resolved)
     return torch_kernels.add_mean_of_signs_(target, packed, scales, segments, signs_into=signs_into, workspace=workspace)
 
 

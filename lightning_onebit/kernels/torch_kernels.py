@@ -154,19 +154,6 @@ def compress_in_place(
     return scales, packed
 
 
-def compress_with_error_feedback(
-    x: torch.Tensor,
-    error: torch.Tensor,
-    segments: Segments,
-    packed_out: Optional[torch.Tensor] = None,
-    pack: PackFn = pack_bool,
-    signs_into: SignsFn = unpack_signs_into,
-    workspace: Optional[Workspace] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Error-compensated 1-bit compression, in place on ``error``: ``error += x``, then :func:`compress_in_place`."""
-    return compress_in_place(error.add_(x), segments, packed_out, pack=pack, signs_into=signs_into, workspace=workspace)
-
-
 def decompress(
     packed: torch.Tensor,
     scales: torch.Tensor,
