@@ -6,11 +6,13 @@ Importing the package registers the ``onebit_adam`` strategies (``onebit_adam``,
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_onebit.callbacks import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask
+from lightning_onebit.callbacks import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, ReplicaCheck
 from lightning_onebit.comm import (
     BucketLayout,
     CommunicationCounters,
     CompressedAllreduceState,
+    agree_kernel_backend,
+    assert_replicas_identical,
     compressed_allreduce_,
     compressed_allreduce_buckets_,
     ring_allreduce_bytes,
@@ -19,6 +21,7 @@ from lightning_onebit.gradient_sync import GradientSyncState, switchable_allredu
 from lightning_onebit.optim import OnebitAdam, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.strategy import OnebitAdamStrategy
+from lightning_onebit.topology import Topology
 
 __version__ = "0.1.0"
 
@@ -37,6 +40,10 @@ __all__ = [
     "OnebitAdamStrategy",
     "OnebitStage",
     "RankSyncedGradScaler",
+    "ReplicaCheck",
+    "Topology",
+    "agree_kernel_backend",
+    "assert_replicas_identical",
     "compressed_allreduce_",
     "compressed_allreduce_buckets_",
     "ring_allreduce_bytes",

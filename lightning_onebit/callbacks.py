@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_onebit.comm import CommunicationCounters
+from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
 from lightning_onebit.optim import OnebitAdam, OnebitStage
 from lightning_onebit.strategy import PER_RANK_STATE_KEY, OnebitAdamStrategy
 
@@ -302,6 +302,9 @@ class CommunicationMonitor(Callback):
     Metrics (bytes are real payload bytes of this rank in this step unless marked total):
 
     * ``comm/bytes_sent``, ``comm/bytes_received``
+    * ``comm/bytes_sent_inter_node``: the part of ``bytes_sent`` that crossed to other nodes (what the slow link
+      carries); ``comm/bytes_sent_intra_node``: the part that stayed inside this rank's node. Which ranks share a node
+      comes from the strategy's topology (the cluster environment).
     * ``comm/bytes_fp32_equivalent``: what an fp32 ring allreduce of the same gradients/momenta sends
     * ``comm/compression_ratio``: ``bytes_fp32_equivalent / bytes_sent`` (1 in fp32 warmup, ~32 compressed)
     * ``comm/bytes_sent_total``: cumulative since the start of ``fit``
@@ -344,6 +347,8 @@ class CommunicationMonitor(Callback):
         metrics = {
             "comm/bytes_sent": float(step.bytes_sent),
             "comm/bytes_received": float(step.bytes_received),
+            "comm/bytes_sent_intra_node": float(step.bytes_sent_intra_node),
+            "comm/bytes_sent_inter_node": float(step.bytes_sent_inter_node),
             "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
             "comm/bytes_sent_total": float((now - self._start).bytes_sent),
             "comm/time_ms": 1000.0 * step.time_s,
@@ -356,3 +361,41 @@ class CommunicationMonitor(Callback):
             prog_bar=self.prog_bar,
             batch_size=1,
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+class ReplicaCheck(Callback):
+    """Fails loudly if the model replicas stop being bitwise identical.
+
+    In both stages every rank applies the same update to the same parameters, so replicas must stay bit-identical
+    with no parameter broadcast. Ranks that run different kernels (see ``OnebitAdam.agree_kernel_backend``), a
+    nondeterministic custom op or a corrupted rank would make them drift apart silently. Every ``every_n_steps``
+    optimizer steps this callback compares a checksum of every parameter's bits across ranks
+    (:func:`~lightning_onebit.comm.assert_replicas_identical`: one pass over the parameters and an all-gather of 8
+    bytes per parameter tensor) and raises ``RuntimeError`` on every rank, naming the parameters that differ.
+
+    Args:
+        every_n_steps: check after every this many optimizer steps (``>= 1``). Default ``100``.
+    """
+
+    def __init__(self, every_n_steps: int = 100) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"ReplicaCheck every_n_steps must be an integer >= 1, got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
+        self.checks = 0
+        self._last_step = -1
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            _onebit_strategy(trainer, "ReplicaCheck")
+
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == 0 or step == self._last_step or step % self.every_n_steps:
+            return
+        self._last_step = step
+        optimizer = _onebit_optimizer(trainer, "ReplicaCheck")
+        assert_replicas_identical(list(pl_module.named_parameters()), optimizer.process_group)
+        self.checks += 1

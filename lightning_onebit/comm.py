@@ -30,6 +30,7 @@ bucket's transfer overlaps another's compression; :func:`compressed_allreduce_` 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from typing import Any, Hashable, Optional, Sequence
@@ -39,6 +40,9 @@ import torch.distributed as dist
 
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend, Segments
+from lightning_onebit.topology import Topology
+
+log = logging.getLogger(__name__)
 
 _SCALE_BYTES = 4  # scales travel as float32
 
@@ -57,6 +61,9 @@ class CommunicationCounters:
     Attributes:
         bytes_sent: bytes this rank put on the wire.
         bytes_received: bytes this rank received.
+        bytes_sent_intra_node: the part of ``bytes_sent`` that went to ranks on this rank's node.
+        bytes_sent_inter_node: the part of ``bytes_sent`` that crossed to other nodes (the slow link). Without a
+            :class:`~lightning_onebit.Topology` every peer counts as another node.
         bytes_fp32_equivalent: bytes an fp32 ring allreduce of the same data would have sent from this rank.
         collectives: number of collective operations issued.
         calls: number of allreduce calls (one per bucket per step).
@@ -65,6 +72,8 @@ class CommunicationCounters:
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_sent_intra_node: int = 0
+    bytes_sent_inter_node: int = 0
     bytes_fp32_equivalent: int = 0
     collectives: int = 0
     calls: int = 0
@@ -166,18 +175,29 @@ class BucketLayout:
 
 
 class _BucketBuffers:
-    """Error feedback and reusable workspaces of one bucket on one rank."""
+    """Error feedback and reusable workspaces of one bucket on one rank.
 
-    def __init__(self, layout: BucketLayout, like: torch.Tensor) -> None:
+    Flat: the worker compresses the whole buffer (``N_pad`` error elements) and exchanges ``P`` blocks. Hierarchical
+    (``M`` nodes x ``L`` ranks): the worker compresses its node's mean of one shard (``N_pad / L`` error elements) and
+    exchanges ``M`` blocks with its inter-node group; the node then gathers all ``P`` server blocks.
+    """
+
+    def __init__(self, layout: BucketLayout, like: torch.Tensor, ranks_per_node: int = 1) -> None:
         device, dtype = like.device, like.dtype
-        c, blocks = layout.chunk_numel, layout.block_bytes * layout.world_size
+        c, block = layout.chunk_numel, layout.block_bytes
+        exchanged = layout.world_size // ranks_per_node  # ranks in the 1-bit exchange: P flat, M hierarchical
         self.layout = layout
-        self.worker_error = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        self.ranks_per_node = ranks_per_node
+        self.worker_error = torch.zeros(layout.padded_numel // ranks_per_node, dtype=dtype, device=device)
         self.server_error = torch.zeros(c, dtype=dtype, device=device)
-        self.send = torch.zeros(blocks, dtype=torch.uint8, device=device)
-        self.recv = torch.empty(blocks, dtype=torch.uint8, device=device)
-        self.gather_send = torch.zeros(layout.block_bytes, dtype=torch.uint8, device=device)
-        self.gather_recv = torch.empty(blocks, dtype=torch.uint8, device=device)
+        self.send = torch.zeros(exchanged * block, dtype=torch.uint8, device=device)
+        self.recv = torch.empty(exchanged * block, dtype=torch.uint8, device=device)
+        self.gather_send = torch.zeros(block, dtype=torch.uint8, device=device)
+        self.gather_recv = torch.empty(exchanged * block, dtype=torch.uint8, device=device)
+        # hierarchical: every server block of the bucket, gathered inside the node
+        self.node_gather_recv = (
+            torch.empty(layout.world_size * block, dtype=torch.uint8, device=device) if ranks_per_node > 1 else None
+        )
 
 
 class CompressedAllreduceState:
@@ -190,17 +210,33 @@ class CompressedAllreduceState:
     Args:
         process_group: group to average over; ``None`` means the default (WORLD) group. Resolved at call time, so the
             state may be built before ``torch.distributed`` is initialised.
-        backend: kernel backend, see :mod:`lightning_onebit.kernels`.
+        backend: kernel backend, see :mod:`lightning_onebit.kernels`. Every rank must run the same one (the C and
+            torch Adam updates differ in the last bit): :func:`agree_kernel_backend` settles it.
+        topology: which ranks share a node (:class:`~lightning_onebit.Topology`, built over ``process_group``). A
+            hierarchical topology selects the hierarchical exchange; any topology splits the byte counters into
+            intra- and inter-node bytes. ``None`` (default): flat, and every peer counts as another node.
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, backend: Backend = "auto") -> None:
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        backend: Backend = "auto",
+        topology: Optional[Topology] = None,
+    ) -> None:
         self.process_group = process_group
         self.backend = backend
+        self.topology = topology
         self.counters = CommunicationCounters()
         self._buckets: dict[Hashable, _BucketBuffers] = {}
         # Scratch memory for the kernels, shared by all buckets (they are reduced one after another): it is sized
         # for the largest bucket instead of growing with their number.
         self.workspace = kernels.Workspace()
+
+    @property
+    def ranks_per_node(self) -> int:
+        """``L`` of the hierarchical exchange, 1 for the flat one."""
+        topology = self.topology
+        return topology.ranks_per_node if topology is not None and topology.is_hierarchical else 1
 
     # ------------------------------------------------------------------ group
     def world_size(self) -> int:
@@ -220,10 +256,11 @@ class CompressedAllreduceState:
         if (
             buffers is None
             or buffers.layout != layout
+            or buffers.ranks_per_node != self.ranks_per_node
             or buffers.worker_error.dtype != like.dtype
             or buffers.worker_error.device != like.device
         ):
-            buffers = self._buckets[key] = _BucketBuffers(layout, like)
+            buffers = self._buckets[key] = _BucketBuffers(layout, like, self.ranks_per_node)
         return buffers
 
     def error_feedback_norm(self) -> float:
@@ -243,6 +280,7 @@ class CompressedAllreduceState:
         """This rank's error-feedback buffers with the layouts they belong to (for per-rank checkpoints)."""
         return {
             "world_size": self.world_size(),
+            "topology": self.topology_description(),
             "buckets": {
                 key: {
                     "layout": (b.layout.tensor_numels, b.layout.world_size),
@@ -260,16 +298,57 @@ class CompressedAllreduceState:
         the saved buckets and layouts match exactly, so a caller can fall back to a reset with a reason.
         """
         saved = state["buckets"]
+        saved_topology, topology = state.get("topology"), self.topology_description()
+        if not _same_exchange(saved_topology, topology):
+            raise ValueError(
+                f"the error feedback was saved with topology {_topology_text(saved_topology)} and this run uses "
+                f"{_topology_text(topology)} (the buffers' shapes and meaning depend on it)"
+            )
         if set(saved) != set(layouts):
             raise ValueError(f"saved buckets {sorted(map(str, saved))} differ from current {sorted(map(str, layouts))}")
         for key, layout in layouts.items():
             if tuple(saved[key]["layout"]) != (layout.tensor_numels, layout.world_size):
                 raise ValueError(f"bucket {key!r}: saved layout differs from the current one")
+        expected_numel = {key: layout.padded_numel // self.ranks_per_node for key, layout in layouts.items()}
+        for key, entry in saved.items():
+            if entry["worker_error"].numel() != expected_numel[key] or (
+                entry["server_error"].numel() != layouts[key].chunk_numel
+            ):
+                raise ValueError(f"bucket {key!r}: saved error buffers have the wrong sizes for this topology")
         for key, layout in layouts.items():
             entry = saved[key]
             buffers = self.buffers(key, layout, entry["worker_error"])
             buffers.worker_error.copy_(entry["worker_error"])
             buffers.server_error.copy_(entry["server_error"])
+
+    def topology_description(self) -> dict[str, Any]:
+        """The exchange this state runs (mode, nodes x ranks per node, this rank's place), as checkpoints record it."""
+        if self.topology is None:
+            return {"mode": "flat", "num_nodes": None, "ranks_per_node": None, "world_size": self.world_size()}
+        return self.topology.describe()
+
+
+def _same_exchange(saved: Optional[dict[str, Any]], current: dict[str, Any]) -> bool:
+    """Whether error feedback saved under ``saved`` means the same in ``current``: flat buffers depend only on the
+    rank (checked by the caller), hierarchical ones also on the node shape and this rank's place in it."""
+    saved = saved or {"mode": "flat"}  # written before topologies existed: flat
+    if saved.get("mode") != current["mode"]:
+        return False
+    if current["mode"] == "flat":
+        return True
+    fields = ("num_nodes", "ranks_per_node", "world_size", "node", "local")
+    return all(saved.get(f) == current.get(f) for f in fields)
+
+
+def _topology_text(description: Optional[dict[str, Any]]) -> str:
+    if not description:
+        return "unrecorded (a checkpoint from an older version: flat)"
+    text = f"{description.get('mode')}"
+    if description.get("num_nodes") is not None:
+        text += f" {description['num_nodes']} nodes x {description['ranks_per_node']} ranks"
+    if description.get("node") is not None:
+        text += f", this rank at node {description['node']} local {description['local']}"
+    return text
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
@@ -313,10 +392,11 @@ def compressed_allreduce_buckets_(
 ) -> None:
     """:func:`compressed_allreduce_` of several buckets, pipelined: one bucket's transfer overlaps another's compression.
 
-    Every collective is asynchronous. All buckets are compressed and their ``all_to_all`` launched first (the transfer
-    of bucket ``k`` runs while bucket ``k + 1`` is compressed); then, bucket by bucket, the server phase waits for its
-    ``all_to_all`` and launches its ``all_gather``; finally each bucket waits for its ``all_gather`` and decodes. Still
-    two collectives per bucket, issued in the same order on every rank. All arguments are checked before the first
+    Every collective is asynchronous. Flat exchange: all buckets are compressed and their ``all_to_all`` launched
+    first (the transfer of bucket ``k`` runs while bucket ``k + 1`` is compressed); then, bucket by bucket, the server
+    phase waits for its ``all_to_all`` and launches its ``all_gather``; finally each bucket waits for its
+    ``all_gather`` and decodes. Still two collectives per bucket, issued in the same order on every rank. With a
+    hierarchical ``state.topology`` see :func:`_hierarchical_buckets_`. All arguments are checked before the first
     collective, so a bad bucket raises on every rank instead of leaving the others waiting.
 
     Args:
@@ -324,6 +404,12 @@ def compressed_allreduce_buckets_(
         buckets: ``(key, buffer, layout)`` triples, each as for :func:`compressed_allreduce_`; keys must differ.
     """
     world_size = state.world_size()
+    topology = state.topology
+    if topology is not None and topology.world_size != world_size:
+        raise ValueError(
+            f"the topology describes {topology.world_size} ranks but the process group has {world_size}: build it "
+            "over the same group (Topology.build(..., group=process_group))"
+        )
     keys = set()
     for key, buffer, layout in buckets:
         if key in keys:
@@ -341,69 +427,267 @@ def compressed_allreduce_buckets_(
         return
 
     started = time.perf_counter()
-    group, backend, workspace = state.process_group, state.backend, state.workspace
-    rank = state.rank()
     bucket_buffers = [state.buffers(key, layout, buffer) for key, buffer, layout in buckets]
+    triples = [(buffer, layout, bufs) for (_, buffer, layout), bufs in zip(buckets, bucket_buffers)]
+    if state.ranks_per_node > 1:
+        _hierarchical_buckets_(state, triples)
+    else:
+        _flat_buckets_(state, triples)
+
+    counters = state.counters
+    rank = state.rank()
+    for buffer, layout, _ in triples:
+        intra, inter = _bytes_sent(layout, buffer.element_size(), topology, rank)
+        counters.bytes_sent += intra + inter
+        counters.bytes_received += intra + inter
+        counters.bytes_sent_intra_node += intra
+        counters.bytes_sent_inter_node += inter
+        counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
+        counters.collectives += 4 if state.ranks_per_node > 1 else 2
+        counters.calls += 1
+    counters.time_s += time.perf_counter() - started
+
+
+def _bytes_sent(layout: BucketLayout, element_size: int, topology: Optional[Topology], rank: int) -> tuple[int, int]:
+    """Payload bytes one call sends from ``rank`` to ranks on its own node and to other nodes.
+
+    Flat: the ``all_to_all`` sends one block to every peer; gloo's and NCCL's ``all_gather`` are rings that send
+    ``P - 1`` blocks to the next group rank. Hierarchical: the intra-node reduce-scatter sends ``L - 1`` shards in the
+    buffer's dtype and the intra-node gather ``(L - 1) M`` blocks; the inter-node ``all_to_all`` and ``all_gather``
+    send ``M - 1`` blocks each.
+    """
+    block, world_size = layout.block_bytes, layout.world_size
+    if topology is not None and topology.is_hierarchical:
+        nodes, per_node = topology.num_nodes, topology.ranks_per_node
+        shard_bytes = layout.padded_numel // per_node * element_size
+        intra = (per_node - 1) * shard_bytes + (per_node - 1) * nodes * block
+        return intra, 2 * (nodes - 1) * block
+    if topology is None:
+        return 0, layout.bytes_per_call()
+    same_node_peers = sum(1 for r in range(world_size) if r != rank and topology.same_node(r, rank))
+    intra, inter = same_node_peers * block, (world_size - 1 - same_node_peers) * block
+    if topology.same_node(rank, (rank + 1) % world_size):
+        intra += (world_size - 1) * block
+    else:
+        inter += (world_size - 1) * block
+    return intra, inter
+
+
+_Triple = tuple[torch.Tensor, BucketLayout, _BucketBuffers]
+
+
+def _flat_buckets_(state: CompressedAllreduceState, buckets: Sequence[_Triple]) -> None:
+    """The two-phase exchange among all ``P`` ranks of ``state.process_group``."""
+    group, backend, workspace = state.process_group, state.backend, state.workspace
+    rank, world_size = state.rank(), state.world_size()
 
     # Phase 1 (worker): compress x + e_w; chunk r's signs and scales go to rank r.
     exchanges = []
-    for (_, buffer, layout), bufs in zip(buckets, bucket_buffers):
-        c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
-        # chunk r is compressed straight into its all_to_all block (segments never cross a chunk boundary)
-        for r, chunk_segments in enumerate(layout.chunk_segments):
-            chunk, send = slice(r * c, (r + 1) * c), bufs.send[r * block : (r + 1) * block]
-            scales, _ = kernels.compress_with_error_feedback(
-                buffer[chunk],
-                bufs.worker_error[chunk],
-                chunk_segments,
-                packed_out=send[_SCALE_BYTES * s_max :],
-                backend=backend,
-                workspace=workspace,
-            )
-            _write_scales(send, scales)
+    for buffer, layout, bufs in buckets:
+        _compress_chunks(buffer, bufs.worker_error, bufs.send, layout, range(world_size), backend, workspace)
         exchanges.append(dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True))
 
-    # Phase 2 (server of chunk `rank`): e_s += mean of the P decompressed chunks; compress e_s; all_gather.
+    # Phase 2 (server of chunk `rank`); every rank then rebuilds the full result from all servers' chunks.
     gathers = []
-    for (_, buffer, layout), bufs, exchange in zip(buckets, bucket_buffers, exchanges):
-        s_max, block = layout.max_chunk_segments, layout.block_bytes
-        own_segments = layout.chunk_segments[rank]
+    for (_, layout, bufs), exchange in zip(buckets, exchanges):
         exchange.wait()
-        blocks = [_read_block(bufs.recv[j * block : (j + 1) * block], len(own_segments), s_max) for j in range(world_size)]
-        kernels.add_mean_of_signs_(
-            bufs.server_error,
-            [signs for _, signs in blocks],
-            [scales for scales, _ in blocks],
-            own_segments,
-            backend=backend,
-            workspace=workspace,
-        )
-        # the server's signs are packed straight into its all_gather block, behind the scales
-        server_scales, _ = kernels.compress_in_place(
-            bufs.server_error,
-            own_segments,
-            packed_out=bufs.gather_send[_SCALE_BYTES * s_max :],
-            backend=backend,
-            workspace=workspace,
-        )
-        _write_scales(bufs.gather_send, server_scales)
+        _serve_chunk(bufs, layout, layout.chunk_segments[rank], world_size, backend, workspace)
         gathers.append(_all_gather(bufs.gather_recv, bufs.gather_send, group))
-
-    # Every rank rebuilds the full result from all servers' chunks.
-    for (_, buffer, layout), bufs, gather in zip(buckets, bucket_buffers, gathers):
-        c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
+    for (buffer, layout, bufs), gather in zip(buckets, gathers):
         gather.wait()
-        for j, chunk_segments in enumerate(layout.chunk_segments):
-            scales, signs = _read_block(bufs.gather_recv[j * block : (j + 1) * block], len(chunk_segments), s_max)
-            kernels.decompress(
-                signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=workspace
-            )
+        _decode_all(buffer, bufs.gather_recv, layout, backend, workspace)
 
-    counters = state.counters
-    for _, _, layout in buckets:
-        counters.bytes_sent += layout.bytes_per_call()
-        counters.bytes_received += layout.bytes_per_call()
-        counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
-        counters.collectives += 2
-        counters.calls += 1
-    counters.time_s += time.perf_counter() - started
+
+def _hierarchical_buckets_(state: CompressedAllreduceState, buckets: Sequence[_Triple]) -> None:
+    """The topology-aware exchange over ``M`` nodes of ``L`` ranks (REFERENCE.md section 7).
+
+    The buffer's ``P`` chunks of ``c = N_pad / P`` elements are grouped in ``L`` shards of ``M`` chunks: shard ``l``
+    holds chunks ``l M .. l M + M - 1``. Rank ``(n, l)`` (intra-node rank ``l``, inter-node rank ``n``):
+
+    1. Intra-node reduce-scatter in the buffer's dtype (an ``all_to_all`` of the shards, then a sum in local-rank
+       order and a division by ``L``: gloo has no ``AVG``, and a fixed order gives the same bits as a reference): it
+       holds its node's mean of shard ``l``.
+    2. The flat two-phase 1-bit exchange of that shard inside its inter-node group, with worker error ``N_pad / L``
+       and server error ``c`` elements: it serves chunk ``l M + n``.
+    3. Intra-node ``all_gather`` of the ``M`` packed server blocks it received in step 2 (32x fewer bytes than
+       gathering the decoded shard), so every rank holds all ``P`` server blocks and decodes them. Identical bytes
+       decode to identical bits on every rank.
+
+    Four collectives per bucket, each group seeing its own in the same order on every rank. The next bucket's
+    intra-node reduce-scatter runs while this bucket's inter-node transfer is in flight.
+    """
+    topology = state.topology
+    assert topology is not None and topology.intra_group is not None and topology.inter_group is not None, (
+        "a hierarchical Topology needs its process groups: build it with Topology.build"
+    )
+    intra, inter = topology.intra_group, topology.inter_group
+    backend, workspace = state.backend, state.workspace
+    per_node, nodes = topology.ranks_per_node, topology.num_nodes
+    local, node = dist.get_rank(intra), dist.get_rank(inter)
+
+    exchanges = []
+    for buffer, layout, bufs in buckets:
+        shard = layout.padded_numel // per_node
+        received = workspace.get("intra_reduce_scatter", layout.padded_numel, buffer.dtype, buffer.device)
+        dist.all_to_all_single(received, buffer, group=intra)
+        node_mean = received[:shard]
+        for j in range(1, per_node):
+            node_mean.add_(received[j * shard : (j + 1) * shard])
+        node_mean.div_(per_node)
+        own_chunks = range(local * nodes, (local + 1) * nodes)
+        _compress_chunks(node_mean, bufs.worker_error, bufs.send, layout, own_chunks, backend, workspace)
+        exchanges.append(dist.all_to_all_single(bufs.recv, bufs.send, group=inter, async_op=True))
+
+    gathers = []
+    for (_, layout, bufs), exchange in zip(buckets, exchanges):
+        exchange.wait()
+        _serve_chunk(bufs, layout, layout.chunk_segments[local * nodes + node], nodes, backend, workspace)
+        gathers.append(_all_gather(bufs.gather_recv, bufs.gather_send, inter))
+    node_gathers = []
+    for (_, _, bufs), gather in zip(buckets, gathers):
+        gather.wait()
+        node_gathers.append(_all_gather(bufs.node_gather_recv, bufs.gather_recv, intra))
+    for (buffer, layout, bufs), gather in zip(buckets, node_gathers):
+        gather.wait()
+        _decode_all(buffer, bufs.node_gather_recv, layout, backend, workspace)
+
+
+def _compress_chunks(
+    x: torch.Tensor,
+    worker_error: torch.Tensor,
+    send: torch.Tensor,
+    layout: BucketLayout,
+    chunks: range,
+    backend: Backend,
+    workspace: kernels.Workspace,
+) -> None:
+    """Worker phase: compress ``x + e_w`` (``x`` covers ``chunks`` of the layout) straight into one wire block per
+    chunk, in order (segments never cross a chunk boundary)."""
+    c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
+    for i, r in enumerate(chunks):
+        part, out = slice(i * c, (i + 1) * c), send[i * block : (i + 1) * block]
+        scales, _ = kernels.compress_with_error_feedback(
+            x[part],
+            worker_error[part],
+            layout.chunk_segments[r],
+            packed_out=out[_SCALE_BYTES * s_max :],
+            backend=backend,
+            workspace=workspace,
+        )
+        _write_scales(out, scales)
+
+
+def _serve_chunk(
+    bufs: _BucketBuffers, layout: BucketLayout, segments: Segments, sources: int, backend: Backend, workspace
+) -> None:
+    """Server phase: ``e_s += mean of the received chunks``; compress ``e_s`` into the all_gather block."""
+    s_max, block = layout.max_chunk_segments, layout.block_bytes
+    blocks = [_read_block(bufs.recv[j * block : (j + 1) * block], len(segments), s_max) for j in range(sources)]
+    kernels.add_mean_of_signs_(
+        bufs.server_error,
+        [signs for _, signs in blocks],
+        [scales for scales, _ in blocks],
+        segments,
+        backend=backend,
+        workspace=workspace,
+    )
+    # the server's signs are packed straight into its all_gather block, behind the scales
+    server_scales, _ = kernels.compress_in_place(
+        bufs.server_error, segments, packed_out=bufs.gather_send[_SCALE_BYTES * s_max :], backend=backend,
+        workspace=workspace,
+    )
+    _write_scales(bufs.gather_send, server_scales)
+
+
+def _decode_all(
+    buffer: torch.Tensor, blocks: torch.Tensor, layout: BucketLayout, backend: Backend, workspace
+) -> None:
+    """Write every server's chunk (``P`` wire blocks in chunk order) into ``buffer``."""
+    c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
+    for j, chunk_segments in enumerate(layout.chunk_segments):
+        scales, signs = _read_block(blocks[j * block : (j + 1) * block], len(chunk_segments), s_max)
+        kernels.decompress(signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=workspace)
+
+
+def agree_kernel_backend(backend: Backend = "auto", group: Optional[dist.ProcessGroup] = None) -> str:
+    """The kernel backend every rank of ``group`` will run, agreed with one ``all_gather_object``.
+
+    Replicas stay bit-identical only if every rank computes the same bits, and the fused C Adam update rounds
+    differently from torch's in the last bit (the compression kernels agree bit for bit). ``"auto"`` resolves per
+    process (a node without a C compiler, or ``LIGHTNING_ONEBIT_NATIVE=0`` on one rank, lacks the C kernels), so:
+
+    * ``"auto"`` stays ``"auto"`` when every rank has the same backends available (each then resolves identically
+      for identical tensors), and becomes ``"torch"`` otherwise, with a warning that names the ranks;
+    * an explicit backend that some rank lacks raises ``RuntimeError`` on every rank, naming them;
+    * ranks that asked for different backends raise ``ValueError`` on every rank.
+
+    A collective: every rank of ``group`` must call it. Without an initialised process group it returns ``backend``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return backend
+    requested = kernels.effective_backend(backend)
+    mine = (requested, kernels.available_backends())
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if len({r for r, _ in everyone}) != 1:
+        asked = {rank: r for rank, (r, _) in enumerate(everyone)}
+        raise ValueError(f"ranks asked for different kernel backends {asked}; pass the same kernel_backend everywhere")
+    if requested != "auto":
+        lacking = [rank for rank, (_, available) in enumerate(everyone) if requested not in available]
+        if lacking:
+            raise RuntimeError(
+                f"kernel_backend={requested!r} is not available on rank(s) {lacking} (see their logs: no C compiler, "
+                "LIGHTNING_ONEBIT_NATIVE=0, or no cupy); use kernel_backend='auto' or 'torch'"
+            )
+        return requested
+    if len({available for _, available in everyone}) == 1:
+        return "auto"
+    by_rank = {rank: list(available) for rank, (_, available) in enumerate(everyone)}
+    log.warning(
+        "lightning_onebit: ranks have different kernel backends available %s; every rank runs the torch kernels so "
+        "that replicas compute identical bits (install a C compiler on every node, and cupy on every GPU node, to "
+        "use the fused kernels)",
+        by_rank,
+    )
+    return "torch"
+
+
+def replica_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One int64 per tensor: the sum of its raw bit patterns, which differs if any element's bits differ (a cheap
+    test of bitwise equality between replicas; one pass over the parameters)."""
+    sums = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        words = flat.view(bits).to(torch.int64)
+        # weight by position modulo a prime so that swapped elements do not cancel
+        weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64).remainder_(1_000_003)
+        sums.append((words * weights).sum())
+    return torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def assert_replicas_identical(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Raise ``RuntimeError`` on every rank if any tensor differs in any bit between the ranks of ``group``.
+
+    Compares :func:`replica_checksums` with one ``all_gather`` of ``8 x len(named_tensors)`` bytes per rank; the
+    message names the first tensors that differ and the ranks that disagree with rank 0. A collective: every rank
+    must call it with the same tensors in the same order.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    names = [name for name, _ in named_tensors]
+    mine = replica_checksums([t for _, t in named_tensors])
+    device = named_tensors[0][1].device if named_tensors and dist.get_backend(group) == "nccl" else torch.device("cpu")
+    everyone = torch.empty(dist.get_world_size(group), mine.numel(), dtype=torch.int64, device=device)
+    _all_gather(everyone, mine.to(device), group).wait()
+    everyone = everyone.cpu()
+    differs = (everyone != everyone[0]).any(dim=0)
+    if bool(differs.any()):
+        bad = [names[i] for i in differs.nonzero().flatten().tolist()]
+        ranks = [r for r in range(everyone.shape[0]) if bool((everyone[r] != everyone[0]).any())]
+        raise RuntimeError(
+            f"replicas diverged: {len(bad)} tensor(s) differ between ranks (first: {bad[:5]}); ranks {ranks} differ "
+            "from rank 0. Every rank must run the same kernels on the same inputs (see agree_kernel_backend)."
+        )

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import CommunicationCounters, ring_allreduce_bytes
+from lightning_onebit.topology import Topology
 
 
 class GradientSyncState:
@@ -27,6 +28,9 @@ class GradientSyncState:
         process_group: group to average over; ``None`` means WORLD.
         sync_predicate: called once per bucket per backward; ``True`` averages the bucket across ranks, ``False``
             leaves the local gradient untouched (no communication). Defaults to always averaging.
+        topology: which ranks share a node (a :class:`~lightning_onebit.Topology` over ``process_group``), to split
+            ``bytes_sent`` into intra- and inter-node bytes: a ring allreduce sends everything to the next rank, so a
+            rank's bytes cross the node boundary when that rank is on another node. ``None``: all count as inter-node.
 
     Attributes:
         counters: bytes and time of the warmup allreduces on this rank (``bytes_sent`` counts a ring allreduce in the
@@ -35,10 +39,14 @@ class GradientSyncState:
     """
 
     def __init__(
-        self, process_group: Optional[dist.ProcessGroup] = None, sync_predicate: Optional[Callable[[], bool]] = None
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        sync_predicate: Optional[Callable[[], bool]] = None,
+        topology: Optional[Topology] = None,
     ) -> None:
         self.process_group = process_group
         self.sync_predicate = sync_predicate or (lambda: True)
+        self.topology = topology
         self.counters = CommunicationCounters()
         self.skipped_buckets = 0
 
@@ -57,6 +65,12 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
     sent = ring_allreduce_bytes(tensor.numel(), tensor.element_size(), world_size)
     counters.bytes_sent += sent
     counters.bytes_received += sent
+    topology = state.topology
+    rank = dist.get_rank(state.process_group)
+    if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
+        counters.bytes_sent_intra_node += sent
+    else:
+        counters.bytes_sent_inter_node += sent
     counters.bytes_fp32_equivalent += ring_allreduce_bytes(tensor.numel(), 4, world_size)
     counters.collectives += 1
     counters.calls += 1

@@ -16,9 +16,11 @@ from lightning_onebit.comm import (
     BucketLayout,
     CommunicationCounters,
     CompressedAllreduceState,
+    agree_kernel_backend,
     compressed_allreduce_buckets_,
 )
 from lightning_onebit.kernels import Backend
+from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,14 @@ class OnebitAdam(torch.optim.Optimizer):
             The Lightning strategy sets its data-parallel group here.
         kernel_backend: ``"auto"`` (default), ``"torch"``, ``"cpu"`` (fused C kernels for float32 CPU tensors) or
             ``"cupy"``, see :mod:`lightning_onebit.kernels`. ``"auto"`` takes the fastest one available per tensor.
+            At the first compressed step (or when the strategy sets up) the ranks agree on it
+            (:func:`~lightning_onebit.comm.agree_kernel_backend`): if they have different kernels available, all run
+            the torch ones, so that replicas compute identical bits.
+        topology: a :class:`~lightning_onebit.Topology` over ``process_group``, from :meth:`Topology.build`. A
+            hierarchical one averages momenta in full precision inside each node and with 1 bit only between nodes
+            (about ``N/8`` bytes per node per step instead of ``N/4`` or more); any topology splits the byte counters
+            into intra- and inter-node bytes. ``None`` (default): flat exchange. The strategy sets it from its
+            ``topology`` argument.
 
     Param-group option ``exp_avg_mask``: a tensor of each parameter's shape (the group-wide DeepSpeed form, for
     groups whose parameters share one shape) or a list with one tensor or ``None`` per parameter. It multiplies the
@@ -112,6 +122,7 @@ class OnebitAdam(torch.optim.Optimizer):
         bucket_cap_mb: float = 25.0,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
+        topology: Optional[Topology] = None,
     ) -> None:
         if amsgrad:
             raise ValueError("OnebitAdam does not support amsgrad=True: the variance is frozen after warmup")
@@ -126,7 +137,14 @@ class OnebitAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
-        self.compression = CompressedAllreduceState(process_group, kernel_backend)
+        if topology is not None and not isinstance(topology, Topology):
+            raise ValueError(
+                f"topology must be a lightning_onebit.Topology (from Topology.build), got {type(topology).__name__}"
+            )
+        kernels.effective_backend(kernel_backend)  # raises on an unknown name
+        self.kernel_backend = kernel_backend
+        self.compression = CompressedAllreduceState(process_group, kernel_backend, topology)
+        self._backend_agreed = False
         self._step = 0
         self._buckets: Optional[list[_Bucket]] = None
         self._frozen_params: set[int] = set()
@@ -176,6 +194,27 @@ class OnebitAdam(torch.optim.Optimizer):
             self.compression.process_group = group
             self.compression.reset_error_feedback()
             self._buckets = None
+            self._backend_agreed = False
+
+    @property
+    def topology(self) -> Optional[Topology]:
+        """The :class:`~lightning_onebit.Topology` of the momentum exchange (``None``: flat, nodes unknown)."""
+        return self.compression.topology
+
+    @topology.setter
+    def topology(self, topology: Optional[Topology]) -> None:
+        if topology is not None and not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a lightning_onebit.Topology, got {type(topology).__name__}")
+        if topology is not self.compression.topology:
+            self.compression.topology = topology
+            self.compression.reset_error_feedback()  # its shapes and meaning depend on the exchange
+
+    def agree_kernel_backend(self) -> str:
+        """Agree the kernel backend with every rank of :attr:`process_group` (a collective; see ``kernel_backend``).
+        Returns the backend every rank now runs. Called at the first compressed step if nobody called it before."""
+        self.compression.backend = agree_kernel_backend(self.kernel_backend, self.compression.process_group)
+        self._backend_agreed = True
+        return self.compression.backend
 
     @property
     def communication(self) -> CommunicationCounters:
@@ -237,6 +276,8 @@ class OnebitAdam(torch.optim.Optimizer):
             self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t)
 
     def _compressed_step(self) -> None:
+        if not self._backend_agreed:
+            self.agree_kernel_backend()
         buckets = self._ensure_buckets()
         for group in self.param_groups:
             grads, exp_avgs, decays = [], [], []

@@ -25,6 +25,7 @@ from lightning_onebit.comm import CommunicationCounters
 from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import OnebitAdam, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
+from lightning_onebit.topology import Topology, TopologyMode
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class OnebitAdamStrategy(DDPStrategy):
     * ``16-mixed``: the GradScaler's inf/NaN verdict is agreed across ranks, so an overflow on one rank skips the step
       on all of them (a per-rank skip would deadlock the compressed collective).
     * Combining with FSDP, DeepSpeed or other sharded strategies is not supported: this strategy *is* DDP.
+    * Several nodes: with ``topology="auto"`` and several nodes of several ranks each (``Trainer(num_nodes=M,
+      devices=L)``), momenta are averaged in full precision inside each node and with 1 bit between nodes, so about
+      ``N/8`` bytes per node and step cross the slow link. Which ranks share a node comes from Lightning's cluster
+      environment (torchrun, SLURM, LSF, ...), gathered from every rank.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
@@ -67,6 +72,13 @@ class OnebitAdamStrategy(DDPStrategy):
         gradient_as_bucket_view: passed to ``DistributedDataParallel``. Default ``False``.
         ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce); ``None`` keeps DDP's default (25).
         ddp_kwargs: any other ``DistributedDataParallel`` arguments (e.g. ``{"broadcast_buffers": False}``).
+        topology: how compressed momenta travel between ranks. ``"auto"`` (default): hierarchical when there are
+            several nodes with the same number (> 1) of ranks each, flat otherwise (the log says why).
+            ``"hierarchical"``: full-precision reduce-scatter inside each node, 1-bit exchange between nodes,
+            all-gather inside the node; an error at setup where it is impossible (one node, one rank per node, uneven
+            nodes). ``"flat"``: every rank exchanges 1-bit momenta with every other rank.
+        ranks_per_node: treat ranks ``k K .. k K + K - 1`` as node ``k`` instead of asking the cluster environment
+            (for one host playing several nodes, e.g. tests and benchmarks). Default ``None``.
     """
 
     strategy_name = "onebit_adam"
@@ -86,7 +98,18 @@ class OnebitAdamStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = False,
         ddp_bucket_cap_mb: Optional[float] = None,
         ddp_kwargs: Optional[dict[str, Any]] = None,
+        topology: TopologyMode = "auto",
+        ranks_per_node: Optional[int] = None,
     ) -> None:
+        if topology not in ("auto", "flat", "hierarchical"):
+            raise ValueError(f"topology must be 'auto', 'flat' or 'hierarchical', got {topology!r}")
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node must be an integer >= 1 or None, got {ranks_per_node!r}")
+        self.topology_mode = topology
+        self.ranks_per_node = ranks_per_node
+        self.topology: Optional[Topology] = None
         ddp_kwargs = dict(ddp_kwargs or {})
         for reserved in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"):
             if reserved in ddp_kwargs:
@@ -161,8 +184,28 @@ class OnebitAdamStrategy(DDPStrategy):
         optimizer = optimizers[0]
         assert isinstance(self.model, DistributedDataParallel)
         optimizer.process_group = self.model.process_group
+        if self.topology is None:
+            self.topology = self.build_topology(self.model.process_group)
+        optimizer.topology = self.topology
+        self.gradient_sync.topology = self.topology
+        optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._onebit_optimizer = optimizer
         self._announced_stage = None
+
+    def build_topology(self, process_group: Any) -> Topology:
+        """Every rank's ``(node_rank, local_rank)`` from the cluster environment, gathered, and the process groups of
+        the chosen exchange (a collective: runs on every rank at setup). Override to place ranks differently."""
+        env = self.cluster_environment
+        assert env is not None
+        topology = Topology.build(
+            node_rank=env.node_rank(),
+            local_rank=env.local_rank(),
+            mode=self.topology_mode,
+            ranks_per_node=self.ranks_per_node,
+            group=process_group,
+        )
+        rank_zero_info(f"onebit_adam: {topology.mode} momentum exchange ({topology.reason})")
+        return topology
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

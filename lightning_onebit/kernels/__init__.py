@@ -40,6 +40,7 @@ __all__ = [
     "compress_in_place",
     "compress_with_error_feedback",
     "decompress",
+    "effective_backend",
     "frozen_adam_update_",
     "pack_signs",
     "resolve_backend",
@@ -54,6 +55,13 @@ def set_default_backend(backend: Backend) -> None:
     if backend not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; choose one of {_BACKENDS}")
     _default_backend = backend
+
+
+def effective_backend(backend: Backend = "auto") -> str:
+    """``backend`` with ``"auto"`` replaced by the process-wide default of :func:`set_default_backend`."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {_BACKENDS}")
+    return _default_backend if backend == "auto" else backend
 
 
 def available_backends() -> tuple[str, ...]:

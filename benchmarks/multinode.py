@@ -1,0 +1,694 @@
+"""Simulated 2 nodes x 2 ranks on one host: flat vs topology-aware ("hierarchical") 1-bit compression over a shaped link.
+
+For each ``--rates`` entry the script (as root) builds a two-node "cluster" out of two network namespaces joined by a
+veth pair (REFERENCE.md 7): node k is namespace ``mn<pid>r<i>n<k>`` with the veth end ``v<k>`` at 10.77.<i>.<k+1>/24
+and ``lo`` up; both veth ends are shaped with ``tc qdisc add dev v<k> root tbf rate RATE burst 256kb latency 50ms``.
+Traffic between the two ranks of a node goes over that namespace's (unshaped) loopback; only inter-node traffic
+crosses the veth. In each namespace it runs ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 2
+--node-rank k --master-addr 10.77.<i>.1 ...`` of this script in worker mode, with ``GLOO_SOCKET_IFNAME=v<k>`` and
+``OMP_NUM_THREADS=1``. Namespaces and links are removed afterwards, also on errors, Ctrl-C and SIGTERM (a SIGKILL of
+this script cannot be caught: then ``ip netns list`` shows the ``mn<pid>...`` names to delete by hand).
+
+The workers train the BERT of benchmarks/slow_link.py (``build_model``, ``RandomBatches``, its optimizer settings and
+its command-line defaults for the model: 6 layers / hidden 384, batch 16 x seq 64 per rank) with plain
+``torch.nn.parallel.DistributedDataParallel`` (gloo, one torch thread per rank, ``broadcast_buffers=False``: BERT's
+buffers are constant position / token-type ids), per method:
+
+  ddp_fp32             DDP's own fp32 allreduce + torch.optim.AdamW (slow_link's implementation, fused)
+  onebit_flat          DDP + switchable_allreduce_hook + OnebitAdam(freeze_step=W, topology=Topology.build(...,
+                       mode="flat")); W warmup steps untimed, timed in the compression stage only
+  onebit_hierarchical  the same with mode="hierarchical"
+  local_4proc          every process trains its own replica, no communication (compute reference under the same
+                       4-process load on this host's cores)
+
+Per method: ``--untimed`` steps, then ``--steps`` timed steps, each after a barrier; a step's time is the slowest
+rank's, the figure is the median over the timed steps.
+
+Bytes that cross the link per node per step (inter-node, each direction; "node k" = what leaves it on v<k>):
+  * counters: the sum over the node's two ranks of ``CommunicationCounters.bytes_sent_inter_node`` over the timed
+    steps (OnebitAdam.communication plus the GradientSyncState hook's counters, which stay at 0 in the compression
+    stage), divided by the step count. For ddp_fp32 it is analytic: gloo's ring allreduce over ranks 0..3 (ranks of a
+    node are consecutive) crosses each node boundary once per direction, so one rank per node sends its whole ring
+    share off the node: ``2 (P-1)/P * 4N`` (``ring_allreduce_bytes``);
+  * veth: the kernel's counters of the veth end, read by this (parent) process before and after each method's timed
+    steps while the workers wait (global rank 0 writes a marker file into a shared temporary directory and waits for
+    the parent's acknowledgement; all ranks are held by a barrier around that). Two figures: the tbf qdisc's "Sent"
+    bytes (``tc -s qdisc show dev v<k>``: IP packets with TCP/IP headers, each GSO segment's headers counted) and the
+    link's tx bytes (``ip -s link show v<k>``: with Ethernet headers, but a GSO super-packet's headers only once).
+    Both include the TCP ACKs a node sends for the data it receives and the gloo barriers inside the window
+    (``steps + 2`` of them). A calibration window of ``--calibration-barriers`` bare barriers at the start of every
+    launch measures one barrier's bytes; the "corrected" figure subtracts the window's barriers.
+  * formula (REFERENCE.md 7, N = parameter count, P = M nodes x L ranks): fp32 ring ``2(P-1)/P 4N``; flat 1-bit
+    ``L(P-L)N/(8P) + (P-1)N/(8P)`` (all_to_all + ring all_gather); hierarchical 1-bit ``2(M-1)/M N/8``; also tabulated
+    at 2, 4 and 16 nodes x 8 ranks.
+
+Results go to results/<--name>.json (default results/multinode.json); benchmarks/readme_results.py renders them.
+
+    python benchmarks/multinode.py                                   # 200mbit and 50mbit, the full model
+    python benchmarks/multinode.py --rates 200mbit --layers 1 --hidden 64 --steps 3 --name multinode_small
+    python benchmarks/multinode.py --methods ddp_fp32 local_4proc    # without the 1-bit methods
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SCRIPT = Path(__file__).resolve()
+ROOT = SCRIPT.parent.parent
+METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "local_4proc")
+ONEBIT_MODES = {"onebit_flat": "flat", "onebit_hierarchical": "hierarchical"}
+NODES, RANKS_PER_NODE = 2, 2
+MASTER_PORT = 29611
+FORMULA_NODES, FORMULA_RANKS_PER_NODE = (2, 4, 16), 8
+MODEL_FLAGS = ("layers", "hidden", "heads", "batch", "seq", "vocab", "adamw")
+
+
+# ---------------------------------------------------------------------------------------------------- formulas
+def formula_bytes_per_node(n: int, nodes: int, ranks_per_node: int) -> dict[str, float]:
+    """Payload bytes leaving each node per step for N = ``n`` parameters (REFERENCE.md 7)."""
+    M, L = nodes, ranks_per_node
+    P = M * L
+    return dict(
+        fp32_ring=2 * (P - 1) / P * 4 * n,
+        fp32_hierarchical=2 * (M - 1) / M * 4 * n,
+        onebit_flat=L * (P - L) * n / (8 * P) + (P - 1) * n / (8 * P),
+        onebit_hierarchical=2 * (M - 1) / M * n / 8,
+    )
+
+
+METHOD_FORMULA = dict(ddp_fp32="fp32_ring", onebit_flat="onebit_flat", onebit_hierarchical="onebit_hierarchical")
+
+
+def formula_table(n: int) -> list[dict[str, Any]]:
+    rows = []
+    for m in FORMULA_NODES:
+        f = formula_bytes_per_node(n, m, FORMULA_RANKS_PER_NODE)
+        rows.append(dict(nodes=m, ranks_per_node=FORMULA_RANKS_PER_NODE, bytes=f,
+                         per_parameter={k: v / n for k, v in f.items()}))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------- defaults
+def slow_link_defaults() -> dict[str, Any]:
+    """The command-line defaults of benchmarks/slow_link.py (model size, batch, AdamW implementation, ...).
+
+    slow_link builds its parser inside ``main()``; this runs ``main()`` with ``parse_args`` intercepted, so the
+    defaults are read from that parser rather than restated here."""
+    from benchmarks import slow_link
+
+    class _Captured(Exception):
+        pass
+
+    captured: dict[str, Any] = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(parser, args=None, namespace=None):
+        captured.update(vars(original(parser, [])))
+        raise _Captured
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        slow_link.main()
+    except _Captured:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return captured
+
+
+# ---------------------------------------------------------------------------------------------------- worker side
+class Windows:
+    """Measurement windows: the parent reads the veth counters at each window's begin and end while all ranks wait.
+
+    Global rank 0 writes ``<seq>_<name>_<phase>.mark`` (JSON) into the shared directory and waits for the parent's
+    ``.ok``; the other ranks wait in a barrier. Inside a window there are ``2 + (barriers issued by the caller)``
+    barriers: the one after the begin handshake and the one before the end handshake."""
+
+    def __init__(self, sync_dir: Path, rank: int, parent_pid: int, timeout: float) -> None:
+        self.sync_dir, self.rank, self.parent_pid, self.timeout = sync_dir, rank, parent_pid, timeout
+        self.seq = 0
+
+    def _handshake(self, name: str, phase: str, info: dict) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        if self.rank == 0:
+            stem = f"{self.seq:03d}_{name}_{phase}"
+            self.seq += 1
+            tmp = self.sync_dir / f"{stem}.tmp"
+            tmp.write_text(json.dumps(dict(window=name, phase=phase, info=info)))
+            tmp.rename(self.sync_dir / f"{stem}.mark")
+            ok = self.sync_dir / f"{stem}.ok"
+            deadline = time.monotonic() + self.timeout
+            while not ok.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no acknowledgement of {stem} from the parent in {self.timeout:.0f} s")
+                try:
+                    os.kill(self.parent_pid, 0)
+                except ProcessLookupError:
+                    raise RuntimeError("the parent process is gone") from None
+                time.sleep(0.005)
+        dist.barrier()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, end_info: Optional[dict] = None) -> Iterator[dict]:
+        info = {} if end_info is None else end_info
+        self._handshake(name, "begin", {})
+        yield info  # the caller may fill ``info`` (sent with the end marker, printed by the parent)
+        self._handshake(name, "end", info)
+
+
+def _counter_dict(c: Any) -> dict[str, float]:
+    return {f.name: getattr(c, f.name) for f in dataclasses.fields(c)}
+
+
+def _sub(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a[k] - b[k] for k in a}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.slow_link import LR, WEIGHT_DECAY, RandomBatches, build_model, make_adamw
+    from lightning_onebit import GradientSyncState, OnebitAdam, switchable_allreduce_hook
+
+    torch.set_num_threads(1)
+    sync_dir = Path(args.sync_dir)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    node_rank, local_rank = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+    (sync_dir / f"pid.{rank}").write_text(str(os.getpid()))
+    cfg = {k: getattr(args, k) for k in MODEL_FLAGS}
+    W, U, N = args.warmup_steps, args.untimed, args.steps
+    windows = Windows(sync_dir, rank, args.parent_pid, args.collective_timeout)
+    out: dict[str, Any] = dict(rank=rank, node_rank=node_rank, local_rank=local_rank, world_size=world_size,
+                               pid=os.getpid(), methods={})
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"[{time.strftime('%H:%M:%S')}] rank 0: {msg}", flush=True)
+
+    with windows("barriers"):
+        for _ in range(args.calibration_barriers):
+            dist.barrier()
+
+    def steps(model, opt, batches, n: int, meter=None) -> dict[str, Any]:
+        times, losses = [], []
+        before = meter() if meter else None
+        for _ in range(n):
+            batch = batches()
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+        counters = {k: _sub(v, before[k]) for k, v in meter().items()} if meter else {}
+        return dict(times_s=times, losses=losses, counters=counters)
+
+    for method in args.methods:
+        started = time.perf_counter()
+        batches = RandomBatches(cfg, rank)
+        model = build_model(cfg)
+        if "model" not in out:
+            out["model"] = dict(params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                                tensors=sum(1 for p in model.parameters() if p.requires_grad))
+        extra: dict[str, Any] = {}
+        meter = None
+        if method == "local_4proc":
+            opt = make_adamw(model.parameters(), cfg)
+        elif method == "ddp_fp32":
+            model = DDP(model, broadcast_buffers=False)
+            opt = make_adamw(model.parameters(), cfg)
+        elif method in ONEBIT_MODES:
+            from lightning_onebit import Topology
+
+            topo = Topology.build(node_rank=node_rank, local_rank=local_rank, mode=ONEBIT_MODES[method])
+            extra["topology"] = dict(mode=str(topo.mode), num_nodes=topo.num_nodes, ranks_per_node=topo.ranks_per_node)
+            model = DDP(model, broadcast_buffers=False)
+            opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W, topology=topo)
+            sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
+            model.register_comm_hook(sync, switchable_allreduce_hook)
+            meter = lambda: dict(optimizer=_counter_dict(opt.communication), hook=_counter_dict(sync.counters))  # noqa: E731
+            warm = steps(model, opt, batches, W)
+            extra["warmup_times_s"] = warm["times_s"]
+        else:  # pragma: no cover
+            raise ValueError(method)
+        untimed = steps(model, opt, batches, U)
+        if method in ONEBIT_MODES and opt.needs_gradient_allreduce:
+            raise RuntimeError(f"{method}: still in warmup after {W + U} steps")
+        log(f"{method}: {W if method in ONEBIT_MODES else 0} warmup + {U} untimed steps done "
+            f"({time.perf_counter() - started:.0f} s); timing {N} steps")
+        with windows(method) as info:
+            timed = steps(model, opt, batches, N, meter)
+            info["median_step_s_rank0"] = statistics.median(timed["times_s"])
+        if method in ONEBIT_MODES:
+            extra["skipped_grad_buckets"] = sync.skipped_buckets
+            extra["stage"] = str(opt.stage)
+        out["methods"][method] = dict(untimed_times_s=untimed["times_s"], wall_s=time.perf_counter() - started,
+                                      loadavg_1min_after=os.getloadavg()[0], **timed, **extra)
+        del model, opt
+        gc.collect()
+    (sync_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------- parent side
+def _sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+class Cluster:
+    """Two namespaces joined by a shaped veth pair; ``close()`` ends what runs inside and removes everything."""
+
+    _open: list["Cluster"] = []
+
+    def __init__(self, index: int, rate: str, burst: str, latency: str) -> None:
+        tag = f"{os.getpid()}r{index}"
+        self.namespaces = [f"mn{tag}n{k}" for k in range(NODES)]
+        self.tmp_links = [f"mv{tag}{'ab'[k]}"[:15] for k in range(NODES)]  # root-namespace names before the move
+        self.devices = [f"v{k}" for k in range(NODES)]
+        self.addresses = [f"10.77.{index % 256}.{k + 1}" for k in range(NODES)]
+        self.rate, self.burst, self.latency = rate, burst, latency
+        self.procs: list[subprocess.Popen] = []
+        self.closed = False
+        Cluster._open.append(self)
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self) -> None:
+        for ns in self.namespaces:
+            _sh(["ip", "netns", "add", ns])
+            for key in ("all", "default"):  # no IPv6 neighbour discovery / router solicitations on the veth
+                _sh(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{key}.disable_ipv6=1"], check=False)
+        _sh(["ip", "link", "add", self.tmp_links[0], "type", "veth", "peer", "name", self.tmp_links[1]])
+        for k, ns in enumerate(self.namespaces):
+            _sh(["ip", "link", "set", self.tmp_links[k], "netns", ns])
+            _sh(["ip", "-n", ns, "link", "set", self.tmp_links[k], "name", self.devices[k]])
+            _sh(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", self.devices[k]])
+            _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _sh(["ip", "-n", ns, "link", "set", self.devices[k], "up"])
+            _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.devices[k], "root", "tbf",
+                 "rate", self.rate, "burst", self.burst, "latency", self.latency])
+
+    def wire(self) -> list[dict[str, int]]:
+        """Per node: the tbf qdisc's sent bytes/packets/drops and the veth's tx/rx bytes/packets."""
+        readings = []
+        for ns, dev in zip(self.namespaces, self.devices):
+            qdisc = json.loads(_sh(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev]).stdout)
+            root = next(q for q in qdisc if q.get("root"))
+            stats = json.loads(_sh(["ip", "-n", ns, "-s", "-j", "link", "show", dev]).stdout)[0]["stats64"]
+            readings.append(dict(qdisc_bytes=root["bytes"], qdisc_packets=root["packets"], qdisc_drops=root["drops"],
+                                 qdisc_overlimits=root["overlimits"], tx_bytes=stats["tx"]["bytes"],
+                                 tx_packets=stats["tx"]["packets"], rx_bytes=stats["rx"]["bytes"],
+                                 rx_packets=stats["rx"]["packets"]))
+        return readings
+
+    def launch(self, k: int, worker_args: list[str], log: Path) -> subprocess.Popen:
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=self.devices[k], OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        cmd = ["ip", "netns", "exec", self.namespaces[k], sys.executable, "-m", "torch.distributed.run",
+               "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--node-rank", str(k),
+               "--master-addr", self.addresses[0], "--master-port", str(MASTER_PORT),
+               str(SCRIPT), "--worker", *worker_args]
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def _pids_inside(self) -> list[int]:
+        pids = []
+        for ns in self.namespaces:
+            res = _sh(["ip", "netns", "pids", ns], check=False)
+            pids += [int(p) for p in res.stdout.split()]
+        return [p for p in pids if p != os.getpid()]
+
+    def close(self) -> None:
+        """End the launchers (SIGTERM: torchrun stops its workers), then SIGKILL anything still inside the
+        namespaces, delete them (which deletes both veth ends) and any veth end not yet moved."""
+        if self.closed:
+            return
+        self.closed = True
+        running = [p for p in self.procs if p.poll() is None]
+        for p in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for _ in range(3):  # processes of our namespaces: the launchers and the ranks they started
+            pids = self._pids_inside()
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.3)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+        for ns in self.namespaces:
+            _sh(["ip", "netns", "del", ns], check=False)
+        for link in self.tmp_links:
+            if _sh(["ip", "link", "show", link], check=False).returncode == 0:
+                _sh(["ip", "link", "del", link], check=False)
+        with contextlib.suppress(ValueError):
+            Cluster._open.remove(self)
+
+    @classmethod
+    def close_all(cls) -> None:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
+        try:
+            for cluster in list(cls._open):
+                cluster.close()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that remove the namespaces
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def _worker_args(args: argparse.Namespace, sync_dir: str) -> list[str]:
+    out = ["--sync-dir", sync_dir, "--parent-pid", str(os.getpid())]
+    for flag in (*MODEL_FLAGS, "warmup_steps", "steps", "untimed", "calibration_barriers", "collective_timeout"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    return out + ["--methods", *args.methods]
+
+
+def run_rate(index: int, rate: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One launch pair on a fresh cluster shaped at ``rate``; per-rank results and the veth readings per window."""
+    with tempfile.TemporaryDirectory(prefix="multinode_") as tmp:
+        sync_dir = Path(tmp)
+        cluster = Cluster(index, rate, args.burst, args.latency)
+        try:
+            logs = [sync_dir / f"node{k}.log" for k in range(NODES)]
+            readings: dict[str, dict[str, Any]] = {}
+            initial = cluster.wire()
+            procs = [cluster.launch(k, _worker_args(args, tmp), logs[k]) for k in range(NODES)]
+            started = time.monotonic()
+            seen: set[str] = set()
+            failure = None
+            while True:
+                for mark in sorted(sync_dir.glob("*.mark")):
+                    if mark.name in seen:
+                        continue
+                    seen.add(mark.name)
+                    wire = cluster.wire()
+                    (sync_dir / f"{mark.stem}.ok").write_text("")
+                    msg = json.loads(mark.read_text())
+                    readings.setdefault(msg["window"], {})[msg["phase"]] = wire
+                    if msg["phase"] == "end":
+                        readings[msg["window"]]["info"] = msg["info"]
+                        med = msg["info"].get("median_step_s_rank0")
+                        note = f", median {med:.3f} s/step on rank 0" if med is not None else ""
+                        print(f"  [{time.strftime('%H:%M:%S')}] {rate}: {msg['window']} measured{note}", flush=True)
+                codes = [p.poll() for p in procs]
+                if any(c not in (None, 0) for c in codes):
+                    failure = f"a launcher failed (exit codes {codes})"
+                elif all(c == 0 for c in codes):
+                    break
+                elif time.monotonic() - started > args.timeout:
+                    failure = f"timed out after {args.timeout:.0f} s"
+                if failure:
+                    break
+                time.sleep(0.02)
+            if failure:
+                for k in range(NODES):
+                    print(f"----- node {k} launcher output (last lines) -----\n{_tail(logs[k])}", file=sys.stderr)
+                raise RuntimeError(f"{rate}: {failure}")
+            per_rank = [json.loads((sync_dir / f"rank{r}.json").read_text()) for r in range(NODES * RANKS_PER_NODE)]
+            final = cluster.wire()
+        finally:
+            cluster.close()
+    return dict(per_rank=per_rank, wire=readings, wire_initial=initial, wire_final=final,
+                namespaces=cluster.namespaces, addresses=cluster.addresses)
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+def _slowest_median(per_rank: list[dict], method: str) -> float:
+    series = [r["methods"][method]["times_s"] for r in per_rank]
+    return statistics.median(max(step) for step in zip(*series))
+
+
+def _delta(readings: dict, window: str, node: int, key: str) -> int:
+    return readings[window]["end"][node][key] - readings[window]["begin"][node][key]
+
+
+def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_onebit import ring_allreduce_bytes
+
+    per_rank, wire = run["per_rank"], run["wire"]
+    n_params = per_rank[0]["model"]["params"]
+    world = NODES * RANKS_PER_NODE
+    steps = args.steps
+    barrier_count = args.calibration_barriers + 2
+    barrier = [{key: _delta(wire, "barriers", k, key) / barrier_count for key in ("qdisc_bytes", "tx_bytes")}
+               for k in range(NODES)]
+    formulas = formula_bytes_per_node(n_params, NODES, RANKS_PER_NODE)
+    rows: dict[str, dict[str, Any]] = {}
+    for method in args.methods:
+        if method == "ddp_fp32":
+            counters = [float(ring_allreduce_bytes(n_params, 4, world))] * NODES
+            source = "analytic: gloo ring allreduce, one rank per node sends 2(P-1)/P 4N off the node"
+        elif method in ONEBIT_MODES:
+            counters = [0.0] * NODES
+            for r in per_rank:
+                c = r["methods"][method]["counters"]
+                counters[r["node_rank"]] += (c["optimizer"]["bytes_sent_inter_node"]
+                                             + c["hook"]["bytes_sent_inter_node"]) / steps
+            source = "measured: OnebitAdam.communication + GradientSyncState counters, bytes_sent_inter_node"
+        else:
+            counters = [0.0] * NODES
+            source = "no communication"
+        nodes = []
+        for k in range(NODES):
+            qdisc, tx = _delta(wire, method, k, "qdisc_bytes"), _delta(wire, method, k, "tx_bytes")
+            in_window = (steps + 2) * barrier[k]["qdisc_bytes"]
+            corrected = (qdisc - in_window) / steps
+            nodes.append(dict(
+                counters=counters[k],
+                veth_qdisc_raw=qdisc / steps,
+                veth_qdisc=corrected,
+                veth_tx_raw=tx / steps,
+                veth_tx=(tx - (steps + 2) * barrier[k]["tx_bytes"]) / steps,
+                barrier_bytes_in_window_per_step=in_window / steps,
+                qdisc_packets=_delta(wire, method, k, "qdisc_packets") / steps,
+                qdisc_drops=_delta(wire, method, k, "qdisc_drops"),
+                rel_diff=corrected / counters[k] - 1 if counters[k] else None,
+            ))
+        diffs = [d["rel_diff"] for d in nodes if d["rel_diff"] is not None]
+        worst = max(diffs, key=abs) if diffs else None
+        row = dict(
+            step_s=_slowest_median(per_rank, method),
+            counters_bytes_per_node=statistics.fmean(counters),
+            counters_source=source,
+            veth_bytes_per_node=statistics.fmean(d["veth_qdisc"] for d in nodes),
+            veth_tx_bytes_per_node=statistics.fmean(d["veth_tx"] for d in nodes),
+            rel_diff=worst,
+            agree_within_10pct=None if worst is None else abs(worst) <= 0.10,
+            formula=METHOD_FORMULA.get(method),
+            formula_bytes_per_node=formulas[METHOD_FORMULA[method]] if method in METHOD_FORMULA else 0.0,
+            nodes=nodes,
+            final_loss=[r["methods"][method]["losses"][-1] for r in per_rank],
+        )
+        for key in ("topology", "skipped_grad_buckets", "stage"):
+            if key in per_rank[0]["methods"][method]:
+                row[key] = per_rank[0]["methods"][method][key]
+        rows[method] = row
+    ref = rows.get("onebit_hierarchical", {}).get("step_s")
+    for row in rows.values():
+        row["ratio_to_hierarchical"] = row["step_s"] / ref if ref else None
+    return dict(rows=rows, barrier_bytes_per_node=barrier, barriers_per_window=f"steps + 2 = {steps + 2}")
+
+
+def _mb(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / 1e6:,.3f}"
+
+
+def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
+    rows = summary["rows"]
+    print(f"\n=== {NODES} nodes x {RANKS_PER_NODE} ranks, veth shaped at {rate} (tbf burst {args.burst}, "
+          f"latency {args.latency}) ===")
+    header = (f"{'method':21s}{'step (s)':>9s}{'/ hier':>8s}   {'MB leaving each node per step:':31s}"
+              f"{'counters':>9s}{'veth tc':>10s}{'diff':>8s}{'veth tx':>10s}{'formula':>10s}")
+    print(header)
+    print("-" * len(header))
+    for name, r in rows.items():
+        ratio = f"{r['ratio_to_hierarchical']:.2f}x" if r["ratio_to_hierarchical"] else "-"
+        diff = f"{r['rel_diff']:+.1%}" if r["rel_diff"] is not None else "-"
+        print(f"{name:21s}{r['step_s']:>9.3f}{ratio:>8s}   {'':31s}{_mb(r['counters_bytes_per_node']):>9s}"
+              f"{_mb(r['veth_bytes_per_node']):>10s}{diff:>8s}{_mb(r['veth_tx_bytes_per_node']):>10s}"
+              f"{_mb(r['formula_bytes_per_node']):>10s}")
+    b = summary["barrier_bytes_per_node"]
+    one = ", ".join(f"node {k} {x['qdisc_bytes']:.0f} B (tc)" for k, x in enumerate(b))
+    print(f"  veth figures: timed-window bytes minus its {summary['barriers_per_window']} barriers "
+          f"(one barrier: {one}), "
+          f"per step; 'veth tc' = tbf qdisc Sent bytes (IP packets, headers per segment), 'veth tx' = link tx bytes.")
+    print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* measured bytes_sent_inter_node, summed per node; "
+          "diff = veth tc / counters - 1, worst node")
+    drops = {name: sum(d["qdisc_drops"] for d in r["nodes"]) for name, r in rows.items()}
+    if any(drops.values()):
+        print(f"  tbf drops during the timed steps (TCP retransmits add to the veth figures): {drops}")
+
+
+def print_formulas(n_params: int) -> None:
+    print(f"\nBytes leaving each node per step by formula (REFERENCE.md 7), N = {n_params:,} parameters, "
+          f"{FORMULA_RANKS_PER_NODE} ranks per node:")
+    header = f"{'nodes':>6s}{'fp32 ring':>18s}{'flat 1-bit':>18s}{'hierarchical 1-bit':>22s}"
+    print(header)
+    for row in formula_table(n_params):
+        f, p = row["bytes"], row["per_parameter"]
+        cells = [f"{f[k] / 1e6:,.1f} MB ({p[k]:.3g}N)" for k in ("fp32_ring", "onebit_flat", "onebit_hierarchical")]
+        print(f"{row['nodes']:>6d}{cells[0]:>18s}{cells[1]:>18s}{cells[2]:>22s}")
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+def parse_args() -> argparse.Namespace:
+    defaults = slow_link_defaults()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="200mbit,50mbit",
+                        help="comma-separated tbf rates, one cluster each, run in turn (default 200mbit,50mbit)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        help="subset of methods, run in this order (default all)")
+    parser.add_argument("--layers", type=int, default=defaults["layers"],
+                        help=f"BERT layers (slow_link's default {defaults['layers']})")
+    parser.add_argument("--hidden", type=int, default=defaults["hidden"],
+                        help=f"BERT hidden size (slow_link's default {defaults['hidden']})")
+    parser.add_argument("--heads", type=int, default=defaults["heads"], help="attention heads (default hidden/64)")
+    parser.add_argument("--batch", type=int, default=defaults["batch"],
+                        help=f"sequences per rank per step (slow_link's default {defaults['batch']})")
+    parser.add_argument("--seq", type=int, default=defaults["seq"],
+                        help=f"sequence length (slow_link's default {defaults['seq']})")
+    parser.add_argument("--vocab", type=int, default=defaults["vocab"], help=argparse.SUPPRESS)
+    parser.add_argument("--adamw", default=defaults["adamw"], choices=("fused", "foreach", "forloop"),
+                        help=f"AdamW implementation of ddp_fp32 / local_4proc (slow_link's default {defaults['adamw']})")
+    parser.add_argument("--warmup-steps", type=int, default=2,
+                        help="W: OnebitAdam freeze_step; its warmup steps are untimed (default 2)")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per method (default 8)")
+    parser.add_argument("--untimed", type=int, default=2, help="untimed steps before the timed ones (default 2)")
+    parser.add_argument("--calibration-barriers", type=int, default=20,
+                        help="bare barriers in the calibration window that measures a barrier's bytes (default 20)")
+    parser.add_argument("--burst", default="256kb", help="tbf burst (default 256kb)")
+    parser.add_argument("--latency", default="50ms", help="tbf latency (default 50ms)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per rate before the run is killed")
+    parser.add_argument("--collective-timeout", type=float, default=1800, help=argparse.SUPPRESS)
+    parser.add_argument("--name", default="multinode", help="results/<name>.json (default multinode)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sync-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.warmup_steps < 1 or args.steps < 1 or args.untimed < 1 or args.calibration_barriers < 1:
+        parser.error("--warmup-steps, --steps, --untimed and --calibration-barriers must be >= 1")
+    if args.worker:
+        return args
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("must run as root (it creates network namespaces, a veth pair and tc qdiscs)")
+    missing = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
+    if missing:
+        problems.append(f"needs the iproute2 tools, not found: {', '.join(missing)}")
+    if any(m in ONEBIT_MODES for m in args.methods):
+        try:
+            from lightning_onebit import Topology  # noqa: F401
+        except ImportError:
+            problems.append("lightning_onebit.Topology is not available: run --methods ddp_fp32 local_4proc")
+    if problems:
+        parser.error("; ".join(problems))
+    args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]
+    if not args.rate_list or any(not re.fullmatch(r"[0-9.]+[a-zA-Z]*", r) for r in args.rate_list):
+        parser.error(f"--rates: expected tc rates such as 200mbit,50mbit, got {args.rates!r}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        _worker(args)
+        return
+
+    import torch
+
+    from benchmarks.common import write_results
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)
+    atexit.register(Cluster.close_all)
+    started = time.perf_counter()
+    cfg = {k: getattr(args, k) for k in (*MODEL_FLAGS, "warmup_steps", "steps", "untimed", "calibration_barriers")}
+    payload: dict[str, Any] = dict(
+        args={k: v for k, v in vars(args).items() if k not in ("worker", "sync_dir", "parent_pid")},
+        config=dict(cfg, methods=list(args.methods)),
+        environment=dict(torch=torch.__version__, python=platform.python_version(), cpus=os.cpu_count(),
+                         nodes=NODES, ranks_per_node=RANKS_PER_NODE, threads_per_rank=1, backend="gloo",
+                         tbf=dict(burst=args.burst, latency=args.latency), loadavg_at_start=os.getloadavg(),
+                         ddp_broadcast_buffers=False),
+        caveat=("one host simulates both nodes: 4 processes share its CPU cores (intra-node phases are CPU-bound "
+                "here, unlike a real node) and other work may have used them at the same time"),
+        rates={},
+    )
+    try:
+        for index, rate in enumerate(args.rate_list):
+            print(f"[{time.strftime('%H:%M:%S')}] {rate}: {NODES} namespaces joined by a veth pair shaped at {rate}; "
+                  f"methods {', '.join(args.methods)}", flush=True)
+            run = run_rate(index, rate, args)
+            summary = summarise(run, args)
+            payload.setdefault("model", run["per_rank"][0]["model"])
+            payload["rates"][rate] = dict(**summary, per_rank=run["per_rank"], wire=run["wire"],
+                                          wire_initial=run["wire_initial"], wire_final=run["wire_final"])
+            print_rate(rate, summary, args)
+    finally:
+        Cluster.close_all()
+    n_params = payload["model"]["params"]
+    payload["formulas"] = dict(this_run=formula_bytes_per_node(n_params, NODES, RANKS_PER_NODE),
+                               table=formula_table(n_params))
+    print_formulas(n_params)
+    payload["total_wall_s"] = time.perf_counter() - started
+    print(f"\nmodel: {n_params / 1e6:.2f}M parameters; {args.layers} layers, hidden {args.hidden}, batch "
+          f"{args.batch} x seq {args.seq} per rank; W={args.warmup_steps}, {args.untimed} untimed + {args.steps} "
+          f"timed steps per method. Timings: one shared host, 4 processes on {os.cpu_count()} cores.")
+    path = write_results(args.name, payload)
+    print(f"written to {path} in {payload['total_wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Which ranks share a node, and the process groups that topology-aware compression runs in.
+
+A cluster of ``P = M x L`` ranks (``M`` nodes, ``L`` ranks per node) has a fast link inside each node and a slow one
+between nodes. Rank ``(n, l)`` (node ``n``, local index ``l``) belongs to two groups:
+
+* its *intra-node* group: the ``L`` ranks of node ``n``, ordered by local index;
+* its *inter-node* group: the ``M`` ranks with local index ``l``, one per node, ordered by node.
+
+The hierarchical compressed allreduce (:mod:`lightning_onebit.comm`) reduces in full precision inside the node, runs
+the 1-bit exchange inside the inter-node group, and gathers the result inside the node again, so only ``~N/8`` bytes
+per node cross the slow link instead of ``~N/4`` to ``N`` for a flat 1-bit exchange (REFERENCE.md section 7).
+
+The topology is derived from an all-gather of every rank's ``(node_rank, local_rank)`` as the launcher reports them
+(torchrun, SLURM, LSF, ... via Lightning's cluster environment), never from ``rank // L``: under SLURM and torchrun
+the ranks of a node need not be contiguous. :meth:`Topology.plan` is the pure part (testable without processes);
+:meth:`Topology.build` gathers the placements and creates the groups, on every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Literal, Optional, Sequence
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+TopologyMode = Literal["auto", "flat", "hierarchical"]
+_MODES = ("auto", "flat", "hierarchical")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Placement of the ranks of one process group on nodes, and the exchange mode chosen for it.
+
+    Build it with :meth:`build` (a collective: every rank of the group calls it) or :meth:`plan` (pure, no groups).
+
+    Attributes:
+        mode: ``"flat"`` (every rank exchanges 1-bit momentum with every other) or ``"hierarchical"``.
+        reason: why this mode was chosen (e.g. why ``auto`` fell back to flat); logged by :meth:`build`.
+        node_of: per group rank, the index of its node (nodes numbered ``0..M-1`` in order of their node rank).
+        local_of: per group rank, its index inside its node (``0..L-1``, in order of group rank: the launcher's local
+            ranks only identify places, torch numbers a group's members by global rank).
+        rank: this process's rank in the group (``None`` for a plan made without a process).
+        intra_group: this rank's intra-node process group (hierarchical mode, after :meth:`build`).
+        inter_group: this rank's inter-node process group (hierarchical mode, after :meth:`build`).
+    """
+
+    mode: Literal["flat", "hierarchical"]
+    reason: str
+    node_of: tuple[int, ...]
+    local_of: tuple[int, ...]
+    rank: Optional[int] = None
+    intra_group: Optional[Any] = dataclasses.field(default=None, compare=False, repr=False)
+    inter_group: Optional[Any] = dataclasses.field(default=None, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def world_size(self) -> int:
+        """``P``, the ranks in the group."""
+        return len(self.node_of)
+
+    @property
+    def num_nodes(self) -> int:
+        """``M``, the number of nodes."""
+        return len(set(self.node_of))
+
+    @property
+    def ranks_per_node(self) -> Optional[int]:
+        """``L`` when every node has the same number of ranks, else ``None``."""
+        counts = {self.node_of.count(n) for n in set(self.node_of)}
+        return counts.pop() if len(counts) == 1 else None
+
+    @property
+    def is_hierarchical(self) -> bool:
+        return self.mode == "hierarchical"
+
+    def node_ranks(self, node: int) -> tuple[int, ...]:
+        """Group ranks of node ``node`` in ascending order: the members of its intra-node group, in group-rank order."""
+        return tuple(r for r, n in enumerate(self.node_of) if n == node)
+
+    def local_ranks(self, local: int) -> tuple[int, ...]:
+        """Group ranks with local index ``local`` in ascending order: the members of that inter-node group, in
+        group-rank order (which need not be node order when ranks are not numbered node by node)."""
+        return tuple(r for r, l in enumerate(self.local_of) if l == local)
+
+    @property
+    def inter_index(self) -> int:
+        """This rank's position in its inter-node group (the chunk of its shard that it serves)."""
+        return self.local_ranks(self.local_index).index(self._own_rank())
+
+    @property
+    def node_index(self) -> int:
+        """This rank's node index ``n``."""
+        return self.node_of[self._own_rank()]
+
+    @property
+    def local_index(self) -> int:
+        """This rank's index ``l`` inside its node."""
+        return self.local_of[self._own_rank()]
+
+    def same_node(self, a: int, b: int) -> bool:
+        """Whether group ranks ``a`` and ``b`` share a node."""
+        return self.node_of[a] == self.node_of[b]
+
+    def describe(self) -> dict[str, Any]:
+        """What a per-rank checkpoint records to detect a topology change: mode, ``(M, L)``, this rank's place."""
+        rank = self._own_rank()
+        return {
+            "mode": self.mode,
+            "num_nodes": self.num_nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "world_size": self.world_size,
+            "node": self.node_of[rank],
+            "local": self.local_of[rank],
+        }
+
+    def _own_rank(self) -> int:
+        if self.rank is None:
+            raise ValueError("this Topology is a plan without a process: it has no own rank")
+        return self.rank
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def flat(cls, world_size: int, rank: Optional[int] = None, reason: str = "flat exchange requested") -> "Topology":
+        """A flat topology that knows nothing of nodes: every rank counts as its own node for byte accounting."""
+        return cls("flat", reason, tuple(range(world_size)), (0,) * world_size, rank)
+
+    @classmethod
+    def plan(
+        cls,
+        placements: Sequence[tuple[int, int]],
+        mode: TopologyMode = "auto",
+        rank: Optional[int] = None,
+        ranks_per_node: Optional[int] = None,
+    ) -> "Topology":
+        """Choose the exchange mode from every rank's ``(node_rank, local_rank)`` (pure; creates no groups).
+
+        Args:
+            placements: per group rank, the ``(node_rank, local_rank)`` its launcher reports. Node and local ranks need
+                not be contiguous or start at 0; they are renumbered in sorted order.
+            mode: ``"auto"`` is hierarchical when there are several nodes with the same number (> 1) of ranks each,
+                and flat otherwise, with the reason. ``"hierarchical"`` where that is impossible is a ``ValueError``
+                naming the reason. ``"flat"`` is always flat.
+            rank: this process's group rank (optional).
+            ranks_per_node: override the placements: ranks ``k K .. k K + K - 1`` form node ``k`` (for one host
+                playing several nodes, e.g. in tests). ``None`` (default) uses the placements.
+
+        Raises:
+            ValueError: on an unknown mode, a bad override, or two ranks reporting the same ``(node, local)`` place.
+        """
+        if mode not in _MODES:
+            raise ValueError(f"topology must be one of {_MODES}, got {mode!r}")
+        world_size = len(placements)
+        if ranks_per_node is not None:
+            if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+                raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+            if world_size % ranks_per_node:
+                raise ValueError(
+                    f"ranks_per_node={ranks_per_node} does not divide the world size {world_size}: "
+                    "every simulated node needs the same number of ranks"
+                )
+            placements = [(r // ranks_per_node, r % ranks_per_node) for r in range(world_size)]
+        placements = [(int(n), int(l)) for n, l in placements]
+        seen: dict[tuple[int, int], int] = {}
+        for r, place in enumerate(placements):
+            if place in seen:
+                raise ValueError(
+                    f"ranks {seen[place]} and {r} both report node_rank={place[0]}, local_rank={place[1]}: the "
+                    "cluster environment is inconsistent (check NODE_RANK/GROUP_RANK and LOCAL_RANK, or SLURM_NODEID "
+                    "and SLURM_LOCALID), or pass ranks_per_node explicitly"
+                )
+            seen[place] = r
+        node_ids = sorted({n for n, _ in placements})
+        node_of = tuple(node_ids.index(n) for n, _ in placements)
+        # The local index is the position in the node by group rank, not by the launcher's local rank: it must equal
+        # the rank in the intra-node group, and torch orders a new group's ranks by their global rank.
+        local_of = [0] * world_size
+        for node in range(len(node_ids)):
+            for index, r in enumerate(r for r in range(world_size) if node_of[r] == node):
+                local_of[r] = index
+        topology = cls("flat", "", node_of, tuple(local_of), rank)
+        why_not = topology._why_not_hierarchical()
+        if mode == "flat":
+            reason = "topology='flat' requested"
+        elif why_not is None:
+            reason = f"{topology.num_nodes} nodes x {topology.ranks_per_node} ranks per node"
+            if mode == "auto":
+                reason += " (topology='auto')"
+        elif mode == "hierarchical":
+            raise ValueError(
+                f"topology='hierarchical' needs several nodes with several ranks each, but {why_not}; "
+                "use topology='auto' or 'flat'"
+            )
+        else:
+            reason = f"topology='auto' falls back to flat: {why_not}"
+        chosen = "hierarchical" if mode != "flat" and why_not is None else "flat"
+        return dataclasses.replace(topology, mode=chosen, reason=reason)
+
+    def _why_not_hierarchical(self) -> Optional[str]:
+        counts = [self.node_of.count(n) for n in range(self.num_nodes)]
+        if self.num_nodes == 1:
+            return f"all {self.world_size} ranks are on one node"
+        if len(set(counts)) != 1:
+            return f"nodes have uneven numbers of ranks {counts}"
+        if counts[0] == 1:
+            return f"each of the {self.num_nodes} nodes has one rank"
+        return None
+
+    @classmethod
+    def build(
+        cls,
+        node_rank: int,
+        local_rank: int,
+        mode: TopologyMode = "auto",
+        ranks_per_node: Optional[int] = None,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> "Topology":
+        """Gather every rank's placement, choose the mode, and create the intra- and inter-node groups.
+
+        A collective over ``group`` (default WORLD): every rank must call it, with the same ``mode`` and
+        ``ranks_per_node``. Every rank creates every group (one intra-node group per node, then one inter-node group
+        per local index, in that order), as ``torch.distributed.new_group`` requires. Without an initialised process
+        group the topology is flat over one rank.
+
+        Args:
+            node_rank, local_rank: this process's node and local rank, as the launcher reports them (Lightning:
+                ``cluster_environment.node_rank()`` and ``local_rank()``; torchrun: ``GROUP_RANK``, ``LOCAL_RANK``).
+            mode, ranks_per_node: see :meth:`plan`.
+            group: the process group the compressed allreduce averages over; ``None`` means WORLD.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls.plan([(node_rank, local_rank)], mode if mode != "hierarchical" else "auto", 0, ranks_per_node)
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        placements: list[Any] = [None] * world_size
+        dist.all_gather_object(placements, (int(node_rank), int(local_rank), mode, ranks_per_node), group=group)
+        requested = {(m, k) for _, _, m, k in placements}
+        if len(requested) != 1:
+            raise ValueError(
+                f"ranks disagree on the topology settings (mode, ranks_per_node): {sorted(map(str, requested))}; "
+                "every rank must pass the same values"
+            )
+        topology = cls.plan([(n, l) for n, l, _, _ in placements], mode, rank, ranks_per_node)
+        if topology.is_hierarchical:
+            global_ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
+            intra = inter = None
+            for node in range(topology.num_nodes):
+                created = dist.new_group([global_ranks[r] for r in topology.node_ranks(node)])
+                if node == topology.node_index:
+                    intra = created
+            for local in range(topology.ranks_per_node or 0):
+                created = dist.new_group([global_ranks[r] for r in topology.local_ranks(local)])
+                if local == topology.local_index:
+                    inter = created
+            topology = dataclasses.replace(topology, intra_group=intra, inter_group=inter)
+            if (dist.get_rank(intra), dist.get_rank(inter)) != (topology.local_index, topology.inter_index):
+                raise RuntimeError(
+                    f"topology groups are numbered ({dist.get_rank(intra)}, {dist.get_rank(inter)}), expected "
+                    f"({topology.local_index}, {topology.inter_index}): torch's new_group ordering changed"
+                )
+        log.info("lightning_onebit topology: %s (%s)", topology.mode, topology.reason)
+        return topology
