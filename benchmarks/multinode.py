@@ -1,4 +1,4 @@
-"""Simulated 2 nodes x 2 ranks on one host: flat vs topology-aware ("hierarchical") 1-bit compression over a shaped link.
+"""Simulated 2 nodes x 2 ranks on one host: flat vs topology-aware ("hierarchical") 1-bit compression, shaped link.
 
 For each ``--rates`` entry the script (as root) builds a two-node "cluster" out of two network namespaces joined by a
 veth pair (REFERENCE.md 7): node k is namespace ``mn<pid>r<i>n<k>`` with the veth end ``v<k>`` at 10.77.<i>.<k+1>/24
@@ -253,7 +253,10 @@ def _worker(args: argparse.Namespace) -> None:
             opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W, topology=topo)
             sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
             model.register_comm_hook(sync, switchable_allreduce_hook)
-            meter = lambda: dict(optimizer=_counter_dict(opt.communication), hook=_counter_dict(sync.counters))  # noqa: E731
+
+            def meter() -> dict[str, dict[str, float]]:
+                return dict(optimizer=_counter_dict(opt.communication), hook=_counter_dict(sync.counters))
+
             warm = steps(model, opt, batches, W)
             extra["warmup_times_s"] = warm["times_s"]
         else:  # pragma: no cover
@@ -280,7 +283,10 @@ def _worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------------------- parent side
 def _sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {res.returncode}): {res.stderr.strip()}")
+    return res
 
 
 class Cluster:
@@ -583,7 +589,22 @@ def print_formulas(n_params: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- command line
+def _system_problems() -> list[str]:
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("must run as root (it creates network namespaces, a veth pair and tc qdiscs)")
+    missing = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
+    if missing:
+        problems.append(f"needs the iproute2 tools (ip, tc), not found: {', '.join(missing)}")
+    return problems
+
+
 def parse_args() -> argparse.Namespace:
+    argv = sys.argv[1:]
+    if "--worker" not in argv and not {"-h", "--help"} & set(argv):
+        problems = _system_problems()  # before the slow imports (torch, transformers)
+        if problems:
+            sys.exit(f"{SCRIPT.name}: error: {'; '.join(problems)}")
     defaults = slow_link_defaults()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="200mbit,50mbit",
@@ -601,7 +622,7 @@ def parse_args() -> argparse.Namespace:
                         help=f"sequence length (slow_link's default {defaults['seq']})")
     parser.add_argument("--vocab", type=int, default=defaults["vocab"], help=argparse.SUPPRESS)
     parser.add_argument("--adamw", default=defaults["adamw"], choices=("fused", "foreach", "forloop"),
-                        help=f"AdamW implementation of ddp_fp32 / local_4proc (slow_link's default {defaults['adamw']})")
+                        help=f"AdamW of ddp_fp32 / local_4proc (slow_link's default {defaults['adamw']})")
     parser.add_argument("--warmup-steps", type=int, default=2,
                         help="W: OnebitAdam freeze_step; its warmup steps are untimed (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per method (default 8)")
@@ -621,12 +642,7 @@ def parse_args() -> argparse.Namespace:
         parser.error("--warmup-steps, --steps, --untimed and --calibration-barriers must be >= 1")
     if args.worker:
         return args
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (it creates network namespaces, a veth pair and tc qdiscs)")
-    missing = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
-    if missing:
-        problems.append(f"needs the iproute2 tools, not found: {', '.join(missing)}")
+    problems = _system_problems()
     if any(m in ONEBIT_MODES for m in args.methods):
         try:
             from lightning_onebit import Topology  # noqa: F401
@@ -691,4 +707,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted; the namespaces and links of this run were removed", file=sys.stderr)
+        sys.exit(130)

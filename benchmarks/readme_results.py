@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -208,6 +209,64 @@ def parity_table() -> str:
     return intro + table
 
 
+_MULTINODE_ROWS = (
+    ("ddp_fp32", "DDP fp32 allreduce + AdamW"),
+    ("onebit_flat", "onebit_adam, flat 1-bit"),
+    ("onebit_hierarchical", "**onebit_adam, hierarchical 1-bit**"),
+    ("local_4proc", "4 processes, no communication"),
+)
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:,.2f} MB"
+
+
+def multinode_table() -> str:
+    """Simulated 2 nodes x 2 ranks (benchmarks/multinode.py): step time per link rate, bytes leaving each node per
+    step from the counters, the veth and the formula; then the formula at 2, 4 and 16 nodes x 8 ranks."""
+    data = _load("multinode")
+    rates = list(data["rates"])
+    cfg, env = data["config"], data["environment"]
+    first = data["rates"][rates[0]]
+    header = ["method", "counters", "on the veth", "difference", "formula"]
+    for rate in rates:
+        header += [f"{rate} step", "vs hierarchical"]
+    rows = []
+    for key, label in _MULTINODE_ROWS:
+        r0 = first["rows"].get(key)
+        if r0 is None:
+            continue
+        analytic = " (analytic)" if r0["counters_source"].startswith("analytic") else ""
+        diff = "-" if r0["rel_diff"] is None else f"{r0['rel_diff']:+.1%}"
+        row = [label, _mb(r0["counters_bytes_per_node"]) + analytic, _mb(r0["veth_bytes_per_node"]), diff,
+               _mb(r0["formula_bytes_per_node"])]
+        for rate in rates:
+            r = data["rates"][rate]["rows"][key]
+            ratio = r.get("ratio_to_hierarchical")
+            row += [_s(r["step_s"]), f"{ratio:.2f}x" if ratio else "-"]
+        rows.append(row)
+    n = data["model"]["params"]
+    barrier = statistics.fmean(b["qdisc_bytes"] for b in first["barrier_bytes_per_node"])
+    intro = (f"BERT {cfg['layers']} layers / hidden {cfg['hidden']} ({n / 1e6:.1f}M parameters, batch {cfg['batch']} "
+             f"x sequence {cfg['seq']} per rank) on {env['nodes']} simulated nodes x {env['ranks_per_node']} ranks "
+             f"(network namespaces joined by a veth pair, both ends shaped with tbf), gloo, one thread per rank; "
+             f"median of {cfg['steps']} steps (slowest rank), the 1-bit methods in the compression stage. Bytes "
+             f"leaving each node per step at {rates[0]}: the ranks' `bytes_sent_inter_node` counters (payload), the "
+             f"veth's tbf qdisc (TCP/IP headers and ACKs included, the window's barriers of ~{barrier:,.0f} B each "
+             "subtracted) and the formula:\n\n")
+    formula_rows = []
+    for f in data["formulas"]["table"]:
+        p = f["per_parameter"]
+        formula_rows.append([f"{f['nodes']} x {f['ranks_per_node']}"]
+                            + [f"{p[k]:.3g}N = {_mb(f['bytes'][k])}" for k in ("fp32_ring", "onebit_flat",
+                                                                                  "onebit_hierarchical")]
+                            + [f"{p['onebit_flat'] / p['onebit_hierarchical']:.1f}x"])
+    formulas = _table(["nodes x ranks", "fp32 ring", "flat 1-bit", "hierarchical 1-bit", "flat / hierarchical"],
+                      formula_rows)
+    return (intro + _table(header, rows) + f"\n\nBytes leaving each node per step by formula for this model "
+            f"(N = {n:,}):\n\n" + formulas)
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "kernels": kernels_table,
     "bytes": bytes_table,
@@ -218,6 +277,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "bucket_sweep": bucket_sweep_table,
     "memory": memory_table,
     "bert_parity": parity_table,
+    "multinode": multinode_table,
 }
 
 

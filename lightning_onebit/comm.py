@@ -680,9 +680,9 @@ def assert_replicas_identical(
     names = [name for name, _ in named_tensors]
     mine = replica_checksums([t for _, t in named_tensors])
     device = named_tensors[0][1].device if named_tensors and dist.get_backend(group) == "nccl" else torch.device("cpu")
-    everyone = torch.empty(dist.get_world_size(group), mine.numel(), dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
     _all_gather(everyone, mine.to(device), group).wait()
-    everyone = everyone.cpu()
+    everyone = everyone.cpu().view(-1, mine.numel())
     differs = (everyone != everyone[0]).any(dim=0)
     if bool(differs.any()):
         bad = [names[i] for i in differs.nonzero().flatten().tolist()]
