@@ -54,6 +54,30 @@ def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
     return (2 * (world_size - 1) * numel * element_size) // world_size
 
 
+def bytes_leaving_node(numel: int, num_nodes: int, ranks_per_node: int, exchange: str) -> float:
+    """Payload bytes that leave one node per step to average ``numel`` fp32 elements over ``num_nodes`` x
+    ``ranks_per_node`` ranks, by formula (REFERENCE.md section 7; scales and padding ignored, ranks numbered node by
+    node so that a ring crosses each node boundary once).
+
+    ``exchange``:
+
+    * ``"fp32_ring"``: DDP's fp32 ring allreduce, ``2 (P-1)/P 4N``;
+    * ``"flat"``: the flat 1-bit exchange, all_to_all ``L (P-L) N / (8P)`` plus ring all_gather ``(P-1) N / (8P)``;
+    * ``"hierarchical"``: the hierarchical 1-bit exchange, ``2 (M-1)/M N/8``.
+    """
+    m, l = num_nodes, ranks_per_node
+    p = m * l
+    if m < 1 or l < 1:
+        raise ValueError(f"need at least one node of one rank, got {m} x {l}")
+    if exchange == "fp32_ring":
+        return 2 * (p - 1) / p * 4 * numel if m > 1 else 0.0
+    if exchange == "flat":
+        return (l * (p - l) + (p - 1 if m > 1 else 0)) * numel / (8 * p)
+    if exchange == "hierarchical":
+        return 2 * (m - 1) / m * numel / 8
+    raise ValueError(f"exchange must be 'fp32_ring', 'flat' or 'hierarchical', got {exchange!r}")
+
+
 @dataclasses.dataclass
 class CommunicationCounters:
     """Cumulative communication of one rank. All byte counts are payload bytes of this rank.

@@ -387,3 +387,22 @@ def test_different_kernels_drift_and_agreement_prevents_it():
 def test_ranks_with_different_topology_settings_fail_together():
     for message in (r["disagreeing_settings"] for r in results()):
         assert message.startswith("ranks disagree on the topology settings"), message
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 8), (4, 8), (3, 2)])
+@pytest.mark.parametrize("mode", ["flat", "hierarchical"])
+def test_per_rank_counters_add_up_to_the_per_node_formula(nodes, per_node, mode):
+    """What the counters attribute to the ranks of a node equals the documented bytes leaving a node, up to the
+    scales and padding (one large tensor)."""
+    from lightning_onebit.comm import _bytes_sent, bytes_leaving_node
+
+    world = nodes * per_node
+    layout = BucketLayout.build([1_000_000], world)
+    placements = [(r // per_node, r % per_node) for r in range(world)]
+    for node in range(nodes):
+        inter = sum(
+            _bytes_sent(layout, 4, Topology.plan(placements, mode, rank=r), r)[1]
+            for r in range(node * per_node, (node + 1) * per_node)
+        )
+        expected = bytes_leaving_node(layout.numel, nodes, per_node, mode)
+        assert inter == pytest.approx(expected, rel=0.01), (node, inter, expected)
