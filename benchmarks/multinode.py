@@ -85,14 +85,15 @@ MODEL_FLAGS = ("layers", "hidden", "heads", "batch", "seq", "vocab", "adamw")
 
 # ---------------------------------------------------------------------------------------------------- formulas
 def formula_bytes_per_node(n: int, nodes: int, ranks_per_node: int) -> dict[str, float]:
-    """Payload bytes leaving each node per step for N = ``n`` parameters (REFERENCE.md 7)."""
-    M, L = nodes, ranks_per_node
-    P = M * L
+    """Payload bytes leaving each node per step for N = ``n`` parameters (``lightning_onebit.bytes_leaving_node``;
+    ``fp32_hierarchical``, Horovod's hierarchical fp32 allreduce, ``2(M-1)/M 4N``, for reference)."""
+    from lightning_onebit import bytes_leaving_node
+
     return dict(
-        fp32_ring=2 * (P - 1) / P * 4 * n,
-        fp32_hierarchical=2 * (M - 1) / M * 4 * n,
-        onebit_flat=L * (P - L) * n / (8 * P) + (P - 1) * n / (8 * P),
-        onebit_hierarchical=2 * (M - 1) / M * n / 8,
+        fp32_ring=bytes_leaving_node(n, nodes, ranks_per_node, "fp32_ring"),
+        fp32_hierarchical=2 * (nodes - 1) / nodes * 4 * n,
+        onebit_flat=bytes_leaving_node(n, nodes, ranks_per_node, "flat"),
+        onebit_hierarchical=bytes_leaving_node(n, nodes, ranks_per_node, "hierarchical"),
     )
 
 

@@ -267,6 +267,56 @@ def multinode_table() -> str:
             f"(N = {n:,}):\n\n" + formulas)
 
 
+def intra_reduce_table() -> str:
+    data = _load("intra_reduce_P2")
+    rows = [
+        [f"{r['numel']:,}", _s(r["reduce_scatter_tensor_s"]), _s(r["all_to_all_sum_s"]), _s(r["gather_fp32_s"]),
+         _s(r["gather_packed_s"])]
+        for r in data["rows"]
+    ]
+    intro = (f"{data['world_size']} ranks of one node, loopback, one thread per rank, median of {data['repeats']} "
+             "(slower rank):\n\n")
+    header = ["elements", "`reduce_scatter_tensor`", "`all_to_all` + sum (used)", "gather fp32 shards",
+              "gather packed blocks (used)"]
+    return intro + _table(header, rows)
+
+
+# A real node for the time model: per-rank intra-node bandwidth and per-node inter-node bandwidth, bytes/s.
+_TIME_MODEL_PARAMS = 340e6  # BERT-Large
+_TIME_MODEL_LINKS = (("NVLink, 150 GB/s", 150e9), ("PCIe, 25 GB/s", 25e9))
+_TIME_MODEL_NICS = (("100 Gbit/s", 12.5e9), ("10 Gbit/s", 1.25e9))
+
+
+def topology_model_table() -> str:
+    """The README's time model, evaluated (pure formulas, lightning_onebit.bytes_leaving_node)."""
+    sys.path.insert(0, str(ROOT))
+    from lightning_onebit import bytes_leaving_node
+
+    n, per_node = _TIME_MODEL_PARAMS, 8
+    crossover_rows, time_rows = [], []
+    for nodes in (2, 4, 16):
+        flat = bytes_leaving_node(1, nodes, per_node, "flat")
+        hier = bytes_leaving_node(1, nodes, per_node, "hierarchical")
+        intra = (per_node - 1) / per_node * (4 + 1 / 8)  # reduce-scatter in fp32 + gather of packed blocks, per N
+        crossover_rows.append([f"{nodes} x {per_node}", f"{bytes_leaving_node(1, nodes, per_node, 'fp32_ring'):.3g}N",
+                               f"{flat:.3g}N", f"{hier:.3g}N", f"{intra / (flat - hier):.1f}"])
+        for link, b_intra in _TIME_MODEL_LINKS:
+            row = [f"{nodes} x {per_node}", link]
+            for _, b_inter in _TIME_MODEL_NICS:
+                t_flat = flat * n / b_inter
+                t_hier = intra * n / b_intra + hier * n / b_inter
+                row += [f"{1e3 * t_flat:.0f} ms", f"{1e3 * t_hier:.0f} ms"]
+            time_rows.append(row)
+    crossover = _table(["nodes x ranks", "fp32 ring", "flat 1-bit", "hierarchical 1-bit",
+                        "hierarchical wins above B_intra / B_inter ="], crossover_rows)
+    header = ["nodes x ranks", "intra-node link"]
+    for nic, _ in _TIME_MODEL_NICS:
+        header += [f"flat, {nic}", f"hierarchical, {nic}"]
+    return ("Bytes leaving each node per step (N parameters) and the bandwidth ratio above which hierarchical is "
+            "faster:\n\n" + crossover + f"\n\nModelled exchange time per step for BERT-Large "
+            f"({n / 1e6:.0f}M parameters):\n\n" + _table(header, time_rows))
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "kernels": kernels_table,
     "bytes": bytes_table,
@@ -278,6 +328,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "memory": memory_table,
     "bert_parity": parity_table,
     "multinode": multinode_table,
+    "intra_reduce": intra_reduce_table,
+    "topology_model": topology_model_table,
 }
 
 
