@@ -16,8 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
-from lightning_onebit.optim import OnebitAdam, OnebitStage
-from lightning_onebit.strategy import PER_RANK_STATE_KEY, OnebitAdamStrategy
+from lightning_onebit.optim import OnebitAdam, OnebitStage, check_exp_avg_mask
+from lightning_onebit.strategy import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, OnebitAdamStrategy
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,20 @@ class MomentumMask(Callback):
     (DeepSpeed's ``exp_avg_mask`` semantics: the mask multiplies the averaged momentum).
 
     Args:
-        masks: explicit masks, ``{name_or_glob: mask}`` where ``mask`` is a 0/1 tensor of the parameter's shape or a
-            callable ``f(parameter) -> tensor``. Names are those of ``LightningModule.named_parameters()``; a glob
-            (``"*.position_embeddings.weight"``) applies to every parameter it matches. Explicit masks always come
-            from the code, also on resume. A pattern that matches nothing or a mask of the wrong shape is an error at
-            setup.
+        masks: explicit masks, ``{name_or_glob: mask}`` where ``mask`` is a tensor of the parameter's shape or a
+            callable ``f(parameter) -> tensor``; bool or floating point, holding only 0 (masked) and 1 (trained).
+            Names are those of ``LightningModule.named_parameters()``; a glob (``"*.position_embeddings.weight"``)
+            applies to every parameter it matches. Explicit masks always come from the code, also on resume. Errors
+            at setup, before any step, naming the parameter: a pattern that matches nothing, a mask of the wrong shape
+            or dtype, values other than 0 and 1 (NaN, 2.0, 0.5: the mask multiplies the momentum every compressed
+            step), an exact name whose parameter the ``OnebitAdam`` does not hold, or a glob that matches only such
+            parameters (a glob skips the ones the optimizer does not hold).
         auto: detect masks during warmup: coordinates whose (averaged) gradient stayed exactly zero in every warmup
             step are masked from the first compressed step on. Costs one bool per parameter element during warmup.
             Where an explicit mask is also given, the two are multiplied. The detected masks are saved in the
-            checkpoint and restored on resume.
+            checkpoint and restored on resume. Only parameters the optimizer holds are watched, and the optimizer's
+            own dead-coordinate warning (``OnebitAdam(warn_dead_coordinates=...)``) is switched off, since this
+            masks every coordinate it would report.
         log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
     """
 
@@ -94,12 +99,7 @@ class MomentumMask(Callback):
                 mask = spec(param) if callable(spec) else spec
                 if not isinstance(mask, torch.Tensor):
                     raise ValueError(f"MomentumMask: the mask for {name!r} is a {type(mask).__name__}, not a tensor")
-                if mask.shape != param.shape:
-                    raise ValueError(
-                        f"MomentumMask: the mask for {name!r} has shape {tuple(mask.shape)}, the parameter has "
-                        f"{tuple(param.shape)}; a mask must have exactly the parameter's shape"
-                    )
-                mask = mask.detach().to(device=param.device, dtype=param.dtype)
+                mask = check_exp_avg_mask(mask.detach(), param, f"MomentumMask: the mask for {name!r}")
                 resolved[name] = mask if name not in resolved else resolved[name] * mask
         return resolved
 
@@ -113,6 +113,25 @@ class MomentumMask(Callback):
             self._seen_nonzero = {
                 name: torch.zeros_like(p, dtype=torch.bool) for name, p in pl_module.named_parameters() if p.requires_grad
             }
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Runs after `strategy.setup` (which calls `setup_optimizers`) and before any step: the optimizer exists.
+        onebit = _onebit_optimizer(trainer, "MomentumMask")
+        held = {id(p) for group in onebit.param_groups for p in group["params"]}
+        named = dict(pl_module.named_parameters())
+        for pattern in self.masks:
+            names = [pattern] if pattern in named else fnmatch.filter(named, pattern)
+            outside = [name for name in names if id(named[name]) not in held]
+            if outside and (pattern in named or len(outside) == len(names)):
+                raise ValueError(
+                    f"MomentumMask: {pattern!r} names {outside[:4]}, which the OnebitAdam optimizer does not hold "
+                    "(configure_optimizers did not pass it), so it has no momentum to mask. Pass the parameter to "
+                    "the optimizer or remove its mask."
+                )
+        self._explicit = {name: mask for name, mask in self._explicit.items() if id(named[name]) in held}
+        if self.auto:
+            self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in held}
+            onebit.warn_dead_coordinates = False  # this callback masks every coordinate that warning would report
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Runs after the strategy moved the model to its device and after a checkpoint was restored.
@@ -144,6 +163,7 @@ class MomentumMask(Callback):
 
     def _install(self, onebit: OnebitAdam, pl_module: "pl.LightningModule") -> None:
         named = dict(pl_module.named_parameters())
+        held = {id(p) for group in onebit.param_groups for p in group["params"]}
         if self.auto and self._auto_masks is None:
             if self._restored_auto is not None:
                 self._auto_masks = self._restored_auto
@@ -160,6 +180,8 @@ class MomentumMask(Callback):
         for name, mask in (self._auto_masks or {}).items():
             if name not in named:
                 raise ValueError(f"MomentumMask: the saved auto mask names {name!r}, which the model no longer has")
+            if id(named[name]) not in held:
+                continue  # a saved mask of a parameter this optimizer does not train: nothing to mask
             if mask.shape != named[name].shape:
                 raise ValueError(
                     f"MomentumMask: the saved auto mask for {name!r} has shape {tuple(mask.shape)} but the parameter "
@@ -210,22 +232,32 @@ class ErrorFeedbackCheckpoint(Callback):
     * ``"reset"`` (default, DeepSpeed's behaviour): they restart from zero after a load; the norm that was dropped
       (rank 0's buffers at save time) is logged. The 1-bit Adam paper reports that occasional resets do not hurt.
     * ``"keep"``: every rank saves its own buffers in a sidecar file next to the checkpoint
-      (``<checkpoint>.onebit-rank<r>``) and restores them on resume when the world size and bucket layout match, so
-      a resumed run continues exactly as an uninterrupted one would. Otherwise it warns with the reason and resets.
+      (``<checkpoint>.onebit-rank<r>``, see :mod:`lightning_onebit.sidecar`). On resume each rank validates its own
+      file: missing, unreadable, corrupt (checksum), stale or foreign (another checkpoint's or another rank's file),
+      or mismatched (world size, topology, bucket layout). The ranks then agree with one small collective: if every
+      rank can restore, all do, and the resumed run continues bitwise as an uninterrupted one would; if any rank
+      cannot, **every** rank resets, and a warning names each such rank, its file and the reason. A bad file never
+      stops training under ``keep``.
+    * ``"require"``: as ``keep``, but if any rank cannot restore, every rank raises ``RuntimeError`` naming the
+      ranks, files and reasons, at the start of training, before any training collective.
+
+    Sidecars are written atomically, follow a checkpoint reached through a symbolic link (``save_last="link"``), and
+    are removed with their checkpoint (e.g. by ``ModelCheckpoint(save_top_k=...)``), each rank removing its own.
 
     Args:
-        policy: ``"reset"`` or ``"keep"``.
+        policy: ``"reset"``, ``"keep"`` or ``"require"``. Default ``"reset"``.
     """
 
     _STATE_NAME = "error_feedback"
+    _POLICIES = ("reset", "keep", "require")
 
-    def __init__(self, policy: Literal["reset", "keep"] = "reset") -> None:
-        if policy not in ("reset", "keep"):
-            raise ValueError(f"ErrorFeedbackCheckpoint policy must be 'reset' or 'keep', got {policy!r}")
+    def __init__(self, policy: Literal["reset", "keep", "require"] = "reset") -> None:
+        if policy not in self._POLICIES:
+            raise ValueError(f"ErrorFeedbackCheckpoint policy must be one of {self._POLICIES}, got {policy!r}")
         self.policy = policy
         self._pending: Optional[dict[str, Any]] = None
+        self._status: Optional[dict[str, Any]] = None
         self._saved_norm: Optional[float] = None
-        self._saved_world_size: Optional[int] = None
         self._strategy: Optional[OnebitAdamStrategy] = None
         self._loaded = False
         self.restored: Optional[bool] = None  # after a resume: True if buffers were restored, False if reset
@@ -238,7 +270,7 @@ class ErrorFeedbackCheckpoint(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
     ) -> None:
         optimizer = _onebit_optimizer(trainer, "ErrorFeedbackCheckpoint")
-        if self.policy == "keep":
+        if self.policy != "reset":
             per_rank = checkpoint.setdefault(PER_RANK_STATE_KEY, {})
             per_rank[self._STATE_NAME] = optimizer.error_feedback_state_dict()
 
@@ -254,7 +286,6 @@ class ErrorFeedbackCheckpoint(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saved_norm = state_dict.get("error_norm_rank0")
-        self._saved_world_size = state_dict.get("world_size")
         self._loaded = True
 
     def on_load_checkpoint(
@@ -262,37 +293,58 @@ class ErrorFeedbackCheckpoint(Callback):
     ) -> None:
         self._loaded = True
         self._pending = (checkpoint.get(PER_RANK_STATE_KEY) or {}).get(self._STATE_NAME)
+        self._status = checkpoint.get(PER_RANK_STATUS_KEY)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # Runs after the optimizer state was restored (which resets the error buffers).
+        # Runs after the optimizer state was restored (which resets the error buffers), on every rank, before the
+        # first training step: the place for the ranks to agree.
         if not self._loaded:
             return
         self._loaded = False
         optimizer = _onebit_optimizer(trainer, "ErrorFeedbackCheckpoint")
-        pending, self._pending = self._pending, None
-        reason = None
-        if self.policy == "keep":
-            if pending is None and self._saved_world_size not in (None, trainer.world_size):
-                reason = (
-                    f"the checkpoint was saved by {self._saved_world_size} ranks and this run has "
-                    f"{trainer.world_size} (error feedback is per rank and world size)"
-                )
-            elif pending is None:
-                reason = f"no per-rank error-feedback file for rank {trainer.global_rank} next to the checkpoint"
-            else:
-                try:
-                    optimizer.load_error_feedback_state_dict(pending)
-                except ValueError as err:
-                    reason = str(err)
-            if reason is None:
-                self.restored = True
-                rank_zero_info("ErrorFeedbackCheckpoint: compression error feedback restored on every rank")
-                return
-            optimizer.reset_error_feedback()
-            rank_zero_warn(f"ErrorFeedbackCheckpoint(policy='keep'): error feedback reset because {reason}")
+        pending, status = self._pending, self._status or {}
+        self._pending = self._status = None
+        if self.policy == "reset":
+            self._reset(optimizer)
+            return
+        reason = status.get("reason", "the strategy found no per-rank file for this rank")
+        if reason is None and pending is None:
+            reason = "the per-rank file holds no error feedback (saved without ErrorFeedbackCheckpoint keep)"
+        if reason is None:
+            reason = optimizer.error_feedback_mismatch(pending)
+        verdicts = _gather_verdicts((trainer.global_rank, status.get("file"), reason), optimizer.process_group)
+        failures = [(rank, file, why) for rank, file, why in verdicts if why is not None]
+        if not failures:
+            optimizer.load_error_feedback_state_dict(pending)
+            self.restored = True
+            rank_zero_info(
+                f"ErrorFeedbackCheckpoint: compression error feedback restored on every rank ({len(verdicts)} ranks)"
+            )
+            return
+        text = "; ".join(f"rank {rank} ({file}): {why}" for rank, file, why in failures)
+        if self.policy == "require":
+            raise RuntimeError(
+                f"ErrorFeedbackCheckpoint(policy='require'): compression error feedback cannot be restored: {text}. "
+                "Resume from a checkpoint whose per-rank files are intact and match this run, or use "
+                "policy='keep' to reset instead."
+            )
+        rank_zero_warn(f"ErrorFeedbackCheckpoint(policy='keep'): error feedback reset on every rank because {text}")
+        self._reset(optimizer)
+
+    def _reset(self, optimizer: OnebitAdam) -> None:
+        optimizer.reset_error_feedback()
         self.restored = False
         norm = "unknown" if self._saved_norm is None else f"{self._saved_norm:.4g}"
         rank_zero_info(f"ErrorFeedbackCheckpoint: compression error feedback reset (rank 0 norm at save: {norm})")
+
+
+def _gather_verdicts(mine: tuple, group: Any) -> list[tuple]:
+    """Every rank's ``(rank, file, reason)``, in rank order (one small all_gather_object)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [mine]
+    everyone: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(everyone, mine, group=group)
+    return everyone
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -315,32 +315,48 @@ class CompressedAllreduceState:
             },
         }
 
+    def error_feedback_mismatch(self, state: Any, layouts: dict[Hashable, BucketLayout]) -> Optional[str]:
+        """Why ``state`` (from :meth:`error_feedback_state_dict`) cannot be restored with ``layouts`` (bucket key ->
+        layout in use now), or ``None`` if it can. Changes nothing; never raises for a malformed ``state``."""
+        try:
+            saved = state["buckets"]
+            saved_topology, topology = state.get("topology"), self.topology_description()
+            if not _same_exchange(saved_topology, topology):
+                return (
+                    f"the error feedback was saved with topology {_topology_text(saved_topology)} and this run uses "
+                    f"{_topology_text(topology)} (the buffers' shapes and meaning depend on it)"
+                )
+            if set(saved) != set(layouts):
+                return f"saved buckets {sorted(map(str, saved))} differ from current {sorted(map(str, layouts))}"
+            for key, layout in layouts.items():
+                entry = saved[key]
+                if tuple(entry["layout"]) != (layout.tensor_numels, layout.world_size):
+                    return f"bucket {key!r}: the saved layout differs from the current one (the model changed?)"
+                worker, server = entry["worker_error"], entry["server_error"]
+                if not (isinstance(worker, torch.Tensor) and isinstance(server, torch.Tensor)):
+                    return f"bucket {key!r}: the saved error buffers are not tensors"
+                if worker.numel() != layout.padded_numel // self.ranks_per_node or (
+                    server.numel() != layout.chunk_numel
+                ):
+                    return f"bucket {key!r}: the saved error buffers have the wrong sizes for this topology"
+                if not (bool(torch.isfinite(worker).all()) and bool(torch.isfinite(server).all())):
+                    return f"bucket {key!r}: the saved error buffers hold inf or NaN"
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            return f"the saved error feedback is malformed ({type(err).__name__}: {err})"
+        return None
+
     def load_error_feedback_state_dict(self, state: dict[str, Any], layouts: dict[Hashable, BucketLayout]) -> None:
         """Restore buffers saved by :meth:`error_feedback_state_dict`.
 
-        ``layouts`` maps each bucket key to the layout in use now. Raises ``ValueError`` (and changes nothing) unless
-        the saved buckets and layouts match exactly, so a caller can fall back to a reset with a reason.
+        ``layouts`` maps each bucket key to the layout in use now. Raises ``ValueError`` with the reason of
+        :meth:`error_feedback_mismatch` (and changes nothing) unless the saved buckets fit exactly, so a caller can
+        fall back to a reset with a reason.
         """
-        saved = state["buckets"]
-        saved_topology, topology = state.get("topology"), self.topology_description()
-        if not _same_exchange(saved_topology, topology):
-            raise ValueError(
-                f"the error feedback was saved with topology {_topology_text(saved_topology)} and this run uses "
-                f"{_topology_text(topology)} (the buffers' shapes and meaning depend on it)"
-            )
-        if set(saved) != set(layouts):
-            raise ValueError(f"saved buckets {sorted(map(str, saved))} differ from current {sorted(map(str, layouts))}")
+        reason = self.error_feedback_mismatch(state, layouts)
+        if reason is not None:
+            raise ValueError(reason)
         for key, layout in layouts.items():
-            if tuple(saved[key]["layout"]) != (layout.tensor_numels, layout.world_size):
-                raise ValueError(f"bucket {key!r}: saved layout differs from the current one")
-        expected_numel = {key: layout.padded_numel // self.ranks_per_node for key, layout in layouts.items()}
-        for key, entry in saved.items():
-            if entry["worker_error"].numel() != expected_numel[key] or (
-                entry["server_error"].numel() != layouts[key].chunk_numel
-            ):
-                raise ValueError(f"bucket {key!r}: saved error buffers have the wrong sizes for this topology")
-        for key, layout in layouts.items():
-            entry = saved[key]
+            entry = state["buckets"][key]
             buffers = self.buffers(key, layout, entry["worker_error"])
             buffers.worker_error.copy_(entry["worker_error"])
             buffers.server_error.copy_(entry["server_error"])

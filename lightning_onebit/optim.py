@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import numbers
+import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -72,20 +74,36 @@ class OnebitAdam(torch.optim.Optimizer):
     momentum is global, so the parameter still moves). A parameter that never had a gradient during warmup has no
     variance estimate: it is kept out of the update (frozen) and a warning names it.
 
+    **Dead coordinates.** 1-bit compression cannot send zero: a coordinate whose gradient is exactly zero in every
+    warmup step (embedding rows never looked up, position embeddings past the sequence length) has a variance of ~0
+    and, wherever its compression segment also holds live coordinates, receives ``+-scale`` momentum from the first
+    compressed step on, so its update explodes to about ``lr * scale / eps``. With ``warn_dead_coordinates=True``
+    (the default) the optimizer records, per parameter element, whether its (averaged) gradient was ever nonzero
+    during warmup, and at the first compressed step warns, on rank 0 of ``process_group``, how many such coordinates
+    each parameter has that no ``exp_avg_mask`` masks, with the fix (``MomentumMask(auto=True)``, or an
+    ``exp_avg_mask``). Warmup gradients are averaged, hence equal on every rank: no communication is needed.
+    :class:`~lightning_onebit.MomentumMask` with ``auto=True`` masks exactly these coordinates and switches this
+    detection off (it detects them itself); with explicit masks only, the warning counts what the masks leave
+    uncovered. Parameters are named by ``param_names`` when the optimizer was given ``named_parameters()``, else by
+    param group, index and shape.
+
     Nothing here touches ``torch.distributed`` before the first compressed step, so the optimizer can be built before
     the process group exists (LightningCLI does). Without an initialised process group (or with one rank) the
     compressed allreduce is the identity.
 
     Args:
-        params: parameters or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``,
-            ``bias_correction`` and ``exp_avg_mask``.
-        lr: learning rate. Default ``1e-3``.
-        betas: ``(b1, b2)`` decay rates of momentum and variance, each in ``[0, 1)``. Default ``(0.9, 0.999)``.
+        params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names)
+            or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``
+            and ``exp_avg_mask``. Parameters must be floating point (float32, float64, float16, bfloat16): complex
+            and integer parameters are refused, since the compressed momentum exchange has no form for them.
+        lr: learning rate, a float ``>= 0``. Default ``1e-3``.
+        betas: ``(b1, b2)`` decay rates of momentum and variance, a pair of floats each in ``[0, 1)``. Default
+            ``(0.9, 0.999)``.
         eps: added to ``sqrt(v_hat)``; ``>= 0``. Default ``1e-8``.
         weight_decay: decoupled weight decay coefficient (AdamW's), ``>= 0``. Default ``0``.
         freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step. No
             default: the paper uses 15-25% of training; the variance must have settled by then.
-        bias_correction: see above. Default ``True``.
+        bias_correction: see above; a bool (anything else is an error, not a truthy value). Default ``True``.
         amsgrad: not supported (the variance is frozen); only ``False`` is accepted, so AdamW configs port with a
             clear error instead of a silently ignored flag.
         bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype). Default ``25``.
@@ -101,11 +119,21 @@ class OnebitAdam(torch.optim.Optimizer):
             (about ``N/8`` bytes per node per step instead of ``N/4`` or more); any topology splits the byte counters
             into intra- and inter-node bytes. ``None`` (default): flat exchange. The strategy sets it from its
             ``topology`` argument.
+        warn_dead_coordinates: detect dead coordinates during warmup and warn at the first compressed step (see
+            above). Costs one bool per trainable parameter element during warmup (freed at the first compressed step)
+            and one comparison pass over the gradients per warmup step. Default ``True``.
+
+    All arguments are checked in the constructor (before any collective); an invalid one is a ``ValueError`` that
+    names it.
 
     Param-group option ``exp_avg_mask``: a tensor of each parameter's shape (the group-wide DeepSpeed form, for
     groups whose parameters share one shape) or a list with one tensor or ``None`` per parameter. It multiplies the
     averaged momentum in the compression stage, so masked coordinates (mask 0) have momentum exactly zero and do not
-    move except by weight decay. Masks come from the code, never from a checkpoint.
+    move except by weight decay. Masks come from the code, never from a checkpoint. A mask is bool or floating point
+    and holds only 0 and 1 (DeepSpeed's semantics): the mask multiplies the stored momentum every compressed step, so
+    a fractional value would compound (``0.5`` shrinks that momentum by ``0.5^k`` after ``k`` steps), ``2`` would
+    grow it geometrically and NaN would spread to the parameters; other values are a ``ValueError`` naming the param
+    group and index. Masks are converted to their parameter's dtype and device.
     """
 
     def __init__(
@@ -123,7 +151,10 @@ class OnebitAdam(torch.optim.Optimizer):
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
+        warn_dead_coordinates: bool = True,
     ) -> None:
+        if not isinstance(amsgrad, bool):
+            raise ValueError(f"amsgrad must be False (OnebitAdam does not support amsgrad), got {amsgrad!r}")
         if amsgrad:
             raise ValueError("OnebitAdam does not support amsgrad=True: the variance is frozen after warmup")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
@@ -131,8 +162,10 @@ class OnebitAdam(torch.optim.Optimizer):
                 f"freeze_step must be an integer >= 1 (the number of warmup steps that estimate the variance), "
                 f"got {freeze_step!r}"
             )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if not _is_real(bucket_cap_mb) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
+        if not isinstance(warn_dead_coordinates, bool):
+            raise ValueError(f"warn_dead_coordinates must be True or False, got {warn_dead_coordinates!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
@@ -149,24 +182,59 @@ class OnebitAdam(torch.optim.Optimizer):
         self._buckets: Optional[list[_Bucket]] = None
         self._frozen_params: set[int] = set()
         self.last_dropped_error_norm: Optional[float] = None
+        self.warn_dead_coordinates = warn_dead_coordinates
+        # dead-coordinate detection (warmup only): id(param) -> bool tensor "gradient was nonzero in a tracked step"
+        self._seen_nonzero: dict[int, torch.Tensor] = {}
+        self._seen_since: Optional[int] = None  # first tracked warmup step (> 1 after a resume in warmup)
 
     # ------------------------------------------------------------------ validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (see the class docstring for its options). An invalid group raises ``ValueError`` naming
+        the option and the group, and is not added."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        try:
+            self._check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        self._buckets = None  # a new group changes the bucket layout
+
+    @staticmethod
+    def _check_group(group: dict[str, Any], index: int) -> None:
+        where = f" (param group {index})"
+        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if isinstance(lr, torch.Tensor):
             raise ValueError("OnebitAdam takes lr as a float, not a tensor")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
+            if not _is_real(value):
+                raise ValueError(f"{name} must be a float, got {value!r} ({type(value).__name__}){where}")
         if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
+            raise ValueError(f"lr must be >= 0, got {lr}{where}")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
+            raise ValueError(f"betas must be a pair of floats (b1, b2), e.g. (0.9, 0.999); got {betas!r}{where}")
+        b1, b2 = betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must each be in [0, 1), got {group['betas']}")
+            raise ValueError(f"betas must each be in [0, 1), got {betas}{where}")
+        group["betas"] = (float(b1), float(b2))
         if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
+            raise ValueError(f"eps must be >= 0, got {eps}{where}")
         if not wd >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {wd}")
-        group["exp_avg_mask"] = _normalise_masks(group.get("exp_avg_mask"), group["params"])
-        self._buckets = None  # a new group changes the bucket layout
+            raise ValueError(f"weight_decay must be >= 0, got {wd}{where}")
+        if not isinstance(group["bias_correction"], bool):
+            raise ValueError(
+                f"bias_correction must be True or False, got {group['bias_correction']!r}{where}; a string or "
+                "number is not read as a flag"
+            )
+        for i, p in enumerate(group["params"]):
+            if not p.is_floating_point():
+                raise ValueError(
+                    f"OnebitAdam trains floating-point parameters only, but {_describe_param(group, index, i, p)} "
+                    f"has dtype {p.dtype}: 1-bit momentum compression has no complex or integer form. Leave it out of "
+                    "the optimizer (e.g. `[p for p in model.parameters() if p.is_floating_point()]`), or keep a "
+                    "complex parameter as a real one with a trailing dimension of 2 (torch.view_as_real) and view it "
+                    "as complex in forward (torch.view_as_complex)."
+                )
+        group["exp_avg_mask"] = _normalise_masks(group.get("exp_avg_mask"), group, index)
 
     # ------------------------------------------------------------------ read-only status
     @property
@@ -258,6 +326,8 @@ class OnebitAdam(torch.optim.Optimizer):
                 grads.append(p.grad)
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
+                if self.warn_dead_coordinates:
+                    self._track_nonzero(p)
             if not params:
                 continue
             b1, b2 = group["betas"]
@@ -275,7 +345,57 @@ class OnebitAdam(torch.optim.Optimizer):
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
             self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t)
 
+    def _track_nonzero(self, p: torch.Tensor) -> None:
+        """Record which elements of ``p`` had a nonzero gradient in this warmup step (dead-coordinate detection)."""
+        if self._seen_since is None:
+            self._seen_since = self._step
+        seen = self._seen_nonzero.get(id(p))
+        if seen is None:
+            self._seen_nonzero[id(p)] = p.grad != 0
+        else:
+            seen.logical_or_(p.grad != 0)
+
+    def _report_dead_coordinates(self) -> None:
+        """At the first compressed step (masks are in place by then): warn about trainable coordinates whose gradient
+        was exactly zero in every tracked warmup step and that no mask covers; free the detection state."""
+        seen_nonzero, self._seen_nonzero = self._seen_nonzero, {}
+        since, self._seen_since = self._seen_since, None
+        if not self.warn_dead_coordinates:  # switched off during warmup (MomentumMask(auto=True) does that)
+            return
+        found, total = [], 0
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                seen = seen_nonzero.get(id(p))
+                if seen is None or not p.requires_grad or seen.shape != p.shape:
+                    continue
+                dead = ~seen
+                mask = group["exp_avg_mask"][i]
+                if mask is not None:
+                    dead &= mask.to(dead.device) != 0
+                count = int(dead.sum())
+                if count:
+                    found.append(f"{_describe_param(group, g, i, p)}: {count} of {p.numel()}")
+                    total += count
+        if not found or self.compression.rank() != 0:
+            return
+        tracked = f"steps {since}..{self._step - 1}" if since is not None else "warmup"
+        if since is not None and since > 1:
+            tracked += f"; steps before {since} ran before a resume and were not observed"
+        more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+        warnings.warn(
+            f"OnebitAdam: {total} coordinate(s) in {len(found)} parameter(s) had an exactly-zero gradient in every "
+            f"warmup step ({tracked}) and are not masked: {'; '.join(found[:8])}{more}. 1-bit compression cannot "
+            "send zero, so from this compressed step on they can receive +-scale momentum with a ~0 variance, and "
+            "their updates then explode (to about lr * scale / eps per step). Fix: add `MomentumMask(auto=True)` to "
+            "the Trainer's callbacks (without Lightning: an exp_avg_mask with 0 there); OnebitAdam("
+            "warn_dead_coordinates=False) silences this.",
+            UserWarning,
+            stacklevel=3,
+        )
+
     def _compressed_step(self) -> None:
+        if self._seen_nonzero:
+            self._report_dead_coordinates()
         if not self._backend_agreed:
             self.agree_kernel_backend()
         buckets = self._ensure_buckets()
@@ -411,14 +531,23 @@ class OnebitAdam(torch.optim.Optimizer):
     def set_exp_avg_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
         """Set (or with ``None`` clear) the momentum mask of one parameter of this optimizer.
 
-        ``mask`` must have exactly the parameter's shape; it takes effect from the next compressed step.
+        ``mask`` must have exactly the parameter's shape, be bool or floating point and hold only 0 and 1 (see the
+        class docstring); it is converted to the parameter's dtype and device and takes effect from the next compressed
+        step. Raises ``ValueError`` naming the parameter if the mask is invalid or the optimizer does not hold it.
         """
-        for group in self.param_groups:
+        for g, group in enumerate(self.param_groups):
             for index, p in enumerate(group["params"]):
                 if p is param:
-                    group["exp_avg_mask"][index] = _normalise_masks([mask], [p])[0]
+                    if mask is not None:
+                        what = f"set_exp_avg_mask: the mask for {_describe_param(group, g, index, p)}"
+                        mask = check_exp_avg_mask(mask, p, what)
+                    group["exp_avg_mask"][index] = mask
                     return
-        raise ValueError("set_exp_avg_mask: the parameter is not managed by this optimizer")
+        shape = tuple(param.shape) if isinstance(param, torch.Tensor) else type(param).__name__
+        raise ValueError(
+            f"set_exp_avg_mask: the parameter of shape {shape} is not managed by this optimizer (it is in none of its "
+            f"{len(self.param_groups)} param group(s)); pass it to OnebitAdam (or add_param_group) or drop its mask"
+        )
 
     def bucket_layouts(self) -> dict[int, BucketLayout]:
         """Layouts of the compressed buckets (building them if needed); keys are bucket keys."""
@@ -458,6 +587,7 @@ class OnebitAdam(torch.optim.Optimizer):
             steps = [int(s["step"]) for s in self.state.values() if isinstance(s, dict) and "step" in s]
             step = max(steps, default=0)
         self._step = step
+        self._seen_nonzero, self._seen_since = {}, None  # dead-coordinate detection restarts from the loaded step
         for state in self.state.values():
             state.pop("step", None)  # AdamW's per-parameter step; OnebitAdam keeps one global step
         self._buckets = None
@@ -467,14 +597,28 @@ class OnebitAdam(torch.optim.Optimizer):
         """This rank's compression error buffers (worker and server, per bucket). Each rank must save its own."""
         return self.compression.error_feedback_state_dict()
 
-    def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` (changing
-        nothing) if the bucket layout or world size differ; callers can then fall back to the default reset."""
+    def error_feedback_mismatch(self, state: Any) -> Optional[str]:
+        """Why ``state`` (from :meth:`error_feedback_state_dict`, possibly of another rank or run) cannot be restored
+        here, or ``None`` if it can. Checks the world size, the topology, the bucket layouts and the buffers' sizes
+        and values; changes nothing and does not communicate."""
+        if not isinstance(state, dict):
+            return f"the saved error feedback is a {type(state).__name__}, not a dict"
         if state.get("world_size") != self.compression.world_size():
-            raise ValueError(
+            return (
                 f"error feedback was saved with world size {state.get('world_size')}, "
                 f"the current world size is {self.compression.world_size()}"
             )
+        if not state.get("buckets"):
+            return None  # nothing had been compressed: the saved error feedback is all zero
+        return self.compression.error_feedback_mismatch(state, self.bucket_layouts())
+
+    def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` with the
+        reason of :meth:`error_feedback_mismatch` (changing nothing) if they do not fit; callers can then fall back
+        to the default reset."""
+        reason = self.error_feedback_mismatch(state)
+        if reason is not None:
+            raise ValueError(reason)
         if not state.get("buckets"):
             # Nothing had been compressed (one rank, or saved before the first compressed step): the saved error
             # feedback is all zero. Building the layouts here would also be wrong during warmup.
@@ -500,29 +644,76 @@ def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:
     return [p for p in group["params"] if p.requires_grad]
 
 
-def _normalise_masks(mask: Any, params: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-    """One mask (or None) per parameter of the group, each checked against its parameter's shape."""
+def _is_real(value: Any) -> bool:
+    """A real number (int, float, numpy scalar), not a bool or a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _describe_param(group: dict[str, Any], group_index: int, index: int, param: torch.Tensor) -> str:
+    """How errors and warnings name a parameter: ``'emb.weight' (param group 0, index 3, shape (20, 8))`` when the
+    optimizer was given ``named_parameters()``, else ``parameter 3 of param group 0 (shape (20, 8))``."""
+    names = group.get("param_names")
+    if names and index < len(names):
+        return f"{names[index]!r} (param group {group_index}, index {index}, shape {tuple(param.shape)})"
+    return f"parameter {index} of param group {group_index} (shape {tuple(param.shape)})"
+
+
+def check_exp_avg_mask(mask: Any, param: torch.Tensor, what: str) -> torch.Tensor:
+    """Check a momentum mask for ``param`` and return it on the parameter's device and dtype.
+
+    A mask must be a tensor of exactly the parameter's shape, bool or floating point, with only the values 0 and 1
+    (finite). ``what`` names the mask in the ``ValueError`` (e.g. ``"exp_avg_mask[1] of param group 0"``). Used by
+    :class:`OnebitAdam` and :class:`~lightning_onebit.MomentumMask`.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor, got {type(mask).__name__}")
+    if mask.shape != param.shape:
+        raise ValueError(
+            f"{what} has shape {tuple(mask.shape)} but its parameter has shape {tuple(param.shape)}; "
+            "a mask must have exactly the parameter's shape"
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise ValueError(
+            f"{what} has dtype {mask.dtype}; a mask is a bool or floating-point tensor of 0s and 1s "
+            "(convert it with `mask.bool()`)"
+        )
+    if mask.device.type == "meta":
+        raise ValueError(f"{what} is on the meta device (it has no values); create it on a real device")
+    if mask.dtype != torch.bool:
+        bad = (mask != 0) & (mask != 1)  # NaN and +-inf included
+        if bool(bad.any()):
+            example = float(mask[bad].flatten()[0])
+            raise ValueError(
+                f"{what} has {int(bad.sum())} value(s) other than 0 and 1 (e.g. {example}); a momentum mask holds only "
+                "0 (frozen) and 1 (trained): it multiplies the momentum every compressed step, so 2 would grow that "
+                "momentum geometrically, a fraction would shrink it, and NaN would make the parameter NaN. Use e.g. "
+                "`(mask != 0).float()`"
+            )
+    return mask.to(device=param.device, dtype=param.dtype)
+
+
+def _normalise_masks(mask: Any, group: dict[str, Any], group_index: int) -> list[Optional[torch.Tensor]]:
+    """One mask (or None) per parameter of the group, each checked by :func:`check_exp_avg_mask`."""
+    params = group["params"]
     if mask is None:
         return [None] * len(params)
+    where = f"of param group {group_index}"
     if isinstance(mask, torch.Tensor):
-        masks = [mask] * len(params)
+        masks: list[Any] = [mask] * len(params)
+        names = [f"exp_avg_mask {where} (group-wide, for its parameter {i})" for i in range(len(params))]
     elif isinstance(mask, (list, tuple)):
         masks = list(mask)
         if len(masks) != len(params):
-            raise ValueError(f"exp_avg_mask has {len(masks)} entries but the param group has {len(params)} parameters")
-    else:
-        raise ValueError(f"exp_avg_mask must be a tensor, a list of tensors/None, or None; got {type(mask).__name__}")
-    for i, (m, p) in enumerate(zip(masks, params)):
-        if m is None:
-            continue
-        if not isinstance(m, torch.Tensor):
-            raise ValueError(f"exp_avg_mask[{i}] must be a tensor or None, got {type(m).__name__}")
-        if m.shape != p.shape:
             raise ValueError(
-                f"exp_avg_mask[{i}] has shape {tuple(m.shape)} but its parameter has shape {tuple(p.shape)}; "
-                "a mask must have exactly the parameter's shape"
+                f"exp_avg_mask {where} has {len(masks)} entries but the group has {len(params)} parameters; give one "
+                "tensor or None per parameter"
             )
-    return masks
+        names = [f"exp_avg_mask[{i}] {where}" for i in range(len(params))]
+    else:
+        raise ValueError(
+            f"exp_avg_mask {where} must be a tensor, a list of tensors/None, or None; got {type(mask).__name__}"
+        )
+    return [None if m is None else check_exp_avg_mask(m, p, what) for m, p, what in zip(masks, params, names)]
 
 
 def _mask_like(masks: list[Optional[torch.Tensor]], index: int, like: torch.Tensor) -> torch.Tensor:

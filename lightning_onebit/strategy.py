@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -25,19 +26,18 @@ from lightning_onebit.comm import CommunicationCounters
 from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import OnebitAdam, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
+from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
 from lightning_onebit.topology import Topology, TopologyMode
 
 log = logging.getLogger(__name__)
 
 #: Checkpoint key under which callbacks put state that differs per rank (e.g. compression error feedback). The
-#: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint) and, on load, puts each
-#: rank's own sidecar back under this key.
+#: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint, see
+#: :mod:`lightning_onebit.sidecar`) and, on load, puts each rank's own validated sidecar back under this key.
 PER_RANK_STATE_KEY = "onebit_per_rank"
-
-
-def per_rank_checkpoint_path(filepath: Union[str, "os.PathLike[str]"], rank: int) -> str:
-    """Path of rank ``rank``'s sidecar file for the checkpoint at ``filepath``."""
-    return f"{os.fspath(filepath)}.onebit-rank{rank}"
+#: Checkpoint key under which the strategy reports, on load, this rank's sidecar ``{"file": path, "reason": None or
+#: why it could not be restored}``.
+PER_RANK_STATUS_KEY = "onebit_per_rank_status"
 
 
 class OnebitAdamStrategy(DDPStrategy):
@@ -110,6 +110,9 @@ class OnebitAdamStrategy(DDPStrategy):
         self.topology_mode = topology
         self.ranks_per_node = ranks_per_node
         self.topology: Optional[Topology] = None
+        self._topology_group: Any = None
+        self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
+        self._save_index = 0
         ddp_kwargs = dict(ddp_kwargs or {})
         for reserved in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"):
             if reserved in ddp_kwargs:
@@ -184,8 +187,10 @@ class OnebitAdamStrategy(DDPStrategy):
         optimizer = optimizers[0]
         assert isinstance(self.model, DistributedDataParallel)
         optimizer.process_group = self.model.process_group
-        if self.topology is None:
+        if self.topology is None or self._topology_group is not self.model.process_group:
+            # once per process group: creating its node groups is a collective, and they are reused across fits
             self.topology = self.build_topology(self.model.process_group)
+            self._topology_group = self.model.process_group
         optimizer.topology = self.topology
         self.gradient_sync.topology = self.topology
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
@@ -210,6 +215,10 @@ class OnebitAdamStrategy(DDPStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
+        run_id = [uuid.uuid4().hex if self.global_rank == 0 else None]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(run_id, src=0)
+        self._run_id, self._save_index = run_id[0], 0
         precision = self.precision_plugin
         if isinstance(precision, MixedPrecision) and precision.scaler is not None:
             if not isinstance(precision.scaler, RankSyncedGradScaler):
@@ -261,32 +270,57 @@ class OnebitAdamStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None
     ) -> None:
+        # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
+        # with it the checkpoint id, is the same on every rank without a collective.
         per_rank = checkpoint.pop(PER_RANK_STATE_KEY, None)
         if per_rank is not None:
-            payload = {"rank": self.global_rank, "world_size": self.world_size, "state": per_rank}
-            self.checkpoint_io.save_checkpoint(payload, per_rank_checkpoint_path(filepath, self.global_rank))
+            self._save_index += 1
+            meta = {
+                "checkpoint_id": f"{self._run_id}/{self._save_index}",
+                "global_step": checkpoint.get("global_step"),
+                "rank": self.global_rank,
+                "world_size": self.world_size,
+                "topology": None if self.topology is None else self.topology.describe(),
+            }
+            write_sidecar(sidecar_path(filepath, self.global_rank), meta, per_rank)
+            checkpoint[SIDECAR_RECORD_KEY] = {k: meta[k] for k in ("checkpoint_id", "global_step", "world_size")}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint and this rank's sidecar. A bad sidecar is never an exception here: its reason goes to
+        ``checkpoint[PER_RANK_STATUS_KEY]``, and the callbacks that own the state agree across ranks what to do."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        sidecar = per_rank_checkpoint_path(checkpoint_path, self.global_rank)
-        if os.path.exists(sidecar):
-            payload = self.checkpoint_io.load_checkpoint(sidecar)
-            if payload.get("world_size") == self.world_size and payload.get("rank") == self.global_rank:
-                checkpoint[PER_RANK_STATE_KEY] = payload["state"]
-            else:
-                log.info(
-                    "onebit_adam: ignoring %s: written by rank %s of %s, this is rank %s of %s",
-                    sidecar, payload.get("rank"), payload.get("world_size"), self.global_rank, self.world_size,
-                )
+        record = checkpoint.pop(SIDECAR_RECORD_KEY, None)
+        path = sidecar_path(checkpoint_path, self.global_rank)
+        if record is None:
+            reason = "the checkpoint records no per-rank files (it was saved without ErrorFeedbackCheckpoint keep)"
+            if os.path.exists(path):
+                reason += f", but {os.path.basename(path)} exists next to it and is ignored"
+            checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
+            return checkpoint
+        expected = {"checkpoint_id": record["checkpoint_id"], "rank": self.global_rank, "world_size": self.world_size}
+        if record.get("world_size") != self.world_size:
+            state, reason = None, (
+                f"the checkpoint was saved with world size {record.get('world_size')} and this run has world size "
+                f"{self.world_size} (per-rank state belongs to one rank of one world size)"
+            )
+        else:
+            state, reason = read_sidecar(path, expected)
+        checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
+        if state is not None:
+            checkpoint[PER_RANK_STATE_KEY] = state
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
+        # A link (save_last="link") does not own the sidecars of the file it points to: only that file's removal does.
+        is_link = os.path.islink(os.fspath(filepath))
+        sidecar = sidecar_path(filepath, self.global_rank)
         super().remove_checkpoint(filepath)
-        sidecar = per_rank_checkpoint_path(filepath, self.global_rank)
-        if os.path.exists(sidecar):
+        if not is_link and os.path.exists(sidecar):
             os.remove(sidecar)
 
     # ------------------------------------------------------------------ registry

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import io
 import math
 import os
 import re
@@ -35,7 +36,7 @@ from lightning_onebit import (
     OnebitAdamStrategy,
     ring_allreduce_bytes,
 )
-from lightning_onebit.strategy import per_rank_checkpoint_path
+from lightning_onebit.sidecar import sidecar_path
 from tests.callback_models import (
     BATCH,
     DIM,
@@ -53,7 +54,7 @@ from tests.lightning_models import trainer_kwargs
 
 WORLD_SIZE = 2
 N_PARAMS = VOCAB * DIM + DIM + 1  # emb.weight, head.weight, head.bias
-_KEEP_WARNING = "ErrorFeedbackCheckpoint(policy='keep'): error feedback reset because"
+_KEEP_WARNING = "ErrorFeedbackCheckpoint(policy='keep'): error feedback reset on every rank because"
 
 
 # ======================================================================================== in-rank helpers
@@ -350,7 +351,7 @@ def test_constructor_errors() -> None:
         MomentumMask()
     with pytest.raises(ValueError, match="masks.*auto"):
         MomentumMask(masks={})
-    with pytest.raises(ValueError, match="'reset' or 'keep'.*'bogus'"):
+    with pytest.raises(ValueError, match="'reset', 'keep', 'require'.*'bogus'"):
         ErrorFeedbackCheckpoint("bogus")  # type: ignore[arg-type]
     assert ErrorFeedbackCheckpoint().policy == "reset"
     assert MomentumMask(auto=True).auto
@@ -506,14 +507,17 @@ def test_keep_writes_one_sidecar_per_rank_and_removes_them_with_the_checkpoint(
     expected = []
     for epoch in range(TOG_EPOCHS):
         path = together_ckpt(workdir, epoch)
-        expected += [os.path.basename(path)] + [os.path.basename(per_rank_checkpoint_path(path, r)) for r in range(2)]
+        expected += [os.path.basename(path)] + [os.path.basename(sidecar_path(path, r)) for r in range(2)]
     assert results[0]["A"]["files"] == sorted(expected)
     # the rank-0 checkpoint itself carries no per-rank state
     ckpt = torch.load(together_ckpt(workdir, TOG_RESUME_EPOCH), weights_only=False)
     assert "onebit_per_rank" not in ckpt
-    sidecars = [torch.load(per_rank_checkpoint_path(together_ckpt(workdir, TOG_RESUME_EPOCH), r)) for r in range(2)]
+    sidecars = [torch.load(sidecar_path(together_ckpt(workdir, TOG_RESUME_EPOCH), r)) for r in range(2)]
     for rank, payload in enumerate(sidecars):
         assert payload["rank"] == rank and payload["world_size"] == 2
+        assert payload["checkpoint_id"] == ckpt["onebit_sidecars"]["checkpoint_id"]
+        assert payload["global_step"] == ckpt["global_step"]
+        payload["state"] = torch.load(io.BytesIO(payload["state_bytes"]))
         (bucket,) = payload["state"]["error_feedback"]["buckets"].values()
         assert bucket["worker_error"].abs().sum() > 0  # two compressed steps were taken: real error feedback
     w0 = sidecars[0]["state"]["error_feedback"]["buckets"]
@@ -528,7 +532,7 @@ def test_keep_writes_one_sidecar_per_rank_and_removes_them_with_the_checkpoint(
     assert any(f"reset (rank 0 norm at save: {norm:.4g})" in m for m in results[0]["C_reset"]["logs"])
     # ModelCheckpoint(save_top_k=1) removed the older checkpoints and, on every rank, their sidecars
     final_epoch = os.path.join(workdir, "latest_ckpt", f"epoch={TOG_EPOCHS - 1}.ckpt")
-    kept = (final_epoch, per_rank_checkpoint_path(final_epoch, 0), per_rank_checkpoint_path(final_epoch, 1))
+    kept = (final_epoch, sidecar_path(final_epoch, 0), sidecar_path(final_epoch, 1))
     assert results[0]["B_keep"]["latest_files"] == sorted(os.path.basename(p) for p in kept)
 
 

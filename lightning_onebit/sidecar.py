@@ -1,0 +1,96 @@
+"""Per-rank checkpoint files ("sidecars") that cannot lie about what they hold.
+
+Lightning writes only rank 0's checkpoint under DDP, but compression error feedback differs per rank. The
+``onebit_adam`` strategy therefore writes one sidecar per rank next to the checkpoint,
+``<checkpoint>.onebit-rank<r>``, and records in the main checkpoint which sidecars belong to it. A sidecar holds:
+
+* ``checkpoint_id``: the id the main checkpoint records (``<run id>/<save index>``), so a sidecar of another
+  checkpoint of the same run (an older save under the same name) or of another run is recognised as stale;
+* ``global_step``, ``rank``, ``world_size`` and the ``topology`` description, for messages and checks;
+* the per-rank state, serialised, with its SHA-256, so truncation and corruption are detected before unpickling.
+
+Writing is atomic (a temporary file in the same directory, then ``os.replace``): a crash mid-write leaves the previous
+sidecar or none, never half a file. :func:`read_sidecar` never raises for a bad file: it returns the reason, so that
+the ranks can agree on what to do (see :class:`~lightning_onebit.ErrorFeedbackCheckpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from typing import Any, Optional, Union
+
+import torch
+
+SIDECAR_FORMAT = 2
+#: Key of the main checkpoint under which the strategy records its sidecars' identity.
+SIDECAR_RECORD_KEY = "onebit_sidecars"
+
+
+def sidecar_path(checkpoint_path: Union[str, "os.PathLike[str]"], rank: int) -> str:
+    """Path of rank ``rank``'s sidecar for the checkpoint at ``checkpoint_path``. A symbolic link (e.g. Lightning's
+    ``save_last="link"``) is followed: the sidecars live next to the file it points to."""
+    return f"{os.path.realpath(os.fspath(checkpoint_path))}.onebit-rank{rank}"
+
+
+def write_sidecar(path: str, meta: dict[str, Any], state: Any) -> None:
+    """Write ``state`` with ``meta`` (checkpoint id, step, rank, world size, topology) to ``path`` atomically."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    payload = dict(meta, format=SIDECAR_FORMAT, sha256=hashlib.sha256(data).hexdigest(), state_bytes=data)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_sidecar(path: str, expected: dict[str, Any]) -> tuple[Optional[Any], Optional[str]]:
+    """Read and validate a sidecar: ``(state, None)``, or ``(None, reason)`` when it is missing, unreadable, corrupt,
+    stale, foreign or mismatched. ``expected`` holds the ``checkpoint_id``, ``rank`` and ``world_size`` it must carry.
+    Never raises for a bad file."""
+    if not os.path.exists(path):
+        return None, "the file does not exist"
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a reason, not a crash
+        return None, f"the file is unreadable ({type(err).__name__}: {_first_line(err)})"
+    if not isinstance(payload, dict) or payload.get("format") != SIDECAR_FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        return None, f"the file is not a lightning_onebit sidecar of format {SIDECAR_FORMAT} (found {found!r})"
+    data = payload.get("state_bytes")
+    if not isinstance(data, bytes) or hashlib.sha256(data).hexdigest() != payload.get("sha256"):
+        return None, "the file is corrupt (its checksum does not match its contents)"
+    if (payload.get("rank"), payload.get("world_size")) != (expected["rank"], expected["world_size"]):
+        return None, (
+            f"the file was written by rank {payload.get('rank')} of {payload.get('world_size')}, this is rank "
+            f"{expected['rank']} of {expected['world_size']}"
+        )
+    if payload.get("checkpoint_id") != expected["checkpoint_id"]:
+        return None, (
+            f"the file belongs to another checkpoint (written at step {payload.get('global_step')} with id "
+            f"{payload.get('checkpoint_id')!r}; this checkpoint's id is {expected['checkpoint_id']!r}): stale or "
+            "copied from elsewhere"
+        )
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001
+        return None, f"the file's state cannot be loaded ({type(err).__name__}: {_first_line(err)})"
+    return state, None
+
+
+def _first_line(err: BaseException) -> str:
+    # the first sentence: torch's own advice that follows (e.g. "re-run with weights_only=False") does not apply here
+    text = str(err).strip().splitlines()
+    return text[0].split(". ")[0][:160] if text else ""

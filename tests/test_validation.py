@@ -1,0 +1,375 @@
+"""Argument and mask validation of OnebitAdam and MomentumMask, and the dead-coordinate warning (review issue 12).
+
+Each test names the finding it covers and says in its docstring what used to happen. The multi-rank cases run as
+``Trainer.fit`` calls inside one spawned 2-rank gloo session (module-scoped fixture, as in ``test_callbacks.py``):
+an error must be raised on every rank, at setup (0 training steps), and the session must end (no rank left waiting in
+a collective). The model is ``tests/callback_models.py``'s ``TokenRegressor``: ``Embedding(20, 8)`` whose rows 10..19
+are never looked up (their gradient is exactly zero on every rank and step), mean-pooled into ``Linear(8, 1)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+import lightning_onebit  # noqa: F401  (registers the strategies)
+from lightning_onebit import MomentumMask, OnebitAdam
+from tests.callback_models import DIM, USED_ROWS, VOCAB, TokenRegressor, token_loader, unused_rows_mask
+from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.lightning_models import trainer_kwargs
+
+WORLD_SIZE = 2
+FREEZE, STEPS = 3, 5  # steps 4 and 5 are compressed
+DEAD = (VOCAB - USED_ROWS) * DIM  # 80 coordinates of emb.weight never get a gradient
+
+
+# ======================================================================================== models (module level: spawn)
+class OptionsRegressor(TokenRegressor):
+    """``TokenRegressor`` with optimizer options: ``named`` passes ``named_parameters()``; ``head_only`` gives the
+    optimizer only the head (the embedding still trains under DDP but OnebitAdam does not hold it);
+    ``exp_avg_mask`` is set on the embedding; ``complex_param`` adds a complex ``phase`` used in ``forward``."""
+
+    def __init__(
+        self,
+        named: bool = False,
+        head_only: bool = False,
+        exp_avg_mask: Optional[torch.Tensor] = None,
+        complex_param: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        super().__init__(freeze_step=FREEZE)
+        self.named, self.head_only, self.exp_avg_mask = named, head_only, exp_avg_mask
+        self.optimizer_kwargs = optimizer_kwargs
+        self.phase = nn.Parameter(torch.ones(DIM, dtype=torch.complex64)) if complex_param else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens).mean(1)
+        if self.phase is not None:
+            h = (h * self.phase).real
+        return self.head(torch.tanh(h))
+
+    def configure_optimizers(self) -> Any:
+        kwargs = dict(lr=self.lr, weight_decay=0.0, freeze_step=self.freeze_step, **self.optimizer_kwargs)
+        if self.head_only:
+            return OnebitAdam(self.head.parameters(), **kwargs)
+        if self.exp_avg_mask is not None:
+            rest = [p for n, p in self.named_parameters() if n != "emb.weight"]
+            groups = [{"params": [self.emb.weight], "exp_avg_mask": [self.exp_avg_mask]}, {"params": rest}]
+            return OnebitAdam(groups, **kwargs)
+        return OnebitAdam(self.named_parameters() if self.named else self.parameters(), **kwargs)
+
+
+class SeenProbe(pl.Callback):
+    """Elements held by the optimizer's dead-coordinate detection after every optimizer step (0 where it has none)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        seen = getattr(trainer.strategy.onebit_optimizer, "_seen_nonzero", {})
+        self.sizes.append(sum(t.numel() for t in seen.values()))
+
+
+def _fit(rank: int, world_size: int, model: OptionsRegressor, callbacks: list[pl.Callback]) -> dict[str, Any]:
+    """One fit of ``STEPS`` steps; the error (if any), steps done, OnebitAdam warnings and the unused rows' trace."""
+    probe = SeenProbe()
+    trainer = pl.Trainer(**trainer_kwargs(world_size, STEPS, callbacks=[*callbacks, probe]))
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model, token_loader(rank, STEPS))
+        except Exception as err:  # noqa: BLE001 - the type and message are what the tests check
+            error = (type(err).__name__, str(err))
+    onebit = trainer.strategy.onebit_optimizer
+    return dict(
+        error=error,
+        steps=len(model.losses),
+        warnings=[str(w.message) for w in caught if str(w.message).startswith("OnebitAdam")],
+        # largest |weight| of the never-looked-up rows after each step, and of the used rows
+        unused=[float(w[USED_ROWS:].abs().max()) for w in model.emb_trace],
+        used=[float(w[:USED_ROWS].abs().max()) for w in model.emb_trace],
+        finite=bool(all(torch.isfinite(p).all() for p in model.parameters())),
+        seen_sizes=probe.sizes,
+        warn_flag=getattr(onebit, "warn_dead_coordinates", None) if onebit is not None else None,
+    )
+
+
+def _values_mask(value: float) -> torch.Tensor:
+    """1 on the used rows except one coordinate set to ``value``; 0 on the unused rows."""
+    mask = unused_rows_mask()
+    mask[0, 0] = value
+    return mask
+
+
+# ======================================================================================== scenarios (run on each rank)
+def scenario_mask_values(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """Masks with values other than 0/1, through MomentumMask and through OnebitAdam's exp_avg_mask."""
+    doubled = unused_rows_mask() * 2.0  # 2 on the used rows, 0 on the unused ones
+    return dict(
+        callback_nan=_fit(
+            rank, world_size, OptionsRegressor(), [MomentumMask({"emb.weight": _values_mask(float("nan"))})]
+        ),
+        callback_two=_fit(rank, world_size, OptionsRegressor(), [MomentumMask({"emb.*": lambda p: doubled})]),
+        optimizer_two=_fit(rank, world_size, OptionsRegressor(exp_avg_mask=doubled), []),
+        callback_bool=_fit(
+            rank, world_size, OptionsRegressor(), [MomentumMask({"emb.weight": unused_rows_mask().bool()})]
+        ),
+    )
+
+
+def scenario_not_held(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """MomentumMask for a parameter OnebitAdam does not hold (the optimizer gets only the head)."""
+    return dict(
+        explicit=_fit(
+            rank, world_size, OptionsRegressor(head_only=True), [MomentumMask({"emb.weight": unused_rows_mask()})]
+        ),
+        auto=_fit(rank, world_size, OptionsRegressor(head_only=True), [MomentumMask(auto=True)]),
+        glob=_fit(rank, world_size, OptionsRegressor(head_only=True), [MomentumMask({"*.weight": torch.ones_like})]),
+    )
+
+
+def scenario_complex(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """A model with a complex parameter."""
+    return dict(fit=_fit(rank, world_size, OptionsRegressor(complex_param=True), []))
+
+
+def scenario_dead(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """No mask, named parameters, detection off, MomentumMask(auto=True), an explicit mask covering half the rows."""
+    half = torch.ones(VOCAB, DIM)
+    half[USED_ROWS : USED_ROWS + 5] = 0  # covers 40 of the 80 dead coordinates
+    return dict(
+        default=_fit(rank, world_size, OptionsRegressor(), []),
+        named=_fit(rank, world_size, OptionsRegressor(named=True), []),
+        off=_fit(rank, world_size, OptionsRegressor(warn_dead_coordinates=False), []),
+        auto=_fit(rank, world_size, OptionsRegressor(), [MomentumMask(auto=True)]),
+        half=_fit(rank, world_size, OptionsRegressor(), [MomentumMask({"emb.weight": half})]),
+    )
+
+
+_SCENARIOS: dict[str, Callable[[int, int, str], dict[str, Any]]] = {
+    "mask_values": scenario_mask_values,
+    "not_held": scenario_not_held,
+    "complex": scenario_complex,
+    "dead": scenario_dead,
+}
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    workdir = str(tmp_path_factory.mktemp("onebit_validation"))
+    return run_distributed(run_scenarios, WORLD_SIZE, tuple(_SCENARIOS.items()), workdir, timeout_s=240)
+
+
+def _refused_at_setup(result: dict[str, Any], error_type: str, *fragments: str) -> None:
+    assert result["error"] is not None, f"expected {error_type}, the fit ran {result['steps']} steps"
+    assert result["error"][0] == error_type, result["error"]
+    assert result["steps"] == 0, result  # before any training step (and so before any compressed collective)
+    for fragment in fragments:
+        assert fragment in result["error"][1], (fragment, result["error"][1])
+
+
+# ======================================================================================== finding 6: mask values
+def test_mask_values_other_than_0_and_1_are_refused_at_setup_on_every_rank(session: list[dict[str, Any]]) -> None:
+    """Finding 6. Used to: ``MomentumMask`` and ``exp_avg_mask`` took any value and trained on silently. One NaN in
+    the embedding's mask made the used rows NaN at the first compressed step and the whole embedding NaN at the next
+    (the NaN momentum poisons the compressed allreduce's scales); a mask of 2.0 multiplies the stored momentum by 2
+    every compressed step, so it grows geometrically (the used rows' largest weight went 3.35 -> 4.11 in the second
+    compressed step instead of 3.35 -> 3.35).
+    Now: ``ValueError`` at setup on both ranks (0 steps), naming the parameter and the offending value; a bool 0/1
+    mask is accepted (converted to the parameter's dtype) and trains."""
+    for result in scenario_results(session, "mask_values"):
+        _refused_at_setup(result["callback_nan"], "ValueError", "MomentumMask: the mask for 'emb.weight'", "nan",
+                          "other than 0 and 1")
+        _refused_at_setup(result["callback_two"], "ValueError", "'emb.weight'", "e.g. 2.0")
+        _refused_at_setup(result["optimizer_two"], "ValueError", "exp_avg_mask[0] of param group 0", "e.g. 2.0")
+        ok = result["callback_bool"]
+        assert ok["error"] is None and ok["steps"] == STEPS and ok["finite"], ok
+        assert max(ok["unused"]) == ok["unused"][0]  # masked rows never move (weight decay 0)
+
+
+def test_mask_value_errors_in_the_optimizer_name_group_and_index() -> None:
+    """Finding 6, without Lightning: the same checks in ``OnebitAdam(exp_avg_mask=...)`` and ``set_exp_avg_mask``
+    (they used to accept NaN, inf, 2.0, 0.5 and integer masks)."""
+    a, b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4, 3))
+    cases = [
+        (torch.full((4, 3), float("nan")), "exp_avg_mask[1] of param group 0 has 12 value(s) other than 0 and 1 (e.g. "
+                                           "nan)"),
+        (torch.full((4, 3), float("inf")), "other than 0 and 1 (e.g. inf)"),
+        (torch.full((4, 3), 0.5), "other than 0 and 1 (e.g. 0.5)"),
+        (torch.ones(4, 3, dtype=torch.long), "exp_avg_mask[1] of param group 0 has dtype torch.int64"),
+        (torch.ones(3, 4), "exp_avg_mask[1] of param group 0 has shape (3, 4) but its parameter has shape (4, 3)"),
+    ]
+    for mask, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            OnebitAdam([{"params": [a, b], "exp_avg_mask": [None, mask]}], freeze_step=2)
+    with pytest.raises(ValueError, match=re.escape("exp_avg_mask of param group 1 (group-wide, for its parameter 0)")):
+        OnebitAdam([{"params": [a]}, {"params": [b], "exp_avg_mask": torch.full((4, 3), 2.0)}], freeze_step=2)
+    opt = OnebitAdam([("a", a), ("b", b)], freeze_step=2)
+    with pytest.raises(ValueError, match=re.escape("set_exp_avg_mask: the mask for 'b' (param group 0, index 1, shape "
+                                                  "(4, 3)) has 1 value(s) other than 0 and 1 (e.g. 2.0)")):
+        mask = torch.ones(4, 3)
+        mask[1, 1] = 2.0
+        opt.set_exp_avg_mask(b, mask)
+    assert opt.param_groups[0]["exp_avg_mask"] == [None, None]  # a refused mask changes nothing
+    opt.set_exp_avg_mask(b, torch.tensor([[True, False, True]] * 4))
+    stored = opt.param_groups[0]["exp_avg_mask"][1]
+    assert stored.dtype == torch.float32 and stored.sum() == 8
+
+
+# ======================================================================================== finding 7: parameter not held
+def test_momentum_mask_for_a_parameter_the_optimizer_does_not_hold(session: list[dict[str, Any]]) -> None:
+    """Finding 7. Used to: ``MomentumMask({"emb.weight": ...})`` with an optimizer that holds only the head passed
+    setup, trained ``freeze_step`` steps and failed at the first compressed step with "set_exp_avg_mask: the
+    parameter is not managed by this optimizer" (no name); ``MomentumMask(auto=True)`` failed the same way, since it
+    watched every trainable parameter. Now: the explicit mask is a ``ValueError`` at ``on_fit_start`` (0 steps) on
+    both ranks naming 'emb.weight'; auto mode and a glob only consider what the optimizer holds and train through."""
+    for result in scenario_results(session, "not_held"):
+        _refused_at_setup(result["explicit"], "ValueError", "MomentumMask: 'emb.weight' names ['emb.weight']",
+                          "does not hold")
+        for name in ("auto", "glob"):
+            r = result[name]
+            assert r["error"] is None and r["steps"] == STEPS and r["finite"], (name, r)
+
+
+def test_set_exp_avg_mask_for_a_foreign_parameter_names_its_shape() -> None:
+    """Finding 7, the optimizer's own message: it used to be "the parameter is not managed by this optimizer"."""
+    opt = OnebitAdam([nn.Parameter(torch.randn(3))], freeze_step=2)
+    with pytest.raises(ValueError, match=re.escape("set_exp_avg_mask: the parameter of shape (20, 8) is not managed by "
+                                                  "this optimizer")):
+        opt.set_exp_avg_mask(nn.Parameter(torch.randn(20, 8)), torch.ones(20, 8))
+
+
+# ======================================================================================== finding 8: complex / integer
+def test_complex_parameter_is_refused_at_construction(session: list[dict[str, Any]]) -> None:
+    """Finding 8. Used to: a model with a complex parameter trained through warmup (DDP averages complex gradients)
+    and failed on both ranks at the first compressed step with "buffer must be floating point, got torch.complex64".
+    Now: ``ValueError`` from ``OnebitAdam.__init__`` (configure_optimizers, 0 steps) on both ranks, naming the
+    parameter, its dtype and the fix."""
+    for result in scenario_results(session, "complex"):
+        _refused_at_setup(result["fit"], "ValueError", "parameter 0 of param group 0 (shape (8,))",
+                          "torch.complex64", "torch.view_as_real")
+
+
+def test_complex_and_integer_parameters_are_refused_by_init_and_add_param_group() -> None:
+    """Finding 8, without Lightning; an integer parameter can never get a gradient and is refused too. A refused
+    ``add_param_group`` leaves the optimizer as it was."""
+    real = nn.Parameter(torch.randn(2))
+    cplx = nn.Parameter(torch.randn(2, dtype=torch.complex64))
+    ints = nn.Parameter(torch.zeros(2, dtype=torch.int32), requires_grad=False)
+    message = "'z' (param group 0, index 1, shape (2,)) has dtype torch.complex64"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OnebitAdam([("w", real), ("z", cplx)], freeze_step=2)
+    opt = OnebitAdam([real], freeze_step=2)
+    with pytest.raises(ValueError, match=re.escape("parameter 0 of param group 1 (shape (2,)) has dtype torch.int32")):
+        opt.add_param_group({"params": [ints]})
+    assert len(opt.param_groups) == 1
+
+
+# ======================================================================================== finding 9: dead coordinates
+def test_dead_coordinates_warn_at_the_freeze_on_rank_zero(session: list[dict[str, Any]]) -> None:
+    """Finding 9. Used to: without a mask, the embedding rows that are never looked up jumped at the first compressed
+    step and nothing said why (here row 10, which shares its compression chunk with live rows, went from 2.6 to about
+    2.5e4: 1-bit compression sends it +-scale while its variance is 0). Now (on by default, no MomentumMask needed):
+    at the first compressed step rank 0 warns once with the count, the parameter and the fix; rank 1 does not repeat
+    it. The warning does not change training (the jump is still
+    there: the fix is the user's). The detection holds one bool per element during warmup and is freed at the
+    freeze."""
+    results = scenario_results(session, "dead")
+    for rank, result in enumerate(results):
+        r = result["default"]
+        assert r["error"] is None and r["steps"] == STEPS, r
+        assert max(r["unused"][:FREEZE]) < 10 and r["unused"][FREEZE] > 1000, r["unused"]  # the jump, unchanged
+        assert r["seen_sizes"] == [VOCAB * DIM + DIM + 1] * FREEZE + [0] * (STEPS - FREEZE)  # freed at the freeze
+        if rank == 0:
+            assert len(r["warnings"]) == 1, r["warnings"]
+            message = r["warnings"][0]
+            for fragment in (
+                f"OnebitAdam: {DEAD} coordinate(s) in 1 parameter(s) had an exactly-zero gradient in every warmup step "
+                f"(steps 1..{FREEZE}) and are not masked: parameter 0 of param group 0 (shape (20, 8)): {DEAD} of 160",
+                "Fix: add `MomentumMask(auto=True)` to the Trainer's callbacks",
+                "warn_dead_coordinates=False",
+            ):
+                assert fragment in message, (fragment, message)
+            named = result["named"]["warnings"]
+            assert f"'emb.weight' (param group 0, index 0, shape (20, 8)): {DEAD} of 160" in named[0], named
+            half = result["half"]["warnings"]
+            assert len(half) == 1 and f": {DEAD // 2} of 160" in half[0], half
+        else:
+            assert r["warnings"] == [] and result["named"]["warnings"] == [] and result["half"]["warnings"] == []
+
+
+def test_dead_coordinate_detection_off_by_argument_or_by_auto_mask(session: list[dict[str, Any]]) -> None:
+    """Finding 9. ``warn_dead_coordinates=False`` allocates nothing and warns nothing; ``MomentumMask(auto=True)``
+    masks these coordinates itself, so it switches the optimizer's detection off (no second bool per element)."""
+    for result in scenario_results(session, "dead"):
+        for name in ("off", "auto"):
+            r = result[name]
+            assert r["error"] is None and r["steps"] == STEPS and r["warnings"] == [], (name, r)
+            assert r["seen_sizes"] == [0] * STEPS and r["warn_flag"] is False, (name, r)
+        assert max(result["auto"]["unused"]) == result["auto"]["unused"][0]  # masked: unused rows stay put
+
+
+def test_dead_coordinate_warning_single_process_and_after_a_warmup_resume() -> None:
+    """Finding 9 without Lightning: a standalone optimizer warns once, masked coordinates are not counted, and after
+    a resume in warmup the warning says which steps it observed."""
+    def run(opt: OnebitAdam, emb: nn.Embedding, steps: int) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                opt.zero_grad()
+                emb(torch.tensor([0, 1, 2])).sum().backward()
+                opt.step()
+        return [str(w.message) for w in caught if str(w.message).startswith("OnebitAdam")]
+
+    emb = nn.Embedding(6, 2)
+    mask = torch.ones(6, 2)
+    mask[5] = 0
+    opt = OnebitAdam([{"params": [emb.weight], "exp_avg_mask": [mask]}], freeze_step=3)
+    messages = run(opt, emb, 5)
+    assert len(messages) == 1 and ": 4 of 12" in messages[0] and "(steps 1..3)" in messages[0], messages
+    assert opt._seen_nonzero == {}
+
+    emb2 = nn.Embedding(6, 2)
+    opt2 = OnebitAdam(emb2.parameters(), freeze_step=3)
+    run(opt2, emb2, 1)
+    resumed = OnebitAdam(emb2.parameters(), freeze_step=3)
+    resumed.load_state_dict(copy.deepcopy(opt2.state_dict()))
+    messages = run(resumed, emb2, 3)
+    assert len(messages) == 1 and "(steps 2..3; steps before 2 ran before a resume and were not observed)" in \
+        messages[0], messages
+
+
+# ======================================================================================== smaller: other arguments
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bias_correction": "no"}, "bias_correction must be True or False, got 'no' (param group 0)"),
+        ({"bias_correction": 0}, "bias_correction must be True or False, got 0"),
+        ({"betas": 0.9}, "betas must be a pair of floats (b1, b2), e.g. (0.9, 0.999); got 0.9 (param group 0)"),
+        ({"betas": (0.9,)}, "betas must be a pair of floats"),
+        ({"betas": ("0.9", 0.999)}, "betas must be a pair of floats"),
+        ({"betas": (0.9, float("nan"))}, "betas must each be in [0, 1)"),
+        ({"lr": "1e-3"}, "lr must be a float, got '1e-3' (str)"),
+        ({"eps": None}, "eps must be a float, got None"),
+        ({"amsgrad": "no"}, "amsgrad must be False"),
+        ({"bucket_cap_mb": "25"}, "bucket_cap_mb must be a number > 0 (MB), got '25'"),
+        ({"warn_dead_coordinates": "yes"}, "warn_dead_coordinates must be True or False"),
+    ],
+)
+def test_argument_errors_name_the_argument_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    """Used to: ``bias_correction="no"`` was truthy (bias correction on), ``betas=0.9`` raised "cannot unpack
+    non-iterable float object" (no argument named), ``lr="1e-3"`` a TypeError from a comparison. Now a ``ValueError``
+    naming the argument, raised by the constructor (no process group exists in this test process: no collective)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OnebitAdam(nn.Linear(2, 1).parameters(), freeze_step=2, **kwargs)
+    # group options are checked the same way, and a list from YAML is a valid pair
+    opt = OnebitAdam([{"params": nn.Linear(2, 1).parameters(), "betas": [0.8, 0.99]}], freeze_step=2)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99)
