@@ -221,10 +221,45 @@ def _mb(value: float) -> str:
     return f"{value / 1e6:,.2f} MB"
 
 
-def multinode_table() -> str:
+def _multinode_goals(data: dict[str, Any]) -> list[str]:
+    """The issue's goals, from one run: bytes per node (counters and veth) and step-time ratios per rate."""
+    n = data["model"]["params"]
+    lines = []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    first = data["rates"][next(iter(data["rates"]))]["rows"]
+    hier, flat = first.get("onebit_hierarchical"), first.get("onebit_flat")
+    if hier is not None:
+        for source, key in (("counters", "counters_bytes_per_node"), ("veth", "veth_bytes_per_node")):
+            ratio = hier[key] / n
+            lines.append(f"- hierarchical bytes leaving a node per step ({source}) = **N/{1 / ratio:.2f}** "
+                         f"(goal <= N/7): {verdict(ratio <= 1 / 7)}")
+        if flat is not None:
+            for source, key in (("counters", "counters_bytes_per_node"), ("veth", "veth_bytes_per_node")):
+                ratio = hier[key] / flat[key]
+                lines.append(f"- hierarchical / flat bytes ({source}) = **{ratio:.3f}** (goal <= 0.55): "
+                             f"{verdict(ratio <= 0.55)}")
+    for rate, run in data["rates"].items():
+        rows = run["rows"]
+        if "onebit_hierarchical" not in rows:
+            continue
+        h = rows["onebit_hierarchical"]["step_s"]
+        if rate == "50mbit" and "onebit_flat" in rows:
+            f = rows["onebit_flat"]["step_s"]
+            lines.append(f"- {rate}: flat / hierarchical step = **{f / h:.2f}** (goal > 1): {verdict(f > h)}")
+        if rate == "200mbit" and "ddp_fp32" in rows:
+            d = rows["ddp_fp32"]["step_s"]
+            lines.append(f"- {rate}: DDP fp32 / hierarchical step = **{d / h:.2f}** (goal >= 4): {verdict(d >= 4 * h)}")
+    return lines
+
+
+def multinode_table(name: str = "multinode", with_formulas: bool = True) -> str:
     """Simulated 2 nodes x 2 ranks (benchmarks/multinode.py): step time per link rate, bytes leaving each node per
-    step from the counters, the veth and the formula; then the formula at 2, 4 and 16 nodes x 8 ranks."""
-    data = _load("multinode")
+    step from the counters, the veth and the formula; then the formula at 2, 4 and 16 nodes x 8 ranks, and the
+    goals."""
+    data = _load(name)
     rates = list(data["rates"])
     cfg, env = data["config"], data["environment"]
     first = data["rates"][rates[0]]
@@ -263,8 +298,11 @@ def multinode_table() -> str:
                             + [f"{p['onebit_flat'] / p['onebit_hierarchical']:.1f}x"])
     formulas = _table(["nodes x ranks", "fp32 ring", "flat 1-bit", "hierarchical 1-bit", "flat / hierarchical"],
                       formula_rows)
+    goals = "\n\nGoals:\n\n" + "\n".join(_multinode_goals(data))
+    if not with_formulas:
+        return intro + _table(header, rows) + goals
     return (intro + _table(header, rows) + f"\n\nBytes leaving each node per step by formula for this model "
-            f"(N = {n:,}):\n\n" + formulas)
+            f"(N = {n:,}):\n\n" + formulas + goals)
 
 
 def intra_reduce_table() -> str:
@@ -328,6 +366,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "memory": memory_table,
     "bert_parity": parity_table,
     "multinode": multinode_table,
+    "multinode_batch8": lambda: multinode_table("multinode_batch8", with_formulas=False),
     "intra_reduce": intra_reduce_table,
     "topology_model": topology_model_table,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import uuid
@@ -38,6 +39,27 @@ PER_RANK_STATE_KEY = "onebit_per_rank"
 #: Checkpoint key under which the strategy reports, on load, this rank's sidecar ``{"file": path, "reason": None or
 #: why it could not be restored}``.
 PER_RANK_STATUS_KEY = "onebit_per_rank_status"
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy every process group (the topology's subgroups included) when the interpreter exits.
+
+    Lightning does this for NCCL only. A gloo group left alive until interpreter teardown is destroyed while its
+    transport threads may still run, which intermittently aborted processes with "terminate called without an active
+    exception" (exit code 134) after training had finished, so a launcher reported a failed job.
+    """
+    global _EXIT_HANDLER_REGISTERED
+    if not _EXIT_HANDLER_REGISTERED:
+        atexit.register(_destroy_process_groups)
+        _EXIT_HANDLER_REGISTERED = True
+
+
+def _destroy_process_groups() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class OnebitAdamStrategy(DDPStrategy):
@@ -141,6 +163,11 @@ class OnebitAdamStrategy(DDPStrategy):
         self._warned_local_clipping = False
 
     # ------------------------------------------------------------------ wiring
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        _destroy_process_groups_at_exit()
+
     @property
     def onebit_optimizer(self) -> Optional[OnebitAdam]:
         """The :class:`OnebitAdam` this strategy drives (``None`` before setup)."""
