@@ -89,7 +89,8 @@ def _launch(args: argparse.Namespace, port: int) -> tuple[int, bool, float, str]
     worker += ["--ranks-per-node", str(args.ranks_per_node)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)] + worker
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # PYTHONFAULTHANDLER: an abort prints every Python thread's stack, i.e. where the process was when it died
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     started = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="plain torch.distributed worker (control experiment)")
     parser.add_argument("--destroy", action="store_true", help="with --plain: destroy the process group at the end")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per launch")
+    parser.add_argument("--save-failures", metavar="DIR", help="write the whole output of each abnormal launch here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -124,6 +126,9 @@ def main() -> None:
             failures.append((i, code, aborted))
             tail = "\n".join(output.strip().splitlines()[-8:])
             print(f"  launch {i}: exit code {code}, 'terminate called' {'seen' if aborted else 'not seen'}\n{tail}")
+            if args.save_failures:
+                os.makedirs(args.save_failures, exist_ok=True)
+                Path(args.save_failures, f"launch{i}.log").write_text(output)
     print(f"abnormal launches: {len(failures)} of {args.launches} (exit code != 0: "
           f"{sum(1 for _, c, _ in failures if c != 0)}, 'terminate called' seen: {aborts}); "
           f"median launch {sorted(times)[len(times) // 2]:.1f} s")

@@ -193,7 +193,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks.slow_link import LR, WEIGHT_DECAY, RandomBatches, build_model, make_adamw
-    from lightning_onebit import GradientSyncState, OnebitAdam, switchable_allreduce_hook
+    from lightning_onebit import GradientSyncState, OnebitAdam, Topology, switchable_allreduce_hook
 
     torch.set_num_threads(1)
     sync_dir = Path(args.sync_dir)
@@ -246,8 +246,6 @@ def _worker(args: argparse.Namespace) -> None:
             model = DDP(model, broadcast_buffers=False)
             opt = make_adamw(model.parameters(), cfg)
         elif method in ONEBIT_MODES:
-            from lightning_onebit import Topology
-
             topo = Topology.build(node_rank=node_rank, local_rank=local_rank, mode=ONEBIT_MODES[method])
             extra["topology"] = dict(mode=str(topo.mode), num_nodes=topo.num_nodes, ranks_per_node=topo.ranks_per_node)
             model = DDP(model, broadcast_buffers=False)
@@ -644,11 +642,6 @@ def parse_args() -> argparse.Namespace:
     if args.worker:
         return args
     problems = _system_problems()
-    if any(m in ONEBIT_MODES for m in args.methods):
-        try:
-            from lightning_onebit import Topology  # noqa: F401
-        except ImportError:
-            problems.append("lightning_onebit.Topology is not available: run --methods ddp_fp32 local_4proc")
     if problems:
         parser.error("; ".join(problems))
     args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]

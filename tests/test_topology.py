@@ -5,7 +5,6 @@ across ranks, and the replica checksum. One spawn of 4 gloo ranks plays 2 nodes 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import zlib
 from typing import Any
 

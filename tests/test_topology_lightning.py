@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -47,6 +46,7 @@ from lightning_onebit import (
 )
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, flat_params, loader, regression_data, trainer_kwargs
+from tests.test_callbacks import capture_warnings
 
 WORLD_SIZE = 4
 NODES, PER_NODE = 2, 2
@@ -142,15 +142,6 @@ def held_out_loss(model: pl.LightningModule) -> float:
     x, y = regression_data(seed=999, n=512)
     with torch.no_grad():
         return torch.nn.functional.mse_loss(model(x), y).item()
-
-
-@contextmanager
-def capture_warnings() -> Iterator[list[str]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        messages: list[str] = []
-        yield messages
-        messages.extend(str(w.message) for w in caught)
 
 
 @contextmanager
