@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import uuid
@@ -47,9 +48,10 @@ _EXIT_HANDLER_REGISTERED = False
 def _destroy_process_groups_at_exit() -> None:
     """Destroy every process group (the topology's subgroups included) when the interpreter exits.
 
-    Lightning does this for NCCL only. A gloo group left alive until interpreter teardown is destroyed while its
-    transport threads may still run, which intermittently aborted processes with "terminate called without an active
-    exception" (exit code 134) after training had finished, so a launcher reported a failed job.
+    Lightning does this for NCCL only. A gloo group alive at interpreter teardown keeps its worker threads; when one
+    of them drops a finished collective's tensors during ``Py_FinalizeEx`` it needs the GIL, the interpreter ends the
+    thread, and the forced unwind calls ``std::terminate``: "terminate called without an active exception" (exit code
+    134) after training had finished, so a launcher reported a failed job.
     """
     global _EXIT_HANDLER_REGISTERED
     if not _EXIT_HANDLER_REGISTERED:
@@ -60,6 +62,10 @@ def _destroy_process_groups_at_exit() -> None:
 def _destroy_process_groups() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # destroy_process_group() unregisters the groups and shuts them down, but gloo joins its threads only in the
+    # group's destructor, and the DDP reducer, this strategy and the optimizer hold the groups in reference cycles:
+    # collect them now, while the interpreter is fully alive.
+    gc.collect()
 
 
 class OnebitAdamStrategy(DDPStrategy):
