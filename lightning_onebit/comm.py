@@ -25,6 +25,13 @@ lighter. With ``P = 1`` nothing is communicated and the buffer is left exactly a
 
 :func:`compressed_allreduce_buckets_` runs several buckets at once with asynchronous collectives, so that one
 bucket's transfer overlaps another's compression; :func:`compressed_allreduce_` is the one-bucket case.
+
+With a hierarchical :class:`~lightning_onebit.Topology` (``M`` nodes x ``L`` ranks) the same two phases run between
+nodes only: a full-precision reduce-scatter inside each node gives local rank ``l`` its node's mean of shard ``l``,
+the 1-bit exchange of that shard runs among the ``M`` ranks with local rank ``l``, and an all-gather of the packed
+server blocks inside the node gives every rank every chunk (see :func:`_hierarchical_buckets_`). Error state then
+shrinks to ``N_pad / L`` (worker) and ``c`` (server) elements, and about ``2 (M-1)/M N/8`` bytes leave each node per
+call (:func:`bytes_leaving_node`). The counters split every call's bytes into intra- and inter-node bytes.
 """
 
 from __future__ import annotations
