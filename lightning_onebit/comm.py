@@ -511,7 +511,7 @@ def _bytes_sent(layout: BucketLayout, element_size: int, topology: Optional[Topo
         return intra, 2 * (nodes - 1) * block
     if topology is None:
         return 0, layout.bytes_per_call()
-    same_node_peers = sum(1 for r in range(world_size) if r != rank and topology.same_node(r, rank))
+    same_node_peers = topology.node_sizes[topology.node_of[rank]] - 1
     intra, inter = same_node_peers * block, (world_size - 1 - same_node_peers) * block
     if topology.same_node(rank, (rank + 1) % world_size):
         intra += (world_size - 1) * block

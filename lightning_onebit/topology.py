@@ -19,6 +19,7 @@ the ranks of a node need not be contiguous. :meth:`Topology.plan` is the pure pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Literal, Optional, Sequence
 
@@ -61,16 +62,23 @@ class Topology:
         """``P``, the ranks in the group."""
         return len(self.node_of)
 
+    @functools.cached_property
+    def node_sizes(self) -> tuple[int, ...]:
+        """Ranks per node, by node index (computed once: the byte accounting reads it every step)."""
+        sizes = [0] * (max(self.node_of) + 1 if self.node_of else 0)
+        for node in self.node_of:
+            sizes[node] += 1
+        return tuple(sizes)
+
     @property
     def num_nodes(self) -> int:
         """``M``, the number of nodes."""
-        return len(set(self.node_of))
+        return len(self.node_sizes)
 
-    @property
+    @functools.cached_property
     def ranks_per_node(self) -> Optional[int]:
         """``L`` when every node has the same number of ranks, else ``None``."""
-        counts = {self.node_of.count(n) for n in set(self.node_of)}
-        return counts.pop() if len(counts) == 1 else None
+        return self.node_sizes[0] if len(set(self.node_sizes)) == 1 else None
 
     @property
     def is_hierarchical(self) -> bool:
@@ -122,11 +130,6 @@ class Topology:
         return self.rank
 
     # ------------------------------------------------------------------ construction
-    @classmethod
-    def flat(cls, world_size: int, rank: Optional[int] = None, reason: str = "flat exchange requested") -> "Topology":
-        """A flat topology that knows nothing of nodes: every rank counts as its own node for byte accounting."""
-        return cls("flat", reason, tuple(range(world_size)), (0,) * world_size, rank)
-
     @classmethod
     def plan(
         cls,
@@ -199,7 +202,7 @@ class Topology:
         return dataclasses.replace(topology, mode=chosen, reason=reason)
 
     def _why_not_hierarchical(self) -> Optional[str]:
-        counts = [self.node_of.count(n) for n in range(self.num_nodes)]
+        counts = list(self.node_sizes)
         if self.num_nodes == 1:
             return f"all {self.world_size} ranks are on one node"
         if len(set(counts)) != 1:

@@ -645,7 +645,7 @@ def test_strategy_takes_placements_from_slurm(monkeypatch: pytest.MonkeyPatch) -
 
     def recording_build(**kwargs: Any) -> Topology:
         asked.append(kwargs)
-        return Topology.flat(1, 0)
+        return Topology.plan([(0, 0)], "flat", rank=0)
 
     monkeypatch.setattr(Topology, "build", staticmethod(recording_build))
     placements = []
