@@ -30,6 +30,7 @@ BARS = (  # row key in the results, label, colour
     ("ddp_powersgd", "DDP PowerSGD r=4 + AdamW", "tab:purple"),
     ("onebit_adam:warmup", "onebit_adam, warmup", "tab:cyan"),
     ("onebit_adam:compression", "onebit_adam, compression", "tab:blue"),
+    ("onebit_overlap:compression", "onebit_adam overlapped, compression", "tab:green"),
     ("local_2proc", "2 processes, no comm", "tab:gray"),
 )
 # method -> (warmup row, steady row): the per-step (bytes, time) of each stage of a training run
@@ -38,9 +39,10 @@ RUN_STAGES = {
     "DDP bf16 hook + AdamW": ("ddp_bf16", "ddp_bf16"),
     "DDP PowerSGD r=4 + AdamW": ("ddp_powersgd:warmup", "ddp_powersgd"),
     "onebit_adam": ("onebit_adam:warmup", "onebit_adam:compression"),
+    "onebit_adam overlapped": ("onebit_overlap:warmup", "onebit_overlap:compression"),
 }
 COLOURS = {"DDP fp32 + AdamW": "tab:red", "DDP bf16 hook + AdamW": "tab:orange",
-           "DDP PowerSGD r=4 + AdamW": "tab:purple", "onebit_adam": "tab:blue"}
+           "DDP PowerSGD r=4 + AdamW": "tab:purple", "onebit_adam": "tab:blue", "onebit_adam overlapped": "tab:green"}
 LINESTYLES = ("-", "--", ":", "-.")
 BYTE_STYLES = {"DDP PowerSGD r=4 + AdamW": "--"}  # PowerSGD and onebit_adam can nearly coincide
 
@@ -142,8 +144,9 @@ def main() -> None:
     ax.legend(fontsize=6)
 
     params = f"{model['params'] / 1e6:.1f}M params, " if model else ""
-    fig.suptitle(f"slow_link: BERT {cfg['layers']} layers / hidden {cfg['hidden']} ({params}batch {cfg['batch']} x seq "
-                 f"{cfg['seq']} per rank), 2 gloo CPU ranks, 1 thread each, tbf-shaped loopback (aggregate rate); "
+    preset = f"{cfg['model']} preset, " if "model" in cfg else ""  # runs before the --model option have none
+    fig.suptitle(f"slow_link: BERT {cfg['layers']} layers / hidden {cfg['hidden']} ({preset}{params}batch "
+                 f"{cfg['batch']} x seq {cfg['seq']} per rank), 2 gloo CPU ranks, 1 thread each, tbf-shaped loopback (aggregate rate); "
                  f"preliminary timings on a shared 2-core machine", fontsize=10)
     fig.tight_layout()
     args.output.parent.mkdir(exist_ok=True)

@@ -104,9 +104,25 @@ _SLOW_LINK_ROWS = (
     ("ddp_powersgd", "DDP + PowerSGD rank 4 + AdamW"),
     ("onebit_adam:warmup", "onebit_adam, warmup"),
     ("onebit_adam:compression", "**onebit_adam, compression stage**"),
+    ("onebit_overlap:warmup", "onebit_adam overlapped with backward, warmup"),
+    ("onebit_overlap:compression", "**onebit_adam overlapped with backward, compression stage**"),
     ("local_2proc", "2 processes, no communication"),
     ("floor", "compute floor (1 process, no communication)"),
 )
+
+
+def _ratio(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _goal_line(rate: str, goal: dict[str, Any]) -> str:
+    """One goal of a slow_link run. Goals that carry their ``rate`` (newer runs) are judged only at that rate; at
+    other rates their value is shown for reference."""
+    if goal.get("met") is None and "rate" in goal:
+        verdict = f"reference (the goal is set at {goal['rate']})"
+    else:
+        verdict = "met" if goal["met"] else "**not met**"
+    return f"- {rate}: {goal['goal']} = **{goal['value']:.2f}** (goal {goal['target']}): {verdict}"
 
 
 def slow_link_table(name: str = "slow_link") -> str:
@@ -125,21 +141,67 @@ def slow_link_table(name: str = "slow_link") -> str:
         row = [label, f"{int(first['bytes_per_step']):,}"]
         for rate in rates:
             r = data["rates"][rate]["rows"][key]
-            row += [_s(r["step_s"]), f"{r['ratio_to_onebit_compression']:.2f}x"]
+            row += [_s(r["step_s"]), _ratio(r["ratio_to_onebit_compression"])]
         rows.append(row)
     params = model.get("params")
     described = f"{params / 1e6:.1f}M parameters, " if params else ""
     intro = (f"BERT {cfg['layers']} layers / hidden {cfg['hidden']} ({described}batch {cfg['batch']} x sequence "
              f"{cfg['seq']} per rank), {data['environment']['world_size']} ranks, median of {cfg['steps']} steps "
              f"(slower rank) after {cfg['warmup_steps']} warmup steps:\n\n")
-    goals = []
-    for rate in rates:
-        for g in data["rates"][rate]["goals"]:
-            verdict = "met" if g["met"] else "**not met**"
-            goals.append(f"- {rate}: {g['goal']} = **{g['value']:.2f}** (goal {g['target']}): {verdict}")
+    goals = [_goal_line(rate, g) for rate in rates for g in data["rates"][rate]["goals"]]
+    if all("rate" in g for rate in rates for g in data["rates"][rate]["goals"]):  # newer runs: goals carry their rate
+        return (intro + _table(header, rows) + "\n\nGoals (each judged at the link rate its issue sets):\n\n"
+                + "\n".join(goals))
     others = [rate for rate in rates if rate != "1gbit"]
     scope = f"; {', '.join(others)} shown for reference" if others else ""
     return intro + _table(header, rows) + f"\n\nGoals (defined at 1 Gbit/s{scope}):\n\n" + "\n".join(goals)
+
+
+_OVERLAP_RUNS = ("slow_link_overlap_minilm", "slow_link_overlap_deep")
+
+
+def overlap_table(names: tuple[str, ...] = _OVERLAP_RUNS) -> str:
+    """Issue 13 (the compressed momentum exchange overlapped with backward): per model preset, from
+    ``slow_link.py --model PRESET --name slow_link_overlap_PRESET`` runs, step time against the 2-process
+    no-communication row, bytes, and the exchange time left exposed after backward (and spent in the DDP hooks)."""
+    parts = []
+    for name in names:
+        if not (RESULTS / f"{name}.json").exists():
+            continue
+        data = _load(name)
+        cfg, model = data["config"], data["model"]
+        preset = cfg.get("model", "minilm") + ("" if cfg.get("model_is_preset", True) else ", modified")
+        parts.append(
+            f"**{preset}**: BERT {cfg['layers']} layers / hidden {cfg['hidden']} / vocabulary {cfg['vocab']} "
+            f"({model['params'] / 1e6:.1f}M parameters, embeddings {model['embedding_share']:.0%}; batch "
+            f"{cfg['batch']} x sequence {cfg['seq']} per rank), {data['environment']['world_size']} ranks, median of "
+            f"{cfg['steps']} steps (slower rank) after {cfg['warmup_steps']} warmup steps. DDP's "
+            f"{len(model['ddp_buckets']['elements'])} gradient buckets: the last holds "
+            f"{model['last_bucket_share']:.1%} of the gradient elements, {model['outside_last_bucket_share']:.1%} "
+            "lie outside it.")
+        for rate, run in data["rates"].items():
+            rows = []
+            for key, label in _SLOW_LINK_ROWS:
+                r = run["rows"].get(key)
+                if r is None:
+                    continue
+                ms = lambda field: "-" if r.get(field) is None else f"{r[field]:.1f}"  # noqa: E731
+                rows.append([label, _s(r["step_s"]), _ratio(r.get("ratio_to_local_2proc")),
+                             f"{int(r['bytes_per_step']):,}", ms("exposed_ms_per_step"), ms("hook_ms_per_step")])
+            header = ["method", f"{rate} step", "vs 2 processes", "bytes per rank per step", "exposed ms per step",
+                      "hook ms per step"]
+            parts.append(_table(header, rows))
+            lines = []
+            exposed = run.get("exposed_reduction")
+            if exposed:
+                lines.append(f"- {rate}: exposed exchange per step {exposed['onebit_adam_ms']:.1f} ms (onebit_adam) "
+                             f"-> {exposed['onebit_overlap_ms']:.1f} ms (overlapped): reduction "
+                             f"**{exposed['reduction']:.2f}**, share outside DDP's last bucket "
+                             f"{exposed['outside_last_bucket_share']:.2f}")
+            lines += [_goal_line(rate, g) for g in run["goals"]]
+            if lines:
+                parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def bucket_sweep_table() -> str:
@@ -363,6 +425,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "slow_link": slow_link_table,
     "slow_link_batch8": lambda: slow_link_table("slow_link_batch8"),
     "bucket_sweep": bucket_sweep_table,
+    "overlap": overlap_table,
     "memory": memory_table,
     "bert_parity": parity_table,
     "multinode": multinode_table,
@@ -372,11 +435,18 @@ SECTIONS: dict[str, Callable[[], str]] = {
 }
 
 
+# Sections whose results files are not measured yet: the README has no block for them until one of the files exists.
+AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS}
+
+
 def render(readme: str) -> str:
     """``readme`` with every marked section replaced by its rendering from results/."""
     for name, build in SECTIONS.items():
         pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
         if not pattern.search(readme):
+            awaiting = AWAITING_RESULTS.get(name, ())
+            if awaiting and not any((RESULTS / f"{n}.json").exists() for n in awaiting):
+                continue  # nothing measured yet, nothing to render
             raise SystemExit(f"README.md has no <!-- results:{name} --> ... <!-- /results:{name} --> block")
         body = build()
         readme = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), readme)

@@ -18,7 +18,12 @@ from lightning_onebit.comm import (
     compressed_allreduce_buckets_,
     ring_allreduce_bytes,
 )
-from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.gradient_sync import (
+    GradientSyncState,
+    OverlapState,
+    overlapped_exchange_hook,
+    switchable_allreduce_hook,
+)
 from lightning_onebit.optim import OnebitAdam, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.strategy import OnebitAdamStrategy
@@ -40,6 +45,7 @@ __all__ = [
     "OnebitAdam",
     "OnebitAdamStrategy",
     "OnebitStage",
+    "OverlapState",
     "RankSyncedGradScaler",
     "ReplicaCheck",
     "Topology",
@@ -48,6 +54,7 @@ __all__ = [
     "bytes_leaving_node",
     "compressed_allreduce_",
     "compressed_allreduce_buckets_",
+    "overlapped_exchange_hook",
     "ring_allreduce_bytes",
     "switchable_allreduce_hook",
 ]

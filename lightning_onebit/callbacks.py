@@ -362,6 +362,11 @@ class CommunicationMonitor(Callback):
     * ``comm/bytes_sent_total``: cumulative since the start of ``fit``
     * ``comm/time_ms``: time in communication calls (compressed allreduce including its compression kernels; for
       the warmup allreduce, launch-to-completion, which overlaps the backward pass)
+    * ``comm/exposed_ms``: compression stage, time ``optimizer.step`` spent on the momentum exchange after backward
+      (waiting on the link, decoding, and all of it for buckets not started during backward): the exchange time the
+      step could not hide. Without overlap this is the whole exchange.
+    * ``comm/hook_ms``: compression stage, time spent during backward in DDP's hooks folding, compressing and launching
+      the overlapped exchange (0 without overlap). On CPU it runs on the backward thread; on CUDA on a side stream.
     * ``comm/stage``: 0 warmup, 1 compression (the stage of the step just taken)
 
     Warmup steps count DDP's gradient allreduce. Stage and compression ratio also show in the progress bar.
@@ -404,6 +409,8 @@ class CommunicationMonitor(Callback):
             "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
             "comm/bytes_sent_total": float((now - self._start).bytes_sent),
             "comm/time_ms": 1000.0 * step.time_s,
+            "comm/exposed_ms": 1000.0 * step.exposed_s,
+            "comm/hook_ms": 1000.0 * step.hook_s,
         }
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log_dict(

@@ -99,6 +99,10 @@ class CommunicationCounters:
         collectives: number of collective operations issued.
         calls: number of allreduce calls (one per bucket per step).
         time_s: wall-clock seconds spent inside the calls (compression included; host time on CUDA).
+        exposed_s: wall-clock seconds the optimizer step spent on the exchange after backward (starting buckets that
+            were not started during backward, waiting, decoding): the exchange time *not* hidden behind backward.
+        hook_s: wall-clock seconds spent during backward, inside DDP's hooks, folding gradients into momenta,
+            compressing and launching (the overlapped exchange; 0 without it).
     """
 
     bytes_sent: int = 0
@@ -109,6 +113,8 @@ class CommunicationCounters:
     collectives: int = 0
     calls: int = 0
     time_s: float = 0.0
+    exposed_s: float = 0.0
+    hook_s: float = 0.0
 
     def snapshot(self) -> "CommunicationCounters":
         return dataclasses.replace(self)
@@ -262,6 +268,46 @@ class CompressedAllreduceState:
         # Scratch memory for the kernels, shared by all buckets (they are reduced one after another): it is sized
         # for the largest bucket instead of growing with their number.
         self.workspace = kernels.Workspace()
+        # second-phase groups of create_gather_groups(), valid for the (process_group, topology) they were made for
+        self._gather_groups: Optional[tuple[Any, Any, Any, Any]] = None
+
+    # ------------------------------------------------------------------ second-phase groups
+    def create_gather_groups(self) -> None:
+        """Create process groups of their own for the second phase of the exchange (the ``all_gather`` calls).
+
+        Needed by :func:`progress_exchanges_`, which launches a bucket's ``all_gather`` as soon as its ``all_to_all``
+        has completed on this rank, possibly between the ``all_to_all`` calls of later buckets: in separate groups each
+        group still sees its collectives in one fixed order on every rank. Flat: a copy of ``process_group``;
+        hierarchical: copies of the intra- and inter-node groups (:meth:`Topology.with_new_groups`). A collective over
+        WORLD: every rank calls it, in the same order relative to other group creations. Valid until
+        ``process_group`` or ``topology`` change (then the exchange falls back to the phase-1 groups).
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        topology = self.topology
+        if topology is not None and topology.is_hierarchical:
+            copy = topology.with_new_groups(self.process_group)
+            inter, intra = copy.inter_group, copy.intra_group
+        else:
+            ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
+            inter, intra = dist.new_group(ranks), None
+        self._gather_groups = (self.process_group, topology, inter, intra)
+
+    @property
+    def has_gather_groups(self) -> bool:
+        """Whether the second phase runs in groups of its own (:meth:`create_gather_groups`, still valid)."""
+        made = self._gather_groups
+        return made is not None and made[0] is self.process_group and made[1] is self.topology
+
+    def gather_groups(self) -> tuple[Any, Any]:
+        """``(group of the all_gather between servers, intra-node group of the hierarchical node gather)``: the
+        groups of :meth:`create_gather_groups` when valid, else the phase-1 groups."""
+        if self.has_gather_groups:
+            return self._gather_groups[2], self._gather_groups[3]
+        topology = self.topology
+        if topology is not None and topology.is_hierarchical:
+            return topology.inter_group, topology.intra_group
+        return self.process_group, None
 
     @property
     def ranks_per_node(self) -> int:
@@ -439,17 +485,23 @@ def compressed_allreduce_buckets_(
 ) -> None:
     """:func:`compressed_allreduce_` of several buckets, pipelined: one bucket's transfer overlaps another's compression.
 
-    Every collective is asynchronous. Flat exchange: all buckets are compressed and their ``all_to_all`` launched
-    first (the transfer of bucket ``k`` runs while bucket ``k + 1`` is compressed); then, bucket by bucket, the server
-    phase waits for its ``all_to_all`` and launches its ``all_gather``; finally each bucket waits for its
-    ``all_gather`` and decodes. Still two collectives per bucket, issued in the same order on every rank. With a
-    hierarchical ``state.topology`` see :func:`_hierarchical_buckets_`. All arguments are checked before the first
-    collective, so a bad bucket raises on every rank instead of leaving the others waiting.
+    :func:`start_exchange_` for every bucket (the transfer of bucket ``k`` runs while bucket ``k + 1`` is compressed),
+    then :func:`finish_exchanges_`. Still two collectives per bucket (four hierarchical), issued in the same order on
+    every rank. All arguments are checked before the first collective, so a bad bucket raises on every rank instead of
+    leaving the others waiting.
 
     Args:
         state: as for :func:`compressed_allreduce_`.
         buckets: ``(key, buffer, layout)`` triples, each as for :func:`compressed_allreduce_`; keys must differ.
     """
+    check_buckets(state, buckets)
+    pending = [start_exchange_(state, key, buffer, layout, checked=True) for key, buffer, layout in buckets]
+    finish_exchanges_(state, pending)
+
+
+def check_buckets(state: CompressedAllreduceState, buckets: Sequence[tuple[Hashable, torch.Tensor, BucketLayout]]) -> None:
+    """Raise ``ValueError`` unless every ``(key, buffer, layout)`` fits ``state``'s process group and topology and the
+    keys differ. Local (no communication): call it on every rank before the first collective."""
     world_size = state.world_size()
     topology = state.topology
     if topology is not None and topology.world_size != world_size:
@@ -470,29 +522,160 @@ def compressed_allreduce_buckets_(
             )
         if not buffer.is_floating_point():
             raise ValueError(f"buffer must be floating point, got {buffer.dtype}")
-    if world_size == 1 or not buckets:
-        return
 
+
+# Phases of a PendingExchange. Flat: ALL_TO_ALL -> GATHER -> DONE. Hierarchical: ALL_TO_ALL (inter-node) -> GATHER
+# (inter-node) -> NODE_GATHER (intra-node) -> DONE.
+_ALL_TO_ALL, _GATHER, _NODE_GATHER, _DONE = 1, 2, 3, 4
+
+
+class PendingExchange:
+    """One bucket's compressed allreduce in flight, from :func:`start_exchange_` to :func:`finish_exchanges_`.
+
+    Attributes:
+        key, buffer, layout: as passed to :func:`start_exchange_`; ``buffer`` holds the average once done.
+        done: whether the average has been written into ``buffer``.
+    """
+
+    __slots__ = ("key", "buffer", "layout", "buffers", "work", "phase", "hierarchical")
+
+    def __init__(self, key: Hashable, buffer: torch.Tensor, layout: BucketLayout) -> None:
+        self.key, self.buffer, self.layout = key, buffer, layout
+        self.buffers: Optional[_BucketBuffers] = None
+        self.work: Optional[dist.Work] = None  # the collective in flight
+        self.phase = _DONE
+        self.hierarchical = False
+
+    @property
+    def done(self) -> bool:
+        return self.phase == _DONE
+
+
+def start_exchange_(
+    state: CompressedAllreduceState, key: Hashable, buffer: torch.Tensor, layout: BucketLayout, checked: bool = False
+) -> PendingExchange:
+    """Start the compressed allreduce of one bucket: compress it and launch its first collective asynchronously.
+
+    Flat: worker compression of ``buffer + e_w`` into ``P`` wire blocks and an ``all_to_all`` in
+    ``state.process_group``. Hierarchical: the intra-node reduce-scatter (synchronous, full precision), compression of
+    the node's shard and the ``all_to_all`` in the inter-node group. Every rank must start the same buckets in the same
+    order; :func:`finish_exchanges_` completes them. ``buffer`` must not be changed until then.
+
+    Args:
+        state, key, buffer, layout: as for :func:`compressed_allreduce_`.
+        checked: the caller already ran :func:`check_buckets` on this bucket (skips the check).
+
+    Returns:
+        The :class:`PendingExchange`, for :func:`progress_exchanges_` and :func:`finish_exchanges_`.
+    """
+    if not checked:
+        check_buckets(state, [(key, buffer, layout)])
+    pending = PendingExchange(key, buffer, layout)
+    if state.world_size() == 1:
+        return pending  # the mean over one rank: nothing to do
     started = time.perf_counter()
-    bucket_buffers = [state.buffers(key, layout, buffer) for key, buffer, layout in buckets]
-    triples = [(buffer, layout, bufs) for (_, buffer, layout), bufs in zip(buckets, bucket_buffers)]
-    if state.ranks_per_node > 1:
-        _hierarchical_buckets_(state, triples)
+    bufs = pending.buffers = state.buffers(key, layout, buffer)
+    pending.hierarchical = state.ranks_per_node > 1
+    backend, workspace = state.backend, state.workspace
+    if pending.hierarchical:
+        topology = state.topology
+        assert topology is not None and topology.intra_group is not None and topology.inter_group is not None, (
+            "a hierarchical Topology needs its process groups: build it with Topology.build"
+        )
+        per_node, nodes = topology.ranks_per_node, topology.num_nodes
+        local = topology.local_index
+        # intra-node reduce-scatter: all_to_all of the L shards, then a sum in local-rank order and a division by L
+        # (gloo has no AVG, and a fixed order gives the same bits as a single-process reference)
+        shard = layout.padded_numel // per_node
+        received = workspace.get("intra_reduce_scatter", layout.padded_numel, buffer.dtype, buffer.device)
+        dist.all_to_all_single(received, buffer, group=topology.intra_group)
+        node_mean = received[:shard]
+        for j in range(1, per_node):
+            node_mean.add_(received[j * shard : (j + 1) * shard])
+        node_mean.div_(per_node)
+        own_chunks = range(local * nodes, (local + 1) * nodes)
+        _compress_chunks(node_mean, bufs.worker_error, bufs.send, layout, own_chunks, backend, workspace)
+        pending.work = dist.all_to_all_single(bufs.recv, bufs.send, group=topology.inter_group, async_op=True)
     else:
-        _flat_buckets_(state, triples)
+        _compress_chunks(buffer, bufs.worker_error, bufs.send, layout, range(state.world_size()), backend, workspace)
+        pending.work = dist.all_to_all_single(bufs.recv, bufs.send, group=state.process_group, async_op=True)
+    pending.phase = _ALL_TO_ALL
+    _count_call(state, layout, buffer)
+    state.counters.time_s += time.perf_counter() - started
+    return pending
 
+
+def progress_exchanges_(state: CompressedAllreduceState, pending: Sequence[PendingExchange]) -> None:
+    """Advance, without blocking, the exchanges whose collective has completed: serve and launch the next collective,
+    in start order (an exchange never overtakes an earlier one, so every group sees its collectives in the same order
+    on every rank). Decoding is left to :func:`finish_exchanges_`.
+
+    Needs the second phase in process groups of its own (:meth:`CompressedAllreduceState.create_gather_groups`):
+    otherwise a rank whose transfer finished early would put an ``all_gather`` between two ``all_to_all`` of the same
+    group that another rank issues the other way round. Without them this does nothing.
+    """
+    if not state.has_gather_groups or not pending:
+        return
+    started = time.perf_counter()
+    last = _NODE_GATHER if pending[0].hierarchical else _GATHER
+    for phase in range(_ALL_TO_ALL, last):  # launches only; the final phase (decode) stays in finish_exchanges_
+        for p in pending:
+            if p.phase > phase:
+                continue
+            if p.phase < phase or not p.work.is_completed():
+                break
+            _advance(state, p)
+    state.counters.time_s += time.perf_counter() - started
+
+
+def finish_exchanges_(state: CompressedAllreduceState, pending: Sequence[PendingExchange]) -> None:
+    """Complete the exchanges (waiting where needed) and write each average into its buffer, in start order: first
+    every server phase and its ``all_gather``, then (hierarchical) every intra-node gather, then every decode."""
+    if all(p.done for p in pending):
+        return
+    started = time.perf_counter()
+    for phase in (_ALL_TO_ALL, _GATHER, _NODE_GATHER):
+        for p in pending:
+            if p.phase == phase:
+                _advance(state, p)
+    state.counters.time_s += time.perf_counter() - started
+
+
+def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
+    """Wait for ``p``'s collective and run its next phase."""
+    bufs, layout = p.buffers, p.layout
+    assert bufs is not None and p.work is not None
+    p.work.wait()
+    backend, workspace = state.backend, state.workspace
+    inter_gather_group, intra_gather_group = state.gather_groups()
+    if p.phase == _ALL_TO_ALL:
+        if p.hierarchical:
+            topology = state.topology
+            chunk = topology.local_index * topology.num_nodes + topology.inter_index
+            sources = topology.num_nodes
+        else:
+            chunk, sources = state.rank(), state.world_size()
+        _serve_chunk(bufs, layout, layout.chunk_segments[chunk], sources, backend, workspace)
+        p.work, p.phase = _all_gather(bufs.gather_recv, bufs.gather_send, inter_gather_group), _GATHER
+    elif p.phase == _GATHER and p.hierarchical:
+        # every server block of the bucket, gathered packed inside the node (32x fewer bytes than the decoded shard)
+        p.work, p.phase = _all_gather(bufs.node_gather_recv, bufs.gather_recv, intra_gather_group), _NODE_GATHER
+    else:
+        _decode_all(p.buffer, bufs.gather_recv if not p.hierarchical else bufs.node_gather_recv, layout, backend,
+                    workspace)
+        p.work, p.phase = None, _DONE
+
+
+def _count_call(state: CompressedAllreduceState, layout: BucketLayout, buffer: torch.Tensor) -> None:
     counters = state.counters
-    rank = state.rank()
-    for buffer, layout, _ in triples:
-        intra, inter = _bytes_sent(layout, buffer.element_size(), topology, rank)
-        counters.bytes_sent += intra + inter
-        counters.bytes_received += intra + inter
-        counters.bytes_sent_intra_node += intra
-        counters.bytes_sent_inter_node += inter
-        counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
-        counters.collectives += 4 if state.ranks_per_node > 1 else 2
-        counters.calls += 1
-    counters.time_s += time.perf_counter() - started
+    intra, inter = _bytes_sent(layout, buffer.element_size(), state.topology, state.rank())
+    counters.bytes_sent += intra + inter
+    counters.bytes_received += intra + inter
+    counters.bytes_sent_intra_node += intra
+    counters.bytes_sent_inter_node += inter
+    counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
+    counters.collectives += 4 if state.ranks_per_node > 1 else 2
+    counters.calls += 1
 
 
 def _bytes_sent(layout: BucketLayout, element_size: int, topology: Optional[Topology], rank: int) -> tuple[int, int]:
@@ -518,85 +701,6 @@ def _bytes_sent(layout: BucketLayout, element_size: int, topology: Optional[Topo
     else:
         inter += (world_size - 1) * block
     return intra, inter
-
-
-_Triple = tuple[torch.Tensor, BucketLayout, _BucketBuffers]
-
-
-def _flat_buckets_(state: CompressedAllreduceState, buckets: Sequence[_Triple]) -> None:
-    """The two-phase exchange among all ``P`` ranks of ``state.process_group``."""
-    group, backend, workspace = state.process_group, state.backend, state.workspace
-    rank, world_size = state.rank(), state.world_size()
-
-    # Phase 1 (worker): compress x + e_w; chunk r's signs and scales go to rank r.
-    exchanges = []
-    for buffer, layout, bufs in buckets:
-        _compress_chunks(buffer, bufs.worker_error, bufs.send, layout, range(world_size), backend, workspace)
-        exchanges.append(dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True))
-
-    # Phase 2 (server of chunk `rank`); every rank then rebuilds the full result from all servers' chunks.
-    gathers = []
-    for (_, layout, bufs), exchange in zip(buckets, exchanges):
-        exchange.wait()
-        _serve_chunk(bufs, layout, layout.chunk_segments[rank], world_size, backend, workspace)
-        gathers.append(_all_gather(bufs.gather_recv, bufs.gather_send, group))
-    for (buffer, layout, bufs), gather in zip(buckets, gathers):
-        gather.wait()
-        _decode_all(buffer, bufs.gather_recv, layout, backend, workspace)
-
-
-def _hierarchical_buckets_(state: CompressedAllreduceState, buckets: Sequence[_Triple]) -> None:
-    """The topology-aware exchange over ``M`` nodes of ``L`` ranks (REFERENCE.md section 7).
-
-    The buffer's ``P`` chunks of ``c = N_pad / P`` elements are grouped in ``L`` shards of ``M`` chunks: shard ``l``
-    holds chunks ``l M .. l M + M - 1``. Rank ``(n, l)`` (intra-node rank ``l``, inter-node rank ``n``):
-
-    1. Intra-node reduce-scatter in the buffer's dtype (an ``all_to_all`` of the shards, then a sum in local-rank
-       order and a division by ``L``: gloo has no ``AVG``, and a fixed order gives the same bits as a reference): it
-       holds its node's mean of shard ``l``.
-    2. The flat two-phase 1-bit exchange of that shard inside its inter-node group, with worker error ``N_pad / L``
-       and server error ``c`` elements: it serves chunk ``l M + n``.
-    3. Intra-node ``all_gather`` of the ``M`` packed server blocks it received in step 2 (32x fewer bytes than
-       gathering the decoded shard), so every rank holds all ``P`` server blocks and decodes them. Identical bytes
-       decode to identical bits on every rank.
-
-    Four collectives per bucket, each group seeing its own in the same order on every rank. The next bucket's
-    intra-node reduce-scatter runs while this bucket's inter-node transfer is in flight.
-    """
-    topology = state.topology
-    assert topology is not None and topology.intra_group is not None and topology.inter_group is not None, (
-        "a hierarchical Topology needs its process groups: build it with Topology.build"
-    )
-    intra, inter = topology.intra_group, topology.inter_group
-    backend, workspace = state.backend, state.workspace
-    per_node, nodes = topology.ranks_per_node, topology.num_nodes
-    local, node = dist.get_rank(intra), dist.get_rank(inter)
-
-    exchanges = []
-    for buffer, layout, bufs in buckets:
-        shard = layout.padded_numel // per_node
-        received = workspace.get("intra_reduce_scatter", layout.padded_numel, buffer.dtype, buffer.device)
-        dist.all_to_all_single(received, buffer, group=intra)
-        node_mean = received[:shard]
-        for j in range(1, per_node):
-            node_mean.add_(received[j * shard : (j + 1) * shard])
-        node_mean.div_(per_node)
-        own_chunks = range(local * nodes, (local + 1) * nodes)
-        _compress_chunks(node_mean, bufs.worker_error, bufs.send, layout, own_chunks, backend, workspace)
-        exchanges.append(dist.all_to_all_single(bufs.recv, bufs.send, group=inter, async_op=True))
-
-    gathers = []
-    for (_, layout, bufs), exchange in zip(buckets, exchanges):
-        exchange.wait()
-        _serve_chunk(bufs, layout, layout.chunk_segments[local * nodes + node], nodes, backend, workspace)
-        gathers.append(_all_gather(bufs.gather_recv, bufs.gather_send, inter))
-    node_gathers = []
-    for (_, _, bufs), gather in zip(buckets, gathers):
-        gather.wait()
-        node_gathers.append(_all_gather(bufs.node_gather_recv, bufs.gather_recv, intra))
-    for (buffer, layout, bufs), gather in zip(buckets, node_gathers):
-        gather.wait()
-        _decode_all(buffer, bufs.node_gather_recv, layout, backend, workspace)
 
 
 def _compress_chunks(

@@ -12,13 +12,16 @@ Used by :class:`lightning_onebit.OnebitAdamStrategy`, and usable with plain DDP:
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import CommunicationCounters, ring_allreduce_bytes
 from lightning_onebit.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_onebit.optim import OnebitAdam
 
 
 class GradientSyncState:
@@ -83,3 +86,125 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
         return done.value()[0]
 
     return future.then(finish)
+
+
+class OverlapState:
+    """State of :func:`overlapped_exchange_hook`: 1-bit Adam's exchange started bucket by bucket during backward.
+
+    DDP calls a communication hook for each gradient bucket as soon as all its gradients are ready, in bucket order on
+    every rank. In the compression stage the hook folds the bucket's local gradients into the matching momentum
+    bucket (the optimizer lays its momenta out like DDP's buckets, :meth:`OnebitAdam.set_bucket_plan`), compresses it
+    with error feedback and launches its first collective, all from the hook body; it also launches the second phase
+    of earlier buckets whose first phase has arrived, in a process group of its own. ``optimizer.step()`` then only
+    finishes the exchanges, decodes and applies, with exactly the bits of the non-overlapped path. Warmup is DDP's
+    allreduce, as with :func:`switchable_allreduce_hook`.
+
+    Overlap starts once DDP's buckets are final (:attr:`ddp_buckets_final`: after DDP's first iteration, or two with
+    ``static_graph``), from the second compressed step on (the first one lays the momenta out); until then, and for any bucket the momentum layout
+    does not match, the hook leaves the gradients local and ``step`` does everything, as without overlap. Gradients
+    are consumed as backward produces them: clipping by value can run in the hook (``clip_value``), but anything
+    that changes gradients after backward (clipping by norm, a GradScaler's unscale and skip, a second backward pass
+    before ``step``) cannot, so use :func:`switchable_allreduce_hook` there (the Lightning strategy decides this).
+
+    Creating the state is a collective (it creates the second-phase process groups): every rank calls it. Usage::
+
+        state = OverlapState(ddp_model, optimizer)
+        ddp_model.register_comm_hook(state, overlapped_exchange_hook)
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    Args:
+        ddp: the ``DistributedDataParallel`` module the hook is registered on (its bucket rebuild is read from its
+            private ``_has_rebuilt_buckets``, as torch's ZeRO hook does, see :attr:`ddp_buckets_final`).
+        optimizer: the :class:`~lightning_onebit.OnebitAdam` training ``ddp``'s parameters, over ``ddp``'s process
+            group (set here).
+        clip_value: clip each gradient element to ``[-clip_value, clip_value]`` before folding it (Lightning's
+            ``gradient_clip_algorithm="value"``); ``None`` (default): no clipping.
+        enabled: start exchanges in the hook; ``False`` makes this :func:`switchable_allreduce_hook` with the bucket
+            plan still recorded (the momenta laid out like DDP's buckets). Can be switched between steps.
+        gradient_sync: the :class:`GradientSyncState` of the warmup allreduce (its counters); default: a new one.
+
+    Attributes:
+        buckets_started: gradient buckets whose exchange the hook started (cumulative).
+    """
+
+    def __init__(
+        self,
+        ddp: "torch.nn.parallel.DistributedDataParallel",
+        optimizer: "OnebitAdam",
+        clip_value: Optional[float] = None,
+        enabled: bool = True,
+        gradient_sync: Optional[GradientSyncState] = None,
+    ) -> None:
+        missing = [a for a in ("_has_rebuilt_buckets", "find_unused_parameters", "static_graph") if not hasattr(ddp, a)]
+        if missing:
+            raise RuntimeError(
+                f"this torch's DistributedDataParallel has no {', '.join(missing)} attribute(s), which the overlapped "
+                "exchange reads to know when DDP's gradient buckets are final; turn overlap off"
+            )
+        if clip_value is not None and (isinstance(clip_value, bool) or not isinstance(clip_value, (int, float))
+                                       or not clip_value >= 0):
+            raise ValueError(f"clip_value must be a number >= 0 or None, got {clip_value!r}")
+        optimizer.process_group = ddp.process_group
+        self.gradient_sync = gradient_sync or GradientSyncState(topology=optimizer.topology)
+        self.gradient_sync.process_group = ddp.process_group
+        self.gradient_sync.sync_predicate = lambda: optimizer.needs_gradient_allreduce
+        self.ddp = ddp
+        self.optimizer = optimizer
+        self.clip_value = clip_value
+        self.enabled = enabled
+        self.buckets_started = 0
+        self._observed: list[list[torch.Tensor]] = []
+        if enabled and not optimizer.compression.has_gather_groups:
+            optimizer.compression.create_gather_groups()
+
+    @property
+    def counters(self) -> CommunicationCounters:
+        """The warmup allreduces' counters (``gradient_sync.counters``); the compressed exchange counts in
+        ``optimizer.communication``."""
+        return self.gradient_sync.counters
+
+    @property
+    def ddp_buckets_final(self) -> bool:
+        """Whether DDP's gradient buckets have their final layout. DDP rebuilds them once, in gradient-ready order,
+        in the forward after its first backward (second with ``static_graph``); with ``find_unused_parameters`` and
+        no ``static_graph`` it never rebuilds, so the buckets it was built with are final."""
+        ddp = self.ddp
+        return bool(ddp._has_rebuilt_buckets) or (ddp.find_unused_parameters and not ddp.static_graph)
+
+    def _observe(self, bucket: dist.GradBucket) -> None:
+        """Record DDP's final bucket layout; at the last bucket, hand it to the optimizer as its momentum plan."""
+        if not self.ddp_buckets_final:
+            return
+        index = bucket.index()
+        if index == 0:
+            self._observed = []
+        if index != len(self._observed):  # a hook was skipped: do not trust this pass's record
+            self._observed = []
+            return
+        self._observed.append(bucket.parameters())
+        if bucket.is_last():
+            self.optimizer.set_bucket_plan(self._observed)
+
+
+def overlapped_exchange_hook(state: OverlapState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: warmup allreduce, then 1-bit Adam's compressed exchange started per bucket during backward.
+
+    See :class:`OverlapState`. In the compression stage the returned future holds the local gradients (DDP's
+    allreduce is off), as with :func:`switchable_allreduce_hook`.
+    """
+    if state.gradient_sync.sync_predicate():
+        state._observe(bucket)
+        return switchable_allreduce_hook(state.gradient_sync, bucket)
+    started = False
+    if state.enabled and state.ddp_buckets_final:
+        started = state.optimizer.start_bucket_exchange_(
+            bucket.index(), bucket.parameters(), bucket.gradients(), clip_value=state.clip_value
+        )
+        state.buckets_started += started
+    if not started:
+        state.optimizer.progress_exchanges()
+    state._observe(bucket)
+    state.gradient_sync.skipped_buckets += 1
+    local = torch.futures.Future()
+    local.set_result(bucket.buffer())
+    return local

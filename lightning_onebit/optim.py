@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
 import numbers
+import time
 import warnings
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -18,8 +20,12 @@ from lightning_onebit.comm import (
     BucketLayout,
     CommunicationCounters,
     CompressedAllreduceState,
+    PendingExchange,
     agree_kernel_backend,
-    compressed_allreduce_buckets_,
+    check_buckets,
+    finish_exchanges_,
+    progress_exchanges_,
+    start_exchange_,
 )
 from lightning_onebit.kernels import Backend
 from lightning_onebit.topology import Topology
@@ -37,13 +43,25 @@ class OnebitStage(str, enum.Enum):
 
 
 class _Bucket:
-    """A flat, zero-padded momentum buffer; the momenta of its parameters are views into it."""
+    """A flat, zero-padded momentum buffer; the momenta of its parameters are views into it.
 
-    def __init__(self, key: int, params: list[torch.Tensor], layout: BucketLayout, flat: torch.Tensor) -> None:
+    ``fold_groups`` lists, per distinct ``beta1`` among its parameters' param groups, ``(1 - beta1, indices into
+    params)``: how a gradient is folded into these momenta (``m = lerp(m, g, 1 - beta1)``).
+    """
+
+    def __init__(
+        self,
+        key: int,
+        params: list[torch.Tensor],
+        layout: BucketLayout,
+        flat: torch.Tensor,
+        fold_groups: list[tuple[float, list[int]]],
+    ) -> None:
         self.key = key
         self.params = params
         self.layout = layout
         self.flat = flat
+        self.fold_groups = fold_groups
 
 
 class OnebitAdam(torch.optim.Optimizer):
@@ -180,6 +198,15 @@ class OnebitAdam(torch.optim.Optimizer):
         self._backend_agreed = False
         self._step = 0
         self._buckets: Optional[list[_Bucket]] = None
+        self._buckets_built_for: Any = None  # (plan, world size, trainable ids) the buckets were built for
+        # Momentum bucket plan (e.g. DDP's gradient buckets): bucket key -> parameters, in order. None: packed by size.
+        self._bucket_plan: Optional[list[tuple[int, list[torch.Tensor]]]] = None
+        self._deferred_plan: Optional[tuple[Any]] = None  # (plan,): set_bucket_plan while exchanges were in flight
+        self._bucket_by_key: dict[int, _Bucket] = {}
+        # exchanges started during backward (the overlapped path), in start order, finished by the next step
+        self._pending: list[PendingExchange] = []
+        self._pending_by_key: dict[int, PendingExchange] = {}
+        self._side_stream: Optional[Any] = None  # CUDA: the stream the overlapped folding and compression run on
         self._frozen_params: set[int] = set()
         self.last_dropped_error_norm: Optional[float] = None
         self.warn_dead_coordinates = warn_dead_coordinates
@@ -398,20 +425,38 @@ class OnebitAdam(torch.optim.Optimizer):
             self._report_dead_coordinates()
         if not self._backend_agreed:
             self.agree_kernel_backend()
+        pending, self._pending, self._pending_by_key = self._pending, [], {}
         buckets = self._ensure_buckets()
+        flats = {b.key: b.flat for b in buckets}
+        if any(flats.get(p.key) is not p.buffer for p in pending):
+            raise RuntimeError("OnebitAdam: the momentum buckets changed while their exchange was in flight")
+        started = time.perf_counter()
+        if self._side_stream is not None and pending:
+            torch.cuda.current_stream(pending[0].buffer.device).wait_stream(self._side_stream)
+        # Fold the local gradients into the momenta of the buckets whose exchange did not start during backward.
+        # A parameter without a gradient folds a zero gradient (lerp towards 0), as the backward hook does for DDP's
+        # zero-filled bucket entries, so that both paths give the same bits.
+        in_flight = {p.key for p in pending}
+        folded = {id(q) for b in buckets if b.key in in_flight for q in b.params}
         for group in self.param_groups:
             grads, exp_avgs, decays = [], [], []
             for p in _trainable(group):
+                if id(p) in folded:
+                    continue
                 m = self.state[p]["exp_avg"]
                 (decays if p.grad is None else exp_avgs).append(m)
                 if p.grad is not None:
                     grads.append(p.grad)
-            b1 = group["betas"][0]
+            weight = 1 - group["betas"][0]
             if exp_avgs:
-                torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+                torch._foreach_lerp_(exp_avgs, grads, weight)
             if decays:
-                torch._foreach_mul_(decays, b1)
-        compressed_allreduce_buckets_(self.compression, [(b.key, b.flat, b.layout) for b in buckets])
+                torch._foreach_lerp_(decays, [m.new_zeros(()).expand_as(m) for m in decays], weight)
+        rest = [(b.key, b.flat, b.layout) for b in buckets if b.key not in in_flight]
+        check_buckets(self.compression, rest)
+        pending += [start_exchange_(self.compression, key, flat, layout, checked=True) for key, flat, layout in rest]
+        finish_exchanges_(self.compression, pending)
+        self.compression.counters.exposed_s += time.perf_counter() - started
         t, t_v = self._step, self.freeze_step
         for group in self.param_groups:
             params, exp_avgs, exp_avg_sqs = [], [], []
@@ -429,6 +474,84 @@ class OnebitAdam(torch.optim.Optimizer):
                 exp_avg_sqs.append(state["exp_avg_sq"])
             if params:
                 self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
+        if self._deferred_plan is not None:
+            (plan,), self._deferred_plan = self._deferred_plan, None
+            self._install_plan(plan)
+
+    # ------------------------------------------------------------------ overlap with backward
+    def start_bucket_exchange_(
+        self,
+        key: int,
+        params: Sequence[torch.Tensor],
+        gradients: Sequence[torch.Tensor],
+        clip_value: Optional[float] = None,
+    ) -> bool:
+        """Fold one bucket's local gradients into its momenta and start its compressed exchange, during backward.
+
+        For a DDP communication hook (:func:`~lightning_onebit.overlapped_exchange_hook`): ``key`` is the momentum
+        bucket (see :meth:`set_bucket_plan`), ``params`` and ``gradients`` the gradient bucket's parameters and their
+        gradients, in order (``GradBucket.parameters()`` and ``gradients()``). Parameters this optimizer does not
+        train are skipped. ``clip_value``: first clamp the gradients to ``[-clip_value, clip_value]`` in place
+        (clipping by value, elementwise, so it can happen per bucket). The next :meth:`step` then only folds the other buckets, finishes every exchange, decodes
+        and applies, with the same bits as without the hook.
+
+        Returns ``False``, doing nothing, where it cannot start: in warmup, before the first compressed step built
+        the buckets, or when bucket ``key`` does not hold exactly these parameters (the plan changed). Every rank
+        must get the same answer (true for DDP's buckets, which rank 0 decides). Raises ``RuntimeError`` if the
+        bucket's exchange was already started since the last step (a second backward pass before ``step``).
+        """
+        if self.stage is not OnebitStage.COMPRESSION or self._buckets is None or self._deferred_plan is not None:
+            return False
+        bucket = self._bucket_by_key.get(key)
+        if bucket is None:
+            return False
+        trainable = self._trainable_ids
+        chosen = [i for i, p in enumerate(params) if id(p) in trainable]
+        if len(chosen) != len(bucket.params) or any(params[i] is not q for i, q in zip(chosen, bucket.params)):
+            return False
+        if key in self._pending_by_key:
+            raise RuntimeError(
+                f"OnebitAdam: gradient bucket {key} was ready twice before optimizer.step(): a second backward pass "
+                "ran while its momentum exchange from the first was in flight. The overlapped exchange folds each "
+                "backward's gradients into the momentum at once, so it needs exactly one backward pass (with gradient "
+                "sync) per step: use no_sync() for the other micro-batches, or turn overlap off"
+            )
+        started = time.perf_counter()
+        grads = [gradients[i] for i in chosen]
+        if clip_value is not None:
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)
+        stream = None
+        if bucket.flat.is_cuda:
+            # Compress on a side stream, so that it overlaps the backward kernels still queued on the current one.
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=bucket.flat.device)
+            stream = self._side_stream
+            stream.wait_stream(torch.cuda.current_stream(bucket.flat.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for weight, indices in bucket.fold_groups:
+                torch._foreach_lerp_(
+                    [self.state[bucket.params[i]]["exp_avg"] for i in indices], [grads[i] for i in indices], weight
+                )
+            pending = start_exchange_(self.compression, bucket.key, bucket.flat, bucket.layout)
+            self._pending.append(pending)
+            self._pending_by_key[key] = pending
+            progress_exchanges_(self.compression, self._pending)
+        self.compression.counters.hook_s += time.perf_counter() - started
+        return True
+
+    def progress_exchanges(self) -> None:
+        """Advance, without blocking, the exchanges started during this backward (launch each one's second phase as
+        soon as its first has arrived). Called by the overlap hook; harmless at any time."""
+        if self._pending:
+            started = time.perf_counter()
+            progress_exchanges_(self.compression, self._pending)
+            self.compression.counters.hook_s += time.perf_counter() - started
+
+    @property
+    def exchanges_in_flight(self) -> int:
+        """Bucket exchanges started during backward and not yet finished by :meth:`step`."""
+        return len(self._pending)
 
     @staticmethod
     def _apply_update(
@@ -463,16 +586,80 @@ class OnebitAdam(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ buckets
+    def set_bucket_plan(self, buckets: Optional[Sequence[Sequence[torch.Tensor]]]) -> bool:
+        """Lay the momenta out in these buckets: bucket ``i`` holds the momenta of ``buckets[i]``'s parameters, in
+        that order, in one flat buffer exchanged by one compressed allreduce (its key is ``i``).
+
+        The overlap hook passes DDP's gradient buckets (after DDP rebuilt them), so that a gradient bucket can be
+        folded and exchanged as soon as it is ready. Parameters this optimizer does not train are skipped; trainable
+        parameters no bucket names are packed by ``bucket_cap_mb`` after them. ``None`` returns to packing everything
+        by ``bucket_cap_mb``. The plan is saved in :meth:`state_dict`, so a resumed run keeps its layout (and its
+        error feedback, which belongs to the layout).
+
+        Changing the plan during the compression stage moves the momenta into the new layout and resets the error
+        feedback (logged with the norm dropped); while exchanges are in flight the change waits for the end of the
+        next :meth:`step`. Raises ``ValueError`` if a bucket mixes devices or dtypes or names a parameter twice.
+
+        Returns whether the plan changed.
+        """
+        if buckets is None:
+            plan = None
+        else:
+            trainable = self._trainable_ids
+            plan, seen = [], set()
+            for key, params in enumerate(buckets):
+                kept = [p for p in params if id(p) in trainable]
+                if len({(p.device, p.dtype) for p in kept}) > 1:
+                    raise ValueError(f"set_bucket_plan: bucket {key} mixes devices or dtypes; a bucket is one flat buffer")
+                if any(id(p) in seen for p in kept):
+                    raise ValueError(f"set_bucket_plan: bucket {key} names a parameter that an earlier bucket holds")
+                seen.update(id(p) for p in kept)
+                if kept:
+                    plan.append((key, kept))
+        if _same_plan(plan, self._deferred_plan[0] if self._deferred_plan is not None else self._bucket_plan):
+            return False
+        if self._pending:
+            self._deferred_plan = (plan,)
+        else:
+            self._install_plan(plan)
+        return True
+
+    def _install_plan(self, plan: Optional[list[tuple[int, list[torch.Tensor]]]]) -> None:
+        if _same_plan(plan, self._bucket_plan):
+            return
+        self._bucket_plan = plan
+        if self._buckets is not None:
+            dropped = self.compression.reset_error_feedback()
+            self._buckets = None
+            log.info(
+                "OnebitAdam: momentum buckets re-laid out at step %d (%s); error feedback reset (norm %.3g dropped)",
+                self._step,
+                "new bucket plan" if plan is not None else "packed by bucket_cap_mb",
+                dropped,
+            )
+
+    @property
+    def bucket_plan(self) -> Optional[list[list[torch.Tensor]]]:
+        """The parameters of each planned momentum bucket (:meth:`set_bucket_plan`), or ``None``."""
+        return None if self._bucket_plan is None else [list(params) for _, params in self._bucket_plan]
+
+    @property
+    def _trainable_ids(self) -> set[int]:
+        return {id(p) for group in self.param_groups for p in _trainable(group)}
+
     def _ensure_buckets(self) -> list[_Bucket]:
         """Pack momenta of trainable parameters into flat padded buckets (once per layout); momenta become views."""
         world_size = self.compression.world_size()
         trainable = [p for group in self.param_groups for p in _trainable(group)]
-        if self._buckets is not None:
-            bucketed = [p for b in self._buckets for p in b.params]
-            # by identity: `==` on lists of tensors compares tensors elementwise (and raises) when they differ
-            same_params = len(bucketed) == len(trainable) and all(p is q for p, q in zip(bucketed, trainable))
-            if same_params and all(b.layout.world_size == world_size for b in self._buckets):
-                return self._buckets
+        built_for = (
+            None if self._bucket_plan is None else [(k, [id(p) for p in ps]) for k, ps in self._bucket_plan],
+            world_size,
+            [id(p) for p in trainable],
+        )
+        if self._buckets is not None and self._buckets_built_for == built_for:
+            return self._buckets
+        self._buckets_built_for = built_for
+        self._bucket_by_key: dict[int, _Bucket] = {}
         if not trainable:
             self._buckets = []
             return self._buckets
@@ -494,37 +681,60 @@ class OnebitAdam(torch.optim.Optimizer):
                 len(never_updated),
                 never_updated[:8],
             )
-        # Buckets hold one device and dtype each and are filled in parameter order up to bucket_cap_bytes.
+        runs: list[tuple[int, list[torch.Tensor]]] = []
+        planned: set[int] = set()
+        if self._bucket_plan is not None:
+            present = {id(p) for p in trainable}
+            for key, params in self._bucket_plan:
+                kept = [p for p in params if id(p) in present]
+                if kept:
+                    runs.append((key, kept))
+                    planned.update(id(p) for p in kept)
+        # The rest: one device and dtype per bucket, filled in parameter order up to bucket_cap_bytes.
+        next_key = max((key for key, _ in runs), default=-1) + 1
         groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
         filled: dict[tuple[torch.device, torch.dtype], int] = {}
         for p in trainable:
+            if id(p) in planned:
+                continue
             m = self.state[p]["exp_avg"]
             kind, nbytes = (m.device, m.dtype), m.numel() * m.element_size()
-            runs = groups.setdefault(kind, [[]])
-            if runs[-1] and filled[kind] + nbytes > self.bucket_cap_bytes:
-                runs.append([])
+            packed = groups.setdefault(kind, [[]])
+            if packed[-1] and filled[kind] + nbytes > self.bucket_cap_bytes:
+                packed.append([])
                 filled[kind] = 0
-            runs[-1].append(p)
+            packed[-1].append(p)
             filled[kind] = filled.get(kind, 0) + nbytes
+        for packed in groups.values():
+            for params in packed:
+                runs.append((next_key, params))
+                next_key += 1
+        weight_of = {id(p): 1 - group["betas"][0] for group in self.param_groups for p in _trainable(group)}
         buckets = []
-        for (device, dtype), runs in groups.items():
-            for params in runs:
-                layout = BucketLayout.build([p.numel() for p in params], world_size)
-                flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-                offset = 0
-                for p in params:
-                    view = flat[offset : offset + p.numel()].view_as(p)
-                    view.copy_(self.state[p]["exp_avg"])
-                    self.state[p]["exp_avg"] = view
-                    offset += p.numel()
-                buckets.append(_Bucket(len(buckets), params, layout, flat))
+        for key, params in runs:
+            like = self.state[params[0]]["exp_avg"]
+            layout = BucketLayout.build([p.numel() for p in params], world_size)
+            flat = torch.zeros(layout.padded_numel, dtype=like.dtype, device=like.device)
+            offset = 0
+            for p in params:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                view.copy_(self.state[p]["exp_avg"])
+                self.state[p]["exp_avg"] = view
+                offset += p.numel()
+            fold_groups: dict[float, list[int]] = {}
+            for i, p in enumerate(params):
+                fold_groups.setdefault(weight_of[id(p)], []).append(i)
+            bucket = _Bucket(key, params, layout, flat, list(fold_groups.items()))
+            buckets.append(bucket)
+            self._bucket_by_key[key] = bucket
         self._buckets = buckets
         log.info(
-            "OnebitAdam: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)",
+            "OnebitAdam: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
             self._step,
             len(trainable),
             len(buckets),
             world_size,
+            " (laid out like DDP's gradient buckets)" if self._bucket_plan is not None else "",
         )
         return buckets
 
@@ -555,12 +765,16 @@ class OnebitAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Torch's optimizer state plus ``"onebit"``: the global step and freeze step. Masks and error feedback are
-        not included (masks come from the code; error feedback is per rank, see :meth:`error_feedback_state_dict`)."""
+        """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step and the momentum bucket plan
+        (:meth:`set_bucket_plan`, as parameter indices), if any. Masks and error feedback are not included (masks come from the code; error feedback is per rank, see :meth:`error_feedback_state_dict`)."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group.pop("exp_avg_mask", None)
-        state_dict[_CHECKPOINT_KEY] = {"step": self._step, "freeze_step": self.freeze_step}
+        meta: dict[str, Any] = {"step": self._step, "freeze_step": self.freeze_step}
+        if self._bucket_plan is not None:
+            index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+            meta["bucket_plan"] = [[key, [index[id(p)] for p in params]] for key, params in self._bucket_plan]
+        state_dict[_CHECKPOINT_KEY] = meta
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -587,11 +801,25 @@ class OnebitAdam(torch.optim.Optimizer):
             steps = [int(s["step"]) for s in self.state.values() if isinstance(s, dict) and "step" in s]
             step = max(steps, default=0)
         self._step = step
+        self._bucket_plan = self._deferred_plan = None
+        if meta is not None and meta.get("bucket_plan"):
+            self._bucket_plan = self._plan_from_indices(meta["bucket_plan"])
         self._seen_nonzero, self._seen_since = {}, None  # dead-coordinate detection restarts from the loaded step
         for state in self.state.values():
             state.pop("step", None)  # AdamW's per-parameter step; OnebitAdam keeps one global step
         self._buckets = None
         self.last_dropped_error_norm = self.compression.reset_error_feedback()
+
+    def _plan_from_indices(self, saved: Any) -> Optional[list[tuple[int, list[torch.Tensor]]]]:
+        """A saved bucket plan (keys and parameter indices) mapped to this optimizer's parameters; ``None``, logged,
+        if it does not fit (the model changed): the momenta are then packed by ``bucket_cap_mb``."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        try:
+            plan = [(int(key), [params[int(i)] for i in indices]) for key, indices in saved]
+        except (TypeError, ValueError, IndexError) as err:
+            log.warning("OnebitAdam: the checkpoint's momentum bucket plan does not fit this model (%s); ignored", err)
+            return None
+        return plan
 
     def error_feedback_state_dict(self) -> dict[str, Any]:
         """This rank's compression error buffers (worker and server, per bucket). Each rank must save its own."""
@@ -629,6 +857,15 @@ class OnebitAdam(torch.optim.Optimizer):
     def reset_error_feedback(self) -> float:
         """Zero the compression error buffers; returns the L2 norm that was dropped."""
         return self.compression.reset_error_feedback()
+
+
+def _same_plan(a: Optional[list[tuple[int, list[torch.Tensor]]]], b: Optional[list[tuple[int, list[torch.Tensor]]]]) -> bool:
+    """Whether two bucket plans are the same keys and parameters (by identity), in the same order."""
+    if a is None or b is None:
+        return a is None and b is None
+    return len(a) == len(b) and all(
+        ka == kb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb)) for (ka, pa), (kb, pb) in zip(a, b)
+    )
 
 
 def _fused_adamw_supports(*tensor_lists: Sequence[torch.Tensor]) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import os
 import uuid
@@ -17,6 +18,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -25,7 +27,12 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_onebit.comm import CommunicationCounters
-from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.gradient_sync import (
+    GradientSyncState,
+    OverlapState,
+    overlapped_exchange_hook,
+    switchable_allreduce_hook,
+)
 from lightning_onebit.optim import OnebitAdam, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
@@ -43,6 +50,7 @@ PER_RANK_STATUS_KEY = "onebit_per_rank_status"
 
 
 _EXIT_HANDLER_REGISTERED = False
+_DEFAULT_BUCKET_CAP_BYTES = int(inspect.signature(OnebitAdam).parameters["bucket_cap_mb"].default * 2**20)
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -107,6 +115,15 @@ class OnebitAdamStrategy(DDPStrategy):
             nodes). ``"flat"``: every rank exchanges 1-bit momenta with every other rank.
         ranks_per_node: treat ranks ``k K .. k K + K - 1`` as node ``k`` instead of asking the cluster environment
             (for one host playing several nodes, e.g. tests and benchmarks). Default ``None``.
+        overlap: start the compressed momentum exchange during backward, bucket by bucket as DDP's gradient buckets
+            become ready (:class:`~lightning_onebit.OverlapState`), so that ``optimizer.step`` only finishes it;
+            same results, bit for bit, as without. ``"auto"`` (default): on wherever it is correct, else off with the
+            reason logged once (:attr:`overlap_fallback_reason`): clipping by norm (it needs the whole gradient;
+            clipping by value runs in the hook), a ``configure_gradient_clipping`` override, ``16-mixed`` (the
+            GradScaler decides to skip a step only after backward), ``static_graph`` with gradient accumulation,
+            manual optimization (several backward passes per step cannot be told apart in advance). ``True``: on, and
+            any of these cases is a ``ValueError`` at setup, except manual optimization, where a second backward pass
+            before ``step`` raises ``RuntimeError``. ``False``: off.
     """
 
     strategy_name = "onebit_adam"
@@ -128,7 +145,10 @@ class OnebitAdamStrategy(DDPStrategy):
         ddp_kwargs: Optional[dict[str, Any]] = None,
         topology: TopologyMode = "auto",
         ranks_per_node: Optional[int] = None,
+        overlap: Union[bool, Literal["auto"]] = "auto",
     ) -> None:
+        if overlap not in ("auto", True, False) or (overlap != "auto" and not isinstance(overlap, bool)):
+            raise ValueError(f"overlap must be 'auto', True or False, got {overlap!r}")
         if topology not in ("auto", "flat", "hierarchical"):
             raise ValueError(f"topology must be 'auto', 'flat' or 'hierarchical', got {topology!r}")
         if ranks_per_node is not None and (
@@ -136,6 +156,9 @@ class OnebitAdamStrategy(DDPStrategy):
         ):
             raise ValueError(f"ranks_per_node must be an integer >= 1 or None, got {ranks_per_node!r}")
         self.topology_mode = topology
+        self.overlap = overlap
+        self.overlap_state: Optional[OverlapState] = None
+        self.overlap_fallback_reason: Optional[str] = None
         self.ranks_per_node = ranks_per_node
         self.topology: Optional[Topology] = None
         self._topology_group: Any = None
@@ -197,10 +220,11 @@ class OnebitAdamStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # Lightning registers `ddp_comm_hook` only on CUDA; this hook must run on every device.
+        # Lightning registers `ddp_comm_hook` only on CUDA; this hook must run on every device. DDP takes one hook,
+        # registered before the optimizer exists: it dispatches to the overlapped hook once setup_optimizers made one.
         assert isinstance(self.model, DistributedDataParallel)
         self.gradient_sync.process_group = self.model.process_group
-        self.model.register_comm_hook(self.gradient_sync, switchable_allreduce_hook)
+        self.model.register_comm_hook(self, _strategy_comm_hook)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -229,6 +253,57 @@ class OnebitAdamStrategy(DDPStrategy):
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._onebit_optimizer = optimizer
         self._announced_stage = None
+        self.overlap_state = self._configure_overlap(trainer, optimizer)
+
+    def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
+        """Why the exchange cannot overlap backward in this run (``None``: it can). Override to add cases."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            return (
+                "manual optimization: a step may have several backward passes, and each would fold its gradients into "
+                "the momentum at once"
+            )
+        precision = self.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+            return (
+                "16-mixed: the GradScaler decides whether to skip a step only after backward, when the momenta already "
+                "hold the gradients (use bf16-mixed)"
+            )
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            return (
+                "gradient clipping by norm needs the whole gradient before anything is folded (clip by value, "
+                "gradient_clip_algorithm='value', runs in the hook)"
+            )
+        if module is not None and is_overridden("configure_gradient_clipping", module, pl.LightningModule):
+            return "the LightningModule overrides configure_gradient_clipping, which changes gradients after backward"
+        if self._ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:
+            return "static_graph with gradient accumulation (DDP's static graph does not support no_sync)"
+        return None
+
+    def _configure_overlap(self, trainer: "pl.Trainer", optimizer: OnebitAdam) -> Optional[OverlapState]:
+        """The overlapped hook's state, or ``None`` with the reason logged once (``overlap='auto'``)."""
+        self.overlap_fallback_reason = None
+        if self.overlap is False:
+            return None
+        reason = self.overlap_unsupported_reason(trainer)
+        if reason is not None and not (self.overlap is True and reason.startswith("manual optimization")):
+            if self.overlap is True:
+                raise ValueError(
+                    f"OnebitAdamStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
+                    "Use overlap='auto' (falls back to exchanging in optimizer.step) or overlap=False."
+                )
+            self.overlap_fallback_reason = reason
+            rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}")
+            return None
+        assert isinstance(self.model, DistributedDataParallel)
+        if optimizer.bucket_cap_bytes != _DEFAULT_BUCKET_CAP_BYTES:
+            rank_zero_info(
+                f"onebit_adam: OnebitAdam(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) applies only to "
+                "parameters outside DDP's gradient buckets: with the overlapped exchange the momenta are laid out like "
+                "DDP's buckets (size them with the strategy's ddp_bucket_cap_mb)"
+            )
+        clip_value = trainer.gradient_clip_val if trainer.gradient_clip_val else None
+        return OverlapState(self.model, optimizer, clip_value=clip_value, gradient_sync=self.gradient_sync)
 
     def build_topology(self, process_group: Any) -> Topology:
         """Every rank's ``(node_rank, local_rank)`` from the cluster environment, gathered, and the process groups of
@@ -373,3 +448,12 @@ class OnebitAdamStrategy(DDPStrategy):
                 description=f"1-bit Adam on DDP with start_method '{start_method}'",
                 start_method=start_method,
             )
+
+
+def _strategy_comm_hook(strategy, bucket):  # type: ignore[no-untyped-def]
+    """The strategy's DDP comm hook: the overlapped exchange when configured, else the switchable allreduce.
+
+    (No annotations: DDP checks them as objects, and this module's are strings.)"""
+    if strategy.overlap_state is not None:
+        return overlapped_exchange_hook(strategy.overlap_state, bucket)
+    return switchable_allreduce_hook(strategy.gradient_sync, bucket)

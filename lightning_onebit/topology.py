@@ -246,21 +246,35 @@ class Topology:
             )
         topology = cls.plan([(n, l) for n, l, _, _ in placements], mode, rank, ranks_per_node)
         if topology.is_hierarchical:
-            global_ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
-            intra = inter = None
-            for node in range(topology.num_nodes):
-                created = dist.new_group([global_ranks[r] for r in topology.node_ranks(node)])
-                if node == topology.node_index:
-                    intra = created
-            for local in range(topology.ranks_per_node or 0):
-                created = dist.new_group([global_ranks[r] for r in topology.local_ranks(local)])
-                if local == topology.local_index:
-                    inter = created
-            topology = dataclasses.replace(topology, intra_group=intra, inter_group=inter)
-            if (dist.get_rank(intra), dist.get_rank(inter)) != (topology.local_index, topology.inter_index):
-                raise RuntimeError(
-                    f"topology groups are numbered ({dist.get_rank(intra)}, {dist.get_rank(inter)}), expected "
-                    f"({topology.local_index}, {topology.inter_index}): torch's new_group ordering changed"
-                )
+            topology = topology.with_new_groups(group)
         log.info("lightning_onebit topology: %s (%s)", topology.mode, topology.reason)
         return topology
+
+    def with_new_groups(self, group: Optional[dist.ProcessGroup] = None) -> "Topology":
+        """This topology with freshly created intra- and inter-node process groups (hierarchical mode).
+
+        A collective over WORLD: every rank creates every group (one intra-node group per node, then one inter-node
+        group per local index, in that order), as ``torch.distributed.new_group`` requires. :meth:`build` uses it, and
+        the overlapped exchange calls it once more so that its second phase runs in groups of its own (each group
+        then sees its collectives in one fixed order, see :mod:`lightning_onebit.comm`). ``group`` is the process
+        group the topology was built over (``None``: WORLD). A flat topology is returned unchanged.
+        """
+        if not self.is_hierarchical:
+            return self
+        world_size = self.world_size
+        global_ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
+        intra = inter = None
+        for node in range(self.num_nodes):
+            created = dist.new_group([global_ranks[r] for r in self.node_ranks(node)])
+            if node == self.node_index:
+                intra = created
+        for local in range(self.ranks_per_node or 0):
+            created = dist.new_group([global_ranks[r] for r in self.local_ranks(local)])
+            if local == self.local_index:
+                inter = created
+        if (dist.get_rank(intra), dist.get_rank(inter)) != (self.local_index, self.inter_index):
+            raise RuntimeError(
+                f"topology groups are numbered ({dist.get_rank(intra)}, {dist.get_rank(inter)}), expected "
+                f"({self.local_index}, {self.inter_index}): torch's new_group ordering changed"
+            )
+        return dataclasses.replace(self, intra_group=intra, inter_group=inter)

@@ -562,13 +562,14 @@ def test_logged_bytes_match_the_analytic_formula_in_both_stages(session: list[di
     ddp_buckets = [int(b) for b in re.findall(r"\d+", str(a0["ddp_bucket_sizes"]))]  # DDP reports "676" or "a, b"
     assert ddp_buckets == [N_PARAMS * 4], a0["ddp_bucket_sizes"]  # bytes
     warmup_bytes = sum(ring_allreduce_bytes(b // 4, 4, WORLD_SIZE) for b in ddp_buckets)
-    # compression: one 1-bit compressed allreduce per optimizer bucket; the layout follows from the parameter sizes
-    layout = BucketLayout.build([VOCAB * DIM, DIM, 1], WORLD_SIZE)
-    expected_layout = ((VOCAB * DIM, DIM, 1), WORLD_SIZE, layout.bytes_per_call())
+    # compression: one 1-bit compressed allreduce per momentum bucket; with the overlapped exchange (the strategy's
+    # default) the momenta are laid out like DDP's gradient bucket: reverse parameter order
+    layout = BucketLayout.build([1, DIM, VOCAB * DIM], WORLD_SIZE)
+    expected_layout = ((1, DIM, VOCAB * DIM), WORLD_SIZE, layout.bytes_per_call())
     assert [r["A"]["layouts"] for r in results] == [[expected_layout]] * WORLD_SIZE
     compressed_bytes = layout.bytes_per_call()
     fp32 = ring_allreduce_bytes(N_PARAMS, 4, WORLD_SIZE)
-    assert (warmup_bytes, compressed_bytes, fp32) == (676, 54, 676)  # the numbers, for the record
+    assert (warmup_bytes, compressed_bytes, fp32) == (676, 46, 676)  # the numbers, for the record
 
     rows = _read_csv(a0["csv"])
     assert [int(r["step"]) for r in rows] == list(range(TOG_STEPS))
@@ -584,6 +585,10 @@ def test_logged_bytes_match_the_analytic_formula_in_both_stages(session: list[di
         total += expected
         assert row["comm/bytes_sent_total"] == total, (i, row)
         assert 0.0 < row["comm/time_ms"] < 10_000.0, (i, row)
+        # the exchange's exposed part is inside step (compression stage only); from the second compressed step on the
+        # overlapped hook started the exchange during backward
+        assert (0.0 < row["comm/exposed_ms"] < 10_000.0) is compressed, (i, row)
+        assert (row["comm/hook_ms"] > 0.0) is (i > TOG_FREEZE), (i, row)
     # the monitor's totals are the strategy's counters, the same on both ranks
     for result in results:
         assert result["A"]["communication"].bytes_sent == total
