@@ -24,7 +24,11 @@ chunk). An fp32 ring allreduce of the same ``N`` elements sends ``2 (P-1)/P * 4 
 lighter. With ``P = 1`` nothing is communicated and the buffer is left exactly as it is (the mean over one rank).
 
 :func:`compressed_allreduce_buckets_` runs several buckets at once with asynchronous collectives, so that one
-bucket's transfer overlaps another's compression; :func:`compressed_allreduce_` is the one-bucket case.
+bucket's transfer overlaps another's compression; :func:`compressed_allreduce_` is the one-bucket case. Both are
+:func:`start_exchange_` (compress, launch the first collective) per bucket, then :func:`finish_exchanges_`; the
+overlapped exchange calls the same functions, starting each bucket from DDP's comm hook during backward and
+advancing earlier ones with :func:`progress_exchanges_` (second phase in groups of its own,
+:meth:`CompressedAllreduceState.create_gather_groups`), so both paths compute the same bits.
 
 With a hierarchical :class:`~lightning_onebit.Topology` (``M`` nodes x ``L`` ranks) the same two phases run between
 nodes only: a full-precision reduce-scatter inside each node gives local rank ``l`` its node's mean of shard ``l``,

@@ -87,7 +87,10 @@ class OnebitAdam(torch.optim.Optimizer):
     ``bias_correction=False`` neither is corrected (this is DeepSpeed's actual behaviour, which ignored the flag).
 
     Momenta of all trainable parameters are packed, at the first compressed step, into flat buckets of about
-    ``bucket_cap_mb`` MB; each bucket costs two collectives per step however many parameters it holds. A parameter
+    ``bucket_cap_mb`` MB, or as :meth:`set_bucket_plan` says (the overlapped exchange lays them out like DDP's
+    gradient buckets); each bucket costs two collectives per step however many parameters it holds. With
+    :class:`~lightning_onebit.OverlapState` a bucket's exchange starts during backward
+    (:meth:`start_bucket_exchange_`) and :meth:`step` finishes it, with the same bits. A parameter
     without a gradient on a rank in a compressed step contributes a zero gradient to that rank's momentum (the
     momentum is global, so the parameter still moves). A parameter that never had a gradient during warmup has no
     variance estimate: it is kept out of the update (frozen) and a warning names it.

@@ -161,3 +161,32 @@ def test_hooks_fire_in_bucket_order_no_sync_fires_none_and_a_second_backward_is_
         assert r["in_flight"] == n
         assert "ready twice before optimizer.step()" in r["second_backward"] and "no_sync" in r["second_backward"]
         assert r["sum_after"] == 2.0
+
+
+def scenario_cuda(rank: int, world_size: int) -> dict[str, Any]:
+    """One rank on a GPU (gloo with CUDA tensors, no collective is needed at world size 1): the hook folds on a side
+    stream, ``step`` waits for it; the result must be the in-step one, bit for bit."""
+    out = {}
+    for enabled in (True, False):
+        net = DeepNet().cuda()
+        ddp = DDP(net, device_ids=[0], bucket_cap_mb=0.002)
+        opt = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+        state = OverlapState(ddp, opt, enabled=enabled)
+        ddp.register_comm_hook(state, overlapped_exchange_hook)
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(ddp(x.cuda()), y.cuda()).backward()
+            opt.step()
+            opt.zero_grad()
+        out[enabled] = dict(params=[p.detach().cpu() for p in net.parameters()], started=state.buckets_started,
+                            side_stream=opt._side_stream is not None)
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the side-stream path is CUDA only)")
+def test_cuda_side_stream_gives_the_in_step_bits() -> None:
+    (r,) = run_distributed(scenario_cuda, 1, timeout_s=180)
+    assert r[True]["started"] > 0 and r[True]["side_stream"]
+    assert r[False]["started"] == 0 and not r[False]["side_stream"]
+    for a, b in zip(r[True]["params"], r[False]["params"]):
+        assert torch.equal(a, b)
