@@ -324,6 +324,10 @@ class BertFinetuneCLI(LightningCLI):
                 bytes_sent_compression=comp.bytes_sent,
                 bytes_sent=warm.bytes_sent + comp.bytes_sent,
                 bytes_fp32_equivalent=warm.bytes_fp32_equivalent + comp.bytes_fp32_equivalent,
+                overlap="off" if strategy.overlap_state is None else "on",
+                overlap_fallback=strategy.overlap_fallback_reason,
+                exchange_exposed_s=round(comp.exposed_s, 3),
+                exchange_in_hooks_s=round(comp.hook_s, 3),
             )
         else:
             counters = self._ddp_counter.state.counters

@@ -81,4 +81,7 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     warmup_per_step = result["bytes_sent_warmup"] / freeze
     compressed_per_step = result["bytes_sent_compression"] / (steps - freeze)
     assert 0 < compressed_per_step < warmup_per_step / 10, result
+    # the example config hits none of the overlap fallbacks: the exchange started in DDP's hooks during backward
+    assert result["overlap"] == "on" and result["overlap_fallback"] is None, result
+    assert result["exchange_in_hooks_s"] > 0, result
     assert "bert_finetune summary" in proc.stdout
