@@ -157,7 +157,7 @@ def slow_link_table(name: str = "slow_link") -> str:
     return intro + _table(header, rows) + f"\n\nGoals (defined at 1 Gbit/s{scope}):\n\n" + "\n".join(goals)
 
 
-_OVERLAP_RUNS = ("slow_link_overlap_minilm", "slow_link_overlap_deep")
+_OVERLAP_RUNS = ("slow_link_overlap_minilm", "slow_link_overlap_deep", "slow_link_overlap_deep_batch8")
 
 
 def overlap_table(names: tuple[str, ...] = _OVERLAP_RUNS) -> str:

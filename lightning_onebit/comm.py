@@ -503,7 +503,9 @@ def compressed_allreduce_buckets_(
     finish_exchanges_(state, pending)
 
 
-def check_buckets(state: CompressedAllreduceState, buckets: Sequence[tuple[Hashable, torch.Tensor, BucketLayout]]) -> None:
+def check_buckets(
+    state: CompressedAllreduceState, buckets: Sequence[tuple[Hashable, torch.Tensor, BucketLayout]]
+) -> None:
     """Raise ``ValueError`` unless every ``(key, buffer, layout)`` fits ``state``'s process group and topology and the
     keys differ. Local (no communication): call it on every rank before the first collective."""
     world_size = state.world_size()

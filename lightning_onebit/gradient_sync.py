@@ -100,8 +100,9 @@ class OverlapState:
     allreduce, as with :func:`switchable_allreduce_hook`.
 
     Overlap starts once DDP's buckets are final (:attr:`ddp_buckets_final`: after DDP's first iteration, or two with
-    ``static_graph``), from the second compressed step on (the first one lays the momenta out); until then, and for any bucket the momentum layout
-    does not match, the hook leaves the gradients local and ``step`` does everything, as without overlap. Gradients
+    ``static_graph``), from the second compressed step on (the first one lays the momenta out); until then, and for
+    any bucket the momentum layout does not match, the hook leaves the gradients local and ``step`` does everything,
+    as without overlap. Gradients
     are consumed as backward produces them: clipping by value can run in the hook (``clip_value``), but anything
     that changes gradients after backward (clipping by norm, a GradScaler's unscale and skip, a second backward pass
     before ``step``) cannot, so use :func:`switchable_allreduce_hook` there (the Lightning strategy decides this).

@@ -495,8 +495,8 @@ class OnebitAdam(torch.optim.Optimizer):
         bucket (see :meth:`set_bucket_plan`), ``params`` and ``gradients`` the gradient bucket's parameters and their
         gradients, in order (``GradBucket.parameters()`` and ``gradients()``). Parameters this optimizer does not
         train are skipped. ``clip_value``: first clamp the gradients to ``[-clip_value, clip_value]`` in place
-        (clipping by value, elementwise, so it can happen per bucket). The next :meth:`step` then only folds the other buckets, finishes every exchange, decodes
-        and applies, with the same bits as without the hook.
+        (clipping by value, elementwise, so it can happen per bucket). The next :meth:`step` then only folds the other
+        buckets, finishes every exchange, decodes and applies, with the same bits as without the hook.
 
         Returns ``False``, doing nothing, where it cannot start: in warmup, before the first compressed step built
         the buckets, or when bucket ``key`` does not hold exactly these parameters (the plan changed). Every rank
@@ -613,7 +613,9 @@ class OnebitAdam(torch.optim.Optimizer):
             for key, params in enumerate(buckets):
                 kept = [p for p in params if id(p) in trainable]
                 if len({(p.device, p.dtype) for p in kept}) > 1:
-                    raise ValueError(f"set_bucket_plan: bucket {key} mixes devices or dtypes; a bucket is one flat buffer")
+                    raise ValueError(
+                        f"set_bucket_plan: bucket {key} mixes devices or dtypes; a bucket is one flat buffer"
+                    )
                 if any(id(p) in seen for p in kept):
                     raise ValueError(f"set_bucket_plan: bucket {key} names a parameter that an earlier bucket holds")
                 seen.update(id(p) for p in kept)
@@ -769,7 +771,8 @@ class OnebitAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step and the momentum bucket plan
-        (:meth:`set_bucket_plan`, as parameter indices), if any. Masks and error feedback are not included (masks come from the code; error feedback is per rank, see :meth:`error_feedback_state_dict`)."""
+        (:meth:`set_bucket_plan`, as parameter indices), if any. Masks and error feedback are not included (masks
+        come from the code; error feedback is per rank, see :meth:`error_feedback_state_dict`)."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group.pop("exp_avg_mask", None)

@@ -1008,3 +1008,75 @@ def test_distributed_resume_at_freeze_boundary(dist_run):
         for a, b in zip(res["resumed_at_freeze"], res["history"][FREEZE:]):
             assert a["step"] == b["step"]
             _assert_bitwise(_state_of(a), _state_of(b), f"resumed at the freeze boundary, step {a['step']}")
+
+
+# ---------------------------------------------------------------------------------------------------- bucket plan
+def test_bucket_plan_lays_out_momenta_survives_state_dict_and_rejects_bad_plans():
+    """set_bucket_plan (what the overlap hook passes: DDP's buckets) decides the momentum buckets; parameters it does
+    not name are packed after them; the plan is saved as parameter indices and restored by load_state_dict."""
+    net = Net()
+    opt = OnebitAdam(net.parameters(), freeze_step=2, warn_dead_coordinates=False)
+    assert opt.set_bucket_plan([[net.b2, net.w2], [net.w1]]) is True
+    assert opt.set_bucket_plan([[net.b2, net.w2], [net.w1]]) is False  # the same plan: no change
+    _train(net, opt, range(3))
+    layouts = opt.bucket_layouts()
+    assert {k: layout.tensor_numels for k, layout in layouts.items()} == {
+        0: (1, HIDDEN), 1: (HIDDEN * N_IN,), 2: (HIDDEN, 1),  # b1 and extra, unnamed, packed after the plan
+    }
+    assert opt.state[net.w2]["exp_avg"].data_ptr() != opt.state[net.w1]["exp_avg"].data_ptr()
+
+    saved = opt.state_dict()
+    assert saved["onebit"]["bucket_plan"] == [[0, [3, 2]], [1, [0]]]  # parameter indices in parameters() order
+    other = Net()
+    restored = OnebitAdam(other.parameters(), freeze_step=2, warn_dead_coordinates=False)
+    restored.load_state_dict(saved)
+    assert [[tuple(p.shape) for p in bucket] for bucket in restored.bucket_plan] == [[(1,), (1, HIDDEN)], [(HIDDEN, N_IN)]]
+    assert {k: layout.tensor_numels for k, layout in restored.bucket_layouts().items()} == {
+        k: layout.tensor_numels for k, layout in layouts.items()
+    }
+    for p, q in zip(net.parameters(), other.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg"], restored.state[q]["exp_avg"])
+
+    # changing the plan mid-stage moves the momenta (values kept) and resets the error feedback
+    momenta = {id(p): opt.state[p]["exp_avg"].clone() for p in net.parameters()}
+    assert opt.set_bucket_plan(None) is True
+    assert len(opt.bucket_layouts()) == 1
+    for p in net.parameters():
+        assert torch.equal(opt.state[p]["exp_avg"], momenta[id(p)])
+
+    with pytest.raises(ValueError, match="names a parameter that an earlier bucket holds"):
+        opt.set_bucket_plan([[net.w1], [net.w1, net.b1]])
+    mixed = Net()
+    mixed.b1.data = mixed.b1.data.double()
+    opt_mixed = OnebitAdam(mixed.parameters(), freeze_step=2)
+    with pytest.raises(ValueError, match="mixes devices or dtypes"):
+        opt_mixed.set_bucket_plan([[mixed.w1, mixed.b1]])
+    # a plan that no longer fits the model (a checkpoint of another model) is ignored, not an error
+    saved["onebit"]["bucket_plan"] = [[0, [99]]]
+    fresh = OnebitAdam(Net().parameters(), freeze_step=2)
+    fresh.load_state_dict(saved)
+    assert fresh.bucket_plan is None
+
+
+def test_start_bucket_exchange_refuses_during_warmup_and_before_the_buckets_exist():
+    net = Net()
+    opt = OnebitAdam(net.parameters(), freeze_step=1, warn_dead_coordinates=False)
+    params = list(net.parameters())
+    opt.set_bucket_plan([params])
+    _backward(net, 0)
+    grads = [p.grad for p in params]
+    assert opt.start_bucket_exchange_(0, params, grads) is False  # warmup
+    opt.step()
+    opt.zero_grad()
+    _backward(net, 1)
+    assert opt.start_bucket_exchange_(0, params, [p.grad for p in params]) is False  # buckets built at this step
+    opt.step()
+    opt.zero_grad()
+    _backward(net, 2)
+    assert opt.start_bucket_exchange_(0, params[::-1], [p.grad for p in params[::-1]]) is False  # not bucket 0
+    assert opt.start_bucket_exchange_(0, params, [p.grad for p in params]) is True
+    assert opt.exchanges_in_flight == 1
+    with pytest.raises(RuntimeError, match="ready twice before optimizer.step"):
+        opt.start_bucket_exchange_(0, params, [p.grad for p in params])
+    opt.step()
+    assert opt.exchanges_in_flight == 0
