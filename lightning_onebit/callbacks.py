@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
-from lightning_onebit.optim import OnebitAdam, OnebitStage, check_exp_avg_mask
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage, check_exp_avg_mask
 from lightning_onebit.strategy import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, OnebitAdamStrategy
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def _onebit_strategy(trainer: "pl.Trainer", who: str) -> OnebitAdamStrategy:
     return strategy
 
 
-def _onebit_optimizer(trainer: "pl.Trainer", who: str) -> OnebitAdam:
+def _onebit_optimizer(trainer: "pl.Trainer", who: str) -> CompressedOptimizer:
     optimizer = _onebit_strategy(trainer, who).onebit_optimizer
     if optimizer is None:
         raise RuntimeError(f"{who}: the onebit_adam strategy has no OnebitAdam connected yet")
@@ -161,7 +161,7 @@ class MomentumMask(Callback):
         if not self._installed:
             self._install(onebit, pl_module)
 
-    def _install(self, onebit: OnebitAdam, pl_module: "pl.LightningModule") -> None:
+    def _install(self, onebit: CompressedOptimizer, pl_module: "pl.LightningModule") -> None:
         named = dict(pl_module.named_parameters())
         held = {id(p) for group in onebit.param_groups for p in group["params"]}
         if self.auto and self._auto_masks is None:
@@ -331,7 +331,7 @@ class ErrorFeedbackCheckpoint(Callback):
         rank_zero_warn(f"ErrorFeedbackCheckpoint(policy='keep'): error feedback reset on every rank because {text}")
         self._reset(optimizer)
 
-    def _reset(self, optimizer: OnebitAdam) -> None:
+    def _reset(self, optimizer: CompressedOptimizer) -> None:
         optimizer.reset_error_feedback()
         self.restored = False
         norm = "unknown" if self._saved_norm is None else f"{self._saved_norm:.4g}"

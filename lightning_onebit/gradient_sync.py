@@ -21,7 +21,7 @@ from lightning_onebit.comm import CommunicationCounters, ring_allreduce_bytes
 from lightning_onebit.topology import Topology
 
 if TYPE_CHECKING:
-    from lightning_onebit.optim import OnebitAdam
+    from lightning_onebit.optim import CompressedOptimizer
 
 
 class GradientSyncState:
@@ -93,11 +93,11 @@ class OverlapState:
 
     DDP calls a communication hook for each gradient bucket as soon as all its gradients are ready, in bucket order on
     every rank. In the compression stage the hook folds the bucket's local gradients into the matching momentum
-    bucket (the optimizer lays its momenta out like DDP's buckets, :meth:`OnebitAdam.set_bucket_plan`), compresses it
-    with error feedback and launches its first collective, all from the hook body; it also launches the second phase
-    of earlier buckets whose first phase has arrived, in a process group of its own. ``optimizer.step()`` then only
-    finishes the exchanges, decodes and applies, with exactly the bits of the non-overlapped path. Warmup is DDP's
-    allreduce, as with :func:`switchable_allreduce_hook`.
+    bucket (the optimizer lays its momenta out like DDP's buckets, :meth:`CompressedOptimizer.set_bucket_plan`),
+    compresses it with error feedback and launches its first collective, all from the hook body; it also launches the
+    second phase of earlier buckets whose first phase has arrived, in a process group of its own.
+    ``optimizer.step()`` then only finishes the exchanges, decodes and applies, with exactly the bits of the
+    non-overlapped path. Warmup is DDP's allreduce, as with :func:`switchable_allreduce_hook`.
 
     Overlap starts once DDP's buckets are final (:attr:`ddp_buckets_final`: after DDP's first iteration, or two with
     ``static_graph``), from the second compressed step on (the first one lays the momenta out); until then, and for
@@ -116,8 +116,8 @@ class OverlapState:
     Args:
         ddp: the ``DistributedDataParallel`` module the hook is registered on (its bucket rebuild is read from its
             private ``_has_rebuilt_buckets``, as torch's ZeRO hook does, see :attr:`ddp_buckets_final`).
-        optimizer: the :class:`~lightning_onebit.OnebitAdam` training ``ddp``'s parameters, over ``ddp``'s process
-            group (set here).
+        optimizer: the compressed optimizer (:class:`~lightning_onebit.OnebitAdam`) training ``ddp``'s parameters,
+            over ``ddp``'s process group (set here).
         clip_value: clip each gradient element to ``[-clip_value, clip_value]`` before folding it (Lightning's
             ``gradient_clip_algorithm="value"``); ``None`` (default): no clipping.
         enabled: start exchanges in the hook; ``False`` makes this :func:`switchable_allreduce_hook` with the bucket
@@ -131,7 +131,7 @@ class OverlapState:
     def __init__(
         self,
         ddp: "torch.nn.parallel.DistributedDataParallel",
-        optimizer: "OnebitAdam",
+        optimizer: "CompressedOptimizer",
         clip_value: Optional[float] = None,
         enabled: bool = True,
         gradient_sync: Optional[GradientSyncState] = None,

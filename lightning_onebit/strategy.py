@@ -33,7 +33,7 @@ from lightning_onebit.gradient_sync import (
     overlapped_exchange_hook,
     switchable_allreduce_hook,
 )
-from lightning_onebit.optim import OnebitAdam, OnebitStage
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
 from lightning_onebit.topology import Topology, TopologyMode
@@ -50,7 +50,7 @@ PER_RANK_STATUS_KEY = "onebit_per_rank_status"
 
 
 _EXIT_HANDLER_REGISTERED = False
-_DEFAULT_BUCKET_CAP_BYTES = int(inspect.signature(OnebitAdam).parameters["bucket_cap_mb"].default * 2**20)
+_DEFAULT_BUCKET_CAP_BYTES = int(inspect.signature(CompressedOptimizer).parameters["bucket_cap_mb"].default * 2**20)
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -187,7 +187,7 @@ class OnebitAdamStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self.gradient_sync = GradientSyncState(sync_predicate=self._gradient_allreduce_needed)
-        self._onebit_optimizer: Optional[OnebitAdam] = None
+        self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._announced_stage: Optional[OnebitStage] = None
         self._warned_local_clipping = False
 
@@ -198,8 +198,8 @@ class OnebitAdamStrategy(DDPStrategy):
         _destroy_process_groups_at_exit()
 
     @property
-    def onebit_optimizer(self) -> Optional[OnebitAdam]:
-        """The :class:`OnebitAdam` this strategy drives (``None`` before setup)."""
+    def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
+        """The compressed optimizer (:class:`OnebitAdam`) this strategy drives (``None`` before setup)."""
         return self._onebit_optimizer
 
     @property
@@ -232,7 +232,7 @@ class OnebitAdamStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        if len(optimizers) != 1 or not isinstance(optimizers[0], OnebitAdam):
+        if len(optimizers) != 1 or not isinstance(optimizers[0], CompressedOptimizer):
             names = ", ".join(type(o).__name__ for o in optimizers) or "no optimizer"
             raise ValueError(
                 f"The 'onebit_adam' strategy needs exactly one lightning_onebit.OnebitAdam optimizer, but "
@@ -280,7 +280,7 @@ class OnebitAdamStrategy(DDPStrategy):
             return "static_graph with gradient accumulation (DDP's static graph does not support no_sync)"
         return None
 
-    def _configure_overlap(self, trainer: "pl.Trainer", optimizer: OnebitAdam) -> Optional[OverlapState]:
+    def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> Optional[OverlapState]:
         """The overlapped hook's state, or ``None`` with the reason logged once (``overlap='auto'``)."""
         self.overlap_fallback_reason = None
         if self.overlap is False:
@@ -298,7 +298,8 @@ class OnebitAdamStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         if optimizer.bucket_cap_bytes != _DEFAULT_BUCKET_CAP_BYTES:
             rank_zero_info(
-                f"onebit_adam: OnebitAdam(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) applies only to "
+                f"onebit_adam: {type(optimizer).__name__}(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) "
+                "applies only to "
                 "parameters outside DDP's gradient buckets: with the overlapped exchange the momenta are laid out like "
                 "DDP's buckets (size them with the strategy's ddp_bucket_cap_mb)"
             )
@@ -348,7 +349,7 @@ class OnebitAdamStrategy(DDPStrategy):
                 self._warn_local_clipping()
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-    def _announce_stage(self, onebit: OnebitAdam) -> None:
+    def _announce_stage(self, onebit: CompressedOptimizer) -> None:
         stage = onebit.stage
         if stage is self._announced_stage:
             return

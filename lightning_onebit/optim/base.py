@@ -1,11 +1,16 @@
-"""1-bit Adam (arXiv 2102.02888) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``."""
+"""The shared base of the compressed optimizers: stage and step accounting, momentum buckets and their views, the
+1-bit compressed exchange (in ``step`` or started during backward), masks, dead-coordinate detection, checkpoints.
+
+An algorithm is a subclass (:class:`~lightning_onebit.OnebitAdam`) that implements its warmup step and its
+compressed step; the compressed step calls :meth:`CompressedOptimizer._average_momenta_` to turn every rank's local
+momentum into the rank-identical compressed average, then applies its update.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import enum
 import logging
-import math
 import numbers
 import time
 import warnings
@@ -13,7 +18,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw as adamw_functional
 
 from lightning_onebit import kernels
 from lightning_onebit.comm import (
@@ -33,7 +37,6 @@ from lightning_onebit.topology import Topology
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_KEY = "onebit"
-
 
 class OnebitStage(str, enum.Enum):
     """The stage an optimizer step runs in."""
@@ -64,120 +67,33 @@ class _Bucket:
         self.fold_groups = fold_groups
 
 
-class OnebitAdam(torch.optim.Optimizer):
-    r"""1-bit Adam: AdamW during warmup, then Adam with frozen variance and 1-bit compressed momentum averaging.
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers that average 1-bit compressed momenta after a full-precision warmup.
 
-    **Warmup** (steps ``1..freeze_step``): the caller averages gradients across ranks (DDP's allreduce, or the
-    ``onebit_adam`` strategy does it), and the update is exactly :class:`torch.optim.AdamW` (run by torch's fused
-    AdamW kernel for float32/float64 tensors on CPU or CUDA when ``bias_correction=True``)::
+    It owns what they share: the global step and the stage (:attr:`stage`, :attr:`needs_gradient_allreduce`), the
+    momentum buckets (flat, zero-padded buffers whose views are the parameters' ``exp_avg``; laid out by
+    ``bucket_cap_mb`` or by :meth:`set_bucket_plan`), the compressed exchange and its counters, the overlap with
+    backward (:meth:`start_bucket_exchange_`), momentum masks (param-group option ``exp_avg_mask``), dead-coordinate
+    detection, and the checkpoint state (:meth:`state_dict`, per-rank error feedback). Param groups hold ``lr``,
+    ``betas``, ``eps``, ``weight_decay`` and ``bias_correction``, checked when a group is added.
 
-        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
-
-    **Compression** (steps ``freeze_step + 1`` on): gradients are *local* (not averaged). Each rank updates its
-    momentum with its own gradient, the momenta are averaged with the error-compensated 1-bit compressed allreduce of
-    :mod:`lightning_onebit.comm` (the result is identical on every rank), masked by ``exp_avg_mask`` if given, and
-    applied with the variance frozen at its step-``freeze_step`` value::
-
-        m = CompressedAllreduce(b1 m + (1 - b1) g_local) * mask
-        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat_frozen) + eps)
-
-    Bias correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` (``t`` the current step) and ``v`` by
-    ``1 - b2^t_v`` with ``t_v = min(t, freeze_step)``, the number of updates ``v`` received. With
-    ``bias_correction=False`` neither is corrected (this is DeepSpeed's actual behaviour, which ignored the flag).
-
-    Momenta of all trainable parameters are packed, at the first compressed step, into flat buckets of about
-    ``bucket_cap_mb`` MB, or as :meth:`set_bucket_plan` says (the overlapped exchange lays them out like DDP's
-    gradient buckets); each bucket costs two collectives per step however many parameters it holds. With
-    :class:`~lightning_onebit.OverlapState` a bucket's exchange starts during backward
-    (:meth:`start_bucket_exchange_`) and :meth:`step` finishes it, with the same bits. A parameter
-    without a gradient on a rank in a compressed step contributes a zero gradient to that rank's momentum (the
-    momentum is global, so the parameter still moves). A parameter that never had a gradient during warmup has no
-    variance estimate: it is kept out of the update (frozen) and a warning names it.
-
-    **Dead coordinates.** 1-bit compression cannot send zero: a coordinate whose gradient is exactly zero in every
-    warmup step (embedding rows never looked up, position embeddings past the sequence length) has a variance of ~0
-    and, wherever its compression segment also holds live coordinates, receives ``+-scale`` momentum from the first
-    compressed step on, so its update explodes to about ``lr * scale / eps``. With ``warn_dead_coordinates=True``
-    (the default) the optimizer records, per parameter element, whether its (averaged) gradient was ever nonzero
-    during warmup, and at the first compressed step warns, on rank 0 of ``process_group``, how many such coordinates
-    each parameter has that no ``exp_avg_mask`` masks, with the fix (``MomentumMask(auto=True)``, or an
-    ``exp_avg_mask``). Warmup gradients are averaged, hence equal on every rank: no communication is needed.
-    :class:`~lightning_onebit.MomentumMask` with ``auto=True`` masks exactly these coordinates and switches this
-    detection off (it detects them itself); with explicit masks only, the warning counts what the masks leave
-    uncovered. Parameters are named by ``param_names`` when the optimizer was given ``named_parameters()``, else by
-    param group, index and shape.
-
-    Nothing here touches ``torch.distributed`` before the first compressed step, so the optimizer can be built before
-    the process group exists (LightningCLI does). Without an initialised process group (or with one rank) the
-    compressed allreduce is the identity.
-
-    Args:
-        params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names)
-            or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``
-            and ``exp_avg_mask``. Parameters must be floating point (float32, float64, float16, bfloat16): complex
-            and integer parameters are refused, since the compressed momentum exchange has no form for them.
-        lr: learning rate, a float ``>= 0``. Default ``1e-3``.
-        betas: ``(b1, b2)`` decay rates of momentum and variance, a pair of floats each in ``[0, 1)``. Default
-            ``(0.9, 0.999)``.
-        eps: added to ``sqrt(v_hat)``; ``>= 0``. Default ``1e-8``.
-        weight_decay: decoupled weight decay coefficient (AdamW's), ``>= 0``. Default ``0``.
-        freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step. No
-            default: the paper uses 15-25% of training; the variance must have settled by then.
-        bias_correction: see above; a bool (anything else is an error, not a truthy value). Default ``True``.
-        amsgrad: not supported (the variance is frozen); only ``False`` is accepted, so AdamW configs port with a
-            clear error instead of a silently ignored flag.
-        bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype). Default ``25``.
-        process_group: group whose ranks average momenta; ``None`` (default) means WORLD, resolved at step time.
-            The Lightning strategy sets its data-parallel group here.
-        kernel_backend: ``"auto"`` (default), ``"torch"``, ``"cpu"`` (fused C kernels for float32 CPU tensors) or
-            ``"cupy"``, see :mod:`lightning_onebit.kernels`. ``"auto"`` takes the fastest one available per tensor.
-            At the first compressed step (or when the strategy sets up) the ranks agree on it
-            (:func:`~lightning_onebit.comm.agree_kernel_backend`): if they have different kernels available, all run
-            the torch ones, so that replicas compute identical bits.
-        topology: a :class:`~lightning_onebit.Topology` over ``process_group``, from :meth:`Topology.build`. A
-            hierarchical one averages momenta in full precision inside each node and with 1 bit only between nodes
-            (about ``N/8`` bytes per node per step instead of ``N/4`` or more); any topology splits the byte counters
-            into intra- and inter-node bytes. ``None`` (default): flat exchange. The strategy sets it from its
-            ``topology`` argument.
-        warn_dead_coordinates: detect dead coordinates during warmup and warn at the first compressed step (see
-            above). Costs one bool per trainable parameter element during warmup (freed at the first compressed step)
-            and one comparison pass over the gradients per warmup step. Default ``True``.
-
-    All arguments are checked in the constructor (before any collective); an invalid one is a ``ValueError`` that
-    names it.
-
-    Param-group option ``exp_avg_mask``: a tensor of each parameter's shape (the group-wide DeepSpeed form, for
-    groups whose parameters share one shape) or a list with one tensor or ``None`` per parameter. It multiplies the
-    averaged momentum in the compression stage, so masked coordinates (mask 0) have momentum exactly zero and do not
-    move except by weight decay. Masks come from the code, never from a checkpoint. A mask is bool or floating point
-    and holds only 0 and 1 (DeepSpeed's semantics): the mask multiplies the stored momentum every compressed step, so
-    a fractional value would compound (``0.5`` shrinks that momentum by ``0.5^k`` after ``k`` steps), ``2`` would
-    grow it geometrically and NaN would spread to the parameters; other values are a ``ValueError`` naming the param
-    group and index. Masks are converted to their parameter's dtype and device.
+    A subclass passes its ``defaults`` and implements ``_warmup_step()`` (averaged gradients) and
+    ``_compressed_step()`` (local gradients; it calls :meth:`_average_momenta_` and applies its update). See
+    :class:`~lightning_onebit.OnebitAdam` for the arguments, which every subclass shares.
     """
 
     def __init__(
         self,
         params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        defaults: dict[str, Any],
         *,
         freeze_step: int,
-        bias_correction: bool = True,
-        amsgrad: bool = False,
         bucket_cap_mb: float = 25.0,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
         warn_dead_coordinates: bool = True,
     ) -> None:
-        if not isinstance(amsgrad, bool):
-            raise ValueError(f"amsgrad must be False (OnebitAdam does not support amsgrad), got {amsgrad!r}")
-        if amsgrad:
-            raise ValueError("OnebitAdam does not support amsgrad=True: the variance is frozen after warmup")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(
                 f"freeze_step must be an integer >= 1 (the number of warmup steps that estimate the variance), "
@@ -187,7 +103,6 @@ class OnebitAdam(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
         if not isinstance(warn_dead_coordinates, bool):
             raise ValueError(f"warn_dead_coordinates must be True or False, got {warn_dead_coordinates!r}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
@@ -229,12 +144,12 @@ class OnebitAdam(torch.optim.Optimizer):
             raise
         self._buckets = None  # a new group changes the bucket layout
 
-    @staticmethod
-    def _check_group(group: dict[str, Any], index: int) -> None:
+    @classmethod
+    def _check_group(cls, group: dict[str, Any], index: int) -> None:
         where = f" (param group {index})"
         lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if isinstance(lr, torch.Tensor):
-            raise ValueError("OnebitAdam takes lr as a float, not a tensor")
+            raise ValueError(f"{cls.__name__} takes lr as a float, not a tensor")
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
             if not _is_real(value):
                 raise ValueError(f"{name} must be a float, got {value!r} ({type(value).__name__}){where}")
@@ -258,7 +173,7 @@ class OnebitAdam(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             if not p.is_floating_point():
                 raise ValueError(
-                    f"OnebitAdam trains floating-point parameters only, but {_describe_param(group, index, i, p)} "
+                    f"{cls.__name__} trains floating-point parameters only, but {_describe_param(group, index, i, p)} "
                     f"has dtype {p.dtype}: 1-bit momentum compression has no complex or integer form. Leave it out of "
                     "the optimizer (e.g. `[p for p in model.parameters() if p.is_floating_point()]`), or keep a "
                     "complex parameter as a real one with a trailing dimension of 2 (torch.view_as_real) and view it "
@@ -319,6 +234,7 @@ class OnebitAdam(torch.optim.Optimizer):
         """Cumulative counters of the compressed allreduce on this rank (warmup gradient sync is not included)."""
         return self.compression.counters
 
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -330,50 +246,23 @@ class OnebitAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
-                    raise ValueError("OnebitAdam does not support sparse gradients; use dense embeddings")
+                    raise ValueError(f"{type(self).__name__} does not support sparse gradients; use dense embeddings")
         stage = self.stage
         self._step += 1
         if stage is OnebitStage.WARMUP:
             self._warmup_step()
         else:
             self._compressed_step()
+        if self._deferred_plan is not None:
+            (plan,), self._deferred_plan = self._deferred_plan, None
+            self._install_plan(plan)
         return loss
 
     def _warmup_step(self) -> None:
-        t = self._step
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "exp_avg_sq" not in state:
-                    if "exp_avg" not in state:  # else: a zero momentum view into a bucket built early
-                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self._frozen_params.discard(id(p))  # it has a variance estimate now
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if self.warn_dead_coordinates:
-                    self._track_nonzero(p)
-            if not params:
-                continue
-            b1, b2 = group["betas"]
-            if group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
-                # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
-                # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
-                steps = [torch.tensor(float(t - 1)) for _ in params]
-                adamw_functional(
-                    params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=b1, beta2=b2,
-                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                )
-                continue
-            torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
-            torch._foreach_mul_(exp_avg_sqs, b2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
-            self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t)
+        raise NotImplementedError
+
+    def _compressed_step(self) -> None:
+        raise NotImplementedError
 
     def _track_nonzero(self, p: torch.Tensor) -> None:
         """Record which elements of ``p`` had a nonzero gradient in this warmup step (dead-coordinate detection)."""
@@ -413,17 +302,24 @@ class OnebitAdam(torch.optim.Optimizer):
             tracked += f"; steps before {since} ran before a resume and were not observed"
         more = f" and {len(found) - 8} more" if len(found) > 8 else ""
         warnings.warn(
-            f"OnebitAdam: {total} coordinate(s) in {len(found)} parameter(s) had an exactly-zero gradient in every "
-            f"warmup step ({tracked}) and are not masked: {'; '.join(found[:8])}{more}. 1-bit compression cannot "
-            "send zero, so from this compressed step on they can receive +-scale momentum with a ~0 variance, and "
-            "their updates then explode (to about lr * scale / eps per step). Fix: add `MomentumMask(auto=True)` to "
-            "the Trainer's callbacks (without Lightning: an exp_avg_mask with 0 there); OnebitAdam("
+            f"{type(self).__name__}: {total} coordinate(s) in {len(found)} parameter(s) had an exactly-zero gradient "
+            f"in every warmup step ({tracked}) and are not masked: {'; '.join(found[:8])}{more}. 1-bit compression "
+            "cannot send zero, so from this compressed step on they can receive +-scale momentum with a ~0 variance, "
+            "and their updates then explode (to about lr * scale / eps per step). Fix: add `MomentumMask(auto=True)` "
+            f"to the Trainer's callbacks (without Lightning: an exp_avg_mask with 0 there); {type(self).__name__}("
             "warn_dead_coordinates=False) silences this.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
-    def _compressed_step(self) -> None:
+
+    def _average_momenta_(self) -> None:
+        """Fold each rank's local gradient into its momentum (``m = lerp(m, g, 1 - beta1)``), replace the momenta by
+        their 1-bit compressed average over the process group (identical on every rank), and apply the masks.
+
+        Buckets whose exchange started during backward (the overlap hook) were folded there and are only finished
+        here. Runs the dead-coordinate report and the kernel agreement at the first compressed step.
+        """
         if self._seen_nonzero:
             self._report_dead_coordinates()
         if not self._backend_agreed:
@@ -432,7 +328,9 @@ class OnebitAdam(torch.optim.Optimizer):
         buckets = self._ensure_buckets()
         flats = {b.key: b.flat for b in buckets}
         if any(flats.get(p.key) is not p.buffer for p in pending):
-            raise RuntimeError("OnebitAdam: the momentum buckets changed while their exchange was in flight")
+            raise RuntimeError(
+                f"{type(self).__name__}: the momentum buckets changed while their exchange was in flight"
+            )
         started = time.perf_counter()
         if self._side_stream is not None and pending:
             torch.cuda.current_stream(pending[0].buffer.device).wait_stream(self._side_stream)
@@ -460,26 +358,16 @@ class OnebitAdam(torch.optim.Optimizer):
         pending += [start_exchange_(self.compression, key, flat, layout, checked=True) for key, flat, layout in rest]
         finish_exchanges_(self.compression, pending)
         self.compression.counters.exposed_s += time.perf_counter() - started
-        t, t_v = self._step, self.freeze_step
         for group in self.param_groups:
-            params, exp_avgs, exp_avg_sqs = [], [], []
             masks = group["exp_avg_mask"]
             for i, p in enumerate(group["params"]):
-                if not p.requires_grad:
-                    continue
-                state = self.state[p]
-                if masks[i] is not None:
-                    state["exp_avg"].mul_(_mask_like(masks, i, state["exp_avg"]))
-                if id(p) in self._frozen_params:
-                    continue
-                params.append(p)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-            if params:
-                self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
-        if self._deferred_plan is not None:
-            (plan,), self._deferred_plan = self._deferred_plan, None
-            self._install_plan(plan)
+                if p.requires_grad and masks[i] is not None:
+                    m = self.state[p]["exp_avg"]
+                    m.mul_(_mask_like(masks, i, m))
+
+    def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        """The group's parameters a compressed step updates: trainable ones with a variance estimate."""
+        return [p for p in _trainable(group) if id(p) not in self._frozen_params]
 
     # ------------------------------------------------------------------ overlap with backward
     def start_bucket_exchange_(
@@ -514,7 +402,8 @@ class OnebitAdam(torch.optim.Optimizer):
             return False
         if key in self._pending_by_key:
             raise RuntimeError(
-                f"OnebitAdam: gradient bucket {key} was ready twice before optimizer.step(): a second backward pass "
+                f"{type(self).__name__}: gradient bucket {key} was ready twice before optimizer.step(): a second "
+                "backward pass "
                 "ran while its momentum exchange from the first was in flight. The overlapped exchange folds each "
                 "backward's gradients into the momentum at once, so it needs exactly one backward pass (with gradient "
                 "sync) per step: use no_sync() for the other micro-batches, or turn overlap off"
@@ -555,38 +444,6 @@ class OnebitAdam(torch.optim.Optimizer):
     def exchanges_in_flight(self) -> int:
         """Bucket exchanges started during backward and not yet finished by :meth:`step`."""
         return len(self._pending)
-
-    @staticmethod
-    def _apply_update(
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
-        t: int,
-        t_v: int,
-        backend: Backend = "torch",
-    ) -> None:
-        """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations.
-
-        Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
-        compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
-        """
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if group["bias_correction"]:
-            bias_correction1 = 1 - b1**t
-            bias_correction2_sqrt = math.sqrt(1 - b2**t_v)
-        else:
-            bias_correction1 = bias_correction2_sqrt = 1.0
-        kernels.frozen_adam_update_(
-            params,
-            exp_avgs,
-            exp_avg_sqs,
-            decay=1 - lr * wd if wd != 0 else None,
-            bias_correction2_sqrt=bias_correction2_sqrt,
-            eps=eps,
-            step=-lr / bias_correction1,
-            backend=backend,
-        )
 
     # ------------------------------------------------------------------ buckets
     def set_bucket_plan(self, buckets: Optional[Sequence[Sequence[torch.Tensor]]]) -> bool:
@@ -637,7 +494,8 @@ class OnebitAdam(torch.optim.Optimizer):
             dropped = self.compression.reset_error_feedback()
             self._buckets = None
             log.info(
-                "OnebitAdam: momentum buckets re-laid out at step %d (%s); error feedback reset (norm %.3g dropped)",
+                "%s: momentum buckets re-laid out at step %d (%s); error feedback reset (norm %.3g dropped)",
+                type(self).__name__,
                 self._step,
                 "new bucket plan" if plan is not None else "packed by bucket_cap_mb",
                 dropped,
@@ -681,8 +539,9 @@ class OnebitAdam(torch.optim.Optimizer):
                 never_updated.append(tuple(p.shape))
         if never_updated:
             log.warning(
-                "OnebitAdam: %d parameter(s) had no gradient during warmup (shapes %s); without a variance estimate "
+                "%s: %d parameter(s) had no gradient during warmup (shapes %s); without a variance estimate "
                 "they stay frozen in the compression stage. Mask or exclude them, or lengthen warmup.",
+                type(self).__name__,
                 len(never_updated),
                 never_updated[:8],
             )
@@ -734,7 +593,8 @@ class OnebitAdam(torch.optim.Optimizer):
             self._bucket_by_key[key] = bucket
         self._buckets = buckets
         log.info(
-            "OnebitAdam: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
+            "%s: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
+            type(self).__name__,
             self._step,
             len(trainable),
             len(buckets),
@@ -761,7 +621,8 @@ class OnebitAdam(torch.optim.Optimizer):
         shape = tuple(param.shape) if isinstance(param, torch.Tensor) else type(param).__name__
         raise ValueError(
             f"set_exp_avg_mask: the parameter of shape {shape} is not managed by this optimizer (it is in none of its "
-            f"{len(self.param_groups)} param group(s)); pass it to OnebitAdam (or add_param_group) or drop its mask"
+            f"{len(self.param_groups)} param group(s)); pass it to {type(self).__name__} (or add_param_group) or drop "
+            "its mask"
         )
 
     def bucket_layouts(self) -> dict[int, BucketLayout]:
@@ -799,7 +660,8 @@ class OnebitAdam(torch.optim.Optimizer):
             step = int(meta["step"])
             if meta.get("freeze_step", self.freeze_step) != self.freeze_step:
                 log.info(
-                    "OnebitAdam: checkpoint used freeze_step=%s; continuing with freeze_step=%s from the code",
+                    "%s: checkpoint used freeze_step=%s; continuing with freeze_step=%s from the code",
+                    type(self).__name__,
                     meta["freeze_step"],
                     self.freeze_step,
                 )
@@ -812,7 +674,7 @@ class OnebitAdam(torch.optim.Optimizer):
             self._bucket_plan = self._plan_from_indices(meta["bucket_plan"])
         self._seen_nonzero, self._seen_since = {}, None  # dead-coordinate detection restarts from the loaded step
         for state in self.state.values():
-            state.pop("step", None)  # AdamW's per-parameter step; OnebitAdam keeps one global step
+            state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
         self._buckets = None
         self.last_dropped_error_norm = self.compression.reset_error_feedback()
 
@@ -823,7 +685,11 @@ class OnebitAdam(torch.optim.Optimizer):
         try:
             plan = [(int(key), [params[int(i)] for i in indices]) for key, indices in saved]
         except (TypeError, ValueError, IndexError) as err:
-            log.warning("OnebitAdam: the checkpoint's momentum bucket plan does not fit this model (%s); ignored", err)
+            log.warning(
+                "%s: the checkpoint's momentum bucket plan does not fit this model (%s); ignored",
+                type(self).__name__,
+                err,
+            )
             return None
         return plan
 
@@ -865,7 +731,10 @@ class OnebitAdam(torch.optim.Optimizer):
         return self.compression.reset_error_feedback()
 
 
-def _same_plan(a: Optional[list[tuple[int, list[torch.Tensor]]]], b: Optional[list[tuple[int, list[torch.Tensor]]]]) -> bool:
+_Plan = Optional[list[tuple[int, list[torch.Tensor]]]]
+
+
+def _same_plan(a: _Plan, b: _Plan) -> bool:
     """Whether two bucket plans are the same keys and parameters (by identity), in the same order."""
     if a is None or b is None:
         return a is None and b is None
@@ -873,14 +742,6 @@ def _same_plan(a: Optional[list[tuple[int, list[torch.Tensor]]]], b: Optional[li
         ka == kb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb)) for (ka, pa), (kb, pb) in zip(a, b)
     )
 
-
-def _fused_adamw_supports(*tensor_lists: Sequence[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes these tensors: dense float32/float64 on CPU or CUDA."""
-    return all(
-        t.device.type in ("cpu", "cuda") and t.dtype in (torch.float32, torch.float64) and not t.is_sparse
-        for tensors in tensor_lists
-        for t in tensors
-    )
 
 
 def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:

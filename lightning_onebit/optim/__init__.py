@@ -1,0 +1,10 @@
+"""The compressed optimizers: a shared base (:mod:`lightning_onebit.optim.base`) and one module per algorithm.
+
+* :class:`OnebitAdam` (:mod:`lightning_onebit.optim.onebit_adam`): AdamW warmup, then Adam with a frozen variance and
+  1-bit compressed momentum averaging.
+"""
+
+from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage, check_exp_avg_mask
+from lightning_onebit.optim.onebit_adam import OnebitAdam
+
+__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitStage", "check_exp_avg_mask"]

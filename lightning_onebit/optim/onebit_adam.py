@@ -1,0 +1,230 @@
+"""1-bit Adam (arXiv 2102.02888) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.optim.adamw import adamw as adamw_functional
+
+from lightning_onebit import kernels
+from lightning_onebit.kernels import Backend
+from lightning_onebit.optim.base import CompressedOptimizer
+from lightning_onebit.topology import Topology
+
+
+class OnebitAdam(CompressedOptimizer):
+    r"""1-bit Adam: AdamW during warmup, then Adam with frozen variance and 1-bit compressed momentum averaging.
+
+    **Warmup** (steps ``1..freeze_step``): the caller averages gradients across ranks (DDP's allreduce, or the
+    ``onebit_adam`` strategy does it), and the update is exactly :class:`torch.optim.AdamW` (run by torch's fused
+    AdamW kernel for float32/float64 tensors on CPU or CUDA when ``bias_correction=True``)::
+
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
+
+    **Compression** (steps ``freeze_step + 1`` on): gradients are *local* (not averaged). Each rank updates its
+    momentum with its own gradient, the momenta are averaged with the error-compensated 1-bit compressed allreduce of
+    :mod:`lightning_onebit.comm` (the result is identical on every rank), masked by ``exp_avg_mask`` if given, and
+    applied with the variance frozen at its step-``freeze_step`` value::
+
+        m = CompressedAllreduce(b1 m + (1 - b1) g_local) * mask
+        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat_frozen) + eps)
+
+    Bias correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` (``t`` the current step) and ``v`` by
+    ``1 - b2^t_v`` with ``t_v = min(t, freeze_step)``, the number of updates ``v`` received. With
+    ``bias_correction=False`` neither is corrected (this is DeepSpeed's actual behaviour, which ignored the flag).
+
+    Momenta of all trainable parameters are packed, at the first compressed step, into flat buckets of about
+    ``bucket_cap_mb`` MB, or as :meth:`set_bucket_plan` says (the overlapped exchange lays them out like DDP's
+    gradient buckets); each bucket costs two collectives per step however many parameters it holds. With
+    :class:`~lightning_onebit.OverlapState` a bucket's exchange starts during backward
+    (:meth:`start_bucket_exchange_`) and :meth:`step` finishes it, with the same bits. A parameter
+    without a gradient on a rank in a compressed step contributes a zero gradient to that rank's momentum (the
+    momentum is global, so the parameter still moves). A parameter that never had a gradient during warmup has no
+    variance estimate: it is kept out of the update (frozen) and a warning names it.
+
+    **Dead coordinates.** 1-bit compression cannot send zero: a coordinate whose gradient is exactly zero in every
+    warmup step (embedding rows never looked up, position embeddings past the sequence length) has a variance of ~0
+    and, wherever its compression segment also holds live coordinates, receives ``+-scale`` momentum from the first
+    compressed step on, so its update explodes to about ``lr * scale / eps``. With ``warn_dead_coordinates=True``
+    (the default) the optimizer records, per parameter element, whether its (averaged) gradient was ever nonzero
+    during warmup, and at the first compressed step warns, on rank 0 of ``process_group``, how many such coordinates
+    each parameter has that no ``exp_avg_mask`` masks, with the fix (``MomentumMask(auto=True)``, or an
+    ``exp_avg_mask``). Warmup gradients are averaged, hence equal on every rank: no communication is needed.
+    :class:`~lightning_onebit.MomentumMask` with ``auto=True`` masks exactly these coordinates and switches this
+    detection off (it detects them itself); with explicit masks only, the warning counts what the masks leave
+    uncovered. Parameters are named by ``param_names`` when the optimizer was given ``named_parameters()``, else by
+    param group, index and shape.
+
+    Nothing here touches ``torch.distributed`` before the first compressed step, so the optimizer can be built before
+    the process group exists (LightningCLI does). Without an initialised process group (or with one rank) the
+    compressed allreduce is the identity.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names)
+            or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``
+            and ``exp_avg_mask``. Parameters must be floating point (float32, float64, float16, bfloat16): complex
+            and integer parameters are refused, since the compressed momentum exchange has no form for them.
+        lr: learning rate, a float ``>= 0``. Default ``1e-3``.
+        betas: ``(b1, b2)`` decay rates of momentum and variance, a pair of floats each in ``[0, 1)``. Default
+            ``(0.9, 0.999)``.
+        eps: added to ``sqrt(v_hat)``; ``>= 0``. Default ``1e-8``.
+        weight_decay: decoupled weight decay coefficient (AdamW's), ``>= 0``. Default ``0``.
+        freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step. No
+            default: the paper uses 15-25% of training; the variance must have settled by then.
+        bias_correction: see above; a bool (anything else is an error, not a truthy value). Default ``True``.
+        amsgrad: not supported (the variance is frozen); only ``False`` is accepted, so AdamW configs port with a
+            clear error instead of a silently ignored flag.
+        bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype). Default ``25``.
+        process_group: group whose ranks average momenta; ``None`` (default) means WORLD, resolved at step time.
+            The Lightning strategy sets its data-parallel group here.
+        kernel_backend: ``"auto"`` (default), ``"torch"``, ``"cpu"`` (fused C kernels for float32 CPU tensors) or
+            ``"cupy"``, see :mod:`lightning_onebit.kernels`. ``"auto"`` takes the fastest one available per tensor.
+            At the first compressed step (or when the strategy sets up) the ranks agree on it
+            (:func:`~lightning_onebit.comm.agree_kernel_backend`): if they have different kernels available, all run
+            the torch ones, so that replicas compute identical bits.
+        topology: a :class:`~lightning_onebit.Topology` over ``process_group``, from :meth:`Topology.build`. A
+            hierarchical one averages momenta in full precision inside each node and with 1 bit only between nodes
+            (about ``N/8`` bytes per node per step instead of ``N/4`` or more); any topology splits the byte counters
+            into intra- and inter-node bytes. ``None`` (default): flat exchange. The strategy sets it from its
+            ``topology`` argument.
+        warn_dead_coordinates: detect dead coordinates during warmup and warn at the first compressed step (see
+            above). Costs one bool per trainable parameter element during warmup (freed at the first compressed step)
+            and one comparison pass over the gradients per warmup step. Default ``True``.
+
+    All arguments are checked in the constructor (before any collective); an invalid one is a ``ValueError`` that
+    names it.
+
+    Param-group option ``exp_avg_mask``: a tensor of each parameter's shape (the group-wide DeepSpeed form, for
+    groups whose parameters share one shape) or a list with one tensor or ``None`` per parameter. It multiplies the
+    averaged momentum in the compression stage, so masked coordinates (mask 0) have momentum exactly zero and do not
+    move except by weight decay. Masks come from the code, never from a checkpoint. A mask is bool or floating point
+    and holds only 0 and 1 (DeepSpeed's semantics): the mask multiplies the stored momentum every compressed step, so
+    a fractional value would compound (``0.5`` shrinks that momentum by ``0.5^k`` after ``k`` steps), ``2`` would
+    grow it geometrically and NaN would spread to the parameters; other values are a ``ValueError`` naming the param
+    group and index. Masks are converted to their parameter's dtype and device.
+    """
+
+    def __init__(
+        self,
+        params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        freeze_step: int,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+        bucket_cap_mb: float = 25.0,
+        process_group: Optional[dist.ProcessGroup] = None,
+        kernel_backend: Backend = "auto",
+        topology: Optional[Topology] = None,
+        warn_dead_coordinates: bool = True,
+    ) -> None:
+        if not isinstance(amsgrad, bool):
+            raise ValueError(f"amsgrad must be False (OnebitAdam does not support amsgrad), got {amsgrad!r}")
+        if amsgrad:
+            raise ValueError("OnebitAdam does not support amsgrad=True: the variance is frozen after warmup")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(
+            params,
+            defaults,
+            freeze_step=freeze_step,
+            bucket_cap_mb=bucket_cap_mb,
+            process_group=process_group,
+            kernel_backend=kernel_backend,
+            topology=topology,
+            warn_dead_coordinates=warn_dead_coordinates,
+        )
+
+    def _warmup_step(self) -> None:
+        t = self._step
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "exp_avg_sq" not in state:
+                    if "exp_avg" not in state:  # else: a zero momentum view into a bucket built early
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    self._frozen_params.discard(id(p))  # it has a variance estimate now
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                if self.warn_dead_coordinates:
+                    self._track_nonzero(p)
+            if not params:
+                continue
+            b1, b2 = group["betas"]
+            if group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
+                # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
+                # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
+                steps = [torch.tensor(float(t - 1)) for _ in params]
+                adamw_functional(
+                    params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=b1, beta2=b2,
+                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                )
+                continue
+            torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+            torch._foreach_mul_(exp_avg_sqs, b2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+            self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t)
+
+    def _compressed_step(self) -> None:
+        self._average_momenta_()
+        t, t_v = self._step, self.freeze_step
+        for group in self.param_groups:
+            params = self._updated_params(group)
+            if params:
+                exp_avgs = [self.state[p]["exp_avg"] for p in params]
+                exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+                self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
+
+    @staticmethod
+    def _apply_update(
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        t: int,
+        t_v: int,
+        backend: Backend = "torch",
+    ) -> None:
+        """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations.
+
+        Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
+        compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
+        """
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if group["bias_correction"]:
+            bias_correction1 = 1 - b1**t
+            bias_correction2_sqrt = math.sqrt(1 - b2**t_v)
+        else:
+            bias_correction1 = bias_correction2_sqrt = 1.0
+        kernels.frozen_adam_update_(
+            params,
+            exp_avgs,
+            exp_avg_sqs,
+            decay=1 - lr * wd if wd != 0 else None,
+            bias_correction2_sqrt=bias_correction2_sqrt,
+            eps=eps,
+            step=-lr / bias_correction1,
+            backend=backend,
+        )
+
+
+def _fused_adamw_supports(*tensor_lists: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel takes these tensors: dense float32/float64 on CPU or CUDA."""
+    return all(
+        t.device.type in ("cpu", "cuda") and t.dtype in (torch.float32, torch.float64) and not t.is_sparse
+        for tensors in tensor_lists
+        for t in tensors
+    )
+
