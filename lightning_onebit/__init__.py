@@ -24,7 +24,7 @@ from lightning_onebit.gradient_sync import (
     overlapped_exchange_hook,
     switchable_allreduce_hook,
 )
-from lightning_onebit.optim import OnebitAdam, OnebitStage
+from lightning_onebit.optim import CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.strategy import OnebitAdamStrategy
 from lightning_onebit.topology import Topology
@@ -39,11 +39,13 @@ __all__ = [
     "CommunicationCounters",
     "CommunicationMonitor",
     "CompressedAllreduceState",
+    "CompressedOptimizer",
     "ErrorFeedbackCheckpoint",
     "GradientSyncState",
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
+    "OnebitLamb",
     "OnebitStage",
     "OverlapState",
     "RankSyncedGradScaler",

@@ -235,8 +235,8 @@ class OnebitAdamStrategy(DDPStrategy):
         if len(optimizers) != 1 or not isinstance(optimizers[0], CompressedOptimizer):
             names = ", ".join(type(o).__name__ for o in optimizers) or "no optimizer"
             raise ValueError(
-                f"The 'onebit_adam' strategy needs exactly one lightning_onebit.OnebitAdam optimizer, but "
-                f"configure_optimizers returned: {names}. Return e.g. "
+                "The 'onebit_adam' strategy needs exactly one compressed optimizer (lightning_onebit.OnebitAdam or "
+                f"lightning_onebit.OnebitLamb), but configure_optimizers returned: {names}. Return e.g. "
                 "`OnebitAdam(self.parameters(), lr=1e-4, freeze_step=1000)` (in LightningCLI: "
                 "`optimizer: {class_path: lightning_onebit.OnebitAdam, init_args: {lr: 1e-4, freeze_step: 1000}}`), "
                 "or use strategy='ddp' for other optimizers."
@@ -441,12 +441,13 @@ class OnebitAdamStrategy(DDPStrategy):
             ("onebit_adam_spawn", "spawn"),
             ("onebit_adam_fork", "fork"),
             ("onebit_adam_notebook", "fork"),
+            ("onebit_lamb", "popen"),  # the same strategy, under the name users of 1-bit LAMB look for
         )
         for name, start_method in entries:
             strategy_registry.register(
                 name,
                 cls,
-                description=f"1-bit Adam on DDP with start_method '{start_method}'",
+                description=f"1-bit Adam / 1-bit LAMB on DDP with start_method '{start_method}'",
                 start_method=start_method,
             )
 

@@ -2,9 +2,12 @@
 
 * :class:`OnebitAdam` (:mod:`lightning_onebit.optim.onebit_adam`): AdamW warmup, then Adam with a frozen variance and
   1-bit compressed momentum averaging.
+* :class:`OnebitLamb` (:mod:`lightning_onebit.optim.onebit_lamb`): LAMB warmup, then LAMB with a frozen variance,
+  a reconstructed fresh variance for the trust factor, and 1-bit compressed momentum averaging.
 """
 
 from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage, check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam
+from lightning_onebit.optim.onebit_lamb import OnebitLamb
 
-__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitStage", "check_exp_avg_mask"]
+__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitLamb", "OnebitStage", "check_exp_avg_mask"]

@@ -126,6 +126,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._pending_by_key: dict[int, PendingExchange] = {}
         self._side_stream: Optional[Any] = None  # CUDA: the stream the overlapped folding and compression run on
         self._frozen_params: set[int] = set()
+        # id(param) -> factor its momentum is multiplied by for the exchange (and divided by after it); set by a
+        # subclass (1-bit LAMB's scaling coefficients), empty for 1-bit Adam
+        self._exchange_scale: dict[int, float] = {}
         self.last_dropped_error_norm: Optional[float] = None
         self.warn_dead_coordinates = warn_dead_coordinates
         # dead-coordinate detection (warmup only): id(param) -> bool tensor "gradient was nonzero in a tracked step"
@@ -353,17 +356,35 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 torch._foreach_lerp_(exp_avgs, grads, weight)
             if decays:
                 torch._foreach_lerp_(decays, [m.new_zeros(()).expand_as(m) for m in decays], weight)
+        self._scale_for_exchange_([q for b in buckets if b.key not in in_flight for q in b.params])
         rest = [(b.key, b.flat, b.layout) for b in buckets if b.key not in in_flight]
         check_buckets(self.compression, rest)
         pending += [start_exchange_(self.compression, key, flat, layout, checked=True) for key, flat, layout in rest]
         finish_exchanges_(self.compression, pending)
         self.compression.counters.exposed_s += time.perf_counter() - started
+        if self._exchange_scale:
+            scaled = [q for b in buckets for q in b.params if id(q) in self._exchange_scale]
+            torch._foreach_div_(
+                [self.state[q]["exp_avg"] for q in scaled], [self._exchange_scale[id(q)] for q in scaled]
+            )
         for group in self.param_groups:
             masks = group["exp_avg_mask"]
             for i, p in enumerate(group["params"]):
                 if p.requires_grad and masks[i] is not None:
                     m = self.state[p]["exp_avg"]
                     m.mul_(_mask_like(masks, i, m))
+
+    def _scale_for_exchange_(self, params: Sequence[torch.Tensor]) -> None:
+        """Multiply these parameters' folded momenta by their :attr:`_exchange_scale` (if any) before compression;
+        :meth:`_average_momenta_` divides the average by it again. 1-bit LAMB uses it to give every tensor a
+        similar magnitude inside a bucket (one sign per element, scales per segment)."""
+        if not self._exchange_scale:
+            return
+        scaled = [q for q in params if id(q) in self._exchange_scale]
+        if scaled:
+            torch._foreach_mul_(
+                [self.state[q]["exp_avg"] for q in scaled], [self._exchange_scale[id(q)] for q in scaled]
+            )
 
     def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
         """The group's parameters a compressed step updates: trainable ones with a variance estimate."""
@@ -425,6 +446,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 torch._foreach_lerp_(
                     [self.state[bucket.params[i]]["exp_avg"] for i in indices], [grads[i] for i in indices], weight
                 )
+            self._scale_for_exchange_(bucket.params)
             pending = start_exchange_(self.compression, bucket.key, bucket.flat, bucket.layout)
             self._pending.append(pending)
             self._pending_by_key[key] = pending

@@ -1,0 +1,232 @@
+"""1-bit LAMB (``OnebitLamb``).
+
+* Warmup is LAMB: it matches a reference written here from the formulas (REFERENCE.md 3.2), to 1e-6, with and
+  without bias correction and weight decay, across param groups.
+* An all-zero momentum tensor gets ``scaling_coeff = 1`` (DeepSpeed divided by zero), and training stays finite.
+* On 2 and 3 gloo ranks with different data, replicas are bitwise identical after every step; starting each bucket's
+  exchange during backward (``OverlapState``) gives the same bits as exchanging in ``step``; a resume mid-stage from
+  the optimizer state and this rank's error feedback continues exactly.
+* Under the Lightning strategy (``bf16-mixed``) it trains with replicas identical at every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lightning.pytorch as pl
+from lightning_onebit import (
+    GradientSyncState,
+    OnebitLamb,
+    OverlapState,
+    ReplicaCheck,
+    overlapped_exchange_hook,
+    switchable_allreduce_hook,
+)
+from tests.distributed import run_distributed
+from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(6, 16)
+        self.l2 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+        self.unused_scale = nn.Parameter(torch.ones(3))  # multiplied by 0: its gradient and momentum stay zero
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
+        return self.head(h) + 0.0 * self.unused_scale.sum()
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(16, 6, generator=g)
+    return x, torch.sin(x.sum(1, keepdim=True))
+
+
+def _groups(net: Net, wd: float) -> list[dict[str, Any]]:
+    return [
+        {"params": [net.l1.weight, net.l1.bias, net.unused_scale]},
+        {"params": [net.l2.weight, net.l2.bias, net.head.weight, net.head.bias], "weight_decay": wd, "lr": 2e-3},
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ warmup reference
+def _reference_lamb(net: Net, steps: int, lr: float, wd: float, bias_correction: bool) -> list[torch.Tensor]:
+    """LAMB from the formulas, in float64, on the same batches (rank 0's)."""
+    b1, b2, eps, max_coeff, min_coeff = 0.9, 0.999, 1e-8, 10.0, 0.01
+    params = [p.detach().double().clone() for p in net.parameters()]
+    groups = _groups(net, wd)
+    settings = {}
+    for group in groups:
+        for p in group["params"]:
+            settings[id(p)] = (group.get("lr", lr), group.get("weight_decay", 0.0))
+    ids = [id(p) for p in net.parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    model = Net().double()
+    for t in range(1, steps + 1):
+        with torch.no_grad():
+            for q, p in zip(model.parameters(), params):
+                q.copy_(p)
+        model.zero_grad()
+        x, y = _batch(0, t)
+        nn.functional.mse_loss(model(x.double()), y.double()).backward()
+        for i, q in enumerate(model.parameters()):
+            g = q.grad
+            lr_i, wd_i = settings[ids[i]]
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
+            u = (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps) + wd_i * params[i]
+            pn, un = float(params[i].norm()), float(u.norm())
+            r = 1.0 if pn == 0 or un == 0 else min(max(pn / un, min_coeff), max_coeff)
+            params[i] = params[i] - lr_i * r * u
+    return params
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_warmup_matches_a_lamb_reference(bias_correction: bool) -> None:
+    net, steps, lr, wd = Net(), 12, 1e-3, 0.05
+    opt = OnebitLamb(_groups(net, wd), lr=lr, freeze_step=100, bias_correction=bias_correction)
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        x, y = _batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    reference = _reference_lamb(Net(), steps, lr, wd, bias_correction)
+    for p, q in zip(net.parameters(), reference):
+        torch.testing.assert_close(p.detach().double(), q, rtol=0, atol=1e-6)
+    # the trust-ratio EMA ran from 0 for every tensor whose ratio was not 1
+    coeffs = [opt.state[p]["lamb_coeff"] for p in (net.l1.weight, net.l2.weight, net.head.weight)]
+    assert all(0 < c < 10 for c in coeffs)
+
+
+def test_zero_momentum_tensor_gets_scaling_one_and_training_stays_finite() -> None:
+    net = Net()
+    opt = OnebitLamb(net.parameters(), lr=1e-3, freeze_step=3, warn_dead_coordinates=False)
+    for t in range(1, 9):
+        opt.zero_grad()
+        x, y = _batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    assert opt.state[net.unused_scale]["lamb_scaling_coeff"] == 1.0
+    scales = [opt.state[p]["lamb_scaling_coeff"] for p in net.parameters()]
+    assert all(math.isfinite(s) and s > 0 for s in scales) and len(set(scales)) > 2
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(min_coeff=0.0), "min_coeff"),
+        (dict(max_coeff=0.001), "min_coeff <= max_coeff"),
+        (dict(factor_min=5.0), "factor_min <= factor_max"),
+        (dict(factor_threshold=-0.1), "factor_threshold"),
+        (dict(coeff_beta=1.0), "coeff_beta"),
+        (dict(max_coeff=float("nan")), "finite"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OnebitLamb(Net().parameters(), freeze_step=3, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ distributed
+FREEZE, STEPS, RESUME_AT = 3, 9, 6
+
+
+def _train(rank: int, overlap: bool, steps: range, state: Any = None) -> dict[str, Any]:
+    net = Net()
+    ddp = DDP(net, bucket_cap_mb=0.001)
+    opt = OnebitLamb(_groups(net, 0.01), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+    if overlap is None:  # the in-step path with DDP's momentum layout, for the bitwise comparison
+        hook_state = OverlapState(ddp, opt, enabled=False)
+        ddp.register_comm_hook(hook_state, overlapped_exchange_hook)
+    elif overlap:
+        hook_state = OverlapState(ddp, opt)
+        ddp.register_comm_hook(hook_state, overlapped_exchange_hook)
+    else:
+        ddp.register_comm_hook(GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce),
+                               switchable_allreduce_hook)
+    if state is not None:
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        opt.load_error_feedback_state_dict(state["error_feedback"])
+    after, saved = [], None
+    for t in steps:
+        opt.zero_grad()
+        x, y = _batch(ddp.process_group.rank(), t)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        after.append(torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()]))
+        if t == RESUME_AT:
+            # state_dict() holds references to the live state tensors: copy it, as saving a checkpoint does
+            saved = dict(model={k: v.clone() for k, v in net.state_dict().items()},
+                         optimizer=copy.deepcopy(opt.state_dict()),
+                         error_feedback=opt.error_feedback_state_dict())
+    return dict(after=after, saved=saved, bytes=opt.communication.bytes_sent, hook_s=opt.communication.hook_s)
+
+
+def scenario_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    out = dict(
+        plain=_train(rank, False, range(1, STEPS + 1)),
+        in_step=_train(rank, None, range(1, STEPS + 1)),
+        overlapped=_train(rank, True, range(1, STEPS + 1)),
+    )
+    out["resumed"] = _train(rank, False, range(RESUME_AT + 1, STEPS + 1), state=out["plain"]["saved"])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_replicas_identical_every_step_overlap_bitwise_and_resume_exact(world_size: int) -> None:
+    results = run_distributed(scenario_ranks, world_size, timeout_s=240)
+    for name in ("plain", "in_step", "overlapped"):
+        for step in range(STEPS):
+            ranks = [r[name]["after"][step] for r in results]
+            assert all(torch.equal(ranks[0], x) for x in ranks[1:]), f"{name}: replicas differ after step {step + 1}"
+        assert all(r[name]["bytes"] > 0 for r in results)
+    for r in results:
+        assert r["overlapped"]["hook_s"] > 0 and r["in_step"]["hook_s"] == 0
+        for a, b in zip(r["overlapped"]["after"], r["in_step"]["after"]):
+            assert torch.equal(a, b), "overlapped and in-step exchanges differ"
+        resumed = r["resumed"]["after"]
+        assert len(resumed) == STEPS - RESUME_AT
+        for a, b in zip(resumed, r["plain"]["after"][RESUME_AT:]):
+            assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
+    # it learns: the compression stage keeps moving the parameters
+    first, last = results[0]["plain"]["after"][FREEZE], results[0]["plain"]["after"][-1]
+    assert not torch.equal(first, last)
+
+
+# ------------------------------------------------------------------------------------------------ Lightning
+class LambRegressor(Regressor):
+    def configure_optimizers(self) -> Any:
+        return OnebitLamb(self.parameters(), lr=self.lr, freeze_step=self.freeze_step, weight_decay=0.01)
+
+
+def scenario_lightning(rank: int, world_size: int) -> dict[str, Any]:
+    model = LambRegressor(freeze_step=3)
+    check = ReplicaCheck(every_n_steps=1)
+    trainer = pl.Trainer(**trainer_kwargs(world_size, 8, precision="bf16-mixed", callbacks=[check]))
+    trainer.fit(model, loader(rank, 8))
+    opt = trainer.strategy.onebit_optimizer
+    return dict(final=flat_params(model), checks=check.checks, stage=opt.stage.value, losses=model.losses,
+                started=trainer.strategy.overlap_state.buckets_started)
+
+
+def test_trains_under_the_strategy_with_bf16_and_identical_replicas() -> None:
+    results = run_distributed(scenario_lightning, 2, timeout_s=180)
+    for r in results:
+        assert r["checks"] == 8 and r["stage"] == "compression" and r["started"] > 0
+        assert all(math.isfinite(x) for x in r["losses"])
+    assert torch.equal(results[0]["final"], results[1]["final"])
