@@ -355,7 +355,8 @@ class OnebitAdamStrategy(DDPStrategy):
             return
         if stage is OnebitStage.WARMUP:
             rank_zero_info(
-                f"onebit_adam: warmup (DDP gradient allreduce + AdamW) until optimizer step {onebit.freeze_step}"
+                f"onebit_adam: warmup (DDP gradient allreduce, full-precision {type(onebit).__name__} update) until "
+                f"optimizer step {onebit.freeze_step}"
             )
         else:
             rank_zero_info(

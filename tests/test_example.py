@@ -85,3 +85,15 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     assert result["overlap"] == "on" and result["overlap_fallback"] is None, result
     assert result["exchange_in_hooks_s"] > 0, result
     assert "bert_finetune summary" in proc.stdout
+
+
+def test_lamb_config_resolves_to_onebit_lamb_under_the_strategy(tmp_path):
+    """bert_lamb.yaml (run in full by benchmarks/bert_parity.py) builds OnebitLamb under the 'onebit_lamb' name."""
+    config = ROOT / "examples" / "configs" / "bert_lamb.yaml"
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "fit", "--config", str(config), "--print_config"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "class_path: lightning_onebit.OnebitLamb" in proc.stdout
+    assert "strategy: onebit_lamb" in proc.stdout and "freeze_step: 250" in proc.stdout
