@@ -211,22 +211,111 @@ def test_replicas_identical_every_step_overlap_bitwise_and_resume_exact(world_si
 # ------------------------------------------------------------------------------------------------ Lightning
 class LambRegressor(Regressor):
     def configure_optimizers(self) -> Any:
-        return OnebitLamb(self.parameters(), lr=self.lr, freeze_step=self.freeze_step, weight_decay=0.01)
+        opt = OnebitLamb(self.parameters(), lr=self.lr, freeze_step=self.freeze_step, weight_decay=0.01)
+        if self.lr_lambda_zero_from is None:
+            return opt
+        zero_from = self.lr_lambda_zero_from
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.0 if i >= zero_from else 1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def scenario_lightning(rank: int, world_size: int) -> dict[str, Any]:
-    model = LambRegressor(freeze_step=3)
+def _lamb_fit(rank: int, world_size: int, workdir: str, run: str, **kwargs: Any) -> dict[str, Any]:
+    model_kwargs = kwargs.pop("model_kwargs", {})
+    callbacks = kwargs.pop("callbacks", [])
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    n_batches = kwargs.pop("n_batches", 8)
+    model = LambRegressor(freeze_step=3, **model_kwargs)
     check = ReplicaCheck(every_n_steps=1)
-    trainer = pl.Trainer(**trainer_kwargs(world_size, 8, precision="bf16-mixed", callbacks=[check]))
-    trainer.fit(model, loader(rank, 8))
+    trainer = pl.Trainer(**trainer_kwargs(world_size, kwargs.pop("max_steps", 8), callbacks=[check, *callbacks],
+                                          **kwargs))
+    trainer.fit(model, loader(rank, n_batches), ckpt_path=ckpt_path)
     opt = trainer.strategy.onebit_optimizer
+    state = trainer.strategy.overlap_state
     return dict(final=flat_params(model), checks=check.checks, stage=opt.stage.value, losses=model.losses,
-                started=trainer.strategy.overlap_state.buckets_started)
+                started=None if state is None else state.buckets_started, step_count=opt.step_count,
+                records=[(r["lr"], torch.equal(r["params_before"], r.get("params_after", r["params_before"])))
+                         for r in model.records], metrics={k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def test_trains_under_the_strategy_with_bf16_and_identical_replicas() -> None:
-    results = run_distributed(scenario_lightning, 2, timeout_s=180)
+def scenario_lightning(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask
+
+    out: dict[str, Any] = {}
+    out["bf16"] = _lamb_fit(rank, world_size, workdir, "bf16", precision="bf16-mixed")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    out["fp16"] = _lamb_fit(rank, world_size, workdir, "fp16",
+                            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+                            model_kwargs=dict(inf_at_step=5, inf_rank=1))
+    out["accumulation"] = _lamb_fit(
+        rank, world_size, workdir, "accumulation", accumulate_grad_batches=2, n_batches=16,
+        callbacks=[MomentumMask(auto=True), CommunicationMonitor()], model_kwargs=dict(lr_lambda_zero_from=6),
+    )
+
+    def checkpoints(run: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=os.path.join(workdir, run), filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+
+    common = dict(max_steps=-1, max_epochs=3, n_batches=3, model_kwargs=dict(data_seed=5), enable_checkpointing=True)
+    out["full"] = _lamb_fit(rank, world_size, workdir, "full",
+                            callbacks=[ErrorFeedbackCheckpoint("keep"), checkpoints("full")], **common)
+    keep = ErrorFeedbackCheckpoint("keep")
+    out["resumed"] = _lamb_fit(rank, world_size, workdir, "resumed", callbacks=[keep, checkpoints("resumed")],
+                               ckpt_path=os.path.join(workdir, "full", "epoch=1.ckpt"), **common)
+    out["resumed"]["restored"] = keep.restored
+    return out
+
+
+@pytest.fixture(scope="module")
+def lightning_session(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests.distributed import run_scenarios
+
+    workdir = tmp_path_factory.mktemp("lamb")
+    return run_distributed(run_scenarios, 2, (("lamb", scenario_lightning),), str(workdir), timeout_s=300)
+
+
+def _lamb_results(session: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    from tests.distributed import scenario_results
+
+    return [r[name] for r in scenario_results(session, "lamb")]
+
+
+def test_trains_under_the_strategy_with_bf16_and_identical_replicas(lightning_session: list[dict[str, Any]]) -> None:
+    results = _lamb_results(lightning_session, "bf16")
     for r in results:
         assert r["checks"] == 8 and r["stage"] == "compression" and r["started"] > 0
         assert all(math.isfinite(x) for x in r["losses"])
     assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_both(lightning_session: list[dict[str, Any]]) -> None:
+    results = _lamb_results(lightning_session, "fp16")
+    for r in results:
+        assert r["started"] is None  # 16-mixed: the exchange is not overlapped (the strategy falls back)
+        assert r["step_count"] == 8 - 1  # the overflow step was skipped, on both ranks
+        assert torch.isfinite(r["final"]).all()
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_accumulation_masks_monitor_and_lr_schedule(lightning_session: list[dict[str, Any]]) -> None:
+    results = _lamb_results(lightning_session, "accumulation")
+    for r in results:
+        assert r["step_count"] == 8 and r["checks"] == 8
+        # a 65-parameter model: the per-tensor scales weigh more than the signs, so ~6x rather than ~32x
+        assert r["metrics"]["comm/stage"] == 1.0 and r["metrics"]["comm/compression_ratio"] > 4
+        # LambdaLR sets lr 0 from scheduler step 6: the parameters stop moving (weight decay is inside the update)
+        lrs = [lr for lr, _ in r["records"]]
+        assert lrs[:6] == [Regressor().lr] * 6 and set(lrs[6:]) == {0.0}
+        assert [unchanged for _, unchanged in r["records"]][6:] == [True] * (len(lrs) - 6)
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_keep_resume_mid_stage_is_bitwise_the_uninterrupted_run(lightning_session: list[dict[str, Any]]) -> None:
+    for r in zip(_lamb_results(lightning_session, "full"), _lamb_results(lightning_session, "resumed")):
+        full, resumed = r
+        assert resumed["restored"] is True
+        assert torch.equal(resumed["final"], full["final"])
+        assert resumed["losses"] == full["losses"][-len(resumed["losses"]):]
