@@ -261,6 +261,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._install_plan(plan)
         return loss
 
+    def _moment_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """``p``'s state with ``exp_avg`` and ``exp_avg_sq`` (zeros when new), for a warmup step where ``p`` has a
+        gradient; from then on ``p`` has a variance estimate and is no longer frozen."""
+        state = self.state[p]
+        if "exp_avg_sq" not in state:
+            if "exp_avg" not in state:  # else: a zero momentum view into a bucket built early
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._frozen_params.discard(id(p))
+        return state
+
     def _warmup_step(self) -> None:
         raise NotImplementedError
 

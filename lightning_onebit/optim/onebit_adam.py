@@ -148,12 +148,7 @@ class OnebitAdam(CompressedOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "exp_avg_sq" not in state:
-                    if "exp_avg" not in state:  # else: a zero momentum view into a bucket built early
-                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self._frozen_params.discard(id(p))  # it has a variance estimate now
+                state = self._moment_state(p)
                 params.append(p)
                 grads.append(p.grad)
                 exp_avgs.append(state["exp_avg"])

@@ -119,13 +119,8 @@ class OnebitLamb(CompressedOptimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "exp_avg_sq" not in state:
-                    if "exp_avg" not in state:
-                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state.setdefault("lamb_coeff", 0.0)
-                    self._frozen_params.discard(id(p))
+                state = self._moment_state(p)
+                state.setdefault("lamb_coeff", 0.0)
                 if self.warn_dead_coordinates:
                     self._track_nonzero(p)
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
