@@ -96,4 +96,4 @@ def test_lamb_config_resolves_to_onebit_lamb_under_the_strategy(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "class_path: lightning_onebit.OnebitLamb" in proc.stdout
-    assert "strategy: onebit_lamb" in proc.stdout and "freeze_step: 250" in proc.stdout
+    assert "strategy: onebit_lamb" in proc.stdout and "freeze_step: 320" in proc.stdout
