@@ -77,10 +77,11 @@ def _destroy_process_groups() -> None:
 
 
 class OnebitAdamStrategy(DDPStrategy):
-    """Data-parallel training with 1-bit Adam: DDP during warmup, compressed momentum averaging afterwards.
+    """Data-parallel training with 1-bit Adam or 1-bit LAMB: DDP during warmup, compressed momentum averaging after.
 
-    ``configure_optimizers`` must return one :class:`~lightning_onebit.OnebitAdam`. For its first ``freeze_step``
-    steps this is ordinary DDP (gradients averaged by allreduce, an AdamW update). From step ``freeze_step + 1`` on,
+    ``configure_optimizers`` must return one compressed optimizer: :class:`~lightning_onebit.OnebitAdam` or
+    :class:`~lightning_onebit.OnebitLamb`. For its first ``freeze_step`` steps this is ordinary DDP (gradients averaged
+    by allreduce, a full-precision AdamW or LAMB update). From step ``freeze_step + 1`` on,
     DDP's gradient allreduce is switched off by a communication hook, each rank's local gradient enters its momentum,
     and the optimizer averages momenta with the 1-bit compressed allreduce (~32x fewer bytes than fp32).
 
