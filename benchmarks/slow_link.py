@@ -344,27 +344,21 @@ def _model_info(model: torch.nn.Module, world_size: int) -> dict[str, Any]:
     )
 
 
-def _onebit_meter(opt: OnebitAdam, warmup_counters: Any, overlapped: bool) -> Callable[[], dict[str, float]]:
+def _onebit_meter(opt: OnebitAdam, warmup_counters: Any) -> Callable[[], dict[str, float]]:
     """Cumulative counters of a 1-bit method: warmup allreduce bytes (``warmup_counters``: GradientSyncState or
-    OverlapState counters), compressed bytes, collectives, seconds inside the compressed allreduce, and the exposed
-    exchange seconds (plus, overlapped, the seconds inside the DDP hooks during backward)."""
+    OverlapState counters), compressed bytes, collectives, seconds inside the compressed allreduce, the exposed
+    exchange seconds (all of the exchange without overlap) and the seconds inside the DDP hooks during backward."""
 
     def meter() -> dict[str, float]:
         c, s = opt.communication, warmup_counters
-        values = dict(
+        return dict(
             grad_sync_bytes=s.bytes_sent,
             compressed_bytes=c.bytes_sent,
             collectives=c.collectives + s.collectives,
             compressed_allreduce_s=c.time_s,
+            exposed_s=c.exposed_s,
+            hook_s=c.hook_s,
         )
-        if overlapped:
-            values.update(exposed_s=c.exposed_s, hook_s=c.hook_s)
-        else:
-            # Without overlap the whole exchange runs inside opt.step, after backward: all of it is exposed. Counters
-            # without an exposed_s (or that leave it 0 on this path) give the seconds inside the compressed allreduce;
-            # both are 0 through warmup, so the per-step deltas never mix the two.
-            values["exposed_s"] = getattr(c, "exposed_s", 0.0) or c.time_s
-        return values
 
     return meter
 
@@ -430,7 +424,7 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
                              bucket_cap_mb=cfg["onebit_bucket_cap_mb"])
             sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
             model.register_comm_hook(sync, switchable_allreduce_hook)
-            meter = _onebit_meter(opt, sync.counters, overlapped=False)
+            meter = _onebit_meter(opt, sync.counters)
             phases.append(run_steps(model, opt, batches, W, "warmup", meter, wire=wire))
             phases.append(run_steps(model, opt, batches, U, "untimed", meter))
             phases.append(run_steps(model, opt, batches, N, "timed", meter, wire=wire))
@@ -444,7 +438,7 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W)
             state = OverlapState(model, opt)  # collective: every rank creates the same extra process groups
             model.register_comm_hook(state, overlapped_exchange_hook)
-            meter = _onebit_meter(opt, state.counters, overlapped=True)
+            meter = _onebit_meter(opt, state.counters)
             phases.append(run_steps(model, opt, batches, W, "warmup", meter, wire=wire))
             phases.append(run_steps(model, opt, batches, U, "untimed", meter))
             phases.append(run_steps(model, opt, batches, N, "timed", meter, wire=wire))

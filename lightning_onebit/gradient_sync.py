@@ -155,6 +155,8 @@ class OverlapState:
         self.enabled = enabled
         self.buckets_started = 0
         self._observed: list[list[torch.Tensor]] = []
+        self._handed: list[list[torch.Tensor]] = []  # the layout last handed to the optimizer ...
+        self._handed_version = -1  # ... and the optimizer's plan_version right after
         if enabled and not optimizer.compression.has_gather_groups:
             optimizer.compression.create_gather_groups()
 
@@ -183,8 +185,15 @@ class OverlapState:
             self._observed = []
             return
         self._observed.append(bucket.parameters())
-        if bucket.is_last():
+        stale = self.optimizer.plan_version != self._handed_version  # e.g. a plan loaded from a checkpoint
+        if bucket.is_last() and (stale or not _same_tensors(self._observed, self._handed)):
+            # once per layout change, not every backward: set_bucket_plan re-derives the plan from scratch
             self.optimizer.set_bucket_plan(self._observed)
+            self._handed, self._handed_version = self._observed, self.optimizer.plan_version
+
+
+def _same_tensors(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return len(a) == len(b) and all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
 
 
 def overlapped_exchange_hook(state: OverlapState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

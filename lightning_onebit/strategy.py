@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import inspect
 import logging
 import os
 import uuid
@@ -34,6 +33,7 @@ from lightning_onebit.gradient_sync import (
     switchable_allreduce_hook,
 )
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
 from lightning_onebit.topology import Topology, TopologyMode
@@ -50,7 +50,6 @@ PER_RANK_STATUS_KEY = "onebit_per_rank_status"
 
 
 _EXIT_HANDLER_REGISTERED = False
-_DEFAULT_BUCKET_CAP_BYTES = int(inspect.signature(CompressedOptimizer).parameters["bucket_cap_mb"].default * 2**20)
 
 
 def _destroy_process_groups_at_exit() -> None:
@@ -297,7 +296,7 @@ class OnebitAdamStrategy(DDPStrategy):
             rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}")
             return None
         assert isinstance(self.model, DistributedDataParallel)
-        if optimizer.bucket_cap_bytes != _DEFAULT_BUCKET_CAP_BYTES:
+        if optimizer.bucket_cap_bytes != int(DEFAULT_BUCKET_CAP_MB * 2**20):
             rank_zero_info(
                 f"onebit_adam: {type(optimizer).__name__}(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) "
                 "applies only to "

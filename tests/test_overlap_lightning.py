@@ -299,7 +299,7 @@ def test_overlap_with_gradient_accumulation(session: list[dict[str, Any]]) -> No
     assert len(results[0]["overlapped"]["every_step"]) == 2 * STEPS  # micro-batches; hooks fire on every second
 
 
-def test_find_unused_parameters_run_really_had_unused_parameters(session: list[dict[str, Any]]) -> None:
+def test_find_unused_parameters_run_trains_and_leaves_the_frozen_layer_alone(session: list[dict[str, Any]]) -> None:
     results = scenario_results(session, "unused")
     initial = flat_params(SometimesRegressor(freeze_step=FREEZE, frozen_layer=True))
     final = results[0]["overlapped"]["final"]

@@ -37,6 +37,8 @@ from lightning_onebit.topology import Topology
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_KEY = "onebit"
+#: Default size of a compressed momentum bucket, MB (DDP's default bucket size).
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 class OnebitStage(str, enum.Enum):
     """The stage an optimizer step runs in."""
@@ -88,7 +90,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         *,
         freeze_step: int,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
@@ -119,8 +121,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._buckets_built_for: Any = None  # (plan, world size, trainable ids) the buckets were built for
         # Momentum bucket plan (e.g. DDP's gradient buckets): bucket key -> parameters, in order. None: packed by size.
         self._bucket_plan: Optional[list[tuple[int, list[torch.Tensor]]]] = None
+        self.plan_version = 0  # incremented whenever the installed bucket plan changes (set or loaded)
         self._deferred_plan: Optional[tuple[Any]] = None  # (plan,): set_bucket_plan while exchanges were in flight
         self._bucket_by_key: dict[int, _Bucket] = {}
+        self._bucketed_ids: set[int] = set()
         # exchanges started during backward (the overlapped path), in start order, finished by the next step
         self._pending: list[PendingExchange] = []
         self._pending_by_key: dict[int, PendingExchange] = {}
@@ -428,17 +432,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         bucket = self._bucket_by_key.get(key)
         if bucket is None:
             return False
-        trainable = self._trainable_ids
-        chosen = [i for i, p in enumerate(params) if id(p) in trainable]
+        # the trainable parameters the buckets were built for (a change rebuilds them at the next step)
+        bucketed = self._bucketed_ids
+        chosen = [i for i, p in enumerate(params) if id(p) in bucketed]
         if len(chosen) != len(bucket.params) or any(params[i] is not q for i, q in zip(chosen, bucket.params)):
             return False
         if key in self._pending_by_key:
             raise RuntimeError(
                 f"{type(self).__name__}: gradient bucket {key} was ready twice before optimizer.step(): a second "
-                "backward pass "
-                "ran while its momentum exchange from the first was in flight. The overlapped exchange folds each "
-                "backward's gradients into the momentum at once, so it needs exactly one backward pass (with gradient "
-                "sync) per step: use no_sync() for the other micro-batches, or turn overlap off"
+                "backward pass ran while its momentum exchange from the first was in flight. The overlapped "
+                "exchange folds each backward's gradients into the momentum at once, so it needs exactly one backward "
+                "pass (with gradient sync) per step: use no_sync() for the other micro-batches, or turn overlap off"
             )
         started = time.perf_counter()
         grads = [gradients[i] for i in chosen]
@@ -523,6 +527,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if _same_plan(plan, self._bucket_plan):
             return
         self._bucket_plan = plan
+        self.plan_version += 1
         if self._buckets is not None:
             dropped = self.compression.reset_error_feedback()
             self._buckets = None
@@ -555,6 +560,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if self._buckets is not None and self._buckets_built_for == built_for:
             return self._buckets
         self._buckets_built_for = built_for
+        self._bucketed_ids = set(built_for[2])
         self._bucket_by_key: dict[int, _Bucket] = {}
         if not trainable:
             self._buckets = []
@@ -703,6 +709,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             step = max(steps, default=0)
         self._step = step
         self._bucket_plan = self._deferred_plan = None
+        self.plan_version += 1
         if meta is not None and meta.get("bucket_plan"):
             self._bucket_plan = self._plan_from_indices(meta["bucket_plan"])
         self._seen_nonzero, self._seen_since = {}, None  # dead-coordinate detection restarts from the loaded step

@@ -11,7 +11,7 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
-from lightning_onebit.optim.base import CompressedOptimizer
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.topology import Topology
 
 
@@ -119,7 +119,7 @@ class OnebitAdam(CompressedOptimizer):
         freeze_step: int,
         bias_correction: bool = True,
         amsgrad: bool = False,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,

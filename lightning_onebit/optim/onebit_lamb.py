@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.kernels import Backend
-from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage, _is_real
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, OnebitStage, _is_real
 from lightning_onebit.topology import Topology
 
 
@@ -75,7 +75,7 @@ class OnebitLamb(CompressedOptimizer):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         bias_correction: bool = True,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
