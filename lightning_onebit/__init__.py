@@ -24,7 +24,7 @@ from lightning_onebit.gradient_sync import (
     overlapped_exchange_hook,
     switchable_allreduce_hook,
 )
-from lightning_onebit.optim import CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage
+from lightning_onebit.optim import CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.strategy import OnebitAdamStrategy
 from lightning_onebit.topology import Topology
@@ -51,6 +51,7 @@ __all__ = [
     "RankSyncedGradScaler",
     "ReplicaCheck",
     "Topology",
+    "ZeroOneAdam",
     "agree_kernel_backend",
     "assert_replicas_identical",
     "bytes_leaving_node",

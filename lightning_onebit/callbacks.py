@@ -130,6 +130,13 @@ class MomentumMask(Callback):
                 )
         self._explicit = {name: mask for name, mask in self._explicit.items() if id(named[name]) in held}
         if self.auto:
+            if onebit.masks_zero_variance:
+                raise ValueError(
+                    f"MomentumMask(auto=True) does not apply to {type(onebit).__name__}: it keeps every coordinate whose "
+                    "variance is still zero at rest by itself and goes on updating the variance after its first "
+                    f"{onebit.freeze_step} steps, whereas auto masks are fixed then and would freeze for good the "
+                    "embedding rows that start training later. Remove auto=True (explicit masks still apply)."
+                )
             self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in held}
             onebit.warn_dead_coordinates = False  # this callback masks every coordinate that warning would report
 
@@ -427,7 +434,8 @@ class ReplicaCheck(Callback):
     """Fails loudly if the model replicas stop being bitwise identical.
 
     In both stages every rank applies the same update to the same parameters, so replicas must stay bit-identical
-    with no parameter broadcast. Ranks that run different kernels (see ``OnebitAdam.agree_kernel_backend``), a
+    with no parameter broadcast (with :class:`~lightning_onebit.ZeroOneAdam`, after every sync: a check that falls
+    between syncs waits for the next one). Ranks that run different kernels (see ``OnebitAdam.agree_kernel_backend``), a
     nondeterministic custom op or a corrupted rank would make them drift apart silently. Every ``every_n_steps``
     optimizer steps this callback compares a checksum of every parameter's bits across ranks
     (:func:`~lightning_onebit.comm.assert_replicas_identical`: one pass over the parameters and an all-gather of 8
@@ -443,6 +451,7 @@ class ReplicaCheck(Callback):
         self.every_n_steps = every_n_steps
         self.checks = 0
         self._last_step = -1
+        self._due = False  # a check fell between two syncs of an optimizer with local steps
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
@@ -452,9 +461,13 @@ class ReplicaCheck(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step == 0 or step == self._last_step or step % self.every_n_steps:
+        if step == 0 or step == self._last_step:
             return
         self._last_step = step
+        self._due = self._due or step % self.every_n_steps == 0
         optimizer = _onebit_optimizer(trainer, "ReplicaCheck")
+        if not self._due or not optimizer.replicas_in_sync:  # (rank-identical: the sync schedule is)
+            return
+        self._due = False
         assert_replicas_identical(list(pl_module.named_parameters()), optimizer.process_group)
         self.checks += 1

@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -351,11 +351,15 @@ class CompressedAllreduceState:
             total += float(b.worker_error.float().square().sum()) + float(b.server_error.float().square().sum())
         return math.sqrt(total)
 
-    def reset_error_feedback(self) -> float:
-        """Drop all error-feedback buffers (they restart from zero); returns the norm that was dropped."""
-        norm = self.error_feedback_norm()
-        self._buckets.clear()
-        return norm
+    def reset_error_feedback(self, which: Optional[Callable[[Hashable], bool]] = None) -> float:
+        """Drop error-feedback buffers (they restart from zero): all of them, or those whose key ``which(key)``
+        accepts (e.g. one stream of an optimizer). Returns the L2 norm that was dropped."""
+        keys = [key for key in self._buckets if which is None or which(key)]
+        total = 0.0
+        for key in keys:
+            b = self._buckets.pop(key)
+            total += float(b.worker_error.float().square().sum()) + float(b.server_error.float().square().sum())
+        return math.sqrt(total)
 
     def error_feedback_state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback buffers with the layouts they belong to (for per-rank checkpoints)."""

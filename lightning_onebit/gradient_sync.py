@@ -145,6 +145,8 @@ class OverlapState:
         if clip_value is not None and (isinstance(clip_value, bool) or not isinstance(clip_value, (int, float))
                                        or not clip_value >= 0):
             raise ValueError(f"clip_value must be a number >= 0 or None, got {clip_value!r}")
+        if optimizer.overlap_unsupported_reason is not None:
+            raise ValueError(f"OverlapState: {optimizer.overlap_unsupported_reason}; use switchable_allreduce_hook")
         optimizer.process_group = ddp.process_group
         self.gradient_sync = gradient_sync or GradientSyncState(topology=optimizer.topology)
         self.gradient_sync.process_group = ddp.process_group

@@ -188,7 +188,7 @@ class OnebitAdamStrategy(DDPStrategy):
         )
         self.gradient_sync = GradientSyncState(sync_predicate=self._gradient_allreduce_needed)
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._announced_stage: Optional[OnebitStage] = None
+        self._announced_stage: Optional[str] = None  # the optimizer phase last announced (describe_phase)
         self._warned_local_clipping = False
 
     # ------------------------------------------------------------------ wiring
@@ -235,8 +235,9 @@ class OnebitAdamStrategy(DDPStrategy):
         if len(optimizers) != 1 or not isinstance(optimizers[0], CompressedOptimizer):
             names = ", ".join(type(o).__name__ for o in optimizers) or "no optimizer"
             raise ValueError(
-                "The 'onebit_adam' strategy needs exactly one compressed optimizer (lightning_onebit.OnebitAdam or "
-                f"lightning_onebit.OnebitLamb), but configure_optimizers returned: {names}. Return e.g. "
+                "The 'onebit_adam' strategy needs exactly one compressed optimizer (lightning_onebit.OnebitAdam, "
+                "lightning_onebit.ZeroOneAdam or lightning_onebit.OnebitLamb), but configure_optimizers returned: "
+                f"{names}. Return e.g. "
                 "`OnebitAdam(self.parameters(), lr=1e-4, freeze_step=1000)` (in LightningCLI: "
                 "`optimizer: {class_path: lightning_onebit.OnebitAdam, init_args: {lr: 1e-4, freeze_step: 1000}}`), "
                 "or use strategy='ddp' for other optimizers."
@@ -285,7 +286,7 @@ class OnebitAdamStrategy(DDPStrategy):
         self.overlap_fallback_reason = None
         if self.overlap is False:
             return None
-        reason = self.overlap_unsupported_reason(trainer)
+        reason = optimizer.overlap_unsupported_reason or self.overlap_unsupported_reason(trainer)
         if reason is not None and not (self.overlap is True and reason.startswith("manual optimization")):
             if self.overlap is True:
                 raise ValueError(
@@ -350,20 +351,10 @@ class OnebitAdamStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _announce_stage(self, onebit: CompressedOptimizer) -> None:
-        stage = onebit.stage
-        if stage is self._announced_stage:
-            return
-        if stage is OnebitStage.WARMUP:
-            rank_zero_info(
-                f"onebit_adam: warmup (DDP gradient allreduce, full-precision {type(onebit).__name__} update) until "
-                f"optimizer step {onebit.freeze_step}"
-            )
-        else:
-            rank_zero_info(
-                f"onebit_adam: compression stage from optimizer step {onebit.step_count + 1}: DDP gradient "
-                "allreduce off, momenta averaged by the 1-bit compressed allreduce, variance frozen"
-            )
-        self._announced_stage = stage
+        phase, sentence = onebit.describe_phase()
+        if phase != self._announced_stage:
+            rank_zero_info(f"onebit_adam: {sentence}")
+            self._announced_stage = phase
 
     def _warn_local_clipping(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -375,7 +366,25 @@ class OnebitAdamStrategy(DDPStrategy):
         )
         self._warned_local_clipping = True
 
+    @override
+    def on_train_end(self) -> None:
+        # An optimizer with local steps (ZeroOneAdam) ends fit with every rank's replica identical.
+        if self._onebit_optimizer is not None and self._onebit_optimizer.synchronize():
+            rank_zero_info("onebit_adam: replicas synchronised at the end of fit (local steps since the last sync)")
+        super().on_train_end()
+
     # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict, after syncing the replicas if the optimizer took local steps since its last sync
+        (:meth:`CompressedOptimizer.synchronize`, a collective: Lightning collects checkpoints on every rank), so a
+        checkpoint holds the model every rank agrees on and a resume continues exactly."""
+        onebit = self._onebit_optimizer
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if onebit is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING and onebit.synchronize():
+            log.debug("onebit_adam: replicas synchronised before saving a checkpoint")
+        return super().lightning_module_state_dict()
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None
@@ -442,13 +451,15 @@ class OnebitAdamStrategy(DDPStrategy):
             ("onebit_adam_spawn", "spawn"),
             ("onebit_adam_fork", "fork"),
             ("onebit_adam_notebook", "fork"),
-            ("onebit_lamb", "popen"),  # the same strategy, under the name users of 1-bit LAMB look for
+            # the same strategy, under the names users of 1-bit LAMB and 0/1 Adam look for
+            ("onebit_lamb", "popen"),
+            ("zeroone_adam", "popen"),
         )
         for name, start_method in entries:
             strategy_registry.register(
                 name,
                 cls,
-                description=f"1-bit Adam / 1-bit LAMB on DDP with start_method '{start_method}'",
+                description=f"1-bit Adam / 0/1 Adam / 1-bit LAMB on DDP with start_method '{start_method}'",
                 start_method=start_method,
             )
 

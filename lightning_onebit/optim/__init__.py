@@ -2,6 +2,9 @@
 
 * :class:`OnebitAdam` (:mod:`lightning_onebit.optim.onebit_adam`): AdamW warmup, then Adam with a frozen variance and
   1-bit compressed momentum averaging.
+* :class:`ZeroOneAdam` (:mod:`lightning_onebit.optim.zeroone_adam`): Adam whose variance is updated on ever rarer
+  full-precision steps with 1-bit compressed gradients in between, then local steps synchronised by 1-bit compressed
+  updates ever more rarely.
 * :class:`OnebitLamb` (:mod:`lightning_onebit.optim.onebit_lamb`): LAMB warmup, then LAMB with a frozen variance,
   a reconstructed fresh variance for the trust factor, and 1-bit compressed momentum averaging.
 """
@@ -9,5 +12,6 @@
 from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage, check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam
 from lightning_onebit.optim.onebit_lamb import OnebitLamb
+from lightning_onebit.optim.zeroone_adam import ZeroOneAdam
 
-__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitLamb", "OnebitStage", "check_exp_avg_mask"]
+__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitLamb", "OnebitStage", "ZeroOneAdam", "check_exp_avg_mask"]

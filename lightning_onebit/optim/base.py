@@ -8,13 +8,14 @@ momentum into the rank-identical compressed average, then applies its update.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
 import numbers
 import time
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from lightning_onebit.comm import (
     PendingExchange,
     agree_kernel_backend,
     check_buckets,
+    compressed_allreduce_buckets_,
     finish_exchanges_,
     progress_exchanges_,
     start_exchange_,
@@ -67,6 +69,7 @@ class _Bucket:
         self.layout = layout
         self.flat = flat
         self.fold_groups = fold_groups
+        self.extra: dict[str, torch.Tensor] = {}  # other buffers laid out like ``flat`` (see _bucket_state_buffer)
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
@@ -80,9 +83,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
     ``betas``, ``eps``, ``weight_decay`` and ``bias_correction``, checked when a group is added.
 
     A subclass passes its ``defaults`` and implements ``_warmup_step()`` (averaged gradients) and
-    ``_compressed_step()`` (local gradients; it calls :meth:`_average_momenta_` and applies its update). See
-    :class:`~lightning_onebit.OnebitAdam` for the arguments, which every subclass shares.
+    ``_compressed_step()`` (local gradients; it calls :meth:`_average_momenta_`, or :meth:`_compressed_average_` for
+    other quantities, and applies its update); either may return the kind of step it took (see
+    :attr:`steps_by_kind`). See :class:`~lightning_onebit.OnebitAdam` for the arguments, which every subclass shares.
     """
+
+    #: Why this optimizer's exchange cannot start during backward (``None``: it can, see
+    #: :meth:`start_bucket_exchange_`). The strategy's ``overlap="auto"`` falls back with this reason.
+    overlap_unsupported_reason: Optional[str] = None
+    #: Whether the optimizer itself keeps coordinates with an exactly-zero variance at rest (their momentum is zeroed),
+    #: instead of relying on masks fixed at the end of warmup (:class:`~lightning_onebit.MomentumMask`'s ``auto``).
+    masks_zero_variance: bool = False
 
     def __init__(
         self,
@@ -138,6 +149,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # dead-coordinate detection (warmup only): id(param) -> bool tensor "gradient was nonzero in a tracked step"
         self._seen_nonzero: dict[int, torch.Tensor] = {}
         self._seen_since: Optional[int] = None  # first tracked warmup step (> 1 after a resume in warmup)
+        #: Steps this process took, by kind: ``"warmup"`` (gradients averaged in full precision) and ``"compressed"``
+        #: (one 1-bit compressed exchange); :class:`~lightning_onebit.ZeroOneAdam` also counts ``"variance"``,
+        #: ``"local"`` (no communication at all) and ``"sync"``. Not saved in checkpoints.
+        self.steps_by_kind: collections.Counter[str] = collections.Counter()
+        self.last_step_kind: Optional[str] = None  # the kind of the latest step (see steps_by_kind)
 
     # ------------------------------------------------------------------ validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -205,6 +221,31 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self.stage is OnebitStage.WARMUP
 
     @property
+    def replicas_in_sync(self) -> bool:
+        """Whether every rank holds the same parameters now (always, except between the synchronisations of an
+        optimizer that takes local steps, :class:`~lightning_onebit.ZeroOneAdam`)."""
+        return True
+
+    def synchronize(self) -> bool:
+        """Make the replicas identical now if they are not (:attr:`replicas_in_sync`); a collective when it acts,
+        so call it on every rank (the strategy does, before it saves a checkpoint). Returns whether it communicated.
+        Nothing to do here: this optimizer's replicas are identical after every step."""
+        return False
+
+    def describe_phase(self) -> tuple[str, str]:
+        """``(phase, sentence)``: which phase the next step is in, and a sentence for the log saying what it does.
+        The strategy announces each new phase once."""
+        name = type(self).__name__
+        if self.stage is OnebitStage.WARMUP:
+            return "warmup", (
+                f"warmup (DDP gradient allreduce, full-precision {name} update) until optimizer step {self.freeze_step}"
+            )
+        return "compression", (
+            f"compression stage from optimizer step {self._step + 1}: DDP gradient allreduce off, momenta averaged by "
+            "the 1-bit compressed allreduce, variance frozen"
+        )
+
+    @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
         return self.compression.process_group
 
@@ -257,9 +298,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         stage = self.stage
         self._step += 1
         if stage is OnebitStage.WARMUP:
-            self._warmup_step()
+            kind = self._warmup_step() or "warmup"
         else:
-            self._compressed_step()
+            kind = self._compressed_step() or "compressed"
+        self.steps_by_kind[kind] += 1
+        self.last_step_kind = kind
         if self._deferred_plan is not None:
             (plan,), self._deferred_plan = self._deferred_plan, None
             self._install_plan(plan)
@@ -276,10 +319,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._frozen_params.discard(id(p))
         return state
 
-    def _warmup_step(self) -> None:
+    def _warmup_step(self) -> Optional[str]:
         raise NotImplementedError
 
-    def _compressed_step(self) -> None:
+    def _compressed_step(self) -> Optional[str]:
         raise NotImplementedError
 
     def _track_nonzero(self, p: torch.Tensor) -> None:
@@ -400,6 +443,45 @@ class CompressedOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(
                 [self.state[q]["exp_avg"] for q in scaled], [self._exchange_scale[id(q)] for q in scaled]
             )
+
+    @staticmethod
+    def _feedback_key(stream: str, key: int) -> Hashable:
+        """The error-feedback key of bucket ``key`` in ``stream``: each quantity an optimizer compresses (momenta,
+        gradients, accumulated updates) has error buffers of its own. The momentum stream keeps the bare bucket key
+        (what checkpoints of 1-bit Adam and 1-bit LAMB hold)."""
+        return key if stream == "momentum" else (stream, key)
+
+    @staticmethod
+    def _stream_of(feedback_key: Any) -> str:
+        return feedback_key[0] if isinstance(feedback_key, tuple) and len(feedback_key) == 2 else "momentum"
+
+    def _compressed_average_(self, stream: str, buffers: Sequence[tuple[_Bucket, torch.Tensor]]) -> None:
+        """Replace each buffer (laid out like its bucket, e.g. from :meth:`_bucket_state_buffer`) by its
+        error-compensated 1-bit average over the process group, identical on every rank; the error feedback is
+        ``stream``'s (:meth:`_feedback_key`). Buckets are pipelined (:func:`compressed_allreduce_buckets_`)."""
+        if not self._backend_agreed:
+            self.agree_kernel_backend()
+        started = time.perf_counter()
+        items = [(self._feedback_key(stream, bucket.key), flat, bucket.layout) for bucket, flat in buffers]
+        compressed_allreduce_buckets_(self.compression, items)
+        self.compression.counters.exposed_s += time.perf_counter() - started
+
+    def _bucket_state_buffer(self, bucket: _Bucket, name: str) -> torch.Tensor:
+        """A flat buffer laid out like ``bucket``'s momenta (layout, dtype, device; padding zero) whose views become
+        each of its parameters' ``state[name]``, so that the per-parameter state is checkpointed and the buffer can
+        be exchanged as one. Created on first use from the existing ``state[name]`` values (zeros where absent)."""
+        flat = bucket.extra.get(name)
+        if flat is None:
+            flat = bucket.extra[name] = torch.zeros_like(bucket.flat)
+            offset = 0
+            for p in bucket.params:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                old = self.state[p].get(name)
+                if old is not None:
+                    view.copy_(old)
+                self.state[p][name] = view
+                offset += p.numel()
+        return flat
 
     def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
         """The group's parameters a compressed step updates: trainable ones with a variance estimate."""
@@ -750,7 +832,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
         if not state.get("buckets"):
             return None  # nothing had been compressed: the saved error feedback is all zero
-        return self.compression.error_feedback_mismatch(state, self.bucket_layouts())
+        return self.compression.error_feedback_mismatch(state, self._feedback_layouts(state))
 
     def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
         """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` with the
@@ -764,7 +846,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
             # feedback is all zero. Building the layouts here would also be wrong during warmup.
             self.compression.reset_error_feedback()
             return
-        self.compression.load_error_feedback_state_dict(state, self.bucket_layouts())
+        self.compression.load_error_feedback_state_dict(state, self._feedback_layouts(state))
+
+    def _feedback_layouts(self, state: dict[str, Any]) -> dict[Hashable, BucketLayout]:
+        """Error-feedback key -> bucket layout, for every bucket in every stream the saved ``state`` holds: a stream
+        saved for other buckets than the current ones then shows as a mismatch."""
+        layouts = self.bucket_layouts()
+        try:
+            streams = {self._stream_of(key) for key in state["buckets"]}
+        except TypeError:
+            streams = {"momentum"}
+        return {self._feedback_key(stream, key): layout for stream in sorted(streams) for key, layout in layouts.items()}
 
     def reset_error_feedback(self) -> float:
         """Zero the compression error buffers; returns the L2 norm that was dropped."""

@@ -142,35 +142,7 @@ class OnebitAdam(CompressedOptimizer):
         )
 
     def _warmup_step(self) -> None:
-        t = self._step
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self._moment_state(p)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if self.warn_dead_coordinates:
-                    self._track_nonzero(p)
-            if not params:
-                continue
-            b1, b2 = group["betas"]
-            if group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
-                # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
-                # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
-                steps = [torch.tensor(float(t - 1)) for _ in params]
-                adamw_functional(
-                    params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=b1, beta2=b2,
-                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                )
-                continue
-            torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
-            torch._foreach_mul_(exp_avg_sqs, b2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
-            self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t)
+        adamw_warmup_step_(self, self._step)
 
     def _compressed_step(self) -> None:
         self._average_momenta_()
@@ -180,39 +152,75 @@ class OnebitAdam(CompressedOptimizer):
             if params:
                 exp_avgs = [self.state[p]["exp_avg"] for p in params]
                 exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-                self._apply_update(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
+                adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
 
-    @staticmethod
-    def _apply_update(
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
-        t: int,
-        t_v: int,
-        backend: Backend = "torch",
-    ) -> None:
-        """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations.
 
-        Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
-        compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
-        """
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if group["bias_correction"]:
-            bias_correction1 = 1 - b1**t
-            bias_correction2_sqrt = math.sqrt(1 - b2**t_v)
-        else:
-            bias_correction1 = bias_correction2_sqrt = 1.0
-        kernels.frozen_adam_update_(
-            params,
-            exp_avgs,
-            exp_avg_sqs,
-            decay=1 - lr * wd if wd != 0 else None,
-            bias_correction2_sqrt=bias_correction2_sqrt,
-            eps=eps,
-            step=-lr / bias_correction1,
-            backend=backend,
-        )
+def adamw_warmup_step_(optimizer: CompressedOptimizer, t: int) -> None:
+    """Step ``t`` of :class:`torch.optim.AdamW` on the (averaged) gradients of ``optimizer``'s parameters: momentum
+    and variance updated, bias corrections ``1 - b1^t`` and ``1 - b2^t``. Shared by the Adam-based optimizers'
+    warmups; records nonzero gradients for the dead-coordinate warning when it is on."""
+    for group in optimizer.param_groups:
+        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer._moment_state(p)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if optimizer.warn_dead_coordinates:
+                optimizer._track_nonzero(p)
+        if not params:
+            continue
+        b1, b2 = group["betas"]
+        if group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
+            # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
+            # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
+            steps = [torch.tensor(float(t - 1)) for _ in params]
+            adamw_functional(
+                params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=b1, beta2=b2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            )
+            continue
+        torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+        torch._foreach_mul_(exp_avg_sqs, b2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+        adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t)
+
+
+def adam_update_(
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    t: int,
+    t_v: int,
+    backend: Backend = "torch",
+) -> None:
+    """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations, with
+    ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^t_v`` (``t_v``: the number of updates ``v`` received), or neither without
+    ``bias_correction``.
+
+    Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
+    compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
+    """
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if group["bias_correction"]:
+        bias_correction1 = 1 - b1**t
+        bias_correction2_sqrt = math.sqrt(1 - b2**t_v)
+    else:
+        bias_correction1 = bias_correction2_sqrt = 1.0
+    kernels.frozen_adam_update_(
+        params,
+        exp_avgs,
+        exp_avg_sqs,
+        decay=1 - lr * wd if wd != 0 else None,
+        bias_correction2_sqrt=bias_correction2_sqrt,
+        eps=eps,
+        step=-lr / bias_correction1,
+        backend=backend,
+    )
 
 
 def _fused_adamw_supports(*tensor_lists: Sequence[torch.Tensor]) -> bool:

@@ -1,0 +1,483 @@
+"""0/1 Adam (arXiv 2202.06009) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.kernels import Backend
+from lightning_onebit.optim.base import (
+    DEFAULT_BUCKET_CAP_MB,
+    CompressedOptimizer,
+    OnebitStage,
+    _Bucket,
+    _mask_like,
+    _trainable,
+)
+from lightning_onebit.optim.onebit_adam import adam_update_, adamw_warmup_step_
+from lightning_onebit.topology import Topology
+
+log = logging.getLogger(__name__)
+
+_SYNC_STATE = "zeroone"  # key of the schedule and sync state inside the optimizer state dict's "onebit" entry
+_UPDATE = "update_since_sync"  # per-parameter state: sum of lr/bc1 * m over the local steps since the last sync
+_SYNCED = "synced_param"  # per-parameter state: the parameter at the last sync (identical on every rank)
+
+
+class ZeroOneAdam(CompressedOptimizer):
+    r"""0/1 Adam: Adam whose variance is updated on ever rarer steps, with 1-bit compressed communication in
+    between, then local steps whose accumulated update is synchronised ever more rarely.
+
+    The paper reports up to 87% less data volume and 54% fewer communication rounds than 1-bit Adam. Three phases,
+    by optimizer step ``t`` (1 for the first step):
+
+    **Variance steps** (``t <= var_freeze_step`` and ``t % var_interval == 0``): the gradient is averaged in full
+    precision (the strategy's DDP hook is on for exactly these steps, decided per step from
+    :attr:`needs_gradient_allreduce`), and ``m``, ``v`` and ``p`` are updated as AdamW. ``var_interval`` starts at 1
+    and doubles after every ``var_update_scaler`` variance steps: with the default 16, steps 1-16 are all variance
+    steps (exactly AdamW), then every 2nd step up to step 48, every 4th up to 112, and so on.
+
+    **Compressed steps** (the other steps up to ``var_freeze_step``): each rank's *local* gradient is averaged by the
+    error-compensated 1-bit compressed allreduce (:mod:`lightning_onebit.comm`), ``v`` is left as it is::
+
+        g = CompressedAllreduce(g_local);  m = b1 m + (1 - b1) g
+        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
+
+    **Local steps** (``t > var_freeze_step``): the variance is frozen and nothing is sent. Each rank moves its own
+    replica with its own gradient and keeps the sum of its momentum steps since the last sync::
+
+        m = b1 m + (1 - b1) g_local;  p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
+        U = U + lr m_hat;  lr_sum = lr_sum + lr;  D = D (1 - lr wd)
+
+    and on a *sync step* (``t % local_step_interval == 0``, after that step's local update) the ranks agree::
+
+        W = CompressedAllreduce(U)                 (1 bit; the lr-weighted sum of momenta, no weight decay in it)
+        m_hat = W / lr_sum                         (DeepSpeed: W / lr_sum with weight decay leaked into W)
+        p = p_sync D - W / (sqrt(v_hat) + eps);  p_sync = p;  U = 0;  lr_sum = 0;  D = 1
+
+    ``p_sync``, the parameters at the last sync, is kept (one copy of the parameters), so that every replica computes
+    the new point from rank-identical values only: replicas are bitwise identical after every sync. (DeepSpeed rolled
+    each replica back by subtracting its own update, which is exact only up to rounding.) ``local_step_interval``
+    starts at 1 and doubles after every ``local_step_scaler`` local steps, up to ``local_step_clipper``. If a param
+    group's learning rate was 0 over a whole interval (``lr_sum = 0``, where DeepSpeed divided by zero), its momenta
+    themselves are averaged instead and its parameters stay at ``p_sync``. The error feedback restarts from zero when
+    the local steps begin (it held gradient errors, it now holds update errors).
+
+    Between syncs the replicas differ (that is the point of local steps): validation runs on each rank's replica,
+    :attr:`replicas_in_sync` is false, and :meth:`synchronize` (a collective) syncs at once. The Lightning strategy
+    syncs before every checkpoint it saves (so a checkpoint holds the rank-identical model, and resuming from it
+    continues exactly as the run that saved it) and at the end of ``fit``; without Lightning call
+    :meth:`synchronize` on every rank before saving.
+
+    **Zero-variance coordinates.** A coordinate whose variance is still exactly zero (no variance step has seen a
+    nonzero averaged gradient for it: embedding rows not looked up yet, position embeddings past the sequence length)
+    has its momentum zeroed after every compressed or local update, so it stays at rest (weight decay aside) instead
+    of exploding to ``lr m / eps`` from 1-bit noise; it starts training at the first variance step that gives it a
+    variance. :class:`~lightning_onebit.MomentumMask` with ``auto=True`` is therefore refused with this optimizer
+    (its masks are fixed after the first ``var_update_scaler`` steps and would freeze such rows for good); explicit
+    masks (``exp_avg_mask``) apply to the exchanged gradients, updates and momenta.
+
+    Bias correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` and ``v`` by ``1 - b2^n``, ``n`` the
+    number of variance steps so far. With ``bias_correction=False`` neither is corrected, which is what DeepSpeed did
+    whatever the flag said. Step numbers: DeepSpeed's first ``step()`` only allocated state, so its step ``s`` is this
+    optimizer's step ``s - 1``, and its schedules counted its own steps.
+
+    Memory: besides Adam's ``m`` and ``v``, a buffer of momentum size (the gradient being exchanged, then ``U``), the
+    error feedback (about ``N (1 + 1/P)`` elements), and in the local-step phase ``p_sync``.
+
+    Args:
+        params, lr, betas, eps, weight_decay, bias_correction, amsgrad, bucket_cap_mb, process_group,
+            kernel_backend, topology: as for :class:`~lightning_onebit.OnebitAdam`.
+        var_freeze_step: the last step that may update the variance; local steps start after it. Default
+            ``100000`` (DeepSpeed's). The paper freezes at the end of the learning-rate warmup (12500 of 125000 steps
+            for BERT-Large).
+        var_update_scaler: ``kappa``, the number of variance steps at each ``var_interval`` before it doubles. Also
+            the number of initial steps that are all variance steps (AdamW). Default ``16``.
+        local_step_scaler: local steps at each ``local_step_interval`` before it doubles. Default ``32678``
+            (DeepSpeed's default, which keeps syncing every step in practice; its tutorial uses ``1000``).
+        local_step_clipper: ``H``, the largest ``local_step_interval``, in steps. Default ``16``.
+
+    All four are integers ``>= 1``, checked in the constructor.
+    """
+
+    overlap_unsupported_reason = (
+        "ZeroOneAdam decides in optimizer.step what each step exchanges (a full-precision gradient, a 1-bit "
+        "gradient, the accumulated update, or nothing), so there is no momentum exchange to start during backward"
+    )
+    masks_zero_variance = True
+
+    def __init__(
+        self,
+        params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        process_group: Optional[dist.ProcessGroup] = None,
+        kernel_backend: Backend = "auto",
+        topology: Optional[Topology] = None,
+    ) -> None:
+        for name, value in (
+            ("var_freeze_step", var_freeze_step),
+            ("var_update_scaler", var_update_scaler),
+            ("local_step_scaler", local_step_scaler),
+            ("local_step_clipper", local_step_clipper),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(amsgrad, bool) or amsgrad:
+            raise ValueError(f"ZeroOneAdam does not support amsgrad (the variance is updated on a schedule), got {amsgrad!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(
+            params,
+            defaults,
+            # the steps before any compression: the first var_update_scaler steps are all variance steps
+            freeze_step=min(var_update_scaler, var_freeze_step),
+            bucket_cap_mb=bucket_cap_mb,
+            process_group=process_group,
+            kernel_backend=kernel_backend,
+            topology=topology,
+            warn_dead_coordinates=False,  # zero-variance coordinates are kept at rest (see the class docstring)
+        )
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+        self._replay_schedules(0)
+        self.forced_syncs = 0  # syncs made by synchronize() between scheduled ones (e.g. before a checkpoint)
+        # id(param) -> bool tensor of its coordinates whose variance is exactly zero, or None if there are none;
+        # valid until the variance next changes
+        self._zero_variance: dict[int, Optional[torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ schedules
+    def _replay_schedules(self, steps: int) -> None:
+        """Set the schedules to their state after ``steps`` steps. They depend only on the step and the four
+        schedule arguments, so a resumed run recomputes them instead of trusting (or resetting) saved counters."""
+        self.var_interval, self._var_counter, self.variance_updates = 1, 0, 0
+        self.local_step_interval, self._local_step_counter = 1, 0
+        for t in range(1, steps + 1):
+            self._advance_schedules(t)
+        # the local-step phase's sums since the last sync: None until it begins (or after a load that lacks them)
+        self._lr_sum: Optional[list[float]] = None
+        self._decay: Optional[list[float]] = None
+        self.local_steps_since_sync = 0
+
+    def is_variance_step(self, t: int) -> bool:
+        """Whether step ``t`` (the next one is ``step_count + 1``) updates the variance with averaged gradients,
+        given the current ``var_interval`` (exact for the next step)."""
+        return t <= self.var_freeze_step and t % self.var_interval == 0
+
+    def _advance_schedules(self, t: int) -> None:
+        """The schedule counters after step ``t``: variance steps double ``var_interval`` every
+        ``var_update_scaler`` of them; local steps double ``local_step_interval`` every ``local_step_scaler`` of
+        them, up to ``local_step_clipper``."""
+        if t <= self.var_freeze_step:
+            if t % self.var_interval == 0:
+                self.variance_updates += 1
+                self._var_counter += 1
+                if self._var_counter == self.var_update_scaler:
+                    self._var_counter = 0
+                    self.var_interval *= 2
+        else:
+            self._local_step_counter += 1
+            if self._local_step_counter == self.local_step_scaler:
+                self._local_step_counter = 0
+                self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
+
+    # ------------------------------------------------------------------ status
+    @property
+    def needs_gradient_allreduce(self) -> bool:
+        """Whether the next step is a variance step (its gradients must be averaged in full precision)."""
+        return self.is_variance_step(self._step + 1)
+
+    @property
+    def replicas_in_sync(self) -> bool:
+        """False after a local step, until the next sync."""
+        return self.local_steps_since_sync == 0
+
+    def describe_phase(self) -> tuple[str, str]:
+        t = self._step + 1
+        if t <= self.freeze_step:
+            return "warmup", (
+                f"warmup until optimizer step {self.freeze_step}: every step a variance step (DDP gradient allreduce, "
+                "full-precision Adam update)"
+            )
+        if t <= self.var_freeze_step:
+            return "variance", (
+                f"from optimizer step {t}: variance steps (DDP gradient allreduce) every {self.var_interval} steps, "
+                f"the interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
+                "the other steps average gradients by the 1-bit compressed allreduce"
+            )
+        return "local", (
+            f"from optimizer step {t}: variance frozen; local steps without communication, the accumulated update "
+            f"averaged by the 1-bit compressed allreduce every {self.local_step_interval} steps (doubling every "
+            f"{self.local_step_scaler} steps up to {self.local_step_clipper})"
+        )
+
+    # ------------------------------------------------------------------ steps
+    def _warmup_step(self) -> str:
+        t = self._step  # every warmup step is a variance step: t variance updates so far, as AdamW's step t
+        adamw_warmup_step_(self, t)
+        self._advance_schedules(t)
+        return "variance"
+
+    def _compressed_step(self) -> str:
+        t = self._step
+        if t > self.var_freeze_step:
+            kind = self._local_step(t)
+        elif t % self.var_interval == 0:
+            kind = self._variance_step(t)
+        else:
+            kind = self._compressed_gradient_step(t)
+        self._advance_schedules(t)
+        return kind
+
+    def _variance_step(self, t: int) -> str:
+        """Averaged gradients: ``m`` and ``v`` updated (parameters without a gradient are skipped, as in AdamW)."""
+        self._ensure_buckets()
+        self._zero_variance.clear()
+        n = self.variance_updates + 1
+        for group in self.param_groups:
+            params = [p for p in _trainable(group) if p.grad is not None]
+            if not params:
+                continue
+            states = [self._moment_state(p) for p in params]  # a parameter first seen now gets its variance here
+            grads = [p.grad for p in params]
+            exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            b1, b2 = group["betas"]
+            torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+            torch._foreach_mul_(exp_avg_sqs, b2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+            self._keep_at_rest_(group, params, exp_avgs)
+            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, n, self.compression.backend)
+        return "variance"
+
+    def _compressed_gradient_step(self, t: int) -> str:
+        """Local gradients averaged by the 1-bit compressed allreduce, folded into ``m``; ``v`` unchanged."""
+        buckets = self._ensure_buckets()
+        averaged: dict[int, torch.Tensor] = {}
+        pairs = []
+        for bucket in buckets:
+            flat = bucket.extra.get("gradient")
+            if flat is None:
+                flat = bucket.extra["gradient"] = torch.zeros_like(bucket.flat)
+            offset = 0
+            for p in bucket.params:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    view.zero_()  # this rank contributes a zero gradient
+                else:
+                    view.copy_(p.grad)
+                averaged[id(p)] = view
+            pairs.append((bucket, flat))
+        self._compressed_average_("gradient", pairs)
+        for group in self.param_groups:
+            params = self._updated_params(group)
+            if not params:
+                continue
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            torch._foreach_lerp_(exp_avgs, [averaged[id(p)] for p in params], 1 - group["betas"][0])
+            self._keep_at_rest_(group, params, exp_avgs)
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
+        return "compressed"
+
+    def _local_step(self, t: int) -> str:
+        """A step on this rank's own gradient with no communication; a sync after it when the schedule says so."""
+        buckets = self._ensure_buckets()
+        if self._lr_sum is None:
+            self._begin_local_steps(buckets)
+        for bucket in buckets:
+            self._bucket_state_buffer(bucket, _UPDATE)
+        for index, group in enumerate(self.param_groups):
+            params = self._updated_params(group)
+            if not params:
+                continue
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            with_grad = [(m, p.grad) for m, p in zip(exp_avgs, params) if p.grad is not None]
+            without = [m for m, p in zip(exp_avgs, params) if p.grad is None]
+            b1 = group["betas"][0]
+            if with_grad:
+                torch._foreach_lerp_([m for m, _ in with_grad], [g for _, g in with_grad], 1 - b1)
+            if without:  # a zero gradient, as in the compressed steps
+                torch._foreach_mul_(without, b1)
+            self._keep_at_rest_(group, params, exp_avgs)
+            lr, wd = group["lr"], group["weight_decay"]
+            torch._foreach_add_([self.state[p][_UPDATE] for p in params], exp_avgs, alpha=lr / _bc1(group, t))
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
+            self._lr_sum[index] += lr
+            self._decay[index] *= 1 - lr * wd
+        self.local_steps_since_sync += 1
+        if t % self.local_step_interval == 0:
+            self._sync(t)
+            return "sync"
+        return "local"
+
+    def _begin_local_steps(self, buckets: list[_Bucket]) -> None:
+        """At the first local step: the error feedback held gradient errors and restarts for updates, the scratch
+        gradient buffers are freed, and the (rank-identical) parameters become the first sync point."""
+        dropped = self.compression.reset_error_feedback(lambda key: self._stream_of(key) != "update")
+        for bucket in buckets:
+            bucket.extra.pop("gradient", None)
+            self._bucket_state_buffer(bucket, _UPDATE).zero_()
+        for group in self.param_groups:
+            for p in self._updated_params(group):
+                self.state[p][_SYNCED] = p.detach().clone()
+        self._lr_sum = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
+        self.local_steps_since_sync = 0
+        log.info(
+            "ZeroOneAdam: variance frozen after step %d; local steps from step %d (error feedback of the gradient "
+            "exchange reset, norm %.3g dropped)",
+            self.var_freeze_step,
+            self._step,
+            dropped,
+        )
+
+    @torch.no_grad()
+    def synchronize(self) -> bool:
+        """Sync now if local steps were taken since the last sync (every rank must call it; the next scheduled sync
+        still comes when the schedule says). Returns whether it synced."""
+        if self.local_steps_since_sync == 0:
+            return False
+        self._sync(self._step)
+        self.forced_syncs += 1
+        return True
+
+    def _sync(self, t: int) -> None:
+        """Average the accumulated updates (1 bit) and move every replica to the same new point."""
+        buckets = self._ensure_buckets()
+        pairs = [(bucket, self._bucket_state_buffer(bucket, _UPDATE)) for bucket in buckets]
+        assert self._lr_sum is not None and self._decay is not None
+        for index, group in enumerate(self.param_groups):
+            if self._lr_sum[index] == 0:  # lr was 0 throughout: nothing moved; average the momenta themselves
+                params = self._updated_params(group)
+                if params:
+                    torch._foreach_copy_([self.state[p][_UPDATE] for p in params], [self.state[p]["exp_avg"] for p in params])
+        self._compressed_average_("update", pairs)
+        for index, group in enumerate(self.param_groups):
+            params = self._updated_params(group)
+            if not params:
+                continue
+            updates = [self.state[p][_UPDATE] for p in params]
+            self._keep_at_rest_(group, params, updates)
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            synced = [self.state[p][_SYNCED] for p in params]
+            lr_sum, decay = self._lr_sum[index], self._decay[index]
+            if lr_sum == 0:
+                torch._foreach_copy_(exp_avgs, updates)
+                torch._foreach_copy_(params, synced)
+                continue
+            torch._foreach_copy_(exp_avgs, updates)
+            torch._foreach_mul_(exp_avgs, _bc1(group, t) / lr_sum)
+            bc2_sqrt = math.sqrt(_bc2(group, self.variance_updates))
+            eps = group["eps"]
+            for p, sync_point, update in zip(params, synced, updates):
+                denominator = self.state[p]["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(eps)
+                p.copy_(sync_point)
+                if decay != 1.0:
+                    p.mul_(decay)
+                p.addcdiv_(update, denominator, value=-1.0)
+            torch._foreach_copy_(synced, params)
+        for _, flat in pairs:
+            flat.zero_()
+        self._lr_sum = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
+        self.local_steps_since_sync = 0
+
+    def _keep_at_rest_(self, group: dict[str, Any], params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """Multiply ``tensors`` (one per parameter: momenta, exchanged gradients or updates) by the parameters' masks
+        and zero them where the variance is exactly zero."""
+        masks = group["exp_avg_mask"]
+        index = {id(q): i for i, q in enumerate(group["params"])}
+        for p, x in zip(params, tensors):
+            i = index[id(p)]
+            if masks[i] is not None:
+                x.mul_(_mask_like(masks, i, x))
+            zero = self._zero_variance_of(p)
+            if zero is not None:
+                x.masked_fill_(zero, 0)
+
+    def _zero_variance_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        key = id(p)
+        if key not in self._zero_variance:
+            zero = self.state[p]["exp_avg_sq"] == 0
+            self._zero_variance[key] = zero if bool(zero.any()) else None
+        return self._zero_variance[key]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`CompressedOptimizer.state_dict`, plus the sums since the last sync. Between syncs (after a
+        local step) it holds this rank's own replica state and warns: call :meth:`synchronize` on every rank first
+        for a checkpoint that resumes exactly (the Lightning strategy does)."""
+        if self.local_steps_since_sync:
+            warnings.warn(
+                f"ZeroOneAdam.state_dict() after {self.local_steps_since_sync} local step(s) since the last sync: "
+                "it holds this rank's own replica state, and the ranks' replicas differ. Call synchronize() on every "
+                "rank before saving for a checkpoint that resumes exactly.",
+                UserWarning,
+                stacklevel=2,
+            )
+        state_dict = super().state_dict()
+        state_dict["onebit"][_SYNC_STATE] = {
+            "lr_sum": self._lr_sum,
+            "decay": self._decay,
+            "local_steps_since_sync": self.local_steps_since_sync,
+            "schedules": self._schedule_snapshot(),
+        }
+        return state_dict
+
+    def _schedule_snapshot(self) -> dict[str, int]:
+        return {
+            "var_interval": self.var_interval,
+            "var_counter": self._var_counter,
+            "variance_updates": self.variance_updates,
+            "local_step_interval": self.local_step_interval,
+            "local_step_counter": self._local_step_counter,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`CompressedOptimizer.load_state_dict`; the schedules are recomputed from the loaded step with
+        this optimizer's schedule arguments (logged if the checkpoint's differ), the sums since the last sync are
+        restored."""
+        saved = (state_dict.get("onebit") or {}).get(_SYNC_STATE)
+        super().load_state_dict(state_dict)
+        self._replay_schedules(self._step)
+        self._zero_variance = {}
+        if saved is None:
+            return  # e.g. an AdamW or OnebitAdam state dict: local steps (if any) start from the loaded point
+        if saved.get("schedules") not in (None, self._schedule_snapshot()):
+            log.info(
+                "ZeroOneAdam: the checkpoint's schedules %s differ from this optimizer's arguments at step %d (%s); "
+                "continuing with the latter",
+                saved["schedules"],
+                self._step,
+                self._schedule_snapshot(),
+            )
+        if saved.get("lr_sum") is not None and len(saved["lr_sum"]) == len(self.param_groups):
+            self._lr_sum = [float(x) for x in saved["lr_sum"]]
+            self._decay = [float(x) for x in saved["decay"]]
+            self.local_steps_since_sync = int(saved.get("local_steps_since_sync", 0))
+
+
+def _bc1(group: dict[str, Any], t: int) -> float:
+    return 1 - group["betas"][0] ** t if group["bias_correction"] else 1.0
+
+
+def _bc2(group: dict[str, Any], n: int) -> float:
+    return 1 - group["betas"][1] ** n if group["bias_correction"] else 1.0

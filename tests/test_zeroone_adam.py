@@ -1,0 +1,276 @@
+"""0/1 Adam (``ZeroOneAdam``).
+
+* The variance-step and sync schedules match closed forms of the rules for 400 steps, and the DDP hook's per-step
+  decision (``needs_gradient_allreduce``) follows them.
+* On one process every step matches a reference written here from the formulas (REFERENCE.md 3.1), in float64:
+  momentum updated on compressed steps at world size 1 (DeepSpeed skipped it), no weight decay in the momentum after
+  a sync (DeepSpeed leaked it), and an interval with ``lr = 0`` stays finite (DeepSpeed divided by zero).
+* On 2 and 3 gloo ranks with different data: replicas bitwise identical after every step that communicates, different
+  after local steps, zero bytes on local steps; a resume after ``synchronize()`` continues exactly.
+* Under the Lightning strategy (``strategy="zeroone_adam"``): bf16, 16-mixed overflow, accumulation with masks, an
+  LR schedule, the communication monitor, replica checks between syncs, and a ``keep`` resume that continues exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lightning.pytorch as pl
+from lightning_onebit import GradientSyncState, ReplicaCheck, ZeroOneAdam, switchable_allreduce_hook
+from tests.distributed import run_distributed
+from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(6, 16)
+        self.l2 = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+        self.unused_scale = nn.Parameter(torch.ones(3))  # multiplied by 0: its variance stays exactly zero
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
+        return self.head(h) + 0.0 * self.unused_scale.sum()
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(16, 6, generator=g)
+    return x, torch.sin(x.sum(1, keepdim=True))
+
+
+# ------------------------------------------------------------------------------------------------ schedules
+def expected_variance_steps(kappa: int, var_freeze_step: int) -> set[int]:
+    """Block ``k`` of variance steps is the ``kappa`` smallest multiples of ``2^k`` after the last step of block
+    ``k - 1`` (block 0: steps 1..kappa), up to ``var_freeze_step``."""
+    steps, last, k = set(), 0, 0
+    while last < var_freeze_step:
+        block = [t for t in range(last + 1, last + 1 + kappa * 2**k + 2**k) if t % 2**k == 0][:kappa]
+        steps.update(t for t in block if t <= var_freeze_step)
+        last, k = block[-1], k + 1
+    return steps
+
+
+def expected_sync(t: int, var_freeze_step: int, alpha: int, clipper: int) -> bool:
+    """Local step ``j = t - var_freeze_step`` runs at interval ``min(H, 2^floor((j - 1) / alpha))``; it syncs when
+    ``t`` is a multiple of it."""
+    j = t - var_freeze_step
+    return t % min(clipper, 2 ** ((j - 1) // alpha)) == 0
+
+
+def test_schedules_match_the_formulas_for_400_steps() -> None:
+    kappa, vfs, alpha, clipper = 4, 150, 10, 8
+    net = nn.Linear(3, 1)
+    opt = ZeroOneAdam(net.parameters(), lr=1e-3, var_freeze_step=vfs, var_update_scaler=kappa,
+                      local_step_scaler=alpha, local_step_clipper=clipper)
+    variance = expected_variance_steps(kappa, vfs)
+    assert sorted(variance)[:kappa + 3] == [1, 2, 3, 4, 6, 8, 10]  # the first blocks, read off the rule
+    x = torch.randn(4, 3)
+    for t in range(1, 401):
+        assert opt.needs_gradient_allreduce == (t in variance), f"step {t}: DDP hook decision"
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+        if t <= vfs:
+            want = "variance" if t in variance else "compressed"
+        else:
+            want = "sync" if expected_sync(t, vfs, alpha, clipper) else "local"
+        assert opt.last_step_kind == want, f"step {t}"
+    assert opt.variance_updates == len(variance)
+    kinds = opt.steps_by_kind
+    assert kinds["variance"] == len(variance) and kinds["variance"] + kinds["compressed"] == vfs
+    assert kinds["local"] > 0 and kinds["sync"] + kinds["local"] == 400 - vfs
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(var_freeze_step=0), "var_freeze_step"),
+        (dict(var_update_scaler=2.5), "var_update_scaler"),
+        (dict(local_step_scaler=True), "local_step_scaler"),
+        (dict(local_step_clipper=-1), "local_step_clipper"),
+        (dict(amsgrad=True), "amsgrad"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ZeroOneAdam(Net().parameters(), **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+KAPPA, VFS, ALPHA, CLIPPER = 3, 14, 3, 4
+
+
+def _lr_at(t: int) -> float:
+    """1e-2, except 0 for steps 25..28: a whole sync interval (4) without learning rate."""
+    return 0.0 if 25 <= t <= 28 else 1e-2
+
+
+def _reference_zeroone(steps: int, wd: float, bias_correction: bool) -> list[list[torch.Tensor]]:
+    """0/1 Adam from the formulas in float64 on one process (the compressed allreduce of one rank is the identity)."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    model = Net().double()
+    params = [p.detach().clone() for p in model.parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    variance_steps, n = expected_variance_steps(KAPPA, VFS), 0
+    synced = update = None
+    lr_sum, decay = 0.0, 1.0
+    history = []
+    for t in range(1, steps + 1):
+        with torch.no_grad():
+            for q, p in zip(model.parameters(), params):
+                q.copy_(p)
+        model.zero_grad()
+        x, y = _batch(0, t)
+        nn.functional.mse_loss(model(x.double()), y.double()).backward()
+        grads = [q.grad for q in model.parameters()]
+        lr = _lr_at(t)
+        bc1 = 1 - b1**t if bias_correction else 1.0
+        if t in variance_steps:
+            n += 1
+            v = [b2 * vi + (1 - b2) * g * g for vi, g in zip(v, grads)]
+        bc2 = 1 - b2**n if bias_correction else 1.0
+        m = [b1 * mi + (1 - b1) * g for mi, g in zip(m, grads)]
+        denominators = [vi.sqrt() / math.sqrt(bc2) + eps for vi in v]
+        params = [p * (1 - lr * wd) - lr / bc1 * mi / d for p, mi, d in zip(params, m, denominators)]
+        if t > VFS:
+            if synced is None:
+                synced = [p.clone() for p in history[-1]]
+                update = [torch.zeros_like(p) for p in params]
+            update = [u + lr / bc1 * mi for u, mi in zip(update, m)]
+            lr_sum, decay = lr_sum + lr, decay * (1 - lr * wd)
+            if expected_sync(t, VFS, ALPHA, CLIPPER):
+                if lr_sum == 0:
+                    params = [s.clone() for s in synced]  # nothing moved; the momenta are averaged as they are
+                else:
+                    m = [bc1 * u / lr_sum for u in update]  # no weight decay in the momentum
+                    params = [s * decay - u / d for s, u, d in zip(synced, update, denominators)]
+                synced, update = [p.clone() for p in params], [torch.zeros_like(p) for p in params]
+                lr_sum, decay = 0.0, 1.0
+        history.append(params)
+    return history
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_every_phase_matches_a_reference_from_the_formulas(bias_correction: bool) -> None:
+    steps, wd = 40, 0.1
+    net = Net()
+    opt = ZeroOneAdam(net.parameters(), lr=1e-2, weight_decay=wd, bias_correction=bias_correction,
+                      var_freeze_step=VFS, var_update_scaler=KAPPA, local_step_scaler=ALPHA,
+                      local_step_clipper=CLIPPER)
+    reference = _reference_zeroone(steps, wd, bias_correction)
+    # without bias correction the early variance is tiny and the steps large (~0.3): float32 rounding grows to ~5e-5
+    tolerance = 2e-6 if bias_correction else 1e-4
+    kinds = []
+    for t in range(1, steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(t)
+        opt.zero_grad()
+        x, y = _batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        kinds.append(opt.last_step_kind)
+        for p, q in zip(net.parameters(), reference[t - 1]):
+            torch.testing.assert_close(p.detach().double(), q, rtol=0, atol=tolerance, msg=f"step {t} ({kinds[-1]})")
+    assert {"variance", "compressed", "local", "sync"} <= set(kinds)
+    assert opt.replicas_in_sync == (kinds[-1] != "local")
+    # a coordinate whose variance is zero never moved, although 1-bit noise would have moved it
+    torch.testing.assert_close(net.unused_scale.detach(), torch.ones(3) * (1 - 1e-2 * wd) ** (steps - 4))
+
+
+# ------------------------------------------------------------------------------------------------ distributed
+D_VFS, D_STEPS, D_SAVE_AT = 12, 34, 22
+
+
+def _groups(net: Net, wd: float) -> list[dict[str, Any]]:
+    return [
+        {"params": [net.l1.weight, net.l1.bias, net.unused_scale]},
+        {"params": [net.l2.weight, net.l2.bias, net.head.weight, net.head.bias], "weight_decay": wd, "lr": 2e-3},
+    ]
+
+
+def _train(rank: int, steps: range, state: Any = None) -> dict[str, Any]:
+    net = Net()
+    ddp = DDP(net, bucket_cap_mb=0.001)
+    opt = ZeroOneAdam(_groups(net, 0.01), lr=1e-2, var_freeze_step=D_VFS, var_update_scaler=3, local_step_scaler=3,
+                      local_step_clipper=4)
+    sync = GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce)
+    ddp.register_comm_hook(sync, switchable_allreduce_hook)
+    # the second group's lr is 0 for steps 25-28, a whole sync interval
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, [lambda i: 1.0, lambda i: 0.0 if 24 <= i <= 27 else 1.0])
+    if state is not None:
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        opt.load_error_feedback_state_dict(state["error_feedback"])
+    out: dict[str, Any] = dict(after=[], kinds=[], bytes=[], allreduce=[], saved=None)
+    for t in steps:
+        opt.zero_grad()
+        out["allreduce"].append(opt.needs_gradient_allreduce)
+        before = opt.communication.bytes_sent + sync.counters.bytes_sent
+        x, y = _batch(ddp.process_group.rank(), t)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        scheduler.step()
+        out["bytes"].append(opt.communication.bytes_sent + sync.counters.bytes_sent - before)
+        out["kinds"].append(opt.last_step_kind)
+        out["after"].append(torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()]))
+        if t == D_SAVE_AT:
+            out["synchronized"] = opt.synchronize()
+            out["after_sync"] = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+            out["saved"] = dict(model={k: v.clone() for k, v in net.state_dict().items()},
+                                optimizer=copy.deepcopy(opt.state_dict()), scheduler=scheduler.state_dict(),
+                                error_feedback=opt.error_feedback_state_dict())
+    out["forced_syncs"] = opt.forced_syncs
+    return out
+
+
+def scenario_ranks(rank: int, world_size: int) -> dict[str, Any]:
+    out = dict(full=_train(rank, range(1, D_STEPS + 1)))
+    out["resumed"] = _train(rank, range(D_SAVE_AT + 1, D_STEPS + 1), state=out["full"]["saved"])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_replicas_identical_after_every_sync_local_steps_silent_resume_exact(world_size: int) -> None:
+    results = run_distributed(scenario_ranks, world_size, timeout_s=240)
+    full = [r["full"] for r in results]
+    kinds = full[0]["kinds"]
+    assert all(r["kinds"] == kinds for r in full)
+    assert {"variance", "compressed", "local", "sync"} <= set(kinds)
+    assert kinds[D_SAVE_AT - 1] == "local", "the save must fall between two syncs to test synchronize()"
+    diverged = 0
+    for step, kind in enumerate(kinds):
+        ranks = [r["after"][step] for r in full]
+        same = all(torch.equal(ranks[0], x) for x in ranks[1:])
+        assert torch.isfinite(ranks[0]).all(), f"step {step + 1} ({kind})"
+        if kind == "local":
+            diverged += not same
+            assert all(r["bytes"][step] == 0 for r in full), f"step {step + 1}: a local step sent bytes"
+        else:
+            assert same, f"replicas differ after step {step + 1} ({kind})"
+            assert all(r["bytes"][step] > 0 for r in full)
+        assert all(r["allreduce"][step] == (kind == "variance") for r in full)
+    assert diverged > 0, "local steps should leave the replicas different (each rank has its own data)"
+    variance_bytes = max(b for b, k in zip(full[0]["bytes"], kinds) if k == "variance")
+    compressed_bytes = max(b for b, k in zip(full[0]["bytes"], kinds) if k in ("compressed", "sync"))
+    assert compressed_bytes < variance_bytes / 3
+    # synchronize() between syncs made them identical; the resumed run continues exactly
+    assert all(r["synchronized"] for r in full) and all(r["forced_syncs"] == 1 for r in full)
+    assert all(torch.equal(full[0]["after_sync"], r["after_sync"]) for r in full[1:])
+    for r in results:
+        resumed = r["resumed"]["after"]
+        assert len(resumed) == D_STEPS - D_SAVE_AT
+        for a, b in zip(resumed, r["full"]["after"][D_SAVE_AT:]):
+            assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
+        assert r["resumed"]["kinds"] == kinds[D_SAVE_AT:]
