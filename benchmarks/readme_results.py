@@ -256,13 +256,13 @@ def parity_table() -> str:
         ["validation macro F1", f"{a['val_f1']:.4f}", *(f"{o['val_f1']:.4f}" for o in compressed.values())],
         ["bytes sent per rank, whole run", f"{a['bytes_sent']:,}",
          *(f"{o['bytes_sent']:,} ({a['bytes_sent'] / o['bytes_sent']:.1f}x less)" for o in compressed.values())],
-        ["bytes per rank per step", f"{a['bytes_sent'] / a['steps']:,.0f}",
-         *(_per_step(o) for o in compressed.values())],
+        ["communication rounds per 100 steps", _rounds(a), *(_rounds(o) for o in compressed.values())],
+        ["bytes per rank per round", f"{a['bytes_sent'] / a['steps']:,.0f}",
+         *(_per_round(o) for o in compressed.values())],
         ["wall time (loopback, validation included)", f"{a['wall_s']:.1f} s",
          *(f"{o['wall_s']:.1f} s" for o in compressed.values())],
     ]
-    freezes = ", ".join(f"{name} froze at step {o['freeze_step']}" for name, o in compressed.items())
-    intro = f"{a['steps']} steps, {freezes}:\n\n"
+    intro = f"{a['steps']} steps, " + ", ".join(_schedule(name, o) for name, o in compressed.items()) + ":\n\n"
     table = _table(["", "DDP + AdamW", *compressed], rows)
     if "bag_of_words_val_acc" in data:
         table += (f"\n\nA bag-of-words logistic regression reaches {data['bag_of_words_val_acc']:.1%} on the same task "
@@ -270,10 +270,30 @@ def parity_table() -> str:
     return intro + table
 
 
-def _per_step(run: dict[str, Any]) -> str:
-    warm = run["bytes_sent_warmup"] / run["freeze_step"]
-    comp = run["bytes_sent_compression"] / (run["steps"] - run["freeze_step"])
-    return f"{warm:,.0f} in warmup, {comp:,.0f} compressed ({warm / comp:.1f}x less)"
+def _full_precision_steps(run: dict[str, Any]) -> int:
+    kinds = run.get("steps_by_kind")
+    return run["freeze_step"] if kinds is None else kinds.get("warmup", 0) + kinds.get("variance", 0)
+
+
+def _schedule(name: str, run: dict[str, Any]) -> str:
+    kinds = run.get("steps_by_kind") or {}
+    if "local" in kinds or "sync" in kinds:
+        return (f"{name} updated the variance on {_full_precision_steps(run)} steps and took "
+                f"{kinds.get('local', 0)} local steps without communication")
+    return f"{name} froze at step {run['freeze_step']}"
+
+
+def _rounds(run: dict[str, Any]) -> str:
+    """Steps that communicated, per 100 steps (every step of DDP, 1-bit Adam and 1-bit LAMB)."""
+    return f"{run['rounds_per_100_steps']:.1f}"
+
+
+def _per_round(run: dict[str, Any]) -> str:
+    full = _full_precision_steps(run)
+    rounds = round(run["rounds_per_100_steps"] * run["steps"] / 100) - full
+    warm = run["bytes_sent_warmup"] / full
+    comp = run["bytes_sent_compression"] / rounds
+    return f"{warm:,.0f} full precision, {comp:,.0f} compressed ({warm / comp:.1f}x less)"
 
 
 _MULTINODE_ROWS = (

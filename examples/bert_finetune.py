@@ -290,6 +290,10 @@ class _CountDDPBytes(L.Callback):
             trainer.strategy.model.register_comm_hook(self.state, switchable_allreduce_hook)
 
 
+def _per_100(rounds: int, steps: int) -> Optional[float]:
+    return round(100.0 * rounds / steps, 1) if steps else None
+
+
 class BertFinetuneCLI(LightningCLI):
     """LightningCLI that links data to model sizes and prints an accuracy and communication summary after fit."""
 
@@ -328,10 +332,21 @@ class BertFinetuneCLI(LightningCLI):
                 overlap_fallback=strategy.overlap_fallback_reason,
                 exchange_exposed_s=round(comp.exposed_s, 3),
                 exchange_in_hooks_s=round(comp.hook_s, 3),
+                steps_by_kind=dict(optimizer.steps_by_kind),
+                # steps that communicated (all but 0/1 Adam's local ones), plus syncs forced by checkpoints
+                rounds_per_100_steps=_per_100(
+                    sum(n for kind, n in optimizer.steps_by_kind.items() if kind != "local")
+                    + getattr(optimizer, "forced_syncs", 0),
+                    trainer.global_step,
+                ),
             )
         else:
             counters = self._ddp_counter.state.counters
-            summary.update(bytes_sent=counters.bytes_sent, bytes_fp32_equivalent=counters.bytes_fp32_equivalent)
+            summary.update(
+                bytes_sent=counters.bytes_sent,
+                bytes_fp32_equivalent=counters.bytes_fp32_equivalent,
+                rounds_per_100_steps=_per_100(trainer.global_step, trainer.global_step),  # DDP: one every step
+            )
         if trainer.global_rank != 0:
             return
         lines = [f"{k:>24s}: {v:,}" if isinstance(v, int) else f"{k:>24s}: {v}" for k, v in summary.items()]

@@ -274,3 +274,160 @@ def test_replicas_identical_after_every_sync_local_steps_silent_resume_exact(wor
         for a, b in zip(resumed, r["full"]["after"][D_SAVE_AT:]):
             assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
         assert r["resumed"]["kinds"] == kinds[D_SAVE_AT:]
+
+
+# ------------------------------------------------------------------------------------------------ Lightning
+class ZeroOneRegressor(Regressor):
+    """``Regressor`` with ``ZeroOneAdam`` (var_update_scaler 2, var_freeze_step 4, local steps doubling every 2 up
+    to 4), recording each step's kind and this rank's cumulative bytes."""
+
+    def configure_optimizers(self) -> Any:
+        opt = ZeroOneAdam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, var_freeze_step=4,
+                          var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+        if self.lr_lambda_zero_from is None:
+            return opt
+        zero_from = self.lr_lambda_zero_from
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.0 if i >= zero_from else 1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        opt = self.trainer.strategy.onebit_optimizer
+        self.records[-1]["kind"] = opt.last_step_kind
+        self.records[-1]["bytes_total"] = self.trainer.strategy.communication.bytes_sent
+
+
+def _zeroone_fit(rank: int, world_size: int, workdir: str, **kwargs: Any) -> dict[str, Any]:
+    model_kwargs = kwargs.pop("model_kwargs", {})
+    callbacks = kwargs.pop("callbacks", [])
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    n_batches = kwargs.pop("n_batches", 14)
+    model = ZeroOneRegressor(**model_kwargs)
+    check = ReplicaCheck(every_n_steps=1)
+    trainer = pl.Trainer(**trainer_kwargs(world_size, kwargs.pop("max_steps", 14), callbacks=[check, *callbacks],
+                                          **kwargs))
+    trainer.fit(model, loader(rank, n_batches), ckpt_path=ckpt_path)
+    opt = trainer.strategy.onebit_optimizer
+    records = [r for r in model.records if "kind" in r]  # (a skipped fp16 step records no kind)
+    return dict(
+        final=flat_params(model), checks=check.checks, step_count=opt.step_count, losses=model.losses,
+        kinds=[r["kind"] for r in records], bytes_total=[r["bytes_total"] for r in records],
+        params_after=[r["params_after"] for r in records], lrs=[r["lr"] for r in model.records],
+        fallback=trainer.strategy.overlap_fallback_reason, in_sync=opt.replicas_in_sync,
+        metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+    )
+
+
+def _error_of(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def scenario_zeroone_lightning(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, OnebitAdamStrategy
+
+    out: dict[str, Any] = {}
+    out["bf16"] = _zeroone_fit(rank, world_size, workdir, strategy="zeroone_adam", precision="bf16-mixed",
+                               callbacks=[CommunicationMonitor()], model_kwargs=dict(weight_decay=0.01))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    out["fp16"] = _zeroone_fit(rank, world_size, workdir, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+                               model_kwargs=dict(inf_at_step=9, inf_rank=1))
+    out["accumulation"] = _zeroone_fit(
+        rank, world_size, workdir, accumulate_grad_batches=2, n_batches=28,
+        callbacks=[MomentumMask({"l1.bias": torch.zeros(8)}), CommunicationMonitor()],
+        model_kwargs=dict(lr_lambda_zero_from=10),
+    )
+    out["auto_mask_refused"] = _error_of(
+        lambda: _zeroone_fit(rank, world_size, workdir, callbacks=[MomentumMask(auto=True)])
+    )
+    out["overlap_true_refused"] = _error_of(
+        lambda: _zeroone_fit(rank, world_size, workdir, strategy=OnebitAdamStrategy(overlap=True))
+    )
+
+    def checkpoints(run: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=os.path.join(workdir, run), filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+
+    # 5 steps per epoch: the saves after steps 5, 10 and 15 fall between syncs (interval 4 from step 9 on) at 10 and 15
+    common = dict(max_steps=-1, max_epochs=3, n_batches=5, model_kwargs=dict(data_seed=5), enable_checkpointing=True)
+    out["full"] = _zeroone_fit(rank, world_size, workdir,
+                               callbacks=[ErrorFeedbackCheckpoint("keep"), checkpoints("full")], **common)
+    keep = ErrorFeedbackCheckpoint("keep")
+    out["resumed"] = _zeroone_fit(rank, world_size, workdir, callbacks=[keep, checkpoints("resumed")],
+                                  ckpt_path=os.path.join(workdir, "full", "epoch=1.ckpt"), **common)
+    out["resumed"]["restored"] = keep.restored
+    return out
+
+
+@pytest.fixture(scope="module")
+def lightning_session(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests.distributed import run_scenarios
+
+    workdir = tmp_path_factory.mktemp("zeroone")
+    return run_distributed(run_scenarios, 2, (("zeroone", scenario_zeroone_lightning),), str(workdir), timeout_s=300)
+
+
+def _results(session: list[dict[str, Any]], name: str) -> list[Any]:
+    from tests.distributed import scenario_results
+
+    return [r[name] for r in scenario_results(session, "zeroone")]
+
+
+def test_lightning_bf16_local_steps_silent_replica_checks_wait_for_syncs(lightning_session: list[dict[str, Any]]) -> None:
+    results = _results(lightning_session, "bf16")
+    for r in results:
+        assert r["step_count"] == 14 and "ZeroOneAdam" in r["fallback"]
+        assert {"variance", "compressed", "local", "sync"} <= set(r["kinds"])
+        sent = [b - a for a, b in zip([0, *r["bytes_total"]], r["bytes_total"])]
+        assert all((n == 0) == (kind == "local") for n, kind in zip(sent, r["kinds"])), list(zip(sent, r["kinds"]))
+        # ReplicaCheck(every_n_steps=1) checked after every step that left the replicas in sync, and only then
+        assert r["checks"] == sum(kind != "local" for kind in r["kinds"])
+        assert r["metrics"]["comm/stage"] == 1.0 and r["in_sync"]
+    # fit ended with a sync: the replicas are identical even though the last step was a local one
+    assert results[0]["kinds"][-1] == "local"
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_lightning_fp16_overflow_on_one_rank_skips_the_step_on_both(lightning_session: list[dict[str, Any]]) -> None:
+    results = _results(lightning_session, "fp16")
+    for r in results:
+        assert r["step_count"] == 14 - 1 and torch.isfinite(r["final"]).all()
+    assert results[0]["kinds"] == results[1]["kinds"]
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_lightning_accumulation_explicit_mask_and_lr_schedule(lightning_session: list[dict[str, Any]]) -> None:
+    results = _results(lightning_session, "accumulation")
+    for r in results:
+        assert r["step_count"] == 14 and set(r["lrs"][10:]) == {0.0} and r["lrs"][0] > 0
+        # the masked l1.bias (flat indices 48..55) does not move after the warmup (steps 1-2), in any kind of step
+        biases = [p[48:56] for p in r["params_after"]]
+        assert all(torch.equal(biases[1], b) for b in biases[2:])
+        assert not torch.equal(r["params_after"][1], r["params_after"][-1])
+        assert torch.isfinite(r["final"]).all()
+    assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_lightning_refuses_auto_masks_and_forced_overlap(lightning_session: list[dict[str, Any]]) -> None:
+    for message in _results(lightning_session, "auto_mask_refused"):
+        assert "MomentumMask(auto=True) does not apply to ZeroOneAdam" in message and "Remove auto=True" in message
+    for message in _results(lightning_session, "overlap_true_refused"):
+        assert "overlap=True" in message and "ZeroOneAdam decides in optimizer.step" in message
+
+
+def test_lightning_checkpoint_syncs_and_keep_resume_continues_exactly(lightning_session: list[dict[str, Any]]) -> None:
+    fulls, resumed = _results(lightning_session, "full"), _results(lightning_session, "resumed")
+    assert fulls[0]["kinds"][9] == "local", "the save after step 10 must fall between syncs"
+    for full, again in zip(fulls, resumed):
+        assert again["restored"] is True
+        assert torch.equal(again["final"], full["final"])
+        assert again["losses"] == full["losses"][-len(again["losses"]):]
+        assert again["kinds"] == full["kinds"][10:]
+    assert torch.equal(fulls[0]["final"], fulls[1]["final"])
