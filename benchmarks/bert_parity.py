@@ -2,8 +2,9 @@
 steps.
 
 Runs ``examples/bert_finetune.py fit`` on 2 CPU processes once per config (``bert_adamw.yaml``, ``bert_onebit.yaml``,
-``bert_lamb.yaml``, which differ only in strategy, optimizer, learning rate and the onebit callbacks), then prints
-validation accuracy and F1, the bytes each rank sent, and wall time; results go to ``results/bert_parity.json``.
+``bert_zeroone.yaml``, ``bert_lamb.yaml``, which differ only in strategy, optimizer, learning rate and the onebit
+callbacks), then prints validation accuracy and F1, the bytes each rank sent, communication rounds per 100 steps and
+wall time; results go to ``results/bert_parity.json``.
 ``--runs`` runs a subset and keeps the other runs already in that file (each column is one run of the example).
 Extra arguments are passed to every run (e.g. ``--trainer.max_steps 300``).
 
@@ -65,7 +66,12 @@ def bag_of_words_accuracy(seed: int = 0) -> float:
     return float(((xv @ w + b > 0).float() == yv).float().mean())
 
 
-CONFIGS = {"ddp_adamw": "bert_adamw.yaml", "onebit_adam": "bert_onebit.yaml", "onebit_lamb": "bert_lamb.yaml"}
+CONFIGS = {
+    "ddp_adamw": "bert_adamw.yaml",
+    "onebit_adam": "bert_onebit.yaml",
+    "zeroone_adam": "bert_zeroone.yaml",
+    "onebit_lamb": "bert_lamb.yaml",
+}
 
 
 def main() -> None:
@@ -88,7 +94,7 @@ def main() -> None:
     a = runs["ddp_adamw"]
     print(f"\n{'':28s}" + "".join(f"{name:>16s}" for name in runs))
     for key, fmt in (("steps", "{:>16,d}"), ("val_acc", "{:>16.4f}"), ("val_f1", "{:>16.4f}"),
-                     ("bytes_sent", "{:>16,d}"), ("wall_s", "{:>16.1f}")):
+                     ("bytes_sent", "{:>16,d}"), ("rounds_per_100_steps", "{:>16.1f}"), ("wall_s", "{:>16.1f}")):
         print(f"{key:28s}" + "".join(fmt.format(run[key]) for run in runs.values()))
     for name, o in runs.items():
         if name != "ddp_adamw":

@@ -199,11 +199,11 @@ def _groups(net: Net, wd: float) -> list[dict[str, Any]]:
     ]
 
 
-def _train(rank: int, steps: range, state: Any = None) -> dict[str, Any]:
+def _train(rank: int, steps: range, state: Any = None, compress: str = "momentum") -> dict[str, Any]:
     net = Net()
     ddp = DDP(net, bucket_cap_mb=0.001)
     opt = ZeroOneAdam(_groups(net, 0.01), lr=1e-2, var_freeze_step=D_VFS, var_update_scaler=3, local_step_scaler=3,
-                      local_step_clipper=4)
+                      local_step_clipper=4, compress=compress)
     sync = GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce)
     ddp.register_comm_hook(sync, switchable_allreduce_hook)
     # the second group's lr is 0 for steps 25-28, a whole sync interval
@@ -236,7 +236,7 @@ def _train(rank: int, steps: range, state: Any = None) -> dict[str, Any]:
 
 
 def scenario_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    out = dict(full=_train(rank, range(1, D_STEPS + 1)))
+    out = dict(full=_train(rank, range(1, D_STEPS + 1)), gradient=_train(rank, range(1, D_STEPS + 1), compress="gradient"))
     out["resumed"] = _train(rank, range(D_SAVE_AT + 1, D_STEPS + 1), state=out["full"]["saved"])
     return out
 
@@ -244,7 +244,26 @@ def scenario_ranks(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_replicas_identical_after_every_sync_local_steps_silent_resume_exact(world_size: int) -> None:
     results = run_distributed(scenario_ranks, world_size, timeout_s=240)
+    for variant in ("full", "gradient"):  # compress="momentum" (default) and "gradient" (DeepSpeed's form)
+        _check_replicas([r[variant] for r in results])
     full = [r["full"] for r in results]
+    kinds = full[0]["kinds"]
+    # the two forms are the same update in exact arithmetic, with different compression errors
+    assert full[0]["kinds"] == results[0]["gradient"]["kinds"]
+    assert not torch.equal(full[0]["after"][-1], results[0]["gradient"]["after"][-1])
+    # synchronize() between syncs made them identical; the resumed run continues exactly
+    assert all(r["synchronized"] for r in full) and all(r["forced_syncs"] == 1 for r in full)
+    assert all(torch.equal(full[0]["after_sync"], r["after_sync"]) for r in full[1:])
+    for r in results:
+        resumed = r["resumed"]["after"]
+        assert len(resumed) == D_STEPS - D_SAVE_AT
+        for a, b in zip(resumed, r["full"]["after"][D_SAVE_AT:]):
+            assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
+        assert r["resumed"]["kinds"] == kinds[D_SAVE_AT:]
+
+
+def _check_replicas(full: list[dict[str, Any]]) -> None:
+    """Identical after every step that communicates, different after some local step, silent on local steps."""
     kinds = full[0]["kinds"]
     assert all(r["kinds"] == kinds for r in full)
     assert {"variance", "compressed", "local", "sync"} <= set(kinds)
@@ -265,15 +284,6 @@ def test_replicas_identical_after_every_sync_local_steps_silent_resume_exact(wor
     variance_bytes = max(b for b, k in zip(full[0]["bytes"], kinds) if k == "variance")
     compressed_bytes = max(b for b, k in zip(full[0]["bytes"], kinds) if k in ("compressed", "sync"))
     assert compressed_bytes < variance_bytes / 3
-    # synchronize() between syncs made them identical; the resumed run continues exactly
-    assert all(r["synchronized"] for r in full) and all(r["forced_syncs"] == 1 for r in full)
-    assert all(torch.equal(full[0]["after_sync"], r["after_sync"]) for r in full[1:])
-    for r in results:
-        resumed = r["resumed"]["after"]
-        assert len(resumed) == D_STEPS - D_SAVE_AT
-        for a, b in zip(resumed, r["full"]["after"][D_SAVE_AT:]):
-            assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
-        assert r["resumed"]["kinds"] == kinds[D_SAVE_AT:]
 
 
 # ------------------------------------------------------------------------------------------------ Lightning

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,11 +42,16 @@ class ZeroOneAdam(CompressedOptimizer):
     and doubles after every ``var_update_scaler`` variance steps: with the default 16, steps 1-16 are all variance
     steps (exactly AdamW), then every 2nd step up to step 48, every 4th up to 112, and so on.
 
-    **Compressed steps** (the other steps up to ``var_freeze_step``): each rank's *local* gradient is averaged by the
-    error-compensated 1-bit compressed allreduce (:mod:`lightning_onebit.comm`), ``v`` is left as it is::
+    **Compressed steps** (the other steps up to ``var_freeze_step``): each rank folds its *local* gradient into its
+    momentum and the momenta are averaged by the error-compensated 1-bit compressed allreduce
+    (:mod:`lightning_onebit.comm`), as in 1-bit Adam; ``v`` is left as it is::
 
-        g = CompressedAllreduce(g_local);  m = b1 m + (1 - b1) g
+        m = CompressedAllreduce(b1 m + (1 - b1) g_local) * mask
         p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
+
+    ``m`` is the same on every rank before the fold, so in exact arithmetic this is DeepSpeed's
+    ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``, which ``compress="gradient"`` runs; only the compression
+    error differs, and it matters: see the README's 0/1 Adam section for the example's BERT task with either form.
 
     **Local steps** (``t > var_freeze_step``): the variance is frozen and nothing is sent. Each rank moves its own
     replica with its own gradient and keeps the sum of its momentum steps since the last sync::
@@ -87,8 +92,9 @@ class ZeroOneAdam(CompressedOptimizer):
     whatever the flag said. Step numbers: DeepSpeed's first ``step()`` only allocated state, so its step ``s`` is this
     optimizer's step ``s - 1``, and its schedules counted its own steps.
 
-    Memory: besides Adam's ``m`` and ``v``, a buffer of momentum size (the gradient being exchanged, then ``U``), the
-    error feedback (about ``N (1 + 1/P)`` elements), and in the local-step phase ``p_sync``.
+    Memory: besides Adam's ``m`` and ``v``, the error feedback (about ``N (1 + 1/P)`` elements) and, in the
+    local-step phase, ``U`` and ``p_sync`` (``compress="gradient"`` also keeps a gradient-sized exchange buffer
+    before it).
 
     Args:
         params, lr, betas, eps, weight_decay, bias_correction, amsgrad, bucket_cap_mb, process_group,
@@ -101,13 +107,16 @@ class ZeroOneAdam(CompressedOptimizer):
         local_step_scaler: local steps at each ``local_step_interval`` before it doubles. Default ``32678``
             (DeepSpeed's default, which keeps syncing every step in practice; its tutorial uses ``1000``).
         local_step_clipper: ``H``, the largest ``local_step_interval``, in steps. Default ``16``.
+        compress: what the compressed steps before ``var_freeze_step`` average in 1 bit: ``"momentum"`` (default,
+            the momentum after folding in the local gradient, as 1-bit Adam) or ``"gradient"`` (the local gradient,
+            DeepSpeed's form).
 
-    All four are integers ``>= 1``, checked in the constructor.
+    The four schedule arguments are integers ``>= 1``, checked in the constructor.
     """
 
     overlap_unsupported_reason = (
-        "ZeroOneAdam decides in optimizer.step what each step exchanges (a full-precision gradient, a 1-bit "
-        "gradient, the accumulated update, or nothing), so there is no momentum exchange to start during backward"
+        "ZeroOneAdam decides in optimizer.step what each step exchanges (a full-precision gradient, 1-bit momenta, "
+        "the accumulated update, or nothing), so its exchange does not start during backward"
     )
     masks_zero_variance = True
 
@@ -123,6 +132,7 @@ class ZeroOneAdam(CompressedOptimizer):
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
+        compress: Literal["momentum", "gradient"] = "momentum",
         bias_correction: bool = True,
         amsgrad: bool = False,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -138,6 +148,8 @@ class ZeroOneAdam(CompressedOptimizer):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if compress not in ("momentum", "gradient"):
+            raise ValueError(f"compress must be 'momentum' or 'gradient', got {compress!r}")
         if not isinstance(amsgrad, bool) or amsgrad:
             raise ValueError(f"ZeroOneAdam does not support amsgrad (the variance is updated on a schedule), got {amsgrad!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
@@ -156,6 +168,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
+        self.compress = compress
         self._replay_schedules(0)
         self.forced_syncs = 0  # syncs made by synchronize() between scheduled ones (e.g. before a checkpoint)
         # id(param) -> bool tensor of its coordinates whose variance is exactly zero, or None if there are none;
@@ -241,7 +254,7 @@ class ZeroOneAdam(CompressedOptimizer):
         elif t % self.var_interval == 0:
             kind = self._variance_step(t)
         else:
-            kind = self._compressed_gradient_step(t)
+            kind = self._compressed_exchange_step(t)
         self._advance_schedules(t)
         return kind
 
@@ -265,8 +278,25 @@ class ZeroOneAdam(CompressedOptimizer):
             adam_update_(group, params, exp_avgs, exp_avg_sqs, t, n, self.compression.backend)
         return "variance"
 
-    def _compressed_gradient_step(self, t: int) -> str:
-        """Local gradients averaged by the 1-bit compressed allreduce, folded into ``m``; ``v`` unchanged."""
+    def _compressed_exchange_step(self, t: int) -> str:
+        """Local gradients reach the momentum through one 1-bit compressed exchange (of the momenta, or of the
+        gradients with ``compress="gradient"``); ``v`` unchanged."""
+        if self.compress == "momentum":
+            self._average_momenta_()  # m = CompressedAllreduce(b1 m + (1 - b1) g_local), masked
+        else:
+            self._average_gradients_into_momenta_()
+        for group in self.param_groups:
+            params = self._updated_params(group)
+            if not params:
+                continue
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            self._keep_at_rest_(group, params, exp_avgs)
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
+        return "compressed"
+
+    def _average_gradients_into_momenta_(self) -> None:
+        """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``."""
         buckets = self._ensure_buckets()
         averaged: dict[int, torch.Tensor] = {}
         pairs = []
@@ -287,14 +317,9 @@ class ZeroOneAdam(CompressedOptimizer):
         self._compressed_average_("gradient", pairs)
         for group in self.param_groups:
             params = self._updated_params(group)
-            if not params:
-                continue
-            exp_avgs = [self.state[p]["exp_avg"] for p in params]
-            torch._foreach_lerp_(exp_avgs, [averaged[id(p)] for p in params], 1 - group["betas"][0])
-            self._keep_at_rest_(group, params, exp_avgs)
-            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
-        return "compressed"
+            if params:
+                exp_avgs = [self.state[p]["exp_avg"] for p in params]
+                torch._foreach_lerp_(exp_avgs, [averaged[id(p)] for p in params], 1 - group["betas"][0])
 
     def _local_step(self, t: int) -> str:
         """A step on this rank's own gradient with no communication; a sync after it when the schedule says so."""
