@@ -23,6 +23,13 @@ Compared in one run, per link rate:
   onebit_overlap  DDP + lightning_onebit.overlapped_exchange_hook (OverlapState) + OnebitAdam(freeze_step=W): the
                   compressed momentum exchange of a DDP bucket starts inside backward, once the bucket's gradients
                   are ready; ``opt.step`` finishes what backward did not hide. Stages timed as for onebit_adam
+  onebit_lamb     as onebit_adam, with OnebitLamb(freeze_step=W)
+  zeroone_adam    DDP + switchable_allreduce_hook + ZeroOneAdam: its first W steps are all variance steps (full
+                  precision, var_update_scaler = var_freeze_step = W; its compressed steps before var_freeze_step
+                  would cost what onebit_adam's compression steps cost), then local steps whose sync interval doubles
+                  every step up to 16 (local_step_scaler 1, local_step_clipper 16). The local-step phase is timed
+                  over max(N, 32) steps, a whole number of 16-step sync intervals, and reported as the MEAN step time
+                  (the median would hide the syncs), with the bytes per step averaged over the same steps
   local_2proc     both ranks train their own replica, no gradient communication (the compute floor under the same
                   2-process CPU load; not a goal, a reference)
   floor           one process, no communication, the same per-rank batch (the issue's compute floor; run once,
@@ -42,6 +49,7 @@ step, after a barrier; a step's time is the slower rank's). Bytes per rank per s
     ring-allreduce bytes), checked against the analytic sizes of P and Q;
   * onebit_adam: GradientSyncState counters (warmup) + OnebitAdam.communication counters (compression);
   * onebit_overlap: OverlapState counters (warmup) + OnebitAdam.communication counters (compression);
+  * onebit_lamb, zeroone_adam: as onebit_adam, with their optimizer's counters;
   * also, in a namespace, the bytes that really crossed the shaped device during the timed steps (``tc -s``: both
     ranks' TCP payload and headers, barriers included), divided by 2 ranks and the step count.
 All DDP methods additionally broadcast the model's buffers (BERT's position/token-type ids) from rank 0 every forward
@@ -58,6 +66,8 @@ Results go to results/slow_link.json; ``python benchmarks/plot_slow_link.py`` dr
     python benchmarks/slow_link.py                                  # 1gbit and 200mbit, 6 layers / 384 hidden
     python benchmarks/slow_link.py --model deep --rate 200mbit --name slow_link_overlap_deep \
         --methods ddp_powersgd onebit_adam onebit_overlap local_2proc floor
+    python benchmarks/slow_link.py --name slow_link_family \
+        --methods ddp_fp32 onebit_adam zeroone_adam onebit_lamb local_2proc floor
     python benchmarks/slow_link.py --rate 1gbit --layers 2 --hidden 128 --steps 3
     python benchmarks/slow_link.py --no-netns                        # plain (unshaped) loopback
 """
@@ -85,11 +95,22 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import launch, write_results  # noqa: E402
-from lightning_onebit import GradientSyncState, OnebitAdam, ring_allreduce_bytes, switchable_allreduce_hook  # noqa: E402
+from lightning_onebit import (  # noqa: E402
+    CompressedOptimizer,
+    GradientSyncState,
+    OnebitAdam,
+    OnebitLamb,
+    ZeroOneAdam,
+    ring_allreduce_bytes,
+    switchable_allreduce_hook,
+)
 
 SCRIPT = Path(__file__).resolve()
-DIST_METHODS = ("ddp_fp32", "ddp_bf16", "ddp_powersgd", "onebit_adam", "onebit_overlap", "local_2proc")
-ONEBIT_METHODS = ("onebit_adam", "onebit_overlap")
+DIST_METHODS = (
+    "ddp_fp32", "ddp_bf16", "ddp_powersgd", "onebit_adam", "onebit_overlap", "onebit_lamb", "zeroone_adam", "local_2proc"
+)
+ONEBIT_METHODS = ("onebit_adam", "onebit_overlap", "onebit_lamb")  # a warmup, then a compression stage
+ZEROONE_CLIPPER = 16  # zeroone_adam's largest sync interval, in steps
 WORLD_SIZE = 2
 LR, WEIGHT_DECAY = 1e-4, 0.01
 POWERSGD_RANK = 4
@@ -344,7 +365,7 @@ def _model_info(model: torch.nn.Module, world_size: int) -> dict[str, Any]:
     )
 
 
-def _onebit_meter(opt: OnebitAdam, warmup_counters: Any) -> Callable[[], dict[str, float]]:
+def _onebit_meter(opt: CompressedOptimizer, warmup_counters: Any) -> Callable[[], dict[str, float]]:
     """Cumulative counters of a 1-bit method: warmup allreduce bytes (``warmup_counters``: GradientSyncState or
     OverlapState counters), compressed bytes, collectives, seconds inside the compressed allreduce, the exposed
     exchange seconds (all of the exchange without overlap) and the seconds inside the DDP hooks during backward."""
@@ -418,10 +439,11 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
                 phases.append(run_steps(model, opt, batches, N, "timed", meter, wire=wire))
             extra["start_powerSGD_iter"] = start
             extra["powersgd_compression_stats"] = list(state.compression_stats())
-        elif method == "onebit_adam":
+        elif method in ("onebit_adam", "onebit_lamb"):
             model = DDP(model)
-            opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W,
-                             bucket_cap_mb=cfg["onebit_bucket_cap_mb"])
+            optimizer_class = OnebitAdam if method == "onebit_adam" else OnebitLamb
+            opt = optimizer_class(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W,
+                                  bucket_cap_mb=cfg["onebit_bucket_cap_mb"])
             sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
             model.register_comm_hook(sync, switchable_allreduce_hook)
             meter = _onebit_meter(opt, sync.counters)
@@ -430,6 +452,22 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             phases.append(run_steps(model, opt, batches, N, "timed", meter, wire=wire))
             extra["buckets"] = len(opt.bucket_layouts())
             extra["skipped_grad_buckets"] = sync.skipped_buckets
+        elif method == "zeroone_adam":
+            model = DDP(model)
+            opt = ZeroOneAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, var_freeze_step=W,
+                              var_update_scaler=W, local_step_scaler=1, local_step_clipper=ZEROONE_CLIPPER,
+                              bucket_cap_mb=cfg["onebit_bucket_cap_mb"])
+            sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
+            model.register_comm_hook(sync, switchable_allreduce_hook)
+            meter = _onebit_meter(opt, sync.counters)
+            phases.append(run_steps(model, opt, batches, W, "warmup", meter, wire=wire))
+            # the sync interval reaches 16 after 4 local steps (it doubles after every one)
+            phases.append(run_steps(model, opt, batches, max(U, 4), "untimed", meter))
+            timed = -(-max(N, 2 * ZEROONE_CLIPPER) // ZEROONE_CLIPPER) * ZEROONE_CLIPPER
+            before = dict(opt.steps_by_kind)
+            phases.append(run_steps(model, opt, batches, timed, "timed", meter, wire=wire))
+            extra["timed_steps_by_kind"] = {k: n - before.get(k, 0) for k, n in opt.steps_by_kind.items()}
+            extra["local_step_interval"] = opt.local_step_interval
         elif method == "onebit_overlap":
             from lightning_onebit import OverlapState, overlapped_exchange_hook
 
@@ -474,8 +512,10 @@ def _floor_rank(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- orchestration
-def _slowest_median(per_rank: list[dict], method: str, stage: str, skip_first: bool = False) -> Optional[float]:
-    """Median over steps of the slower rank's step time."""
+def _slowest_median(
+    per_rank: list[dict], method: str, stage: str, skip_first: bool = False, mean: bool = False
+) -> Optional[float]:
+    """Median (or mean) over steps of the slower rank's step time."""
     series = []
     for res in per_rank:
         phase = [p for p in res["methods"][method]["phases"] if p["stage"] == stage][0]
@@ -483,7 +523,8 @@ def _slowest_median(per_rank: list[dict], method: str, stage: str, skip_first: b
         series.append(times)
     if not series or not series[0]:
         return None
-    return statistics.median(max(step) for step in zip(*series))
+    slowest = [max(step) for step in zip(*series)]
+    return statistics.fmean(slowest) if mean else statistics.median(slowest)
 
 
 def _phase(res: dict, method: str, stage: str) -> dict:
@@ -544,7 +585,8 @@ def summarise(per_rank: list[dict], floor: Optional[list[dict]], cfg: dict, rate
             row = rows[f"{method}:{label}"] = dict(
                 step_s=_slowest_median(per_rank, method, stage, skip_first=stage == "warmup"),
                 bytes_per_step=max(sent),
-                bytes_source=f"measured: {warmup_state} + OnebitAdam.communication counters",
+                bytes_source=f"measured: {warmup_state} + {'OnebitLamb' if method == 'onebit_lamb' else 'OnebitAdam'}"
+                ".communication counters",
                 collectives_per_step=_mean_meter(per_rank[0], method, stage, "collectives"),
                 compressed_allreduce_s=max(_mean_meter(r, method, stage, "compressed_allreduce_s") for r in per_rank),
                 exposed_ms_per_step=ms_per_step(stage, "exposed_s"),
@@ -553,6 +595,27 @@ def summarise(per_rank: list[dict], floor: Optional[list[dict]], cfg: dict, rate
             if method == "onebit_overlap":
                 row["hook_ms_per_step"] = ms_per_step(stage, "hook_s")
         rows[f"{method}:warmup"]["note"] = "median of warmup steps 2..W (step 1 allocates optimizer state)"
+    if "zeroone_adam" in methods:
+        for stage, label in (("warmup", "warmup"), ("timed", "local")):
+            sent = [
+                _mean_meter(r, "zeroone_adam", stage, "grad_sync_bytes")
+                + _mean_meter(r, "zeroone_adam", stage, "compressed_bytes")
+                for r in per_rank
+            ]
+            rows[f"zeroone_adam:{label}"] = dict(
+                step_s=_slowest_median(per_rank, "zeroone_adam", stage, skip_first=stage == "warmup",
+                                       mean=stage == "timed"),
+                bytes_per_step=max(sent),
+                bytes_source="measured: GradientSyncState + ZeroOneAdam.communication counters",
+                collectives_per_step=_mean_meter(per_rank[0], "zeroone_adam", stage, "collectives"),
+                exposed_ms_per_step=1e3 * max(_mean_meter(r, "zeroone_adam", stage, "exposed_s") for r in per_rank),
+                wire_bytes_per_step=wire("zeroone_adam", stage),
+            )
+        kinds = per_rank[0]["methods"]["zeroone_adam"]["timed_steps_by_kind"]
+        rows["zeroone_adam:local"]["note"] = (
+            f"mean over {sum(kinds.values())} steps ({kinds.get('local', 0)} local, {kinds.get('sync', 0)} with a "
+            f"sync, interval {per_rank[0]['methods']['zeroone_adam']['local_step_interval']})"
+        )
     if "local_2proc" in methods:
         rows["local_2proc"] = dict(
             step_s=_slowest_median(per_rank, "local_2proc", "timed"),
@@ -622,6 +685,8 @@ def _print_table(rate: str, summary: dict) -> None:
             r = rows[f"{method}:compression"]
             print(f"  {method} compression: {r['collectives_per_step']:.0f} collectives/step, "
                   f"{r['compressed_allreduce_s']:.3f} s/step inside the compressed allreduce (compression included)")
+    if "zeroone_adam:local" in rows:
+        print(f"  zeroone_adam local-step phase: {rows['zeroone_adam:local']['note']}")
     exposed = summary["exposed_reduction"]
     if exposed:
         print(f"  exposed exchange per step: onebit_adam {exposed['onebit_adam_ms']:.1f} ms, onebit_overlap "

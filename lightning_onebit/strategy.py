@@ -1,4 +1,5 @@
-"""The ``onebit_adam`` Lightning strategy: DDP whose gradient allreduce switches off after 1-bit Adam's warmup."""
+"""The ``onebit_adam`` Lightning strategy: DDP whose gradient allreduce the compressed optimizer switches off after its
+warmup (1-bit Adam, 1-bit LAMB) or on chosen steps only (0/1 Adam)."""
 
 from __future__ import annotations
 
@@ -76,13 +77,16 @@ def _destroy_process_groups() -> None:
 
 
 class OnebitAdamStrategy(DDPStrategy):
-    """Data-parallel training with 1-bit Adam or 1-bit LAMB: DDP during warmup, compressed momentum averaging after.
+    """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB: DDP during warmup, compressed averaging after.
 
-    ``configure_optimizers`` must return one compressed optimizer: :class:`~lightning_onebit.OnebitAdam` or
-    :class:`~lightning_onebit.OnebitLamb`. For its first ``freeze_step`` steps this is ordinary DDP (gradients averaged
-    by allreduce, a full-precision AdamW or LAMB update). From step ``freeze_step + 1`` on,
-    DDP's gradient allreduce is switched off by a communication hook, each rank's local gradient enters its momentum,
-    and the optimizer averages momenta with the 1-bit compressed allreduce (~32x fewer bytes than fp32).
+    ``configure_optimizers`` must return one compressed optimizer: :class:`~lightning_onebit.OnebitAdam`,
+    :class:`~lightning_onebit.ZeroOneAdam` or :class:`~lightning_onebit.OnebitLamb`. For its first ``freeze_step``
+    steps this is ordinary DDP (gradients averaged by allreduce, a full-precision AdamW or LAMB update). From step
+    ``freeze_step + 1`` on, DDP's gradient allreduce is switched off by a communication hook, each rank's local
+    gradient enters its momentum, and the optimizer averages momenta with the 1-bit compressed allreduce (~32x fewer
+    bytes than fp32). The hook asks the optimizer before every backward (``needs_gradient_allreduce``), so 0/1 Adam's
+    variance steps get their full-precision allreduce and its local steps send nothing; the strategy syncs 0/1 Adam's
+    replicas before every checkpoint it saves and at the end of ``fit``.
 
     The stage follows the optimizer's own step, so resuming from a checkpoint lands in the right stage.
 
@@ -199,7 +203,8 @@ class OnebitAdamStrategy(DDPStrategy):
 
     @property
     def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
-        """The compressed optimizer (:class:`OnebitAdam`) this strategy drives (``None`` before setup)."""
+        """The compressed optimizer (OnebitAdam, ZeroOneAdam or OnebitLamb) this strategy drives (``None`` before
+        setup)."""
         return self._onebit_optimizer
 
     @property

@@ -201,3 +201,24 @@ class ManualRegressor(Regressor):
         opt.step()  # on_before_optimizer_step (inherited) records stage, gradient and parameters before the step
         self.records[-1]["params_after"] = flat_params(self)
         self.records[-1]["step_count_after"] = self._onebit().step_count
+
+
+def fit_save_and_resume(fit: Any, workdir: str, **common: Any) -> dict[str, dict[str, Any]]:
+    """The runs an exact-resume test compares: ``fit(**kwargs)`` with a checkpoint every epoch and
+    ``ErrorFeedbackCheckpoint("keep")`` (``"full"``), then a run resumed from its epoch-1 checkpoint with ``"keep"``
+    (``"resumed"``, with ``"restored"``: whether the error feedback was restored)."""
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_onebit import ErrorFeedbackCheckpoint
+
+    def checkpoints(run: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=os.path.join(workdir, run), filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+
+    out = {"full": fit(callbacks=[ErrorFeedbackCheckpoint("keep"), checkpoints("full")], **common)}
+    keep = ErrorFeedbackCheckpoint("keep")
+    out["resumed"] = fit(callbacks=[keep, checkpoints("resumed")],
+                         ckpt_path=os.path.join(workdir, "full", "epoch=1.ckpt"), **common)
+    out["resumed"]["restored"] = keep.restored
+    return out

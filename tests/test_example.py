@@ -87,13 +87,23 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     assert "bert_finetune summary" in proc.stdout
 
 
-def test_lamb_config_resolves_to_onebit_lamb_under_the_strategy(tmp_path):
-    """bert_lamb.yaml (run in full by benchmarks/bert_parity.py) builds OnebitLamb under the 'onebit_lamb' name."""
-    config = ROOT / "examples" / "configs" / "bert_lamb.yaml"
+@pytest.mark.parametrize(
+    "config, expected, absent",
+    [
+        ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: 320"],
+         None),
+        # without MomentumMask(auto=True), which ZeroOneAdam refuses
+        ("bert_zeroone.yaml",
+         ["class_path: lightning_onebit.ZeroOneAdam", "strategy: zeroone_adam", "var_freeze_step: 176"], "MomentumMask"),
+    ],
+)
+def test_family_configs_resolve_under_their_strategy_names(tmp_path, config, expected, absent):
+    """bert_lamb.yaml and bert_zeroone.yaml (run in full by benchmarks/bert_parity.py) build their optimizer under the
+    strategy name users of that optimizer look for."""
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "fit", "--config", str(config), "--print_config"],
+        [sys.executable, str(EXAMPLE), "fit", "--config", str(ROOT / "examples" / "configs" / config), "--print_config"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "class_path: lightning_onebit.OnebitLamb" in proc.stdout
-    assert "strategy: onebit_lamb" in proc.stdout and "freeze_step: 320" in proc.stdout
+    assert all(text in proc.stdout for text in expected), proc.stdout
+    assert absent is None or absent not in proc.stdout

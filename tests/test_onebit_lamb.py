@@ -30,7 +30,7 @@ from lightning_onebit import (
     switchable_allreduce_hook,
 )
 from tests.distributed import run_distributed
-from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs
+from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
 
 
 class Net(nn.Module):
@@ -219,7 +219,7 @@ class LambRegressor(Regressor):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _lamb_fit(rank: int, world_size: int, workdir: str, run: str, **kwargs: Any) -> dict[str, Any]:
+def _lamb_fit(rank: int, world_size: int, workdir: str, **kwargs: Any) -> dict[str, Any]:
     model_kwargs = kwargs.pop("model_kwargs", {})
     callbacks = kwargs.pop("callbacks", [])
     ckpt_path = kwargs.pop("ckpt_path", None)
@@ -240,32 +240,24 @@ def _lamb_fit(rank: int, world_size: int, workdir: str, run: str, **kwargs: Any)
 def scenario_lightning(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     import os
 
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask
+    from lightning_onebit import CommunicationMonitor, MomentumMask
 
     out: dict[str, Any] = {}
-    out["bf16"] = _lamb_fit(rank, world_size, workdir, "bf16", precision="bf16-mixed")
+    out["bf16"] = _lamb_fit(rank, world_size, workdir, precision="bf16-mixed")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    out["fp16"] = _lamb_fit(rank, world_size, workdir, "fp16",
+    out["fp16"] = _lamb_fit(rank, world_size, workdir,
                             plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
                             model_kwargs=dict(inf_at_step=5, inf_rank=1))
     out["accumulation"] = _lamb_fit(
-        rank, world_size, workdir, "accumulation", accumulate_grad_batches=2, n_batches=16,
+        rank, world_size, workdir, accumulate_grad_batches=2, n_batches=16,
         callbacks=[MomentumMask(auto=True), CommunicationMonitor()], model_kwargs=dict(lr_lambda_zero_from=6),
     )
 
-    def checkpoints(run: str) -> ModelCheckpoint:
-        return ModelCheckpoint(dirpath=os.path.join(workdir, run), filename="{epoch}", every_n_epochs=1, save_top_k=-1)
-
     common = dict(max_steps=-1, max_epochs=3, n_batches=3, model_kwargs=dict(data_seed=5), enable_checkpointing=True)
-    out["full"] = _lamb_fit(rank, world_size, workdir, "full",
-                            callbacks=[ErrorFeedbackCheckpoint("keep"), checkpoints("full")], **common)
-    keep = ErrorFeedbackCheckpoint("keep")
-    out["resumed"] = _lamb_fit(rank, world_size, workdir, "resumed", callbacks=[keep, checkpoints("resumed")],
-                               ckpt_path=os.path.join(workdir, "full", "epoch=1.ckpt"), **common)
-    out["resumed"]["restored"] = keep.restored
+    out.update(fit_save_and_resume(lambda **kwargs: _lamb_fit(rank, world_size, workdir, **kwargs), workdir,
+                                   **common))
     return out
 
 

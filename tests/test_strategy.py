@@ -450,7 +450,8 @@ def test_registry_and_trainer_builds_onebit_strategy() -> None:
         "onebit_adam_spawn": "spawn",
         "onebit_adam_fork": "fork",
         "onebit_adam_notebook": "fork",
-        "onebit_lamb": "popen",  # the same strategy, found by its optimizer's name
+        "onebit_lamb": "popen",  # the same strategy, found by its optimizers' names
+        "zeroone_adam": "popen",
     }
     for name, start_method in expected.items():
         assert name in StrategyRegistry
@@ -557,7 +558,8 @@ def test_loss_parity_with_ddp_adamw(main_session: list[dict[str, Any]]) -> None:
 def test_non_onebit_optimizer_is_refused_at_setup(main_session: list[dict[str, Any]]) -> None:
     for result in scenario_results(main_session, "adamw_rejected"):
         assert result["error_type"] == "ValueError"
-        assert "OnebitAdam" in result["message"] and "OnebitLamb" in result["message"] and "AdamW" in result["message"]
+        message = result["message"]
+        assert all(name in message for name in ("OnebitAdam", "ZeroOneAdam", "OnebitLamb", "AdamW")), message
         assert result["steps_taken"] == 0
 
 

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lightning.pytorch as pl
 from lightning_onebit import GradientSyncState, ReplicaCheck, ZeroOneAdam, switchable_allreduce_hook
 from tests.distributed import run_distributed
-from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs
+from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
 
 
 class Net(nn.Module):
@@ -188,6 +188,28 @@ def test_every_phase_matches_a_reference_from_the_formulas(bias_correction: bool
     torch.testing.assert_close(net.unused_scale.detach(), torch.ones(3) * (1 - 1e-2 * wd) ** (steps - 4))
 
 
+def test_state_dict_between_syncs_warns_until_synchronize() -> None:
+    import warnings
+
+    net = Net()
+    opt = ZeroOneAdam(net.parameters(), lr=1e-2, var_freeze_step=VFS, var_update_scaler=KAPPA,
+                      local_step_scaler=ALPHA, local_step_clipper=CLIPPER)
+    for t in range(1, 20):  # step 19: a local step at interval 2
+        opt.zero_grad()
+        x, y = _batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    assert opt.last_step_kind == "local" and not opt.replicas_in_sync
+    with pytest.warns(UserWarning, match="1 local step.*synchronize"):
+        opt.state_dict()
+    assert opt.synchronize() and opt.replicas_in_sync and opt.forced_syncs == 1
+    assert not opt.synchronize()  # nothing left to sync
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved = opt.state_dict()
+    assert saved["onebit"]["zeroone"]["local_steps_since_sync"] == 0
+
+
 # ------------------------------------------------------------------------------------------------ distributed
 D_VFS, D_STEPS, D_SAVE_AT = 12, 34, 22
 
@@ -236,7 +258,9 @@ def _train(rank: int, steps: range, state: Any = None, compress: str = "momentum
 
 
 def scenario_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    out = dict(full=_train(rank, range(1, D_STEPS + 1)), gradient=_train(rank, range(1, D_STEPS + 1), compress="gradient"))
+    out = dict(
+        full=_train(rank, range(1, D_STEPS + 1)), gradient=_train(rank, range(1, D_STEPS + 1), compress="gradient")
+    )
     out["resumed"] = _train(rank, range(D_SAVE_AT + 1, D_STEPS + 1), state=out["full"]["saved"])
     return out
 
@@ -339,7 +363,6 @@ def _error_of(fn: Callable[[], Any]) -> str:
 def scenario_zeroone_lightning(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     import os
 
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, OnebitAdamStrategy
@@ -362,17 +385,14 @@ def scenario_zeroone_lightning(rank: int, world_size: int, workdir: str) -> dict
         lambda: _zeroone_fit(rank, world_size, workdir, strategy=OnebitAdamStrategy(overlap=True))
     )
 
-    def checkpoints(run: str) -> ModelCheckpoint:
-        return ModelCheckpoint(dirpath=os.path.join(workdir, run), filename="{epoch}", every_n_epochs=1, save_top_k=-1)
-
     # 5 steps per epoch: the saves after steps 5, 10 and 15 fall between syncs (interval 4 from step 9 on) at 10 and 15
     common = dict(max_steps=-1, max_epochs=3, n_batches=5, model_kwargs=dict(data_seed=5), enable_checkpointing=True)
-    out["full"] = _zeroone_fit(rank, world_size, workdir,
-                               callbacks=[ErrorFeedbackCheckpoint("keep"), checkpoints("full")], **common)
-    keep = ErrorFeedbackCheckpoint("keep")
-    out["resumed"] = _zeroone_fit(rank, world_size, workdir, callbacks=[keep, checkpoints("resumed")],
-                                  ckpt_path=os.path.join(workdir, "full", "epoch=1.ckpt"), **common)
-    out["resumed"]["restored"] = keep.restored
+    out.update(fit_save_and_resume(lambda **kwargs: _zeroone_fit(rank, world_size, workdir, **kwargs), workdir,
+                                   **common))
+    reset = ErrorFeedbackCheckpoint("reset")
+    out["reset"] = _zeroone_fit(rank, world_size, workdir, callbacks=[reset],
+                                ckpt_path=os.path.join(workdir, "full", "epoch=1.ckpt"), **common)
+    out["reset"]["restored"] = reset.restored
     return out
 
 
@@ -390,7 +410,9 @@ def _results(session: list[dict[str, Any]], name: str) -> list[Any]:
     return [r[name] for r in scenario_results(session, "zeroone")]
 
 
-def test_lightning_bf16_local_steps_silent_replica_checks_wait_for_syncs(lightning_session: list[dict[str, Any]]) -> None:
+def test_lightning_bf16_local_steps_silent_replica_checks_wait_for_syncs(
+    lightning_session: list[dict[str, Any]],
+) -> None:
     results = _results(lightning_session, "bf16")
     for r in results:
         assert r["step_count"] == 14 and "ZeroOneAdam" in r["fallback"]
@@ -432,7 +454,9 @@ def test_lightning_refuses_auto_masks_and_forced_overlap(lightning_session: list
         assert "overlap=True" in message and "ZeroOneAdam decides in optimizer.step" in message
 
 
-def test_lightning_checkpoint_syncs_and_keep_resume_continues_exactly(lightning_session: list[dict[str, Any]]) -> None:
+def test_lightning_checkpoint_syncs_keep_resume_continues_exactly_reset_resumes(
+    lightning_session: list[dict[str, Any]],
+) -> None:
     fulls, resumed = _results(lightning_session, "full"), _results(lightning_session, "resumed")
     assert fulls[0]["kinds"][9] == "local", "the save after step 10 must fall between syncs"
     for full, again in zip(fulls, resumed):
@@ -441,3 +465,8 @@ def test_lightning_checkpoint_syncs_and_keep_resume_continues_exactly(lightning_
         assert again["losses"] == full["losses"][-len(again["losses"]):]
         assert again["kinds"] == full["kinds"][10:]
     assert torch.equal(fulls[0]["final"], fulls[1]["final"])
+    # reset: the error feedback restarts from zero; training goes on, replicas identical, no longer the same bits
+    resets = _results(lightning_session, "reset")
+    assert all(r["restored"] is False and torch.isfinite(r["final"]).all() for r in resets)
+    assert torch.equal(resets[0]["final"], resets[1]["final"])
+    assert not torch.equal(resets[0]["final"], fulls[0]["final"])

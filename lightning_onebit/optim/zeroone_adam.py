@@ -151,7 +151,9 @@ class ZeroOneAdam(CompressedOptimizer):
         if compress not in ("momentum", "gradient"):
             raise ValueError(f"compress must be 'momentum' or 'gradient', got {compress!r}")
         if not isinstance(amsgrad, bool) or amsgrad:
-            raise ValueError(f"ZeroOneAdam does not support amsgrad (the variance is updated on a schedule), got {amsgrad!r}")
+            raise ValueError(
+                f"ZeroOneAdam does not support amsgrad (the variance is updated on a schedule), got {amsgrad!r}"
+            )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(
             params,
@@ -393,7 +395,9 @@ class ZeroOneAdam(CompressedOptimizer):
             if self._lr_sum[index] == 0:  # lr was 0 throughout: nothing moved; average the momenta themselves
                 params = self._updated_params(group)
                 if params:
-                    torch._foreach_copy_([self.state[p][_UPDATE] for p in params], [self.state[p]["exp_avg"] for p in params])
+                    torch._foreach_copy_(
+                        [self.state[p][_UPDATE] for p in params], [self.state[p]["exp_avg"] for p in params]
+                    )
         self._compressed_average_("update", pairs)
         for index, group in enumerate(self.param_groups):
             params = self._updated_params(group)
