@@ -71,7 +71,7 @@ class ZeroOneAdam(CompressedOptimizer):
     starts at 1 and doubles after every ``local_step_scaler`` local steps, up to ``local_step_clipper``. If a param
     group's learning rate was 0 over a whole interval (``lr_sum = 0``, where DeepSpeed divided by zero), its momenta
     themselves are averaged instead and its parameters stay at ``p_sync``. The error feedback restarts from zero when
-    the local steps begin (it held gradient errors, it now holds update errors).
+    the local steps begin (it held momentum or gradient errors, it now holds update errors).
 
     Between syncs the replicas differ (that is the point of local steps): validation runs on each rank's replica,
     :attr:`replicas_in_sync` is false, and :meth:`synchronize` (a collective) syncs at once. The Lightning strategy
@@ -234,7 +234,8 @@ class ZeroOneAdam(CompressedOptimizer):
             return "variance", (
                 f"from optimizer step {t}: variance steps (DDP gradient allreduce) every {self.var_interval} steps, "
                 f"the interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
-                "the other steps average gradients by the 1-bit compressed allreduce"
+                f"the other steps average the {'momenta' if self.compress == 'momentum' else 'gradients'} by the "
+                "1-bit compressed allreduce"
             )
         return "local", (
             f"from optimizer step {t}: variance frozen; local steps without communication, the accumulated update "
@@ -356,8 +357,8 @@ class ZeroOneAdam(CompressedOptimizer):
         return "local"
 
     def _begin_local_steps(self, buckets: list[_Bucket]) -> None:
-        """At the first local step: the error feedback held gradient errors and restarts for updates, the scratch
-        gradient buffers are freed, and the (rank-identical) parameters become the first sync point."""
+        """At the first local step: the error feedback held momentum (or gradient) errors and restarts for updates,
+        the scratch gradient buffers are freed, and the (rank-identical) parameters become the first sync point."""
         dropped = self.compression.reset_error_feedback(lambda key: self._stream_of(key) != "update")
         for bucket in buckets:
             bucket.extra.pop("gradient", None)
@@ -369,8 +370,8 @@ class ZeroOneAdam(CompressedOptimizer):
         self._decay = [1.0] * len(self.param_groups)
         self.local_steps_since_sync = 0
         log.info(
-            "ZeroOneAdam: variance frozen after step %d; local steps from step %d (error feedback of the gradient "
-            "exchange reset, norm %.3g dropped)",
+            "ZeroOneAdam: variance frozen after step %d; local steps from step %d (error feedback of the exchanges "
+            "before them reset, norm %.3g dropped)",
             self.var_freeze_step,
             self._step,
             dropped,
