@@ -24,7 +24,7 @@ from lightning_onebit.gradient_sync import (
     overlapped_exchange_hook,
     switchable_allreduce_hook,
 )
-from lightning_onebit.optim import CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
+from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.strategy import OnebitAdamStrategy
 from lightning_onebit.topology import Topology
@@ -35,6 +35,7 @@ if "onebit_adam" not in StrategyRegistry:
     OnebitAdamStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "AutoFreeze",
     "BucketLayout",
     "CommunicationCounters",
     "CommunicationMonitor",

@@ -375,6 +375,8 @@ class CommunicationMonitor(Callback):
     * ``comm/hook_ms``: compression stage, time spent during backward in DDP's hooks folding, compressing and launching
       the overlapped exchange (0 without overlap). On CPU it runs on the backward thread; on CUDA on a side stream.
     * ``comm/stage``: 0 warmup, 1 compression (the stage of the step just taken)
+    * ``onebit/freeze_step``: with ``freeze_step="auto"``, the step it decided (from the decision on; also in the
+      progress bar)
 
     Warmup steps count DDP's gradient allreduce. Stage and compression ratio also show in the progress bar.
 
@@ -406,7 +408,8 @@ class CommunicationMonitor(Callback):
         now = trainer.strategy.communication
         step = now - self._last
         self._last = now
-        stage = 0.0 if optimizer.step_count <= optimizer.freeze_step else 1.0
+        frozen = optimizer.freeze_step
+        stage = 0.0 if frozen is None or optimizer.step_count <= frozen else 1.0
         ratio = step.bytes_fp32_equivalent / step.bytes_sent if step.bytes_sent else 0.0
         metrics = {
             "comm/bytes_sent": float(step.bytes_sent),
@@ -420,8 +423,11 @@ class CommunicationMonitor(Callback):
             "comm/hook_ms": 1000.0 * step.hook_s,
         }
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        shown = {"comm/stage": stage, "comm/compression_ratio": ratio}
+        if optimizer.auto_freeze is not None and frozen is not None:
+            shown["onebit/freeze_step"] = float(frozen)  # the step freeze_step='auto' decided
         pl_module.log_dict(
-            {"comm/stage": stage, "comm/compression_ratio": ratio},
+            shown,
             on_step=True,
             on_epoch=False,
             prog_bar=self.prog_bar,

@@ -257,9 +257,29 @@ class OnebitAdamStrategy(DDPStrategy):
         optimizer.topology = self.topology
         self.gradient_sync.topology = self.topology
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
+        self._default_auto_freeze_bound(trainer, optimizer)
         self._onebit_optimizer = optimizer
         self._announced_stage = None
         self.overlap_state = self._configure_overlap(trainer, optimizer)
+
+    @staticmethod
+    def _default_auto_freeze_bound(trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
+        """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by 25% of the run at the latest."""
+        detector = optimizer.freeze_detector
+        if detector is None or detector.max_step is not None:
+            return
+        total = trainer.estimated_stepping_batches
+        if not (isinstance(total, (int, float)) and total < float("inf")):
+            raise ValueError(
+                f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by 25% of the run, but the Trainer's "
+                "length is unknown (no max_steps or max_epochs): set max_steps/max_epochs, or "
+                "AutoFreeze(max_step=...)"
+            )
+        detector.max_step = max(1, int(0.25 * total))
+        rank_zero_info(
+            f"onebit_adam: freeze_step='auto' ends the warmup at step {detector.max_step} at the latest (25% of "
+            f"{int(total)} steps)"
+        )
 
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
         """Why the exchange cannot overlap backward in this run (``None``: it can). Override to add cases."""

@@ -9,9 +9,10 @@
   a reconstructed fresh variance for the trust factor, and 1-bit compressed momentum averaging.
 """
 
+from lightning_onebit.optim.auto_freeze import AutoFreeze
 from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage, check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam
 from lightning_onebit.optim.onebit_lamb import OnebitLamb
 from lightning_onebit.optim.zeroone_adam import ZeroOneAdam
 
-__all__ = ["CompressedOptimizer", "OnebitAdam", "OnebitLamb", "OnebitStage", "ZeroOneAdam", "check_exp_avg_mask"]
+__all__ = ["AutoFreeze", "CompressedOptimizer", "OnebitAdam", "OnebitLamb", "OnebitStage", "ZeroOneAdam", "check_exp_avg_mask"]

@@ -34,6 +34,7 @@ from lightning_onebit.comm import (
     start_exchange_,
 )
 from lightning_onebit.kernels import Backend
+from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector
 from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -100,24 +101,37 @@ class CompressedOptimizer(torch.optim.Optimizer):
         params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
         defaults: dict[str, Any],
         *,
-        freeze_step: int,
+        freeze_step: Union[int, str],
+        auto_freeze: Optional[AutoFreeze] = None,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
         warn_dead_coordinates: bool = True,
     ) -> None:
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        if freeze_step != "auto" and (
+            isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1
+        ):
             raise ValueError(
-                f"freeze_step must be an integer >= 1 (the number of warmup steps that estimate the variance), "
-                f"got {freeze_step!r}"
+                f"freeze_step must be an integer >= 1 (the number of warmup steps that estimate the variance) or "
+                f"'auto', got {freeze_step!r}"
             )
+        if auto_freeze is not None and freeze_step != "auto":
+            raise ValueError(
+                f"auto_freeze configures freeze_step='auto', but freeze_step is {freeze_step!r}: drop auto_freeze or "
+                "pass freeze_step='auto'"
+            )
+        if auto_freeze is not None and not isinstance(auto_freeze, AutoFreeze):
+            raise ValueError(f"auto_freeze must be a lightning_onebit.AutoFreeze, got {type(auto_freeze).__name__}")
         if not _is_real(bucket_cap_mb) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
         if not isinstance(warn_dead_coordinates, bool):
             raise ValueError(f"warn_dead_coordinates must be True or False, got {warn_dead_coordinates!r}")
         super().__init__(params, defaults)
-        self.freeze_step = freeze_step
+        #: The last warmup step: an int, or ``None`` while ``freeze_step="auto"`` is still measuring.
+        self.freeze_step: Optional[int] = None if freeze_step == "auto" else freeze_step
+        self.auto_freeze = (auto_freeze or AutoFreeze()) if freeze_step == "auto" else None
+        self._detector: Optional[FreezeDetector] = None  # created at the first warmup step (needs the betas)
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         if topology is not None and not isinstance(topology, Topology):
             raise ValueError(
@@ -213,7 +227,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     @property
     def stage(self) -> OnebitStage:
         """The stage the next :meth:`step` runs in."""
-        return OnebitStage.WARMUP if self._step < self.freeze_step else OnebitStage.COMPRESSION
+        if self.freeze_step is None or self._step < self.freeze_step:
+            return OnebitStage.WARMUP
+        return OnebitStage.COMPRESSION
 
     @property
     def needs_gradient_allreduce(self) -> bool:
@@ -237,13 +253,62 @@ class CompressedOptimizer(torch.optim.Optimizer):
         The strategy announces each new phase once."""
         name = type(self).__name__
         if self.stage is OnebitStage.WARMUP:
-            return "warmup", (
-                f"warmup (DDP gradient allreduce, full-precision {name} update) until optimizer step {self.freeze_step}"
+            until = (
+                f"optimizer step {self.freeze_step}"
+                if self.freeze_step is not None
+                else "the variance settles (freeze_step='auto': " + self._detector_rule() + ")"
             )
+            return "warmup", f"warmup (DDP gradient allreduce, full-precision {name} update) until {until}"
+        decided = "" if self._detector is None else f" (freeze_step='auto' decided {self.freeze_step}: " + (
+            self._detector.describe() + ")"
+        )
         return "compression", (
             f"compression stage from optimizer step {self._step + 1}: DDP gradient allreduce off, momenta averaged by "
-            "the 1-bit compressed allreduce, variance frozen"
+            f"the 1-bit compressed allreduce, variance frozen{decided}"
         )
+
+    def _detector_rule(self) -> str:
+        detector = self._ensure_detector()
+        return (
+            f"relative change of sqrt(v) over {detector.window} steps below {self.auto_freeze.threshold:g} for "
+            f"{self.auto_freeze.patience} checks {detector.check_every} steps apart, between steps "
+            f"{detector.min_step} and {detector.max_step}"
+        )
+
+    def _ensure_detector(self) -> FreezeDetector:
+        if self._detector is None:
+            assert self.auto_freeze is not None
+            self._detector = FreezeDetector(self.auto_freeze, self.param_groups[0]["betas"][1])
+        return self._detector
+
+    @property
+    def freeze_detector(self) -> Optional[FreezeDetector]:
+        """The measuring state of ``freeze_step="auto"`` (its figures, ``describe()``), ``None`` with an int."""
+        return self._ensure_detector() if self.auto_freeze is not None else None
+
+    def _detector_params(self) -> list[tuple[int, torch.Tensor, Optional[torch.Tensor]]]:
+        """``(index, parameter, v as the update will use it)`` for every trainable parameter, in order: ``v`` divided
+        by its bias correction where the group corrects it, ``None`` where the parameter has no variance yet."""
+        out = []
+        for group in self.param_groups:
+            b2 = group["betas"][1]
+            correction = 1 - b2**self._step if group["bias_correction"] else 1.0
+            for p in _trainable(group):
+                v = self.state[p].get("exp_avg_sq")
+                out.append((len(out), p, None if v is None else v / correction))
+        return out
+
+    def _detector_device(self) -> torch.device:
+        params = [p for group in self.param_groups for p in group["params"]]
+        return params[0].device if params else torch.device("cpu")
+
+    def _on_freeze(self) -> None:
+        """Called once, after the last warmup step (fixed or decided ``freeze_step``)."""
+
+    def _settling_figures(self) -> Optional[torch.Tensor]:
+        """Other per-tensor figures that must settle before an automatic freeze (1-bit LAMB: its trust-ratio EMAs);
+        ``None``: only the variance."""
+        return None
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -299,6 +364,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._step += 1
         if stage is OnebitStage.WARMUP:
             kind = self._warmup_step() or "warmup"
+            if self.freeze_step is None:
+                self._observe_variance()
+            if self.stage is OnebitStage.COMPRESSION:
+                self._on_freeze()
         else:
             kind = self._compressed_step() or "compressed"
         self.steps_by_kind[kind] += 1
@@ -307,6 +376,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
             (plan,), self._deferred_plan = self._deferred_plan, None
             self._install_plan(plan)
         return loss
+
+    def _observe_variance(self) -> None:
+        """freeze_step='auto': measure after this warmup step; end the warmup here if the detector says so."""
+        detector = self._ensure_detector()
+        decided = detector.observe(self, self._step)
+        if decided is not None:
+            self.freeze_step = decided
+            if self.compression.rank() == 0:
+                log.info(
+                    "%s: freeze_step='auto' decided %d (%s); the compression stage starts at step %d",
+                    type(self).__name__,
+                    decided,
+                    detector.describe(),
+                    decided + 1,
+                )
 
     def _moment_state(self, p: torch.Tensor) -> dict[str, Any]:
         """``p``'s state with ``exp_avg`` and ``exp_avg_sq`` (zeros when new), for a warmup step where ``p`` has a
@@ -758,7 +842,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group.pop("exp_avg_mask", None)
-        meta: dict[str, Any] = {"step": self._step, "freeze_step": self.freeze_step}
+        meta: dict[str, Any] = {"step": self._step, "freeze_step": self.freeze_step or "auto"}
+        if self.auto_freeze is not None and self._detector is not None:
+            meta["auto_freeze"] = dict(self._detector.state_dict(), reason=self._detector.reason)
         if self._bucket_plan is not None:
             index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
             meta["bucket_plan"] = [[key, [index[id(p)] for p in params]] for key, params in self._bucket_plan]
@@ -777,7 +863,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for key, value in code_group.items():  # e.g. bias_correction, absent from a torch.optim.AdamW state dict
                 group.setdefault(key, value)
             group["exp_avg_mask"] = code_group["exp_avg_mask"]
-        if meta is not None:
+        if meta is not None and self.auto_freeze is not None:
+            step = int(meta["step"])
+            self._restore_auto_freeze(meta, step)
+        elif meta is not None:
             step = int(meta["step"])
             if meta.get("freeze_step", self.freeze_step) != self.freeze_step:
                 log.info(
@@ -799,6 +888,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
             state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
         self._buckets = None
         self.last_dropped_error_norm = self.compression.reset_error_feedback()
+
+    def _restore_auto_freeze(self, meta: dict[str, Any], step: int) -> None:
+        """freeze_step='auto' resumed: keep the step the checkpoint decided (or its fixed freeze step, if that was
+        already reached); otherwise go on measuring from the saved snapshots."""
+        saved, measured = meta.get("freeze_step"), meta.get("auto_freeze") or {}
+        detector = self._ensure_detector()  # kept: the strategy may have set its max_step already
+        detector.load_state_dict(measured)
+        if isinstance(saved, int) and saved <= step:
+            self.freeze_step = saved
+            detector.reason = measured.get("reason") or "checkpoint"
+            detector.load_state_dict(dict(measured, snapshots={}))  # nothing more to measure
+            log.info("%s: freeze_step='auto' resumed with the step the checkpoint decided: %d", type(self).__name__,
+                     saved)
+            return
+        self.freeze_step = None
+        detector.reason = None
 
     def _plan_from_indices(self, saved: Any) -> Optional[list[tuple[int, list[torch.Tensor]]]]:
         """A saved bucket plan (keys and parameter indices) mapped to this optimizer's parameters; ``None``, logged,

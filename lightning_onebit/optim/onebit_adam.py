@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -11,6 +11,7 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
+from lightning_onebit.optim.auto_freeze import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.topology import Topology
 
@@ -116,7 +117,8 @@ class OnebitAdam(CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        freeze_step: int,
+        freeze_step: Union[int, Literal["auto"]],
+        auto_freeze: Optional[AutoFreeze] = None,
         bias_correction: bool = True,
         amsgrad: bool = False,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -134,6 +136,7 @@ class OnebitAdam(CompressedOptimizer):
             params,
             defaults,
             freeze_step=freeze_step,
+            auto_freeze=auto_freeze,
             bucket_cap_mb=bucket_cap_mb,
             process_group=process_group,
             kernel_backend=kernel_backend,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit.kernels import Backend
-from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, OnebitStage, _is_real
+from lightning_onebit.optim.auto_freeze import AutoFreeze
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real
 from lightning_onebit.topology import Topology
 
 
@@ -67,7 +68,8 @@ class OnebitLamb(CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        freeze_step: int,
+        freeze_step: Union[int, Literal["auto"]],
+        auto_freeze: Optional[AutoFreeze] = None,
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
         coeff_beta: float = 0.9,
@@ -103,6 +105,7 @@ class OnebitLamb(CompressedOptimizer):
             params,
             defaults,
             freeze_step=freeze_step,
+            auto_freeze=auto_freeze,
             bucket_cap_mb=bucket_cap_mb,
             process_group=process_group,
             kernel_backend=kernel_backend,
@@ -134,8 +137,17 @@ class OnebitLamb(CompressedOptimizer):
                     beta = group["coeff_beta"]
                     state["lamb_coeff"] = beta * state["lamb_coeff"] + (1 - beta) * ratio
                 p.add_(u, alpha=-group["lr"] * ratio)
-        if self.stage is OnebitStage.COMPRESSION:
-            self._remember_momenta()
+
+    def _on_freeze(self) -> None:
+        self._remember_momenta()  # the first compressed step reconstructs the gradient from them
+
+    def _settling_figures(self) -> torch.Tensor:
+        """freeze_step='auto' also waits for every tensor's trust-ratio EMA (the coefficient that gets frozen)."""
+        return torch.tensor(
+            [self.state[p].get("lamb_coeff", 0.0) for group in self.param_groups for p in group["params"]
+             if p.requires_grad],
+            dtype=torch.float64,
+        )
 
     # ------------------------------------------------------------------ compression stage
     def _compressed_step(self) -> None:
