@@ -286,7 +286,8 @@ def _schedule(name: str, run: dict[str, Any]) -> str:
     if "local" in kinds or "sync" in kinds:
         return (f"{name} updated the variance on {_full_precision_steps(run)} steps and took "
                 f"{kinds.get('local', 0)} local steps without communication")
-    return f"{name} froze at step {run['freeze_step']}"
+    how = " (freeze_step='auto')" if run.get("auto_freeze") else ""
+    return f"{name} froze at step {run['freeze_step']}{how}"
 
 
 def _rounds(run: dict[str, Any]) -> str:
@@ -300,6 +301,37 @@ def _per_round(run: dict[str, Any]) -> str:
     warm = run["bytes_sent_warmup"] / full
     comp = run["bytes_sent_compression"] / rounds
     return f"{warm:,.0f} full precision, {comp:,.0f} compressed ({warm / comp:.1f}x less)"
+
+
+def freeze_sweep_table() -> str:
+    """Per seed: validation accuracy of each fixed freeze_step and of freeze_step='auto', and the issue's goals."""
+    data = _load("freeze_step_sweep")
+    rows, args = data["rows"], data["args"]
+    fixed = sorted({r["freeze_step"] for r in rows if r["freeze_step"] != "auto"})
+    header = ["seed", *(f"freeze {f}" for f in fixed), "auto (decided step)", "loss before the decision",
+              "detector ms / warmup step"]
+    table = []
+    for seed in sorted({r["seed"] for r in rows}):
+        by = {r["freeze_step"]: r for r in rows if r["seed"] == seed}
+        a = by.get("auto")
+        table.append([str(seed), *(f"{by[f]['val_acc']:.1%}" if f in by else "-" for f in fixed),
+                      "-" if a is None else f"{a['val_acc']:.1%} ({a['decided_step']}, {a['reason']})",
+                      "-" if a is None else f"{a['loss_before_decision']:.3f}",
+                      "-" if a is None else f"{a['detector_ms_per_warmup_step']:.2f}"])
+    goals = []
+    for g in data.get("summary", []):
+        close = g["accuracy_points"] >= -0.5
+        short = g["warmup_ratio"] <= 1.5
+        goals.append(
+            f"- seed {g['seed']}: best fixed step {g['best_fixed_step']} ({g['best_fixed_acc']:.1%}); auto "
+            f"{g['auto_step']} ({g['auto_acc']:.1%}): {g['accuracy_points']:+.1f} points "
+            f"({'met' if close else '**not met**'}: within 0.5), warmup x{g['warmup_ratio']:.2f} "
+            f"({'met' if short else '**not met**'}: at most x1.5)"
+        )
+    intro = (f"{args['steps']} steps, lr {args['lr']:g}, one process per run; validation accuracy (chance is 50%). "
+             f"auto: window {args['auto_window']}, check every {args['auto_check_every']}, threshold "
+             f"{args['auto_threshold']:g}, patience {args['auto_patience']}, max step {args['auto_max_step']}:\n\n")
+    return intro + _table(header, table) + ("\n\n" + "\n".join(goals) if goals else "")
 
 
 _MULTINODE_ROWS = (
@@ -460,6 +492,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "overlap": overlap_table,
     "memory": memory_table,
     "bert_parity": parity_table,
+    "freeze_sweep": freeze_sweep_table,
     "multinode": multinode_table,
     "multinode_batch8": lambda: multinode_table("multinode_batch8", with_formulas=False),
     "intra_reduce": intra_reduce_table,

@@ -323,6 +323,8 @@ class BertFinetuneCLI(LightningCLI):
             warm, comp = strategy.gradient_sync.counters, optimizer.communication
             summary.update(
                 freeze_step=optimizer.freeze_step,
+                # freeze_step='auto': the figures behind the decided step
+                auto_freeze=None if optimizer.freeze_detector is None else optimizer.freeze_detector.describe(),
                 stage=optimizer.stage.value,
                 bytes_sent_warmup=warm.bytes_sent,
                 bytes_sent_compression=comp.bytes_sent,

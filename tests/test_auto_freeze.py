@@ -179,3 +179,47 @@ def test_ranks_decide_the_same_step_even_when_their_figures_disagree(world_size:
     agreeing, forced = results[0]["agreeing"]["freeze_step"], results[0]["forced"]["freeze_step"]
     # rank 1's figure moved until step 110: every rank waited for it to settle
     assert agreeing < 110 <= forced
+
+
+# ------------------------------------------------------------------------------------------------ Lightning
+def _lightning_auto(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    import logging
+
+    import lightning.pytorch as pl
+
+    from lightning_onebit import CommunicationMonitor
+    from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs
+
+    class AutoRegressor(Regressor):
+        def configure_optimizers(self) -> Any:
+            return OnebitAdam(self.parameters(), lr=self.lr, freeze_step="auto", warn_dead_coordinates=False)
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    model = AutoRegressor()
+    trainer = pl.Trainer(**trainer_kwargs(world_size, 40, callbacks=[CommunicationMonitor()]))
+    trainer.fit(model, loader(rank, 40))
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
+    opt = trainer.strategy.onebit_optimizer
+    return dict(freeze_step=opt.freeze_step, reason=opt.freeze_detector.reason, max_step=opt.freeze_detector.max_step,
+                metrics={k: float(v) for k, v in trainer.callback_metrics.items()}, final=flat_params(model),
+                messages=records, progress_bar=dict(trainer.progress_bar_metrics))
+
+
+def test_lightning_defaults_the_bound_logs_and_announces_the_decided_step(tmp_path: Any) -> None:
+    results = run_distributed(_lightning_auto, 2, str(tmp_path), timeout_s=240)
+    for r in results:
+        # 40 steps: max_step defaults to 25% of them; the default window (1000 steps) cannot settle that soon
+        assert r["max_step"] == 10 and r["freeze_step"] == 10 and r["reason"] == "max_step"
+        assert r["metrics"]["onebit/freeze_step"] == 10.0 and r["progress_bar"]["onebit/freeze_step"] == 10.0
+    assert torch.equal(results[0]["final"], results[1]["final"])
+    text = "\n".join(results[0]["messages"])
+    assert "ends the warmup at step 10 at the latest (25% of 40 steps)" in text
+    assert "until the variance settles (freeze_step='auto'" in text
+    assert "freeze_step='auto' decided 10: max_step 10 reached" in text

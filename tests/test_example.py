@@ -62,7 +62,8 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     command = [
         sys.executable, str(EXAMPLE), "fit", "--config", str(CONFIG),
         "--trainer.max_epochs", "EPOCHS",
-        "--optimizer.init_args.freeze_step", "FREEZE", "--optimizer.init_args.lr", "0.001",
+        "--optimizer.init_args.freeze_step", "FREEZE", "--optimizer.init_args.auto_freeze", "null",
+        "--optimizer.init_args.lr", "0.001",
         "--model.num_layers", "2", "--model.hidden_size", "64", "--model.intermediate_size", "256",
         "--data.num_val", "500", "--trainer.enable_progress_bar", "false",
         "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary),
@@ -90,7 +91,7 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
 @pytest.mark.parametrize(
     "config, expected, absent",
     [
-        ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: 320"],
+        ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: auto"],
          None),
         # without MomentumMask(auto=True), which ZeroOneAdam refuses
         ("bert_zeroone.yaml",

@@ -155,18 +155,16 @@ class FreezeDetector:
         in float64 on the CPU."""
         params = optimizer._detector_params()
         if self._sample is None:
-            self._sample = _draw_sample([p.numel() for _, p, _ in params], self.config.sample_size, self.config.seed)
-        roots, norms = [], []
-        for _, p, v_hat in params:
-            root = None if v_hat is None else v_hat.sqrt()
-            roots.append(root)
-            norms.append(0.0 if root is None else float(root.double().sum()))
-        sample = [
-            torch.zeros(len(idx), dtype=torch.float64)
-            if roots[i] is None
-            else roots[i].reshape(-1)[idx.to(roots[i].device)].double().cpu()
-            for i, idx in self._sample
-        ]
+            self._sample = _draw_sample([p.numel() for p, _, _ in params], self.config.sample_size, self.config.seed)
+        # sqrt(v / c) = sqrt(v) / sqrt(c): one tensor's sqrt at a time, never a corrected copy of all of v
+        norms = [0.0 if v is None else float(v.sqrt().double().sum()) / math.sqrt(c) for _, v, c in params]
+        sample = []
+        for i, idx in self._sample:
+            _, v, c = params[i]
+            if v is None:
+                sample.append(torch.zeros(len(idx), dtype=torch.float64))
+            else:
+                sample.append(v.reshape(-1)[idx.to(v.device)].double().cpu().sqrt() / math.sqrt(c))
         extra = optimizer._settling_figures()
         return (
             torch.cat(sample) if sample else torch.zeros(0, dtype=torch.float64),

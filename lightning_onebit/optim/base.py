@@ -286,16 +286,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The measuring state of ``freeze_step="auto"`` (its figures, ``describe()``), ``None`` with an int."""
         return self._ensure_detector() if self.auto_freeze is not None else None
 
-    def _detector_params(self) -> list[tuple[int, torch.Tensor, Optional[torch.Tensor]]]:
-        """``(index, parameter, v as the update will use it)`` for every trainable parameter, in order: ``v`` divided
-        by its bias correction where the group corrects it, ``None`` where the parameter has no variance yet."""
+    def _detector_params(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor], float]]:
+        """``(parameter, v, correction)`` for every trainable parameter, in order: the update will use
+        ``v / correction`` (1 without bias correction); ``v`` is ``None`` where the parameter has no variance yet."""
         out = []
         for group in self.param_groups:
             b2 = group["betas"][1]
             correction = 1 - b2**self._step if group["bias_correction"] else 1.0
-            for p in _trainable(group):
-                v = self.state[p].get("exp_avg_sq")
-                out.append((len(out), p, None if v is None else v / correction))
+            out += [(p, self.state[p].get("exp_avg_sq"), correction) for p in _trainable(group)]
         return out
 
     def _detector_device(self) -> torch.device:

@@ -75,7 +75,11 @@ class OnebitAdam(CompressedOptimizer):
         eps: added to ``sqrt(v_hat)``; ``>= 0``. Default ``1e-8``.
         weight_decay: decoupled weight decay coefficient (AdamW's), ``>= 0``. Default ``0``.
         freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step. No
-            default: the paper uses 15-25% of training; the variance must have settled by then.
+            default: the paper uses 15-25% of training; the variance must have settled by then. ``"auto"``: the warmup
+            ends when the variance has stopped moving, decided by every rank together
+            (:class:`~lightning_onebit.AutoFreeze`); :attr:`freeze_step` is ``None`` until then.
+        auto_freeze: the settings of ``freeze_step="auto"`` (:class:`~lightning_onebit.AutoFreeze`); only with it.
+            Default ``None``: ``AutoFreeze()``.
         bias_correction: see above; a bool (anything else is an error, not a truthy value). Default ``True``.
         amsgrad: not supported (the variance is frozen); only ``False`` is accepted, so AdamW configs port with a
             clear error instead of a silently ignored flag.

@@ -49,9 +49,10 @@ class OnebitLamb(CompressedOptimizer):
     momentum are per-parameter optimizer state, saved and restored with it.
 
     Args:
-        params, lr, betas, eps, weight_decay, freeze_step, bias_correction, bucket_cap_mb, process_group,
-            kernel_backend, topology, warn_dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`
-            (``weight_decay`` is added to the update before the trust ratio, as in LAMB).
+        params, lr, betas, eps, weight_decay, freeze_step, auto_freeze, bias_correction, bucket_cap_mb,
+            process_group, kernel_backend, topology, warn_dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`
+            (``weight_decay`` is added to the update before the trust ratio, as in LAMB; ``freeze_step="auto"`` also
+            waits for every tensor's trust-ratio EMA to settle).
         max_coeff: upper clip of the warmup trust ratio ``r``. Default ``10.0``.
         min_coeff: lower clip of ``r``, ``> 0``. Default ``0.01``.
         coeff_beta: EMA rate of the trust ratio, in ``[0, 1)``. Default ``0.9``.
