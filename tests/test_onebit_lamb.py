@@ -31,33 +31,7 @@ from lightning_onebit import (
 )
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.l1 = nn.Linear(6, 16)
-        self.l2 = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 1)
-        self.unused_scale = nn.Parameter(torch.ones(3))  # multiplied by 0: its gradient and momentum stay zero
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
-        return self.head(h) + 0.0 * self.unused_scale.sum()
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(16, 6, generator=g)
-    return x, torch.sin(x.sum(1, keepdim=True))
-
-
-def _groups(net: Net, wd: float) -> list[dict[str, Any]]:
-    return [
-        {"params": [net.l1.weight, net.l1.bias, net.unused_scale]},
-        {"params": [net.l2.weight, net.l2.bias, net.head.weight, net.head.bias], "weight_decay": wd, "lr": 2e-3},
-    ]
+from tests.optim_models import Net, rank_batch, two_groups
 
 
 # ------------------------------------------------------------------------------------------------ warmup reference
@@ -65,7 +39,7 @@ def _reference_lamb(net: Net, steps: int, lr: float, wd: float, bias_correction:
     """LAMB from the formulas, in float64, on the same batches (rank 0's)."""
     b1, b2, eps, max_coeff, min_coeff = 0.9, 0.999, 1e-8, 10.0, 0.01
     params = [p.detach().double().clone() for p in net.parameters()]
-    groups = _groups(net, wd)
+    groups = two_groups(net, wd)
     settings = {}
     for group in groups:
         for p in group["params"]:
@@ -79,7 +53,7 @@ def _reference_lamb(net: Net, steps: int, lr: float, wd: float, bias_correction:
             for q, p in zip(model.parameters(), params):
                 q.copy_(p)
         model.zero_grad()
-        x, y = _batch(0, t)
+        x, y = rank_batch(0, t)
         nn.functional.mse_loss(model(x.double()), y.double()).backward()
         for i, q in enumerate(model.parameters()):
             g = q.grad
@@ -97,10 +71,10 @@ def _reference_lamb(net: Net, steps: int, lr: float, wd: float, bias_correction:
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_warmup_matches_a_lamb_reference(bias_correction: bool) -> None:
     net, steps, lr, wd = Net(), 12, 1e-3, 0.05
-    opt = OnebitLamb(_groups(net, wd), lr=lr, freeze_step=100, bias_correction=bias_correction)
+    opt = OnebitLamb(two_groups(net, wd), lr=lr, freeze_step=100, bias_correction=bias_correction)
     for t in range(1, steps + 1):
         opt.zero_grad()
-        x, y = _batch(0, t)
+        x, y = rank_batch(0, t)
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
     reference = _reference_lamb(Net(), steps, lr, wd, bias_correction)
@@ -116,7 +90,7 @@ def test_zero_momentum_tensor_gets_scaling_one_and_training_stays_finite() -> No
     opt = OnebitLamb(net.parameters(), lr=1e-3, freeze_step=3, warn_dead_coordinates=False)
     for t in range(1, 9):
         opt.zero_grad()
-        x, y = _batch(0, t)
+        x, y = rank_batch(0, t)
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
     assert opt.state[net.unused_scale]["lamb_scaling_coeff"] == 1.0
@@ -148,7 +122,7 @@ FREEZE, STEPS, RESUME_AT = 3, 9, 6
 def _train(rank: int, overlap: bool, steps: range, state: Any = None) -> dict[str, Any]:
     net = Net()
     ddp = DDP(net, bucket_cap_mb=0.001)
-    opt = OnebitLamb(_groups(net, 0.01), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+    opt = OnebitLamb(two_groups(net, 0.01), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
     if overlap is None:  # the in-step path with DDP's momentum layout, for the bitwise comparison
         hook_state = OverlapState(ddp, opt, enabled=False)
         ddp.register_comm_hook(hook_state, overlapped_exchange_hook)
@@ -165,7 +139,7 @@ def _train(rank: int, overlap: bool, steps: range, state: Any = None) -> dict[st
     after, saved = [], None
     for t in steps:
         opt.zero_grad()
-        x, y = _batch(ddp.process_group.rank(), t)
+        x, y = rank_batch(ddp.process_group.rank(), t)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         after.append(torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()]))

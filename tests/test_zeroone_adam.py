@@ -26,26 +26,7 @@ import lightning.pytorch as pl
 from lightning_onebit import GradientSyncState, ReplicaCheck, ZeroOneAdam, switchable_allreduce_hook
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.l1 = nn.Linear(6, 16)
-        self.l2 = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 1)
-        self.unused_scale = nn.Parameter(torch.ones(3))  # multiplied by 0: its variance stays exactly zero
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
-        return self.head(h) + 0.0 * self.unused_scale.sum()
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(16, 6, generator=g)
-    return x, torch.sin(x.sum(1, keepdim=True))
+from tests.optim_models import Net, rank_batch, two_groups
 
 
 # ------------------------------------------------------------------------------------------------ schedules
@@ -131,7 +112,7 @@ def _reference_zeroone(steps: int, wd: float, bias_correction: bool) -> list[lis
             for q, p in zip(model.parameters(), params):
                 q.copy_(p)
         model.zero_grad()
-        x, y = _batch(0, t)
+        x, y = rank_batch(0, t)
         nn.functional.mse_loss(model(x.double()), y.double()).backward()
         grads = [q.grad for q in model.parameters()]
         lr = _lr_at(t)
@@ -176,7 +157,7 @@ def test_every_phase_matches_a_reference_from_the_formulas(bias_correction: bool
         for group in opt.param_groups:
             group["lr"] = _lr_at(t)
         opt.zero_grad()
-        x, y = _batch(0, t)
+        x, y = rank_batch(0, t)
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
         kinds.append(opt.last_step_kind)
@@ -196,7 +177,7 @@ def test_state_dict_between_syncs_warns_until_synchronize() -> None:
                       local_step_scaler=ALPHA, local_step_clipper=CLIPPER)
     for t in range(1, 20):  # step 19: a local step at interval 2
         opt.zero_grad()
-        x, y = _batch(0, t)
+        x, y = rank_batch(0, t)
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
     assert opt.last_step_kind == "local" and not opt.replicas_in_sync
@@ -214,17 +195,10 @@ def test_state_dict_between_syncs_warns_until_synchronize() -> None:
 D_VFS, D_STEPS, D_SAVE_AT = 12, 34, 22
 
 
-def _groups(net: Net, wd: float) -> list[dict[str, Any]]:
-    return [
-        {"params": [net.l1.weight, net.l1.bias, net.unused_scale]},
-        {"params": [net.l2.weight, net.l2.bias, net.head.weight, net.head.bias], "weight_decay": wd, "lr": 2e-3},
-    ]
-
-
 def _train(rank: int, steps: range, state: Any = None, compress: str = "momentum") -> dict[str, Any]:
     net = Net()
     ddp = DDP(net, bucket_cap_mb=0.001)
-    opt = ZeroOneAdam(_groups(net, 0.01), lr=1e-2, var_freeze_step=D_VFS, var_update_scaler=3, local_step_scaler=3,
+    opt = ZeroOneAdam(two_groups(net, 0.01), lr=1e-2, var_freeze_step=D_VFS, var_update_scaler=3, local_step_scaler=3,
                       local_step_clipper=4, compress=compress)
     sync = GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce)
     ddp.register_comm_hook(sync, switchable_allreduce_hook)
@@ -240,7 +214,7 @@ def _train(rank: int, steps: range, state: Any = None, compress: str = "momentum
         opt.zero_grad()
         out["allreduce"].append(opt.needs_gradient_allreduce)
         before = opt.communication.bytes_sent + sync.counters.bytes_sent
-        x, y = _batch(ddp.process_group.rank(), t)
+        x, y = rank_batch(ddp.process_group.rank(), t)
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
         scheduler.step()

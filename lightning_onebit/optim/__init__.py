@@ -15,4 +15,12 @@ from lightning_onebit.optim.onebit_adam import OnebitAdam
 from lightning_onebit.optim.onebit_lamb import OnebitLamb
 from lightning_onebit.optim.zeroone_adam import ZeroOneAdam
 
-__all__ = ["AutoFreeze", "CompressedOptimizer", "OnebitAdam", "OnebitLamb", "OnebitStage", "ZeroOneAdam", "check_exp_avg_mask"]
+__all__ = [
+    "AutoFreeze",
+    "CompressedOptimizer",
+    "OnebitAdam",
+    "OnebitLamb",
+    "OnebitStage",
+    "ZeroOneAdam",
+    "check_exp_avg_mask",
+]
