@@ -13,8 +13,9 @@ generated here (see :func:`make_reviews`). Real models and data plug in through 
     python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml \\
         --model.model_name_or_path bert-base-uncased --data.dataset glue/sst2 --data.max_length 128
 
-    # your own data: a .tsv or .csv file with columns `text` and `label` (integer labels)
-    python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml --data.dataset reviews.tsv
+    # your own data: a .tsv / .csv / .jsonl file, or a directory with train.* and dev.* (or validation.*), e.g. the
+    # GLUE SST-2 TSVs; columns are detected (text, sentence, sentence1/sentence2, ..., label) or named explicitly
+    python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml --data.dataset SST-2/
 
 Validation accuracy and macro F1 (torchmetrics) are logged every validation run; at the end rank 0 prints them with
 a communication summary (bytes sent by this rank in each stage), and writes it as JSON with ``--summary_json``.
@@ -106,13 +107,95 @@ def _word_vocab(texts: list[str]) -> dict[str, int]:
     return {w: i for i, w in enumerate(SPECIAL_TOKENS + [w for w in words if w not in SPECIAL_TOKENS])}
 
 
-def _read_table(path: str) -> list[tuple[str, int]]:
-    delimiter = "\t" if path.endswith(".tsv") else ","
+Row = tuple[str, Optional[str], Any]  # (text, second text of a pair task or None, label as read)
+
+# Column layouts recognised without text_column/text_pair_column, in order of preference (GLUE's among them).
+TEXT_LAYOUTS = (
+    ("text", None), ("sentence", None), ("sentence1", "sentence2"), ("question1", "question2"),
+    ("premise", "hypothesis"), ("question", "sentence"),
+)
+LABEL_COLUMNS = ("label", "labels")
+TABLE_SUFFIXES = (".tsv", ".csv", ".jsonl")
+
+
+def _read_records(path: str) -> list[dict[str, Any]]:
+    """The rows of a .tsv, .csv (header line) or .jsonl (one object per line) file, as dicts."""
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if not path.endswith((".tsv", ".csv")):
+        raise ValueError(f"{path}: a local dataset is a .tsv, .csv or .jsonl file (or a directory of them)")
     with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f, delimiter=delimiter)
-        if reader.fieldnames is None or not {"text", "label"} <= set(reader.fieldnames):
-            raise ValueError(f"{path} must have a header with columns 'text' and 'label', got {reader.fieldnames}")
-        return [(row["text"], int(row["label"])) for row in reader]
+        # GLUE's TSVs hold quotes inside sentences: no quoting in TSV
+        reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if path.endswith(".tsv") else (
+            csv.DictReader(f)
+        )
+        return list(reader)
+
+
+def _columns(found: list[str], where: str, text: Optional[str], pair: Optional[str], label: Optional[str]):
+    """The (text, pair, label) columns to read: the given ones, checked, or the first recognised layout."""
+    def missing(name: str, what: str) -> ValueError:
+        return ValueError(
+            f"{where}: no column {name!r} ({what}); the columns are {found}. Name the right one with "
+            "--data.text_column / --data.text_pair_column / --data.label_column"
+        )
+
+    if text is None:
+        layout = next(((t, p) for t, p in TEXT_LAYOUTS if t in found and (p is None or p in found)), None)
+        if layout is None:
+            raise ValueError(
+                f"{where}: none of the usual text columns ({', '.join(t for t, _ in TEXT_LAYOUTS)}) among the columns "
+                f"{found}: name it with --data.text_column (and --data.text_pair_column for pair tasks)"
+            )
+        text, detected_pair = layout
+        pair = pair if pair is not None else detected_pair
+    for name, what in ((text, "text"), (pair, "second text")):
+        if name is not None and name not in found:
+            raise missing(name, what)
+    if label is None:
+        label = next((c for c in LABEL_COLUMNS if c in found), None)
+        if label is None:
+            raise ValueError(
+                f"{where}: no label column ({' or '.join(LABEL_COLUMNS)}) among the columns {found}: name it with "
+                "--data.label_column"
+            )
+    elif label not in found:
+        raise missing(label, "label")
+    return text, pair, label
+
+
+def _rows(records: list[dict[str, Any]], where: str, text: Optional[str], pair: Optional[str],
+          label: Optional[str]) -> list[Row]:
+    if not records:
+        raise ValueError(f"{where} holds no rows")
+    text, pair, label = _columns(list(records[0]), where, text, pair, label)
+    return [(str(r[text]), None if pair is None else str(r[pair]), r[label]) for r in records]
+
+
+def _label_ids(train: list[Row], val: list[Row]) -> tuple[list[tuple[str, Optional[str], int]], ...]:
+    """Labels as class ids: integers (or strings of integers) as they are, any other labels mapped to ids in sorted
+    order (the names are returned as the last element)."""
+    values = [label for *_, label in train + val]
+    try:
+        ids = {v: int(v) for v in set(values)}
+        if any(i < 0 for i in ids.values()):
+            raise ValueError
+        names = None
+    except (TypeError, ValueError):
+        names = sorted({str(v) for v in values})
+        ids = {v: names.index(str(v)) for v in set(values)}
+    convert = lambda rows: [(t, p, ids[label]) for t, p, label in rows]  # noqa: E731
+    return convert(train), convert(val), names
+
+
+def _find_split(directory: str, names: tuple[str, ...]) -> Optional[str]:
+    for name in names:
+        for suffix in TABLE_SUFFIXES:
+            path = os.path.join(directory, name + suffix)
+            if os.path.exists(path):
+                return path
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -130,23 +213,39 @@ class _Encoded(Dataset):
 
 
 class TextClassificationData(L.LightningDataModule):
-    """Text classification data: the offline synthetic reviews, a GLUE task, or a local table.
+    """Text classification data: the offline synthetic reviews, a Hugging Face dataset, or local files.
 
     Args:
-        dataset: ``"synthetic"`` (default, built here, offline), ``"glue/sst2"`` or ``"glue/mrpc"`` (through the
-            ``datasets`` package, needs a reachable hub), or a path to a ``.tsv``/``.csv`` with ``text`` and ``label``
-            columns (90% train / 10% validation, split by ``seed``).
+        dataset: ``"synthetic"`` (default, built here, offline); a local ``.tsv`` / ``.csv`` / ``.jsonl`` file; a
+            directory holding ``train.*`` and ``dev.*`` or ``validation.*`` in those formats (e.g. GLUE's SST-2 or
+            MRPC TSVs); or a Hugging Face ``datasets`` name, ``name/config`` (``glue/sst2``), loaded when reachable or
+            cached, with its ``train`` and ``val_split`` splits.
+        text_column, text_pair_column, label_column: the columns to read. ``None`` (default) detects them: the first
+            of ``text``, ``sentence``, ``sentence1`` + ``sentence2``, ``question1`` + ``question2``, ``premise`` +
+            ``hypothesis``, ``question`` + ``sentence`` that the data has (a pair is tokenised as a pair), and
+            ``label`` or ``labels``. A column that does not exist is an error listing the columns found.
+        val_file: a separate validation file (same formats and columns). Without it (and without a ``dev``/
+            ``validation`` file in a directory) 10% of the training rows are held out, split by ``seed``.
+        val_split: the validation split of a Hugging Face dataset. Default ``"validation"``.
         tokenizer: hub name or local directory of a tokenizer. ``None`` (default) builds a word-level BERT tokenizer
             from the training texts (offline); use the model's tokenizer with a pretrained model.
         max_length: tokens per example (padding and truncation). Default 32.
         batch_size: examples per rank per step. Default 32.
         num_train, num_val: sizes of the synthetic splits. Defaults 4000 and 1000.
-        seed: seed of the synthetic data and of the table split. Default 0.
+        seed: seed of the synthetic data and of the held-out split. Default 0.
+
+    Labels may be integers (class ids) or strings, which are mapped to ids in sorted order (``label_names``);
+    ``num_labels`` is inferred from the data.
     """
 
     def __init__(
         self,
         dataset: str = "synthetic",
+        text_column: Optional[str] = None,
+        text_pair_column: Optional[str] = None,
+        label_column: Optional[str] = None,
+        val_file: Optional[str] = None,
+        val_split: str = "validation",
         tokenizer: Optional[str] = None,
         max_length: int = 32,
         batch_size: int = 32,
@@ -156,35 +255,49 @@ class TextClassificationData(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.train_rows, self.val_rows = self._load(dataset, num_train, num_val, seed)
-        self.tokenizer = self._tokenizer(tokenizer, [t for t, _ in self.train_rows])
+        columns = (text_column, text_pair_column, label_column)
+        train, val = self._load(dataset, columns, val_file, val_split, num_train, num_val, seed)
+        self.train_rows, self.val_rows, self.label_names = _label_ids(train, val)
+        texts = [t for t, _, _ in self.train_rows] + [p for _, p, _ in self.train_rows if p is not None]
+        self.tokenizer = self._tokenizer(tokenizer, texts)
         self.vocab_size = len(self.tokenizer)
-        self.num_labels = max(label for _, label in self.train_rows + self.val_rows) + 1
+        labels = [label for *_, label in self.train_rows + self.val_rows]
+        self.num_labels = len(self.label_names) if self.label_names else max(labels) + 1
 
     @staticmethod
-    def _load(dataset: str, num_train: int, num_val: int, seed: int):
+    def _load(dataset: str, columns: tuple, val_file: Optional[str], val_split: str, num_train: int, num_val: int,
+              seed: int) -> tuple[list[Row], list[Row]]:
         if dataset == "synthetic":
-            return make_reviews(num_train, seed), make_reviews(num_val, seed + 1)
-        if dataset.startswith("glue/"):
-            try:
-                import datasets
-            except ImportError as err:
-                raise ImportError("GLUE tasks need the `datasets` package: pip install datasets") from err
-            task = dataset.split("/", 1)[1]
-            splits = datasets.load_dataset("glue", task)
-
-            def rows(split):
-                if task == "mrpc":
-                    return [(f"{r['sentence1']} [SEP] {r['sentence2']}", r["label"]) for r in splits[split]]
-                return [(r["sentence"], r["label"]) for r in splits[split]]
-
-            return rows("train"), rows("validation")
+            return ([(t, None, label) for t, label in make_reviews(num_train, seed)],
+                    [(t, None, label) for t, label in make_reviews(num_val, seed + 1)])
+        if os.path.isdir(dataset):
+            train_path = _find_split(dataset, ("train",))
+            if train_path is None:
+                raise ValueError(f"{dataset}: no train.tsv, train.csv or train.jsonl in this directory")
+            val_file = val_file or _find_split(dataset, ("dev", "validation"))
+            dataset = train_path
         if os.path.exists(dataset):
-            rows = _read_table(dataset)
-            random.Random(seed).shuffle(rows)
-            n_val = max(1, len(rows) // 10)
-            return rows[n_val:], rows[:n_val]
-        raise ValueError(f"unknown dataset {dataset!r}: use 'synthetic', 'glue/sst2', 'glue/mrpc' or a .tsv/.csv path")
+            train = _rows(_read_records(dataset), dataset, *columns)
+            if val_file is not None:
+                return train, _rows(_read_records(val_file), val_file, *columns)
+            random.Random(seed).shuffle(train)
+            n_val = max(1, len(train) // 10)
+            return train[n_val:], train[:n_val]
+        if dataset.endswith(TABLE_SUFFIXES) or dataset.startswith((".", "/", "~")) or dataset.count("/") > 1:
+            raise ValueError(f"unknown dataset {dataset!r}: no such file or directory")
+        try:
+            import datasets
+        except ImportError as err:
+            raise ValueError(
+                f"unknown dataset {dataset!r}: not 'synthetic', not a local file or directory, and Hugging Face "
+                "datasets need the `datasets` package (pip install datasets)"
+            ) from err
+        name, _, config = dataset.partition("/")
+        splits = datasets.load_dataset(name, config or None)
+        if val_split not in splits:
+            raise ValueError(f"{dataset} has no split {val_split!r}; its splits are {list(splits)} (--data.val_split)")
+        return (_rows(list(splits["train"]), f"{dataset} train", *columns),
+                _rows(list(splits[val_split]), f"{dataset} {val_split}", *columns))
 
     @staticmethod
     def _tokenizer(name_or_path: Optional[str], texts: list[str]):
@@ -195,16 +308,18 @@ class TextClassificationData(L.LightningDataModule):
         # transformers >= 5 builds a WordPiece tokenizer from an in-memory vocabulary (4.x would ignore `vocab`).
         return BertTokenizerFast(vocab=_word_vocab(texts))
 
-    def _encode(self, rows: list[tuple[str, int]]) -> _Encoded:
+    def _encode(self, rows: list[tuple[str, Optional[str], int]]) -> _Encoded:
+        pairs = [p for _, p, _ in rows]
         encodings = self.tokenizer(
-            [t for t, _ in rows],
+            [t for t, _, _ in rows],
+            None if all(p is None for p in pairs) else [p or "" for p in pairs],  # pair tasks: tokenised as pairs
             padding="max_length",
             truncation=True,
             max_length=self.hparams.max_length,
             return_tensors="pt",
         )
         keep = {k: encodings[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in encodings}
-        return _Encoded(keep, [label for _, label in rows])
+        return _Encoded(keep, [label for *_, label in rows])
 
     def setup(self, stage: str) -> None:
         self.train_set, self.val_set = self._encode(self.train_rows), self._encode(self.val_rows)
@@ -246,6 +361,7 @@ class BertClassifier(L.LightningModule):
 
         if model_name_or_path is not None:
             self.bert = AutoModelForSequenceClassification.from_pretrained(model_name_or_path, num_labels=num_labels)
+            self.bert.train()  # from_pretrained returns the model in eval mode: dropout would stay off in fine-tuning
         else:
             config = BertConfig(
                 vocab_size=vocab_size,

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "bert_finetune.py"
@@ -51,10 +52,69 @@ def test_local_table_and_errors(example, tmp_path):
 
     bad = tmp_path / "bad.csv"
     bad.write_text("sentence,y\nhello,1\n")
-    with pytest.raises(ValueError, match="'text' and 'label'"):
+    with pytest.raises(ValueError, match=r"no label column .* the columns \['sentence', 'y'\].*label_column"):
         example.TextClassificationData(dataset=str(bad))
+    with pytest.raises(ValueError, match=r"no column 'review' \(text\); the columns are \['sentence', 'y'\]"):
+        example.TextClassificationData(dataset=str(bad), text_column="review", label_column="y")
     with pytest.raises(ValueError, match="unknown dataset"):
         example.TextClassificationData(dataset="no/such/thing")
+
+
+def test_sst2_directory_layout_with_its_dev_file(example, tmp_path):
+    """GLUE SST-2 as distributed: train.tsv and dev.tsv with columns sentence and label, unquoted quotes inside."""
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "".join(
+        f"{t}\t{label}\n" for t, label in [('a "fine" film', 1), ("a dull film", 0)] * 8))
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nquite fine\t1\nso dull\t0\nfine\t1\n")
+    data = example.TextClassificationData(dataset=str(tmp_path), max_length=8, batch_size=4)
+    assert len(data.train_rows) == 16 and len(data.val_rows) == 3  # dev.tsv, not a 10% cut
+    assert data.train_rows[0] == ('a "fine" film', None, 1) and data.num_labels == 2
+    data.setup("fit")
+    assert next(iter(data.val_dataloader()))["labels"].tolist() == [1, 0, 1]
+
+
+def test_pair_task_is_tokenised_as_pairs_and_a_separate_val_file(example, tmp_path):
+    rows = [("the cat sat", "a cat was sitting", 1), ("the cat sat", "dogs bark", 0)] * 6
+    train, val = tmp_path / "mrpc.csv", tmp_path / "mrpc_val.csv"
+    train.write_text("sentence1,sentence2,label\n" + "".join(f"{a},{b},{label}\n" for a, b, label in rows))
+    val.write_text("sentence1,sentence2,label\nthe dog,dogs bark,1\n")
+    data = example.TextClassificationData(dataset=str(train), val_file=str(val), max_length=12, batch_size=4)
+    assert len(data.train_rows) == 12 and data.val_rows == [("the dog", "dogs bark", 1)]
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    # the second sentence is segment 1: BERT sees a pair, not one concatenated text
+    assert (batch["token_type_ids"] == 1).any() and (batch["token_type_ids"][:, 0] == 0).all()
+
+
+def test_jsonl_with_string_labels_infers_the_classes(example, tmp_path):
+    path = tmp_path / "reviews.jsonl"
+    labels = ["positive", "negative", "neutral"]
+    path.write_text("".join(json.dumps({"text": f"review {i}", "label": labels[i % 3]}) + "\n" for i in range(30)))
+    data = example.TextClassificationData(dataset=str(path), batch_size=4)
+    assert data.label_names == ["negative", "neutral", "positive"] and data.num_labels == 3
+    assert {label for *_, label in data.train_rows + data.val_rows} == {0, 1, 2}
+    assert len(data.val_rows) == 3  # held out: 10% of the rows
+
+
+def test_pretrained_model_loads_in_train_mode_and_fine_tunes(example, tmp_path):
+    """A model saved with save_pretrained (as a downloaded one) comes back in train mode: dropout is on."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, num_labels=2)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "tiny-bert")
+    model = example.BertClassifier(model_name_or_path=str(tmp_path / "tiny-bert"), num_labels=2)
+    assert all(m.training for m in model.bert.modules())
+    batch = dict(input_ids=torch.randint(0, 50, (8, 10)), labels=torch.randint(0, 2, (8,)))
+    assert not torch.equal(model.bert(**batch).logits, model.bert(**batch).logits)  # dropout is active
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        loss = model.bert(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.isfinite(loss) and any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path):
