@@ -378,10 +378,11 @@ class CommunicationMonitor(Callback):
     * ``onebit/freeze_step``: with ``freeze_step="auto"``, the step it decided (from the decision on; also in the
       progress bar)
 
-    Warmup steps count DDP's gradient allreduce. Stage and compression ratio also show in the progress bar.
+    Warmup steps count DDP's gradient allreduce. The progress bar shows short names that fit a terminal: ``stage``
+    (``comm/stage``), ``1bit_x`` (``comm/compression_ratio``) and ``freeze`` (``onebit/freeze_step``).
 
     Args:
-        prog_bar: show ``comm/stage`` and ``comm/compression_ratio`` in the progress bar. Default ``True``.
+        prog_bar: show ``stage``, ``1bit_x`` and ``freeze`` in the progress bar. Default ``True``.
     """
 
     def __init__(self, prog_bar: bool = True) -> None:
@@ -424,15 +425,12 @@ class CommunicationMonitor(Callback):
         }
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         shown = {"comm/stage": stage, "comm/compression_ratio": ratio}
+        short = {"stage": stage, "1bit_x": ratio}
         if optimizer.auto_freeze is not None and frozen is not None:
-            shown["onebit/freeze_step"] = float(frozen)  # the step freeze_step='auto' decided
-        pl_module.log_dict(
-            shown,
-            on_step=True,
-            on_epoch=False,
-            prog_bar=self.prog_bar,
-            batch_size=1,
-        )
+            shown["onebit/freeze_step"] = short["freeze"] = float(frozen)  # the step freeze_step='auto' decided
+        pl_module.log_dict(shown, on_step=True, on_epoch=False, batch_size=1)
+        if self.prog_bar:  # short names that fit a terminal; the logger has the full ones
+            pl_module.log_dict(short, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def test_lightning_defaults_the_bound_logs_and_announces_the_decided_step(tmp_pa
     for r in results:
         # 40 steps: max_step defaults to 25% of them; the default window (1000 steps) cannot settle that soon
         assert r["max_step"] == 10 and r["freeze_step"] == 10 and r["reason"] == "max_step"
-        assert r["metrics"]["onebit/freeze_step"] == 10.0 and r["progress_bar"]["onebit/freeze_step"] == 10.0
+        assert r["metrics"]["onebit/freeze_step"] == 10.0 and r["progress_bar"]["freeze"] == 10.0
     assert torch.equal(results[0]["final"], results[1]["final"])
     text = "\n".join(results[0]["messages"])
     assert "ends the warmup at step 10 at the latest (25% of 40 steps)" in text
