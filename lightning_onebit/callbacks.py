@@ -66,13 +66,26 @@ class MomentumMask(Callback):
             own dead-coordinate warning (``OnebitAdam(warn_dead_coordinates=...)``) is switched off, since this
             masks every coordinate it would report.
         log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
+        warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
+            stay frozen for the rest of training, which may not be what you want (embedding rows not seen during
+            warmup, for instance). ``1.0`` never warns. Default ``0.01``.
+
+    At the first compressed step (when the masks take effect) the callback logs a table of the masked coordinates per
+    parameter and the total, and :attr:`masked_coordinates` holds the counts.
     """
 
     def __init__(
-        self, masks: Optional[Mapping[str, MaskSpec]] = None, auto: bool = False, log_level: int = logging.INFO
+        self,
+        masks: Optional[Mapping[str, MaskSpec]] = None,
+        auto: bool = False,
+        log_level: int = logging.INFO,
+        warn_share: float = 0.01,
     ) -> None:
         if not masks and not auto:
             raise ValueError("MomentumMask needs explicit `masks`, `auto=True`, or both")
+        if isinstance(warn_share, bool) or not isinstance(warn_share, (int, float)) or not 0 <= warn_share <= 1:
+            raise ValueError(f"MomentumMask warn_share must be a number in [0, 1], got {warn_share!r}")
+        self.warn_share = float(warn_share)
         self.masks = dict(masks or {})
         self.auto = auto
         self.log_level = log_level
@@ -207,7 +220,30 @@ class MomentumMask(Callback):
         for name, count in report.items():
             log.log(self.log_level, "MomentumMask: %s: %d of %d coordinates masked", name, count, combined[name].numel())
         total = sum(report.values())
-        rank_zero_info(f"MomentumMask: {total} momentum coordinates masked in {len(report)} parameter(s)")
+        table = "".join(
+            f"\n  {name}: {count} of {combined[name].numel()} ({count / combined[name].numel():.1%})"
+            for name, count in report.items()
+        )
+        rank_zero_info(f"MomentumMask: {total} momentum coordinates masked in {len(report)} parameter(s){table}")
+        self._warn_heavy_auto_masks(named)
+
+    def _warn_heavy_auto_masks(self, named: dict[str, torch.Tensor]) -> None:
+        """Warn about parameters of which ``auto`` masked more than ``warn_share``: those coordinates never train."""
+        heavy = []
+        for name, mask in (self._auto_masks or {}).items():
+            share = float((mask == 0).sum()) / max(mask.numel(), 1)
+            if name in named and share > self.warn_share:
+                heavy.append(f"{name} {share:.1%} ({int((mask == 0).sum())} of {mask.numel()})")
+        if not heavy:
+            return
+        rank_zero_warn(
+            f"MomentumMask(auto=True) masked more than {self.warn_share:.0%} of {', '.join(heavy)}: coordinates whose "
+            "gradient was exactly zero in every warmup step (in an embedding, the rows no warmup batch looked up). "
+            "They stay frozen for the rest of training, since their variance is 0 and a compressed update would "
+            "explode. If they should train: freeze later (a larger freeze_step, or freeze_step='auto'), give explicit "
+            "masks for the rows you know are unused instead of auto=True, or use ZeroOneAdam, which goes on "
+            "updating the variance. MomentumMask(warn_share=1.0) silences this."
+        )
 
     # -- checkpoint ----------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from lightning_onebit import (
     CommunicationMonitor,
     ErrorFeedbackCheckpoint,
     MomentumMask,
+    OnebitAdam,
     OnebitAdamStrategy,
     ring_allreduce_bytes,
 )
@@ -599,3 +600,39 @@ def test_logged_bytes_match_the_analytic_formula_in_both_stages(session: list[di
     assert bar["stage"] == 1.0 and bar["1bit_x"] == pytest.approx(fp32 / compressed_bytes)
     assert not any(k.startswith("comm/") for k in bar) and len(max(bar, key=len)) <= 8
     assert not {"stage", "1bit_x"} & set(results[0]["C_reset"]["progress_bar"])
+
+
+def test_momentum_mask_reports_and_warns_about_heavily_masked_parameters(caplog: pytest.LogCaptureFixture) -> None:
+    """An embedding whose rows 3.. no warmup batch looked up: the table names it, and the warning its share, cause
+    and remedies; a head masked below the share is reported but not warned about."""
+    import logging
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(100, 4)
+            self.head = torch.nn.Linear(4, 1)
+
+    model = Model()
+    opt = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1)
+    seen_rows = torch.zeros(100, 4, dtype=torch.bool)
+    seen_rows[:3] = True
+    head_seen = torch.ones(1, 4, dtype=torch.bool)
+    callback = MomentumMask(auto=True)
+    callback._seen_nonzero = {"emb.weight": seen_rows, "head.weight": head_seen,
+                              "head.bias": torch.ones(1, dtype=torch.bool)}
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match=r"emb\.weight 97\.0% \(388 of 400\)") as caught:
+        callback._install(opt, model)
+    message = str(caught[0].message)
+    assert "rows no warmup batch looked up" in message and "freeze_step='auto'" in message and "head" not in message
+    assert callback.masked_coordinates == {"emb.weight": 388}
+    assert "emb.weight: 388 of 400 (97.0%)" in caplog.text
+    quiet = MomentumMask(auto=True, warn_share=1.0)
+    quiet._seen_nonzero = dict(callback._seen_nonzero, **{"emb.weight": seen_rows})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet._install(OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1), model)
+    with pytest.raises(ValueError, match="warn_share"):
+        MomentumMask(auto=True, warn_share=2)
