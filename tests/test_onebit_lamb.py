@@ -212,8 +212,6 @@ def _lamb_fit(rank: int, world_size: int, workdir: str, **kwargs: Any) -> dict[s
 
 
 def scenario_lightning(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
-    import os
-
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from lightning_onebit import CommunicationMonitor, MomentumMask

@@ -14,7 +14,6 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import (
     DEFAULT_BUCKET_CAP_MB,
     CompressedOptimizer,
-    OnebitStage,
     _Bucket,
     _mask_like,
     _trainable,
@@ -468,36 +467,36 @@ class ZeroOneAdam(CompressedOptimizer):
             "lr_sum": self._lr_sum,
             "decay": self._decay,
             "local_steps_since_sync": self.local_steps_since_sync,
-            "schedules": self._schedule_snapshot(),
+            # the schedules themselves follow from the step and these (load_state_dict replays them)
+            "schedule_arguments": self._schedule_arguments(),
         }
         return state_dict
 
-    def _schedule_snapshot(self) -> dict[str, int]:
+    def _schedule_arguments(self) -> dict[str, int]:
         return {
-            "var_interval": self.var_interval,
-            "var_counter": self._var_counter,
-            "variance_updates": self.variance_updates,
-            "local_step_interval": self.local_step_interval,
-            "local_step_counter": self._local_step_counter,
+            "var_freeze_step": self.var_freeze_step,
+            "var_update_scaler": self.var_update_scaler,
+            "local_step_scaler": self.local_step_scaler,
+            "local_step_clipper": self.local_step_clipper,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As :meth:`CompressedOptimizer.load_state_dict`; the schedules are recomputed from the loaded step with
-        this optimizer's schedule arguments (logged if the checkpoint's differ), the sums since the last sync are
-        restored."""
+        this optimizer's schedule arguments (logged if the checkpoint was saved with others), the sums since the last
+        sync are restored."""
         saved = (state_dict.get("onebit") or {}).get(_SYNC_STATE)
         super().load_state_dict(state_dict)
         self._replay_schedules(self._step)
         self._zero_variance = {}
         if saved is None:
             return  # e.g. an AdamW or OnebitAdam state dict: local steps (if any) start from the loaded point
-        if saved.get("schedules") not in (None, self._schedule_snapshot()):
+        if saved.get("schedule_arguments") not in (None, self._schedule_arguments()):
             log.info(
-                "ZeroOneAdam: the checkpoint's schedules %s differ from this optimizer's arguments at step %d (%s); "
-                "continuing with the latter",
-                saved["schedules"],
+                "ZeroOneAdam: the checkpoint was saved with schedule arguments %s; continuing from step %d with "
+                "those of the code, %s",
+                saved["schedule_arguments"],
                 self._step,
-                self._schedule_snapshot(),
+                self._schedule_arguments(),
             )
         if saved.get("lr_sum") is not None and len(saved["lr_sum"]) == len(self.param_groups):
             self._lr_sum = [float(x) for x in saved["lr_sum"]]
