@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
-from lightning_onebit import GradientSyncState, OnebitAdamStrategy, switchable_allreduce_hook
+from lightning_onebit import CompressedOptimizer, GradientSyncState, OnebitAdamStrategy, switchable_allreduce_hook
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -341,6 +341,11 @@ class BertClassifier(L.LightningModule):
         vocab_size, num_labels: linked from the data module by the CLI.
         hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings, dropout: size of the fresh
             BERT (defaults: 256, 4, 4, 1024, 64, 0.1). Ignored with ``model_name_or_path``.
+        uncompressed_embeddings: put the word embeddings in a param group of their own with ``"compress": False``
+            (``--model.uncompressed_embeddings true``): their gradients are averaged in full precision every step
+            and their variance stays live, so vocabulary rows no warmup batch looked up still train after the freeze
+            instead of being masked by ``MomentumMask(auto=True)``. Costs ``2 (P-1)/P * 4`` bytes per embedding
+            element per step (fp32). Default ``False``. Needs a compressed optimizer from the CLI (``optimizer:``).
     """
 
     def __init__(
@@ -354,6 +359,7 @@ class BertClassifier(L.LightningModule):
         intermediate_size: int = 1024,
         max_position_embeddings: int = 64,
         dropout: float = 0.1,
+        uncompressed_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -375,6 +381,7 @@ class BertClassifier(L.LightningModule):
                 num_labels=num_labels,
             )
             self.bert = BertForSequenceClassification(config)
+        self.uncompressed_embeddings = uncompressed_embeddings
         self.val_accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=num_labels)
         self.val_f1 = torchmetrics.F1Score(task="multiclass", num_classes=num_labels, average="macro")
 
@@ -406,6 +413,29 @@ class _CountDDPBytes(L.Callback):
             trainer.strategy.model.register_comm_hook(self.state, switchable_allreduce_hook)
 
 
+def uncompressed_embedding_groups(optimizer: CompressedOptimizer, embeddings: torch.nn.Parameter) -> None:
+    """Split a fresh optimizer's single param group in two: everything but ``embeddings``, then ``embeddings`` alone
+    with ``"compress": False`` (both with the group's other options). LightningCLI builds the optimizer from
+    ``model.parameters()``, one group; a LightningModule's own ``configure_optimizers`` would pass the two groups
+    directly: ``[{"params": rest}, {"params": [embeddings], "compress": False}]``."""
+    if not isinstance(optimizer, CompressedOptimizer):
+        raise ValueError(
+            f"uncompressed_embeddings needs a compressed optimizer (OnebitAdam, OnebitLamb, ZeroOneAdam), got "
+            f"{type(optimizer).__name__}"
+        )
+    if any(not g["compress"] and any(p is embeddings for p in g["params"]) for g in optimizer.param_groups):
+        return  # already split (configure_optimizers called again)
+    if len(optimizer.param_groups) != 1 or optimizer.state:
+        raise ValueError("uncompressed_embeddings splits a fresh optimizer with a single param group")
+    (group,) = optimizer.param_groups
+    if not any(p is embeddings for p in group["params"]):
+        raise ValueError("uncompressed_embeddings: the optimizer does not hold the word embeddings")
+    options = {k: v for k, v in group.items() if k not in ("params", "param_names", "exp_avg_mask", "compress")}
+    optimizer.param_groups.clear()
+    optimizer.add_param_group({**options, "params": [p for p in group["params"] if p is not embeddings]})
+    optimizer.add_param_group({**options, "params": [embeddings], "compress": False})
+
+
 def _per_100(rounds: int, steps: int) -> Optional[float]:
     return round(100.0 * rounds / steps, 1) if steps else None
 
@@ -417,6 +447,19 @@ class BertFinetuneCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.num_labels", "model.num_labels", apply_on="instantiate")
         parser.add_argument("--summary_json", type=Optional[str], default=None, help="write the final summary here")
+
+    @staticmethod
+    def configure_optimizers(lightning_module: L.LightningModule, optimizer: Any, lr_scheduler: Any = None) -> Any:
+        # LightningCLI's automatic configure_optimizers, with the word embeddings in a compress=False group if asked
+        if getattr(lightning_module, "uncompressed_embeddings", False):
+            if lr_scheduler is not None:
+                raise ValueError(
+                    "--model.uncompressed_embeddings true with an lr_scheduler is not supported by this example: the "
+                    "scheduler was built for the optimizer's single param group. Build the two groups in a "
+                    "LightningModule's configure_optimizers instead"
+                )
+            uncompressed_embedding_groups(optimizer, lightning_module.bert.get_input_embeddings().weight)
+        return LightningCLI.configure_optimizers(lightning_module, optimizer, lr_scheduler)
 
     def before_fit(self) -> None:
         self._started = time.perf_counter()
@@ -451,9 +494,14 @@ class BertFinetuneCLI(LightningCLI):
                 exchange_exposed_s=round(comp.exposed_s, 3),
                 exchange_in_hooks_s=round(comp.hook_s, 3),
                 steps_by_kind=dict(optimizer.steps_by_kind),
-                # steps that communicated (all but 0/1 Adam's local ones), plus syncs forced by checkpoints
+                bytes_sent_uncompressed=comp.bytes_sent_uncompressed,
+                # steps that communicated (all but 0/1 Adam's local ones, unless a compress=False group averages its
+                # gradients on them), plus syncs forced by checkpoints
                 rounds_per_100_steps=_per_100(
-                    sum(n for kind, n in optimizer.steps_by_kind.items() if kind != "local")
+                    sum(
+                        n for kind, n in optimizer.steps_by_kind.items()
+                        if kind != "local" or any(not g["compress"] for g in optimizer.param_groups)
+                    )
                     + getattr(optimizer, "forced_syncs", 0),
                     trainer.global_step,
                 ),

@@ -41,6 +41,11 @@ def _onebit_optimizer(trainer: "pl.Trainer", who: str) -> CompressedOptimizer:
     return optimizer
 
 
+def _compressed_ids(optimizer: CompressedOptimizer) -> set[int]:
+    """The parameters of the optimizer's compressed param groups (those ``compress=False`` groups leave out)."""
+    return {id(p) for group in optimizer.param_groups if group["compress"] for p in group["params"]}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 class MomentumMask(Callback):
     """Masks momentum coordinates that must not move in the compression stage.
@@ -48,7 +53,10 @@ class MomentumMask(Callback):
     1-bit compression cannot send an exact zero: a coordinate whose gradient is always zero (BERT position embeddings
     past the training sequence length, embedding rows never looked up) receives ``+-scale`` every step while its
     variance is ~0, and its update explodes to ``scale / eps``. A mask of 0 there keeps its momentum exactly zero
-    (DeepSpeed's ``exp_avg_mask`` semantics: the mask multiplies the averaged momentum).
+    (DeepSpeed's ``exp_avg_mask`` semantics: the mask multiplies the averaged momentum). If such coordinates should
+    train later instead (embedding rows first seen after the warmup), put their parameters in a param group with
+    ``"compress": False`` rather than masking them: that group's gradients are averaged in full precision and its
+    variance stays live (see ``OnebitAdam``).
 
     Args:
         masks: explicit masks, ``{name_or_glob: mask}`` where ``mask`` is a tensor of the parameter's shape or a
@@ -62,13 +70,16 @@ class MomentumMask(Callback):
         auto: detect masks during warmup: coordinates whose (averaged) gradient stayed exactly zero in every warmup
             step are masked from the first compressed step on. Costs one bool per parameter element during warmup.
             Where an explicit mask is also given, the two are multiplied. The detected masks are saved in the
-            checkpoint and restored on resume. Only parameters the optimizer holds are watched, and the optimizer's
-            own dead-coordinate warning (``OnebitAdam(warn_dead_coordinates=...)``) is switched off, since this
-            masks every coordinate it would report.
+            checkpoint and restored on resume. Only parameters the optimizer holds in compressed param groups are
+            watched (a ``compress=False`` group needs no mask: a zero gradient averages to an exact zero and its
+            variance stays live; a saved auto mask of a parameter now in such a group is not applied), and the
+            optimizer's own dead-coordinate warning (``OnebitAdam(warn_dead_coordinates=...)``) is switched off, since
+            this masks every coordinate it would report.
         log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
         warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
             stay frozen for the rest of training, which may not be what you want (embedding rows not seen during
-            warmup, for instance). ``1.0`` never warns. Default ``0.01``.
+            warmup, for instance); the warning names the remedies, among them a param group with
+            ``"compress": False`` for such parameters. ``1.0`` never warns. Default ``0.01``.
 
     At the first compressed step (when the masks take effect) the callback logs a table of the masked coordinates per
     parameter and the total, and :attr:`masked_coordinates` holds the counts.
@@ -150,7 +161,8 @@ class MomentumMask(Callback):
                     f"{onebit.freeze_step} steps, whereas auto masks are fixed then and would freeze for good the "
                     "embedding rows that start training later. Remove auto=True (explicit masks still apply)."
                 )
-            self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in held}
+            compressed = _compressed_ids(onebit)
+            self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in compressed}
             onebit.warn_dead_coordinates = False  # this callback masks every coordinate that warning would report
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -184,6 +196,7 @@ class MomentumMask(Callback):
     def _install(self, onebit: CompressedOptimizer, pl_module: "pl.LightningModule") -> None:
         named = dict(pl_module.named_parameters())
         held = {id(p) for group in onebit.param_groups for p in group["params"]}
+        compressed = _compressed_ids(onebit)
         if self.auto and self._auto_masks is None:
             if self._restored_auto is not None:
                 self._auto_masks = self._restored_auto
@@ -197,11 +210,17 @@ class MomentumMask(Callback):
                 )
             self._seen_nonzero = {}
         combined = dict(self._explicit)
+        applied_auto: dict[str, torch.Tensor] = {}
         for name, mask in (self._auto_masks or {}).items():
             if name not in named:
                 raise ValueError(f"MomentumMask: the saved auto mask names {name!r}, which the model no longer has")
             if id(named[name]) not in held:
                 continue  # a saved mask of a parameter this optimizer does not train: nothing to mask
+            if id(named[name]) not in compressed:
+                # saved before its group got compress=False: averaged in full precision now, it needs no mask
+                log.info("MomentumMask: the saved auto mask of %s is not applied: its param group has compress=False",
+                         name)
+                continue
             if mask.shape != named[name].shape:
                 raise ValueError(
                     f"MomentumMask: the saved auto mask for {name!r} has shape {tuple(mask.shape)} but the parameter "
@@ -209,6 +228,7 @@ class MomentumMask(Callback):
                     "Resume from a warmup checkpoint or give explicit masks."
                 )
             mask = mask.to(device=named[name].device, dtype=named[name].dtype)
+            applied_auto[name] = mask
             combined[name] = combined[name] * mask if name in combined else mask
         # A mask of all ones changes nothing: leave it out rather than multiply by it every step.
         combined = {name: mask for name, mask in combined.items() if not bool((mask == 1).all())}
@@ -225,14 +245,14 @@ class MomentumMask(Callback):
             for name, count in report.items()
         )
         rank_zero_info(f"MomentumMask: {total} momentum coordinates masked in {len(report)} parameter(s){table}")
-        self._warn_heavy_auto_masks(named)
+        self._warn_heavy_auto_masks(applied_auto)
 
-    def _warn_heavy_auto_masks(self, named: dict[str, torch.Tensor]) -> None:
+    def _warn_heavy_auto_masks(self, applied_auto: dict[str, torch.Tensor]) -> None:
         """Warn about parameters of which ``auto`` masked more than ``warn_share``: those coordinates never train."""
         heavy = []
-        for name, mask in (self._auto_masks or {}).items():
+        for name, mask in applied_auto.items():
             share = float((mask == 0).sum()) / max(mask.numel(), 1)
-            if name in named and share > self.warn_share:
+            if share > self.warn_share:
                 heavy.append(f"{name} {share:.1%} ({int((mask == 0).sum())} of {mask.numel()})")
         if not heavy:
             return
@@ -240,9 +260,13 @@ class MomentumMask(Callback):
             f"MomentumMask(auto=True) masked more than {self.warn_share:.0%} of {', '.join(heavy)}: coordinates whose "
             "gradient was exactly zero in every warmup step (in an embedding, the rows no warmup batch looked up). "
             "They stay frozen for the rest of training, since their variance is 0 and a compressed update would "
-            "explode. If they should train: freeze later (a larger freeze_step, or freeze_step='auto'), give explicit "
-            "masks for the rows you know are unused instead of auto=True, or use ZeroOneAdam, which goes on "
-            "updating the variance. MomentumMask(warn_share=1.0) silences this."
+            "explode. If they should train: keep such a parameter out of compression by putting it in a param group "
+            "of its own with \"compress\": False (e.g. in configure_optimizers `[{\"params\": embeddings, "
+            "\"compress\": False}, {\"params\": rest}]`: its gradients are then averaged in full precision every "
+            "step, 2 (P-1)/P * 4 bytes per element for fp32, and its variance stays live), freeze later (a larger "
+            "freeze_step, or freeze_step='auto'), give explicit masks for the rows you know are unused instead of "
+            "auto=True, or use ZeroOneAdam, which goes on updating the variance. MomentumMask(warn_share=1.0) "
+            "silences this."
         )
 
     # -- checkpoint ----------------------------------------------------------------------------------------------------
@@ -401,7 +425,10 @@ class CommunicationMonitor(Callback):
       carries); ``comm/bytes_sent_intra_node``: the part that stayed inside this rank's node. Which ranks share a node
       comes from the strategy's topology (the cluster environment).
     * ``comm/bytes_fp32_equivalent``: what an fp32 ring allreduce of the same gradients/momenta sends
-    * ``comm/compression_ratio``: ``bytes_fp32_equivalent / bytes_sent`` (1 in fp32 warmup, ~32 compressed)
+    * ``comm/bytes_sent_uncompressed``: compression stage, the part of ``bytes_sent`` that averaged the gradients of
+      param groups with ``compress=False`` in full precision (0 without such groups)
+    * ``comm/compression_ratio``: ``bytes_fp32_equivalent / bytes_sent`` (1 in fp32 warmup, ~32 compressed; lower
+      with ``compress=False`` groups, whose bytes count in both at their full size)
     * ``comm/bytes_sent_total``: cumulative since the start of ``fit``
     * ``comm/time_ms``: time in communication calls (compressed allreduce including its compression kernels; for
       the warmup allreduce, launch-to-completion, which overlaps the backward pass)
@@ -454,6 +481,7 @@ class CommunicationMonitor(Callback):
             "comm/bytes_sent_intra_node": float(step.bytes_sent_intra_node),
             "comm/bytes_sent_inter_node": float(step.bytes_sent_inter_node),
             "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
+            "comm/bytes_sent_uncompressed": float(step.bytes_sent_uncompressed),
             "comm/bytes_sent_total": float((now - self._start).bytes_sent),
             "comm/time_ms": 1000.0 * step.time_s,
             "comm/exposed_ms": 1000.0 * step.exposed_s,

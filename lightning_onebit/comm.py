@@ -100,8 +100,13 @@ class CommunicationCounters:
         bytes_sent_inter_node: the part of ``bytes_sent`` that crossed to other nodes (the slow link). Without a
             :class:`~lightning_onebit.Topology` every peer counts as another node.
         bytes_fp32_equivalent: bytes an fp32 ring allreduce of the same data would have sent from this rank.
+        bytes_sent_uncompressed: the part of ``bytes_sent`` (and of ``bytes_received``) that averaged gradients of
+            param groups with ``compress=False`` in full precision (:func:`full_precision_allreduce_`), counted as a
+            ring allreduce in the gradients' dtype; also in ``bytes_fp32_equivalent`` (an fp32 allreduce of fp32
+            data costs exactly itself) and split into intra- and inter-node bytes like the rest.
         collectives: number of collective operations issued.
-        calls: number of allreduce calls (one per bucket per step).
+        calls: number of allreduce calls (one per bucket per step, plus one per device and dtype of the
+            full-precision allreduce of ``compress=False`` groups).
         time_s: wall-clock seconds spent inside the calls (compression included; host time on CUDA).
         exposed_s: wall-clock seconds the optimizer step spent on the exchange after backward (starting buckets that
             were not started during backward, waiting, decoding): the exchange time *not* hidden behind backward.
@@ -114,6 +119,7 @@ class CommunicationCounters:
     bytes_sent_intra_node: int = 0
     bytes_sent_inter_node: int = 0
     bytes_fp32_equivalent: int = 0
+    bytes_sent_uncompressed: int = 0
     collectives: int = 0
     calls: int = 0
     time_s: float = 0.0
@@ -674,6 +680,51 @@ def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
         _decode_all(p.buffer, bufs.gather_recv if not p.hierarchical else bufs.node_gather_recv, layout, backend,
                     workspace)
         p.work, p.phase = None, _DONE
+
+
+def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence[torch.Tensor]) -> None:
+    """Replace every tensor by its exact mean over ``state.process_group``, in full precision.
+
+    For param groups with ``compress=False``: their local gradients, averaged as DDP would. The tensors are copied
+    into one flat buffer per (device, dtype), in the order given, and each buffer is reduced by one ``all_reduce``
+    (SUM, then divided by the world size: gloo has no AVG), so every rank ends with the same bits. Counted in
+    ``state.counters`` as a ring allreduce (:func:`ring_allreduce_bytes` in the tensors' dtype) in
+    ``bytes_sent_uncompressed`` as well as in ``bytes_sent``, ``bytes_received`` and ``bytes_fp32_equivalent``, the
+    bytes going to this rank's ring neighbour ``(rank + 1) % P``: intra-node if the topology puts it on this rank's
+    node, else (or without a topology) inter-node.
+
+    A collective: every rank must pass tensors of the same sizes, dtypes and devices in the same order. With one rank
+    (or no initialised process group) the tensors are left exactly as they are.
+    """
+    world_size = state.world_size()
+    if world_size == 1 or not tensors:
+        return
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    rank, topology, counters = state.rank(), state.topology, state.counters
+    for same_kind in by_kind.values():
+        started = time.perf_counter()
+        # a fresh buffer: the shared kernel workspace may still be in use by exchanges started during backward
+        flat = torch.cat([t.reshape(-1) for t in same_kind])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=state.process_group)
+        flat.div_(world_size)
+        offset = 0
+        for t in same_kind:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        sent = ring_allreduce_bytes(flat.numel(), flat.element_size(), world_size)
+        counters.bytes_sent += sent
+        counters.bytes_received += sent
+        counters.bytes_sent_uncompressed += sent
+        if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
+            counters.bytes_sent_intra_node += sent
+        else:
+            counters.bytes_sent_inter_node += sent
+        counters.bytes_fp32_equivalent += ring_allreduce_bytes(flat.numel(), 4, world_size)
+        counters.collectives += 1
+        counters.calls += 1
+        counters.time_s += time.perf_counter() - started
 
 
 def _count_call(state: CompressedAllreduceState, layout: BucketLayout, buffer: torch.Tensor) -> None:

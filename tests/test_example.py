@@ -117,6 +117,36 @@ def test_pretrained_model_loads_in_train_mode_and_fine_tunes(example, tmp_path):
     assert torch.isfinite(loss) and any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+def test_uncompressed_embeddings_puts_the_word_embeddings_in_a_compress_false_group(example):
+    """--model.uncompressed_embeddings true: the CLI's optimizer (one group over model.parameters()) is split into
+    the rest and the word embeddings with compress=False, both with the configured options."""
+    from lightning_onebit import OnebitAdam
+
+    sizes = dict(vocab_size=50, num_labels=2, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                 max_position_embeddings=16)
+    model = example.BertClassifier(uncompressed_embeddings=True, **sizes)
+    embeddings = model.bert.get_input_embeddings().weight
+    optimizer = OnebitAdam(model.parameters(), lr=1e-3, weight_decay=0.01, freeze_step=5)
+    assert example.BertFinetuneCLI.configure_optimizers(model, optimizer) is optimizer
+    rest, emb = optimizer.param_groups
+    assert [rest["compress"], emb["compress"]] == [True, False]
+    assert len(emb["params"]) == 1 and emb["params"][0] is embeddings
+    assert len(rest["params"]) == len(list(model.parameters())) - 1
+    assert all(p is not embeddings for p in rest["params"])
+    assert rest["weight_decay"] == emb["weight_decay"] == 0.01 and rest["lr"] == emb["lr"] == 1e-3
+    example.BertFinetuneCLI.configure_optimizers(model, optimizer)  # called again (a second fit): unchanged
+    assert len(optimizer.param_groups) == 2
+    # the default leaves the single compressed group alone
+    plain = example.BertClassifier(**sizes)
+    optimizer = OnebitAdam(plain.parameters(), lr=1e-3, freeze_step=5)
+    example.BertFinetuneCLI.configure_optimizers(plain, optimizer)
+    assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["compress"] is True
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        optimizer = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+        example.BertFinetuneCLI.configure_optimizers(model, optimizer, scheduler)
+
+
 def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path):
     summary = tmp_path / "summary.json"
     command = [
@@ -151,8 +181,9 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
 @pytest.mark.parametrize(
     "config, expected, absent",
     [
-        ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: auto"],
-         None),
+        # uncompressed_embeddings: the model option is visible to the CLI (see test_uncompressed_embeddings_puts_...)
+        ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: auto",
+                            "uncompressed_embeddings: false"], None),
         # without MomentumMask(auto=True), which ZeroOneAdam refuses
         ("bert_zeroone.yaml",
          ["class_path: lightning_onebit.ZeroOneAdam", "strategy: zeroone_adam", "var_freeze_step: 176"], "MomentumMask"),

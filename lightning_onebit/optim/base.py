@@ -30,6 +30,7 @@ from lightning_onebit.comm import (
     check_buckets,
     compressed_allreduce_buckets_,
     finish_exchanges_,
+    full_precision_allreduce_,
     progress_exchanges_,
     start_exchange_,
 )
@@ -79,14 +80,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
     It owns what they share: the global step and the stage (:attr:`stage`, :attr:`needs_gradient_allreduce`), the
     momentum buckets (flat, zero-padded buffers whose views are the parameters' ``exp_avg``; laid out by
     ``bucket_cap_mb`` or by :meth:`set_bucket_plan`), the compressed exchange and its counters, the overlap with
-    backward (:meth:`start_bucket_exchange_`), momentum masks (param-group option ``exp_avg_mask``), dead-coordinate
-    detection, and the checkpoint state (:meth:`state_dict`, per-rank error feedback). Param groups hold ``lr``,
-    ``betas``, ``eps``, ``weight_decay`` and ``bias_correction``, checked when a group is added.
+    backward (:meth:`start_bucket_exchange_`), momentum masks (param-group option ``exp_avg_mask``), param groups kept
+    out of compression (param-group option ``compress=False``), dead-coordinate detection, and the checkpoint state
+    (:meth:`state_dict`, per-rank error feedback). Param groups hold ``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``bias_correction`` and ``compress``, checked when a group is added.
 
-    A subclass passes its ``defaults`` and implements ``_warmup_step()`` (averaged gradients) and
-    ``_compressed_step()`` (local gradients; it calls :meth:`_average_momenta_`, or :meth:`_compressed_average_` for
-    other quantities, and applies its update); either may return the kind of step it took (see
-    :attr:`steps_by_kind`). See :class:`~lightning_onebit.OnebitAdam` for the arguments, which every subclass shares.
+    A subclass passes its ``defaults`` and implements ``_warmup_step()`` (averaged gradients), ``_compressed_step()``
+    (local gradients; it calls :meth:`_average_momenta_`, or :meth:`_compressed_average_` for other quantities, and
+    applies its update) and ``_full_precision_update_(groups)`` (its warmup update of the given groups, on averaged
+    gradients, with ``exp_avg_mask`` applied to the momentum: what ``compress=False`` groups take in the compression
+    stage, after :meth:`_step_uncompressed_groups_` averaged their gradients); ``_warmup_step`` and
+    ``_compressed_step`` may return the kind of step they took (see :attr:`steps_by_kind`). See
+    :class:`~lightning_onebit.OnebitAdam` for the arguments, which every subclass shares.
     """
 
     #: Why this optimizer's exchange cannot start during backward (``None``: it can, see
@@ -127,7 +132,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
         if not isinstance(warn_dead_coordinates, bool):
             raise ValueError(f"warn_dead_coordinates must be True or False, got {warn_dead_coordinates!r}")
-        super().__init__(params, defaults)
+        # every param group is compressed unless it says compress=False (see _check_group)
+        super().__init__(params, {**defaults, "compress": True})
         #: The last warmup step: an int, or ``None`` while ``freeze_step="auto"`` is still measuring.
         self.freeze_step: Optional[int] = None if freeze_step == "auto" else freeze_step
         self.auto_freeze = (auto_freeze or AutoFreeze()) if freeze_step == "auto" else None
@@ -216,6 +222,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
                     "complex parameter as a real one with a trailing dimension of 2 (torch.view_as_real) and view it "
                     "as complex in forward (torch.view_as_complex)."
                 )
+        compress = group.setdefault("compress", True)
+        if not isinstance(compress, bool):
+            raise ValueError(
+                f"compress must be True or False, got {compress!r} ({type(compress).__name__}){where}; a string or "
+                "number is not read as a flag. compress=False keeps the group out of 1-bit compression (its gradients "
+                "are averaged in full precision every step)"
+            )
         group["exp_avg_mask"] = _normalise_masks(group.get("exp_avg_mask"), group, index)
 
     # ------------------------------------------------------------------ read-only status
@@ -262,9 +275,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         decided = "" if self._detector is None else f" (freeze_step='auto' decided {self.freeze_step}: " + (
             self._detector.describe() + ")"
         )
+        uncompressed = (
+            "; param groups with compress=False: gradients averaged in full precision, variance live"
+            if self._uncompressed_groups()
+            else ""
+        )
         return "compression", (
             f"compression stage from optimizer step {self._step + 1}: DDP gradient allreduce off, momenta averaged by "
-            f"the 1-bit compressed allreduce, variance frozen{decided}"
+            f"the 1-bit compressed allreduce, variance frozen{decided}{uncompressed}"
         )
 
     def _detector_rule(self) -> str:
@@ -287,10 +305,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return self._ensure_detector() if self.auto_freeze is not None else None
 
     def _detector_params(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor], float]]:
-        """``(parameter, v, correction)`` for every trainable parameter, in order: the update will use
-        ``v / correction`` (1 without bias correction); ``v`` is ``None`` where the parameter has no variance yet."""
+        """``(parameter, v, correction)`` for every trainable parameter of the compressed param groups, in order: the
+        update will use ``v / correction`` (1 without bias correction); ``v`` is ``None`` where the parameter has no
+        variance yet. ``compress=False`` groups are left out: their variance is never frozen."""
         out = []
         for group in self.param_groups:
+            if not group["compress"]:
+                continue
             b2 = group["betas"][1]
             correction = 1 - b2**self._step if group["bias_correction"] else 1.0
             out += [(p, self.state[p].get("exp_avg_sq"), correction) for p in _trainable(group)]
@@ -342,7 +363,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @property
     def communication(self) -> CommunicationCounters:
-        """Cumulative counters of the compressed allreduce on this rank (warmup gradient sync is not included)."""
+        """Cumulative counters of the compressed allreduce on this rank, and of the full-precision allreduce of
+        ``compress=False`` groups (``bytes_sent_uncompressed``); the warmup gradient sync is not included."""
         return self.compression.counters
 
 
@@ -407,6 +429,38 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _compressed_step(self) -> Optional[str]:
         raise NotImplementedError
 
+    def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
+        """The warmup update of these param groups on their (averaged) gradients, in the compression stage, with
+        explicit ``exp_avg_mask`` applied to the momentum: what ``compress=False`` groups take."""
+        raise NotImplementedError
+
+    def _uncompressed_groups(self) -> list[dict[str, Any]]:
+        """The param groups with ``compress=False``."""
+        return [group for group in self.param_groups if not group["compress"]]
+
+    def _step_uncompressed_groups_(self, averaged: bool = False) -> None:
+        """Compression stage: average the gradients of the ``compress=False`` groups in full precision (unless
+        ``averaged``: DDP's allreduce already did, e.g. 0/1 Adam's variance steps) and take their warmup update.
+
+        One ``all_reduce`` per (device, dtype) over all their trainable parameters' gradients
+        (:func:`~lightning_onebit.comm.full_precision_allreduce_`). A parameter without a gradient on this rank
+        contributes a zero gradient (written into its ``.grad``), as in the compressed groups, so that every rank
+        sends the same buffer; after the step ``.grad`` holds the averaged gradient. Since the momentum is identical on
+        every rank before the gradient is folded in, averaging the gradient is averaging the momentum exactly.
+        """
+        groups = self._uncompressed_groups()
+        if not groups:
+            return
+        if not averaged:
+            grads = []
+            for group in groups:
+                for p in _trainable(group):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    grads.append(p.grad)
+            full_precision_allreduce_(self.compression, grads)
+        self._full_precision_update_(groups)
+
     def _track_nonzero(self, p: torch.Tensor) -> None:
         """Record which elements of ``p`` had a nonzero gradient in this warmup step (dead-coordinate detection)."""
         if self._seen_since is None:
@@ -426,6 +480,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return
         found, total = [], 0
         for g, group in enumerate(self.param_groups):
+            if not group["compress"]:  # averaged in full precision: a zero gradient stays an exact zero
+                continue
             for i, p in enumerate(group["params"]):
                 seen = seen_nonzero.get(id(p))
                 if seen is None or not p.requires_grad or seen.shape != p.shape:
@@ -449,8 +505,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             f"in every warmup step ({tracked}) and are not masked: {'; '.join(found[:8])}{more}. 1-bit compression "
             "cannot send zero, so from this compressed step on they can receive +-scale momentum with a ~0 variance, "
             "and their updates then explode (to about lr * scale / eps per step). Fix: add `MomentumMask(auto=True)` "
-            f"to the Trainer's callbacks (without Lightning: an exp_avg_mask with 0 there); {type(self).__name__}("
-            "warn_dead_coordinates=False) silences this.",
+            f"to the Trainer's callbacks (without Lightning: an exp_avg_mask with 0 there), which freezes them, or, if "
+            "they should train (embedding rows first seen later), put such parameters in a param group with "
+            "`\"compress\": False` (their gradients are then averaged in full precision and their variance stays "
+            f"live); {type(self).__name__}(warn_dead_coordinates=False) silences this.",
             UserWarning,
             stacklevel=4,
         )
@@ -458,7 +516,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _average_momenta_(self) -> None:
         """Fold each rank's local gradient into its momentum (``m = lerp(m, g, 1 - beta1)``), replace the momenta by
-        their 1-bit compressed average over the process group (identical on every rank), and apply the masks.
+        their 1-bit compressed average over the process group (identical on every rank), and apply the masks; for
+        the compressed param groups only (``compress=False`` groups: :meth:`_step_uncompressed_groups_`).
 
         Buckets whose exchange started during backward (the overlap hook) were folded there and are only finished
         here. Runs the dead-coordinate report and the kernel agreement at the first compressed step.
@@ -484,7 +543,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         folded = {id(q) for b in buckets if b.key in in_flight for q in b.params}
         for group in self.param_groups:
             grads, exp_avgs, decays = [], [], []
-            for p in _trainable(group):
+            for p in _compressed_trainable(group):
                 if id(p) in folded:
                     continue
                 m = self.state[p]["exp_avg"]
@@ -508,6 +567,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 [self.state[q]["exp_avg"] for q in scaled], [self._exchange_scale[id(q)] for q in scaled]
             )
         for group in self.param_groups:
+            if not group["compress"]:  # masked in their own update, after their gradient is folded in
+                continue
             masks = group["exp_avg_mask"]
             for i, p in enumerate(group["params"]):
                 if p.requires_grad and masks[i] is not None:
@@ -566,8 +627,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return flat
 
     def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
-        """The group's parameters a compressed step updates: trainable ones with a variance estimate."""
-        return [p for p in _trainable(group) if id(p) not in self._frozen_params]
+        """The group's parameters a compressed step updates: trainable ones with a variance estimate; none in a
+        ``compress=False`` group (:meth:`_step_uncompressed_groups_` updates those)."""
+        return [p for p in _compressed_trainable(group) if id(p) not in self._frozen_params]
 
     # ------------------------------------------------------------------ overlap with backward
     def start_bucket_exchange_(
@@ -582,7 +644,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         For a DDP communication hook (:func:`~lightning_onebit.overlapped_exchange_hook`): ``key`` is the momentum
         bucket (see :meth:`set_bucket_plan`), ``params`` and ``gradients`` the gradient bucket's parameters and their
         gradients, in order (``GradBucket.parameters()`` and ``gradients()``). Parameters this optimizer does not
-        train are skipped. ``clip_value``: first clamp the gradients to ``[-clip_value, clip_value]`` in place
+        train, and those of ``compress=False`` groups (their local gradients stay in ``.grad`` for :meth:`step` to
+        average in full precision), are skipped. ``clip_value``: first clamp the gradients to ``[-clip_value, clip_value]`` in place
         (clipping by value, elementwise, so it can happen per bucket). The next :meth:`step` then only folds the other
         buckets, finishes every exchange, decodes and applies, with the same bits as without the hook.
 
@@ -652,8 +715,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         that order, in one flat buffer exchanged by one compressed allreduce (its key is ``i``).
 
         The overlap hook passes DDP's gradient buckets (after DDP rebuilt them), so that a gradient bucket can be
-        folded and exchanged as soon as it is ready. Parameters this optimizer does not train are skipped; trainable
-        parameters no bucket names are packed by ``bucket_cap_mb`` after them. ``None`` returns to packing everything
+        folded and exchanged as soon as it is ready. Parameters this optimizer does not train or does not compress
+        (``compress=False`` groups) are skipped; trainable compressed parameters no bucket names are packed by
+        ``bucket_cap_mb`` after them. ``None`` returns to packing everything
         by ``bucket_cap_mb``. The plan is saved in :meth:`state_dict`, so a resumed run keeps its layout (and its
         error feedback, which belongs to the layout).
 
@@ -710,12 +774,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @property
     def _trainable_ids(self) -> set[int]:
-        return {id(p) for group in self.param_groups for p in _trainable(group)}
+        """The trainable parameters whose momenta are compressed (those of ``compress=False`` groups are not)."""
+        return {id(p) for group in self.param_groups for p in _compressed_trainable(group)}
 
     def _ensure_buckets(self) -> list[_Bucket]:
-        """Pack momenta of trainable parameters into flat padded buckets (once per layout); momenta become views."""
+        """Pack momenta of the compressed trainable parameters into flat padded buckets (once per layout; rebuilt
+        when that set changes, e.g. a group's ``compress`` or a ``requires_grad``); momenta become views."""
         world_size = self.compression.world_size()
-        trainable = [p for group in self.param_groups for p in _trainable(group)]
+        trainable = [p for group in self.param_groups for p in _compressed_trainable(group)]
         built_for = (
             None if self._bucket_plan is None else [(k, [id(p) for p in ps]) for k, ps in self._bucket_plan],
             world_size,
@@ -776,7 +842,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for params in packed:
                 runs.append((next_key, params))
                 next_key += 1
-        weight_of = {id(p): 1 - group["betas"][0] for group in self.param_groups for p in _trainable(group)}
+        weight_of = {id(p): 1 - group["betas"][0] for group in self.param_groups for p in _compressed_trainable(group)}
         buckets = []
         for key, params in runs:
             like = self.state[params[0]]["exp_avg"]
@@ -835,11 +901,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step and the momentum bucket plan
-        (:meth:`set_bucket_plan`, as parameter indices), if any. Masks and error feedback are not included (masks
-        come from the code; error feedback is per rank, see :meth:`error_feedback_state_dict`)."""
+        (:meth:`set_bucket_plan`, as parameter indices), if any. Masks, the groups' ``compress`` and error feedback are
+        not included (masks and ``compress`` come from the code; error feedback is per rank, see
+        :meth:`error_feedback_state_dict`)."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group.pop("exp_avg_mask", None)
+            group.pop("compress", None)
         meta: dict[str, Any] = {"step": self._step, "freeze_step": self.freeze_step or "auto"}
         if self.auto_freeze is not None and self._detector is not None:
             meta["auto_freeze"] = dict(self._detector.state_dict(), reason=self._detector.reason)
@@ -851,8 +919,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (or from ``torch.optim.AdamW``: the step is then taken from its
-        per-parameter ``step``). The stage is re-derived from the step; masks stay those of the code; error feedback
-        is reset to zero and the norm that was dropped is kept in :attr:`last_dropped_error_norm`."""
+        per-parameter ``step``). The stage is re-derived from the step; masks and each group's ``compress`` stay those
+        of the code (a group may be switched in or out of compression between runs: its momentum and variance are
+        ordinary state, and the buckets are rebuilt); error feedback is reset to zero and the norm that was dropped is
+        kept in :attr:`last_dropped_error_norm`."""
         state_dict = dict(state_dict)
         meta = state_dict.pop(_CHECKPOINT_KEY, None)
         code_groups = self.param_groups
@@ -861,6 +931,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for key, value in code_group.items():  # e.g. bias_correction, absent from a torch.optim.AdamW state dict
                 group.setdefault(key, value)
             group["exp_avg_mask"] = code_group["exp_avg_mask"]
+            group["compress"] = code_group["compress"]
         if meta is not None and self.auto_freeze is not None:
             step = int(meta["step"])
             self._restore_auto_freeze(meta, step)
@@ -981,6 +1052,11 @@ def _same_plan(a: _Plan, b: _Plan) -> bool:
 
 def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:
     return [p for p in group["params"] if p.requires_grad]
+
+
+def _compressed_trainable(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The group's trainable parameters whose momenta the 1-bit exchange averages (none with ``compress=False``)."""
+    return _trainable(group) if group["compress"] else []
 
 
 def _is_real(value: Any) -> bool:

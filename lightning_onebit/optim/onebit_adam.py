@@ -12,7 +12,7 @@ from torch.optim.adamw import adamw as adamw_functional
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze
-from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _mask_like
 from lightning_onebit.topology import Topology
 
 
@@ -66,8 +66,8 @@ class OnebitAdam(CompressedOptimizer):
 
     Args:
         params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names)
-            or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``
-            and ``exp_avg_mask``. Parameters must be floating point (float32, float64, float16, bfloat16): complex
+            or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
+            ``exp_avg_mask`` and ``compress`` (see below). Parameters must be floating point (float32, float64, float16, bfloat16): complex
             and integer parameters are refused, since the compressed momentum exchange has no form for them.
         lr: learning rate, a float ``>= 0``. Default ``1e-3``.
         betas: ``(b1, b2)`` decay rates of momentum and variance, a pair of floats each in ``[0, 1)``. Default
@@ -111,6 +111,23 @@ class OnebitAdam(CompressedOptimizer):
     a fractional value would compound (``0.5`` shrinks that momentum by ``0.5^k`` after ``k`` steps), ``2`` would
     grow it geometrically and NaN would spread to the parameters; other values are a ``ValueError`` naming the param
     group and index. Masks are converted to their parameter's dtype and device.
+
+    Param-group option ``compress`` (a bool, default ``True``): ``False`` keeps the group out of 1-bit compression.
+    In the compression stage its gradients (local, since DDP's allreduce is off) are averaged in full precision by
+    :meth:`step` (one ``all_reduce`` per device and dtype over all such gradients, on ``process_group``; a parameter
+    without a gradient on a rank contributes zeros) and the group takes the warmup's AdamW step, with momentum *and*
+    variance updated and bias corrections of the true step ``t``. The momentum is the same on every rank before the
+    gradient is folded in, so this is exactly the group's momentum averaged in full precision instead of 1 bit, with
+    the variance kept live: coordinates whose gradient is zero during warmup and nonzero later (embedding rows first
+    seen after the freeze) then train normally instead of being frozen by a mask or exploding. The warmup is
+    unchanged. Cost: like DDP for that group, ``2 (P-1)/P * 4`` bytes per element per step in fp32 (the element size
+    of the gradients' dtype in general), against about ``2 (P-1)/P / 8`` for a compressed element; counted in
+    ``communication.bytes_sent_uncompressed``. Use it for embeddings (rows unseen in warmup) and for small or sparse
+    groups where full precision costs little. Such groups are left out of the momentum buckets, the error feedback,
+    the dead-coordinate warning and :class:`~lightning_onebit.MomentumMask`'s ``auto`` masks (a zero gradient
+    averages to an exact zero, and the variance is live); explicit ``exp_avg_mask`` still multiply their momentum in
+    the compression stage. ``compress`` comes from the code, not from a checkpoint: a group may be switched in or out
+    of compression when a run resumes. Anything but a bool is a ``ValueError`` naming the group.
     """
 
     def __init__(
@@ -151,7 +168,11 @@ class OnebitAdam(CompressedOptimizer):
     def _warmup_step(self) -> None:
         adamw_warmup_step_(self, self._step)
 
+    def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
+        adamw_warmup_step_(self, self._step, groups, compression_stage=True)
+
     def _compressed_step(self) -> None:
+        self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, AdamW
         self._average_momenta_()
         t, t_v = self._step, self.freeze_step
         for group in self.param_groups:
@@ -162,13 +183,22 @@ class OnebitAdam(CompressedOptimizer):
                 adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
 
 
-def adamw_warmup_step_(optimizer: CompressedOptimizer, t: int) -> None:
-    """Step ``t`` of :class:`torch.optim.AdamW` on the (averaged) gradients of ``optimizer``'s parameters: momentum
-    and variance updated, bias corrections ``1 - b1^t`` and ``1 - b2^t``. Shared by the Adam-based optimizers'
-    warmups; records nonzero gradients for the dead-coordinate warning when it is on."""
-    for group in optimizer.param_groups:
-        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
-        for p in group["params"]:
+def adamw_warmup_step_(
+    optimizer: CompressedOptimizer,
+    t: int,
+    groups: Optional[Sequence[dict[str, Any]]] = None,
+    compression_stage: bool = False,
+) -> None:
+    """Step ``t`` of :class:`torch.optim.AdamW` on the (averaged) gradients of ``optimizer``'s parameters (of
+    ``groups``, default all): momentum and variance updated, bias corrections ``1 - b1^t`` and ``1 - b2^t``.
+
+    Shared by the Adam-based optimizers' warmups, where it records nonzero gradients of the compressed groups for the
+    dead-coordinate warning when it is on, and by their ``compress=False`` groups in the compression stage
+    (``compression_stage=True``), where explicit ``exp_avg_mask`` multiply the momentum after the gradient is folded
+    in, as they multiply the averaged momentum of the compressed groups."""
+    for group in optimizer.param_groups if groups is None else groups:
+        params, grads, exp_avgs, exp_avg_sqs, masks = [], [], [], [], []
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             state = optimizer._moment_state(p)
@@ -176,12 +206,14 @@ def adamw_warmup_step_(optimizer: CompressedOptimizer, t: int) -> None:
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            if optimizer.warn_dead_coordinates:
+            if compression_stage and group["exp_avg_mask"][i] is not None:
+                masks.append((len(params) - 1, i))
+            if optimizer.warn_dead_coordinates and group["compress"] and not compression_stage:
                 optimizer._track_nonzero(p)
         if not params:
             continue
         b1, b2 = group["betas"]
-        if group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
+        if not masks and group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
             # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
             # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
             steps = [torch.tensor(float(t - 1)) for _ in params]
@@ -191,6 +223,8 @@ def adamw_warmup_step_(optimizer: CompressedOptimizer, t: int) -> None:
             )
             continue
         torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
+        for k, i in masks:  # a masked coordinate keeps a zero momentum, as in the compressed groups
+            exp_avgs[k].mul_(_mask_like(group["exp_avg_mask"], i, exp_avgs[k]))
         torch._foreach_mul_(exp_avg_sqs, b2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
         adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze
-from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real, _mask_like
 from lightning_onebit.topology import Topology
 
 
@@ -47,6 +47,11 @@ class OnebitLamb(CompressedOptimizer):
     ``bias_correction=False`` this is DeepSpeed's update, its step ``t`` being this one's ``t``). bf16 works (DeepSpeed
     refused it). ``scaling_coeff``, ``coeff`` and ``last_factor`` (Python floats), ``v_fresh`` and the previous
     momentum are per-parameter optimizer state, saved and restored with it.
+
+    A param group with ``compress=False`` (see :class:`~lightning_onebit.OnebitAdam`) takes the warmup's LAMB step
+    above in the compression stage too, on its gradients averaged in full precision by :meth:`step` (its variance
+    and trust-ratio EMA stay live; no scaling coefficient, factor or fresh variance). Cost: ``2 (P-1)/P * 4`` bytes
+    per element per step in fp32, as DDP for that group; for embeddings, small or sparse groups.
 
     Args:
         params, lr, betas, eps, weight_decay, freeze_step, auto_freeze, bias_correction, bucket_cap_mb,
@@ -116,19 +121,31 @@ class OnebitLamb(CompressedOptimizer):
 
     # ------------------------------------------------------------------ warmup: LAMB
     def _warmup_step(self) -> None:
+        self._lamb_step_(self.param_groups, compression_stage=False)
+
+    def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
+        self._lamb_step_(groups, compression_stage=True)
+
+    def _lamb_step_(self, groups: Sequence[dict[str, Any]], compression_stage: bool) -> None:
+        """Step ``t`` of LAMB on the (averaged) gradients of these groups. In warmup it records nonzero gradients of
+        the compressed groups for the dead-coordinate warning; in the compression stage (``compress=False`` groups)
+        explicit ``exp_avg_mask`` multiply the momentum after the gradient is folded in."""
         t = self._step
-        for group in self.param_groups:
+        for group in groups:
             b1, b2 = group["betas"]
             bc1, bc2 = _bias_corrections(group, t, t)
-            for p in group["params"]:
+            masks = group["exp_avg_mask"]
+            for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 state = self._moment_state(p)
                 state.setdefault("lamb_coeff", 0.0)
-                if self.warn_dead_coordinates:
+                if self.warn_dead_coordinates and group["compress"] and not compression_stage:
                     self._track_nonzero(p)
                 m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
                 m.lerp_(g, 1 - b1)
+                if compression_stage and masks[i] is not None:
+                    m.mul_(_mask_like(masks, i, m))
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 u = (m / bc1) / ((v / bc2).sqrt_().add_(group["eps"]))
                 if group["weight_decay"]:
@@ -143,17 +160,20 @@ class OnebitLamb(CompressedOptimizer):
         self._remember_momenta()  # the first compressed step reconstructs the gradient from them
 
     def _settling_figures(self) -> torch.Tensor:
-        """freeze_step='auto' also waits for every tensor's trust-ratio EMA (the coefficient that gets frozen)."""
+        """freeze_step='auto' also waits for every compressed tensor's trust-ratio EMA (the coefficient that gets
+        frozen; ``compress=False`` groups keep updating theirs)."""
         return torch.tensor(
-            [self.state[p].get("lamb_coeff", 0.0) for group in self.param_groups for p in group["params"]
-             if p.requires_grad],
+            [self.state[p].get("lamb_coeff", 0.0) for group in self.param_groups if group["compress"]
+             for p in group["params"] if p.requires_grad],
             dtype=torch.float64,
         )
 
     # ------------------------------------------------------------------ compression stage
     def _compressed_step(self) -> None:
+        self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, LAMB
         if not self._exchange_scale:
             self._set_scaling_coefficients()
+        self._remember_momenta(missing_only=True)  # a group that became compressed on resume
         self._average_momenta_()
         t, t_v = self._step, self.freeze_step
         for group in self.param_groups:
@@ -187,13 +207,15 @@ class OnebitLamb(CompressedOptimizer):
                 p.add_(u, alpha=-lr * state["lamb_coeff"] * factor)
         self._remember_momenta()
 
-    def _remember_momenta(self) -> None:
-        """Keep the (averaged) momenta for the next step's gradient reconstruction; they are taken before the next
-        backward, so the overlap hook may fold into the momenta while this copy stays."""
+    def _remember_momenta(self, missing_only: bool = False) -> None:
+        """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
+        taken before the next backward, so the overlap hook may fold into the momenta while this copy stays.
+        ``missing_only``: only for parameters without a copy (a group switched to ``compress=True`` on resume, before
+        its first compressed step: nothing has been folded into its momenta yet)."""
         for group in self.param_groups:
             for p in self._updated_params(group):
                 state = self.state[p]
-                if "exp_avg" not in state:
+                if "exp_avg" not in state or (missing_only and "exp_avg_last" in state):
                     continue
                 last = state.get("exp_avg_last")
                 if last is None or last.shape != p.shape:
@@ -202,21 +224,22 @@ class OnebitLamb(CompressedOptimizer):
                     last.copy_(state["exp_avg"])
 
     def _set_scaling_coefficients(self) -> None:
-        """Per tensor ``mean_over_tensors(rms) / rms`` from the momenta at the end of warmup (rank-identical: warmup
-        averaged the gradients); 1 for an all-zero momentum. Kept in the state, so a resume keeps them."""
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        saved = {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable if "lamb_scaling_coeff" in self.state[p]}
-        if len(saved) != len(trainable):
+        """Per compressed tensor ``mean_over_tensors(rms) / rms`` from the momenta at the end of warmup
+        (rank-identical: warmup averaged the gradients); 1 for an all-zero momentum. Kept in the state, so a resume
+        keeps them; a tensor without one (its group switched to ``compress=True`` on resume) gets one from the current
+        momenta, the others keep theirs."""
+        trainable = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
+        missing = [p for p in trainable if "lamb_scaling_coeff" not in self.state[p]]
+        if missing:
             rms = {}
             for p in trainable:
                 m = self.state[p].get("exp_avg")
                 rms[id(p)] = 0.0 if m is None else float(m.float().norm()) / math.sqrt(max(p.numel(), 1))
             live = [r for r in rms.values() if r > 0]
             mean = sum(live) / len(live) if live else 1.0
-            for p in trainable:
+            for p in missing:
                 self.state[p]["lamb_scaling_coeff"] = mean / rms[id(p)] if rms[id(p)] > 0 else 1.0
-            saved = {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable}
-        self._exchange_scale = dict(saved)
+        self._exchange_scale = {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -15,8 +15,8 @@ from lightning_onebit.optim.base import (
     DEFAULT_BUCKET_CAP_MB,
     CompressedOptimizer,
     _Bucket,
+    _compressed_trainable,
     _mask_like,
-    _trainable,
 )
 from lightning_onebit.optim.onebit_adam import adam_update_, adamw_warmup_step_
 from lightning_onebit.topology import Topology
@@ -94,6 +94,15 @@ class ZeroOneAdam(CompressedOptimizer):
     Memory: besides Adam's ``m`` and ``v``, the error feedback (about ``N (1 + 1/P)`` elements) and, in the
     local-step phase, ``U`` and ``p_sync`` (``compress="gradient"`` also keeps a gradient-sized exchange buffer
     before it).
+
+    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`, not
+    to be confused with this constructor's ``compress``, which says what the compressed steps exchange) take an AdamW
+    step at *every* step (momentum and variance updated, bias corrections of the true step ``t``), on gradients
+    averaged in full precision: by DDP's allreduce on variance steps, by one ``all_reduce`` in :meth:`step` on every
+    other step, local and sync steps included. They are left out of the buckets, the local-step sums and the syncs,
+    and their replicas stay identical after every step. The cost: such a group communicates every step, like DDP
+    (``2 (P-1)/P * 4`` bytes per element in fp32), so a local step is no longer silent; use it for small groups or
+    embeddings.
 
     Args:
         params, lr, betas, eps, weight_decay, bias_correction, amsgrad, bucket_cap_mb, process_group,
@@ -236,10 +245,15 @@ class ZeroOneAdam(CompressedOptimizer):
                 f"the other steps average the {'momenta' if self.compress == 'momentum' else 'gradients'} by the "
                 "1-bit compressed allreduce"
             )
+        uncompressed = (
+            " (param groups with compress=False still average their gradients in full precision every step)"
+            if self._uncompressed_groups()
+            else ""
+        )
         return "local", (
-            f"from optimizer step {t}: variance frozen; local steps without communication, the accumulated update "
-            f"averaged by the 1-bit compressed allreduce every {self.local_step_interval} steps (doubling every "
-            f"{self.local_step_scaler} steps up to {self.local_step_clipper})"
+            f"from optimizer step {t}: variance frozen; local steps without communication{uncompressed}, the "
+            f"accumulated update averaged by the 1-bit compressed allreduce every {self.local_step_interval} steps "
+            f"(doubling every {self.local_step_scaler} steps up to {self.local_step_clipper})"
         )
 
     # ------------------------------------------------------------------ steps
@@ -249,8 +263,14 @@ class ZeroOneAdam(CompressedOptimizer):
         self._advance_schedules(t)
         return "variance"
 
+    def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
+        # every step of a compress=False group is an AdamW step: its variance has received t updates
+        adamw_warmup_step_(self, self._step, groups, compression_stage=True)
+
     def _compressed_step(self) -> str:
         t = self._step
+        # compress=False groups: an AdamW step every step; variance steps' gradients are already averaged by DDP
+        self._step_uncompressed_groups_(averaged=self.is_variance_step(t))
         if t > self.var_freeze_step:
             kind = self._local_step(t)
         elif t % self.var_interval == 0:
@@ -266,7 +286,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self._zero_variance.clear()
         n = self.variance_updates + 1
         for group in self.param_groups:
-            params = [p for p in _trainable(group) if p.grad is not None]
+            params = [p for p in _compressed_trainable(group) if p.grad is not None]
             if not params:
                 continue
             states = [self._moment_state(p) for p in params]  # a parameter first seen now gets its variance here
