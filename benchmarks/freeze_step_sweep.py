@@ -32,7 +32,8 @@ from lightning_onebit import AutoFreeze, OnebitAdam  # noqa: E402
 
 # freeze_step="auto" as the example configs set it (a run of 620 steps; the defaults are tied to beta2 = 0.999,
 # a 1000-step window, for runs of many thousands of steps)
-AUTO_DEFAULTS = dict(window=40, check_every=10, threshold=0.1, patience=3, min_step=None, max_step=400)
+AUTO_DEFAULTS = dict(window=40, check_every=10, threshold=0.3, tensor_threshold=1.0, loss_drop=0.1, patience=3,
+                     min_step=None, max_step=400)
 
 
 def _example():
@@ -63,6 +64,7 @@ def run(freeze_step: Union[int, str], steps: int, lr: float, seed: int, auto: di
             batch = next(batches)
         loss = model.bert(**batch).loss
         loss.backward()
+        optimizer.observe_loss(loss)  # freeze_step="auto": the loss_drop guard (the Lightning strategy does this)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

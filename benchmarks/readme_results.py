@@ -330,7 +330,10 @@ def freeze_sweep_table() -> str:
         )
     intro = (f"{args['steps']} steps, lr {args['lr']:g}, one process per run; validation accuracy (chance is 50%). "
              f"auto: window {args['auto_window']}, check every {args['auto_check_every']}, threshold "
-             f"{args['auto_threshold']:g}, patience {args['auto_patience']}, max step {args['auto_max_step']}:\n\n")
+             f"{args['auto_threshold']:g}"
+             + (f", tensor threshold {args['auto_tensor_threshold']:g}" if "auto_tensor_threshold" in args else "")
+             + (f", loss drop {args['auto_loss_drop']:g}" if args.get("auto_loss_drop") is not None else "")
+             + f", patience {args['auto_patience']}, max step {args['auto_max_step']}:\n\n")
     return intro + _table(header, table) + ("\n\n" + "\n".join(goals) if goals else "")
 
 

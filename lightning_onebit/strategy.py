@@ -258,6 +258,7 @@ class OnebitAdamStrategy(DDPStrategy):
         self.gradient_sync.topology = self.topology
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._default_auto_freeze_bound(trainer, optimizer)
+        optimizer.observe_closure_loss = False  # pre_backward records every loss, micro-batches and manual steps too
         self._onebit_optimizer = optimizer
         self._announced_stage = None
         self.overlap_state = self._configure_overlap(trainer, optimizer)
@@ -374,6 +375,13 @@ class OnebitAdamStrategy(DDPStrategy):
             if onebit.stage is OnebitStage.COMPRESSION:
                 self._warn_local_clipping()
         return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        # freeze_step="auto" waits for the training loss to leave its initial plateau (AutoFreeze.loss_drop)
+        if self._onebit_optimizer is not None:
+            self._onebit_optimizer.observe_loss(closure_loss)
+        super().pre_backward(closure_loss)
 
     def _announce_stage(self, onebit: CompressedOptimizer) -> None:
         phase, sentence = onebit.describe_phase()

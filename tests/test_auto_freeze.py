@@ -1,10 +1,15 @@
-"""``freeze_step="auto"`` (``AutoFreeze``): the warmup ends when the variance has stopped moving.
+"""``freeze_step="auto"`` (``AutoFreeze``): the warmup ends when the frozen variance would cover the gradients and the
+training loss has left its initial plateau.
 
 * A synthetic problem whose gradient scale grows until a known step and is constant after it: no freeze before that
   step, a freeze within a few windows after it, and both bounds respected.
-* 2 and 3 gloo ranks with different data decide the same step; when one rank's figures are forced to disagree, the
-  ``all_reduce(MAX)`` makes every rank wait for it, and the DDP hook switches at the decided step on every rank.
-* A resume before the decision goes on measuring and decides the same step; a resume after it keeps the step.
+* A synthetic loss plateau: steady gradients look settled from the start, but the warmup waits for the loss to fall;
+  without a loss the detector refuses to guess (unless ``loss_drop=None``); ``step(closure)`` records the loss.
+* 2 and 3 gloo ranks with different data decide the same step; when one rank's figures (variance or loss) are forced to
+  disagree, the ``all_reduce(MAX)`` makes every rank wait for it, and the DDP hook switches at the decided step on
+  every rank.
+* A resume before the decision goes on measuring (snapshots and losses) and decides the same step; a resume after it
+  keeps the step.
 """
 
 from __future__ import annotations
@@ -28,14 +33,20 @@ def _params() -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(40, 30)), nn.Parameter(torch.randn(30)), nn.Parameter(torch.randn(5))]
 
 
-def _synthetic_gradients(params: list[nn.Parameter], t: int) -> None:
-    scale = 1.1 ** min(t, GROWS_UNTIL)
+def _synthetic_gradients(params: list[nn.Parameter], t: int, grows_until: int = GROWS_UNTIL) -> None:
+    scale = 1.1 ** min(t, grows_until)
     for i, p in enumerate(params):
         pattern = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
         p.grad = scale * pattern * (1 + 0.01 * (-1) ** t)  # a little wobble, as real gradients have
 
 
-def _run(optimizer_class: type, steps: int, state: Optional[dict] = None, start: int = 1, **auto: Any) -> dict:
+def _falling_loss(t: int, plateau_until: int = 0) -> float:
+    """1.0 (with a wobble) until ``plateau_until``, then halving every 20 steps."""
+    return (1.0 + 0.02 * (-1) ** t) * 0.5 ** (max(0, t - plateau_until) / 20)
+
+
+def _run(optimizer_class: type, steps: int, state: Optional[dict] = None, start: int = 1, grows_until: int = GROWS_UNTIL,
+         plateau_until: int = 0, loss: bool = True, **auto: Any) -> dict:
     params = _params()
     config = AutoFreeze(**{"max_step": 400, **auto})
     opt = optimizer_class(params, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", auto_freeze=config,
@@ -46,7 +57,9 @@ def _run(optimizer_class: type, steps: int, state: Optional[dict] = None, start:
         opt.load_state_dict(state["optimizer"])
     out: dict[str, Any] = dict(saved={})
     for t in range(start, steps + 1):
-        _synthetic_gradients(params, t)
+        _synthetic_gradients(params, t, grows_until)
+        if loss:
+            opt.observe_loss(torch.tensor(_falling_loss(t, plateau_until)))
         opt.step()
         if t in (70, 120):
             out["saved"][t] = dict(params=[p.detach().clone() for p in params],
@@ -65,8 +78,39 @@ def test_freezes_after_the_statistics_stop_changing_and_not_before(optimizer_cla
     assert GROWS_UNTIL < result["freeze_step"] <= GROWS_UNTIL + 6 * detector.window, result["freeze_step"]
     assert result["stage"] == "compression"
     last = detector.last
-    assert last["streak"] >= 3 and max(last["sample_change"], last["norm_change"]) < 0.05
-    assert "relative change of sqrt(v) over 10 steps" in detector.describe()
+    assert last["streak"] >= 3 and last["sample_excess"] < 0.3 and last["tensor_excess"] < 1.0
+    assert last["loss_ratio"] <= 0.9
+    assert "gradients of the last 10 steps above the sqrt(v) of 10 steps before" in detector.describe()
+    # the figures the rule uses were failing while the scale grew: the decision is not min_step's
+    grown = _run(optimizer_class, GROWS_UNTIL)
+    assert grown["freeze_step"] is None and grown["detector"].last["sample_excess"] > 0.3
+
+
+@pytest.mark.parametrize("optimizer_class", [OnebitAdam, OnebitLamb])
+def test_a_loss_plateau_holds_the_warmup_although_the_variance_looks_settled(optimizer_class: type) -> None:
+    # constant gradients from step 1: the variance is settled at once; the loss stays at 1.0 until step 100
+    plateau = _run(optimizer_class, 200, grows_until=0, plateau_until=100)
+    assert 100 < plateau["freeze_step"] <= 100 + 3 * plateau["detector"].window, plateau["freeze_step"]
+    unguarded = _run(optimizer_class, 200, grows_until=0, plateau_until=100, loss_drop=None)
+    assert unguarded["freeze_step"] < 40 and unguarded["detector"].last["loss_ratio"] is None
+
+
+def test_the_loss_guard_needs_a_loss_and_step_closure_gives_it() -> None:
+    with pytest.raises(ValueError, match=r"observe_loss\(loss\).*loss_drop=None"):
+        _run(OnebitAdam, 40, grows_until=0, loss=False)
+    assert _run(OnebitAdam, 40, grows_until=0, loss=False, loss_drop=None)["freeze_step"] is not None
+    params = _params()
+    opt = OnebitAdam(params, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", warn_dead_coordinates=False,
+                     auto_freeze=AutoFreeze(max_step=400))
+    for t in range(1, 201):
+        def closure(t: int = t) -> torch.Tensor:
+            _synthetic_gradients(params, t, 0)
+            return torch.tensor(_falling_loss(t, plateau_until=100))
+
+        opt.step(closure)
+    assert 100 < opt.freeze_step <= 130
+    with pytest.raises(ValueError, match="scalar"):
+        OnebitAdam(_params(), freeze_step="auto").observe_loss(torch.ones(3))
 
 
 def test_bounds_win_over_the_detector() -> None:
@@ -108,6 +152,9 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None
     [
         (dict(window=10, check_every=3), "multiple of check_every"),
         (dict(threshold=0), "threshold"),
+        (dict(tensor_threshold=float("inf")), "tensor_threshold"),
+        (dict(loss_drop=1.0), "loss_drop"),
+        (dict(loss_drop="10%"), "loss_drop"),
         (dict(patience=0), "patience"),
         (dict(min_step=50, max_step=10), "after max_step"),
     ],
@@ -139,7 +186,7 @@ class StubbornOnebitAdam(OnebitAdam):
         return torch.tensor([1.5**self._step if moving else 1.0])
 
 
-def _train(rank: int, world_size: int, until: int) -> dict[str, Any]:
+def _train(rank: int, world_size: int, until: int, loss_flat_until: int = 0) -> dict[str, Any]:
     net = Net()
     ddp = DDP(net)
     StubbornOnebitAdam.until = until
@@ -154,7 +201,11 @@ def _train(rank: int, world_size: int, until: int) -> dict[str, Any]:
         x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1000 * rank)) * (1 + 0.01 * (-1) ** t)
         skipped = sync.skipped_buckets
         opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), torch.sin(x.sum(1, keepdim=True))).backward()
+        loss = nn.functional.mse_loss(ddp(x), torch.sin(x.sum(1, keepdim=True)))
+        loss.backward()
+        first_loss = loss.item() if t == 1 else first_loss
+        # rank 1 may report a loss stuck at its first value (a plateau) until step loss_flat_until
+        opt.observe_loss(first_loss if rank == 1 and t < loss_flat_until else loss)
         if sync.skipped_buckets == skipped:
             synced_steps.append(t)
         opt.step()
@@ -163,13 +214,14 @@ def _train(rank: int, world_size: int, until: int) -> dict[str, Any]:
 
 
 def scenario_agreement(rank: int, world_size: int) -> dict[str, Any]:
-    return dict(agreeing=_train(rank, world_size, until=0), forced=_train(rank, world_size, until=110))
+    return dict(agreeing=_train(rank, world_size, until=0), forced=_train(rank, world_size, until=110),
+                forced_loss=_train(rank, world_size, until=0, loss_flat_until=110))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_decide_the_same_step_even_when_their_figures_disagree(world_size: int) -> None:
     results = run_distributed(scenario_agreement, world_size, timeout_s=240)
-    for name in ("agreeing", "forced"):
+    for name in ("agreeing", "forced", "forced_loss"):
         steps = {r[name]["freeze_step"] for r in results}
         assert len(steps) == 1 and None not in steps, (name, steps)
         step = steps.pop()
@@ -177,8 +229,9 @@ def test_ranks_decide_the_same_step_even_when_their_figures_disagree(world_size:
         assert all(r[name]["last_synced"] == step for r in results)
         assert all(torch.equal(results[0][name]["params"], r[name]["params"]) for r in results[1:])
     agreeing, forced = results[0]["agreeing"]["freeze_step"], results[0]["forced"]["freeze_step"]
-    # rank 1's figure moved until step 110: every rank waited for it to settle
-    assert agreeing < 110 <= forced
+    forced_loss = results[0]["forced_loss"]["freeze_step"]
+    # rank 1's figure moved (or its loss stayed flat) until step 110: every rank waited for it
+    assert agreeing < 110 <= forced and 110 <= forced_loss, (agreeing, forced, forced_loss)
 
 
 # ------------------------------------------------------------------------------------------------ Lightning
@@ -192,7 +245,9 @@ def _lightning_auto(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
 
     class AutoRegressor(Regressor):
         def configure_optimizers(self) -> Any:
-            return OnebitAdam(self.parameters(), lr=self.lr, freeze_step="auto", warn_dead_coordinates=False)
+            # a short window, so that checks run within the 10 steps; a threshold nothing meets: max_step decides
+            return OnebitAdam(self.parameters(), lr=self.lr, freeze_step="auto", warn_dead_coordinates=False,
+                              auto_freeze=AutoFreeze(window=4, check_every=2, threshold=1e-12))
 
     records: list[str] = []
 
@@ -208,6 +263,7 @@ def _lightning_auto(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
     opt = trainer.strategy.onebit_optimizer
     return dict(freeze_step=opt.freeze_step, reason=opt.freeze_detector.reason, max_step=opt.freeze_detector.max_step,
+                last=opt.freeze_detector.last,
                 metrics={k: float(v) for k, v in trainer.callback_metrics.items()}, final=flat_params(model),
                 messages=records, progress_bar=dict(trainer.progress_bar_metrics))
 
@@ -215,11 +271,42 @@ def _lightning_auto(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
 def test_lightning_defaults_the_bound_logs_and_announces_the_decided_step(tmp_path: Any) -> None:
     results = run_distributed(_lightning_auto, 2, str(tmp_path), timeout_s=240)
     for r in results:
-        # 40 steps: max_step defaults to 25% of them; the default window (1000 steps) cannot settle that soon
+        # 40 steps: max_step defaults to 25% of them
         assert r["max_step"] == 10 and r["freeze_step"] == 10 and r["reason"] == "max_step"
+        # the strategy fed the training loss to the detector (its pre_backward), so the loss guard had figures
+        assert r["last"]["step"] == 10 and 0 < r["last"]["loss_ratio"] < float("inf")
         assert r["metrics"]["onebit/freeze_step"] == 10.0 and r["progress_bar"]["freeze"] == 10.0
     assert torch.equal(results[0]["final"], results[1]["final"])
     text = "\n".join(results[0]["messages"])
     assert "ends the warmup at step 10 at the latest (25% of 40 steps)" in text
     assert "until the variance settles (freeze_step='auto'" in text
     assert "freeze_step='auto' decided 10: max_step 10 reached" in text
+
+
+def test_resume_with_other_measured_parameters_measures_afresh() -> None:
+    """A resume during the warmup with a group switched to compress=False (its variance is no longer measured): the
+    saved snapshots no longer fit, so the detector measures afresh instead of failing or comparing other
+    coordinates, and still decides."""
+
+    def make(params: list[nn.Parameter], last_compressed: bool) -> OnebitAdam:
+        groups = [{"params": params[:2]}, {"params": params[2:], "compress": last_compressed}]
+        return OnebitAdam(groups, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", warn_dead_coordinates=False,
+                          auto_freeze=AutoFreeze(max_step=400))
+
+    params = _params()
+    opt = make(params, True)
+    for t in range(1, 71):
+        _synthetic_gradients(params, t)
+        opt.observe_loss(torch.tensor(_falling_loss(t)))
+        opt.step()
+    assert opt.freeze_step is None and opt.freeze_detector.last is not None  # still measuring, with comparisons
+    resumed = make(params, False)
+    resumed.load_state_dict(opt.state_dict())
+    for t in range(71, 201):
+        _synthetic_gradients(params, t)
+        resumed.observe_loss(torch.tensor(_falling_loss(t)))
+        resumed.step()
+    detector = resumed.freeze_detector
+    assert detector.reason == "settled"
+    # the first comparison after the resume needs a full new window: not before step 72 + W
+    assert resumed.freeze_step >= 72 + detector.window

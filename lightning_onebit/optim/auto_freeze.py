@@ -1,24 +1,44 @@
-"""``freeze_step="auto"``: end the warmup when the variance has stopped moving, decided by every rank together.
+"""``freeze_step="auto"``: end the warmup once a variance frozen a window ago would have covered the gradients since,
+and training has left its initial plateau; decided by every rank together.
 
-The rule (REFERENCE.md 3.3): every ``check_every`` warmup steps, compare ``sqrt(v)`` (bias-corrected where the update
-corrects it, i.e. what the compression stage will use) with its value ``window`` steps earlier, on a fixed random
-sample of coordinates and on every tensor's L1 norm::
+The rule (REFERENCE.md 3.3, reworked on the example's sweep). Every ``check_every`` warmup steps, with ``v_t`` the raw
+variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and ``c`` the bias corrections:
 
-    r = sum |s_t - s_{t-W}| / sum s_{t-W}                       (the coordinate sample)
-    q = max over tensors of | ||s_t||_1 - ||s_{t-W}||_1 | / ||s_{t-W}||_1   (small tensors count as much as large)
+* the mean squared gradient of the last ``W`` steps follows from the two snapshots, with no extra state:
+  ``E = (v_t - a v_{t-W}) / (1 - a)`` (weighted within the window as ``v`` weights it);
+* a **backtest** of freezing ``W`` steps ago: the excess of those gradients over the ``sqrt(v_hat)`` the compression
+  stage would have frozen then, ``sqrt(v_{t-W} / c_{t-W})``, on a fixed random coordinate sample and per tensor::
+
+      e = sum max(0, sqrt(E) - sqrt(v_hat_{t-W})) / sum sqrt(v_hat_{t-W})       (the sample)
+      e_T = max over tensors of max(0, sqrt(sum_T E / sum_T v_hat_{t-W}) - 1)    (tensors whose variance is
+                                                                                  numerically zero left out)
+
+  Only an excess counts: frozen steps are ``m / sqrt(v_hat)``, so gradients that outgrow the frozen estimate make
+  them larger than Adam's (the classic failure of an early freeze), while gradients that shrink only make them
+  smaller. Unlike the relative change of ``sqrt(v_hat)`` itself, ``e`` does not fade as ``W / t`` merely because
+  ``v_hat`` averages ever more steps early in training (with ``beta2 = 0.999`` it is close to a plain mean of all
+  steps for the first thousand);
+* the **training loss**, when the optimizer is given it (the Lightning strategy does; see
+  :meth:`~lightning_onebit.optim.base.CompressedOptimizer.observe_loss`): its mean over the last window must be at least
+  ``loss_drop`` below its mean over the first ``check_every`` steps. A model on its initial plateau has steady, small
+  gradients that pass the backtest, and a variance frozen there is far too small for the gradients that come when the
+  loss starts to fall (the example's sweep: freezing on the plateau left the task at chance);
+* for 1-bit LAMB, the relative change of its trust-ratio EMAs over the window.
 
 The ranks take the maximum of each figure with one ``all_reduce`` of a few floats, so every rank sees the same
-figures and decides the same step. The warmup ends after the check where both (and, for 1-bit LAMB, the relative
-change of its trust-ratio EMA) have stayed below ``threshold`` for ``patience`` checks in a row, not before
-``min_step``, and at ``max_step`` at the latest.
+figures and decides the same step. The warmup ends after the check where all of them have passed for ``patience``
+checks in a row, not before ``min_step``, and at ``max_step`` at the latest.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import math
+import numbers
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,34 +46,52 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from lightning_onebit.optim.base import CompressedOptimizer
 
+log = logging.getLogger(__name__)
+
+# A tensor whose variance per element is below this fraction of the median tensor's carries numerical noise only
+# (e.g. attention key biases, whose gradient is zero in exact arithmetic): its relative figures are left out.
+_NEGLIGIBLE_VARIANCE = 1e-8
+
 
 @dataclasses.dataclass
 class AutoFreeze:
-    """How ``freeze_step="auto"`` decides the end of the warmup. Every field is optional.
+    """How ``freeze_step="auto"`` decides the end of the warmup (see :mod:`lightning_onebit.optim.auto_freeze` for the
+    rule). Every field is optional.
 
     Args:
-        window: ``W``, the distance in optimizer steps between the two variance estimates compared. Default
-            ``None``: ``round(1 / (1 - beta2))`` of the first param group (1000 for 0.999), the time constant of the
-            variance's moving average. Shorter runs want a shorter window (the example uses 40).
+        window: ``W``, the distance in optimizer steps between the two variance snapshots compared. Default ``None``:
+            ``round(1 / (1 - beta2))`` of the first param group (1000 for 0.999), the time constant of the variance's
+            moving average. Shorter runs want a shorter window (the example uses 40).
         check_every: optimizer steps between checks; the window must be a multiple of it. Default ``None``: ``W / 4``
             (rounded so that it divides ``W``).
-        threshold: the largest relative change (of the sample and of every tensor norm) that counts as settled.
-            Default ``0.05``.
-        patience: consecutive settled checks needed. Default ``3``.
+        threshold: the largest backtest excess ``e`` on the coordinate sample: how far the last window's gradient
+            RMS may exceed the ``sqrt(v_hat)`` of a window ago (``0.3``: by 30% on average, so steps with that frozen
+            variance would have been at most about 30% larger than Adam's). Also bounds LAMB's trust-ratio change.
+            Default ``0.3``.
+        tensor_threshold: the same bound for every tensor's ``e_T`` (catches a small tensor still growing, which the
+            sample may hardly contain). Default ``1.0``.
+        loss_drop: the mean training loss over the last window must be at least this fraction below its mean over the
+            first ``check_every`` steps (every rank's, when ranks differ). Needs the loss: the Lightning strategy passes
+            it; without Lightning call ``optimizer.observe_loss(loss)`` every step or pass ``step(closure)``. ``None``
+            switches the guard off (a model on an initial loss plateau may then be frozen there). Default ``0.1``.
+        patience: consecutive passing checks needed. Default ``3``.
         min_step: never end the warmup before this step. Default ``None``: the first full window (``W``).
         max_step: end the warmup at this step at the latest. Default ``None``: under the Lightning strategy 25% of
             ``trainer.estimated_stepping_batches``; without it a number is required (checked at the first step).
         sample_size: coordinates in the fixed random sample (the same on every rank). Default ``2**20``.
         seed: seed of the sample. Default ``0``.
 
-    Cost while measuring: ``W / check_every + 1`` snapshots of ``sample_size + number of tensors`` floats (about
-    20 MiB with the defaults), one pass over the variance per check and one ``all_reduce`` of 3 floats per check
-    (from the first full window on). All of it is freed when the warmup ends.
+    Cost while measuring: ``W / check_every + 1`` snapshots of ``sample_size + number of tensors`` float64 values
+    (about 40 MiB with the defaults), one pass over the variance per check, the losses summed on their device (read
+    once per check), and one ``all_reduce`` of 5 floats per check (from the first full window on). All of it is freed
+    when the warmup ends.
     """
 
     window: Optional[int] = None
     check_every: Optional[int] = None
-    threshold: float = 0.05
+    threshold: float = 0.3
+    tensor_threshold: float = 1.0
+    loss_drop: Optional[float] = 0.1
     patience: int = 3
     min_step: Optional[int] = None
     max_step: Optional[int] = None
@@ -69,10 +107,14 @@ class AutoFreeze:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AutoFreeze {name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not (
-            0 < self.threshold < math.inf
-        ):
-            raise ValueError(f"AutoFreeze threshold must be a number > 0, got {self.threshold!r}")
+        for name in ("threshold", "tensor_threshold"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ValueError(f"AutoFreeze {name} must be a number > 0, got {value!r}")
+        if self.loss_drop is not None and (not _is_number(self.loss_drop) or not 0 <= self.loss_drop < 1):
+            raise ValueError(
+                f"AutoFreeze loss_drop must be a fraction in [0, 1) or None (no loss guard), got {self.loss_drop!r}"
+            )
         if self.window is not None and self.check_every is not None and self.window % self.check_every:
             raise ValueError(
                 f"AutoFreeze window ({self.window}) must be a multiple of check_every ({self.check_every})"
@@ -81,8 +123,12 @@ class AutoFreeze:
             raise ValueError(f"AutoFreeze min_step ({self.min_step}) is after max_step ({self.max_step})")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 class FreezeDetector:
-    """The measuring state of :class:`AutoFreeze` for one optimizer (snapshots, streak, last figures)."""
+    """The measuring state of :class:`AutoFreeze` for one optimizer (snapshots, losses, streak, last figures)."""
 
     def __init__(self, config: AutoFreeze, beta2: float) -> None:
         self.config = config
@@ -99,6 +145,47 @@ class FreezeDetector:
         self.reason: Optional[str] = None  # why the warmup ended, once it has
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._sample: Optional[list[tuple[int, torch.Tensor]]] = None  # (parameter index, flat indices)
+        # losses: summed on their device between checks (no host sync per step), then one (sum, count) per check
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_count = 0
+        self._loss_intervals: collections.deque[tuple[float, int]] = collections.deque(maxlen=self.window // every)
+        self._initial_loss: Optional[float] = None
+
+    # ------------------------------------------------------------------ the loss
+    def record_loss(self, loss: Union[torch.Tensor, float]) -> None:
+        """Add one training loss (a number or a one-element tensor; read on the host only at the next check)."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(f"observe_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}")
+            value = loss.detach().reshape(()).double()
+        elif _is_number(loss):
+            value = torch.tensor(float(loss), dtype=torch.float64)
+        else:
+            raise ValueError(f"observe_loss takes a number or a scalar tensor, got {type(loss).__name__}")
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value.to(self._loss_sum.device)
+        self._loss_count += 1
+
+    def _close_loss_interval(self) -> None:
+        total = 0.0 if self._loss_sum is None else float(self._loss_sum)
+        if self._loss_count:
+            self._loss_intervals.append((total, self._loss_count))
+            if self._initial_loss is None:
+                self._initial_loss = total / self._loss_count
+        self._loss_sum, self._loss_count = None, 0
+
+    def _loss_figures(self) -> list[float]:
+        """``[loss ratio, no loss seen]``: the mean loss over the last window over the initial mean (0 where the guard
+        is off or cannot apply), and 1.0 if the guard is on and no loss was ever observed."""
+        if self.config.loss_drop is None:
+            return [0.0, 0.0]
+        if self._initial_loss is None:
+            return [math.inf, 1.0]
+        if not self._initial_loss > 0:  # a ratio to a loss <= 0 means nothing
+            return [0.0, 0.0]
+        count = sum(n for _, n in self._loss_intervals)
+        recent = sum(s for s, _ in self._loss_intervals) / count if count else self._initial_loss
+        ratio = recent / self._initial_loss
+        return [ratio if math.isfinite(ratio) else math.inf, 0.0]
 
     # ------------------------------------------------------------------ the decision
     def observe(self, optimizer: "CompressedOptimizer", t: int) -> Optional[int]:
@@ -112,69 +199,115 @@ class FreezeDetector:
         started = time.perf_counter()
         decided = None
         if t % self.check_every == 0:
+            self._close_loss_interval()
             snapshot = self._snapshot(optimizer)
             self._snapshots[t] = snapshot
             for old_step in [s for s in self._snapshots if s < t - self.window]:
                 del self._snapshots[old_step]
             old = self._snapshots.get(t - self.window)
+            if old is not None and any(a.shape != b.shape for a, b in zip(old, snapshot)):
+                # the measured tensors changed (a resume with other trainable parameters or compress=False groups):
+                # the saved snapshots describe other coordinates, so measure afresh from this one
+                self._snapshots, old = {t: snapshot}, None
+                log.info("freeze_step='auto': the measured parameters changed; measuring afresh from step %d", t)
             if old is not None:
-                figures = _agree_max(_changes(old, snapshot), optimizer.process_group, optimizer._detector_device())
-                r, q, coeff = figures
-                settled = max(figures) < self.config.threshold
-                self.streak = self.streak + 1 if settled else 0
-                self.last = dict(step=t, sample_change=r, norm_change=q, coeff_change=coeff, streak=self.streak)
-                if self.streak >= self.config.patience and t >= self.min_step:
+                local = _excesses(old, snapshot, self._decays(optimizer), self._sample_counts(len(snapshot[1])))
+                local += self._loss_figures()
+                figures = _agree_max(local, optimizer.process_group, optimizer._detector_device())
+                sample, tensor, coeff, loss_ratio, no_loss = figures
+                if no_loss:
+                    raise ValueError(
+                        f"{type(optimizer).__name__}(freeze_step='auto') waits for the training loss to fall "
+                        f"(AutoFreeze(loss_drop={self.config.loss_drop})) but was given no loss by step {t}: call "
+                        "optimizer.observe_loss(loss) every step or pass a closure to step() (the Lightning strategy "
+                        "does this), or set AutoFreeze(loss_drop=None) to decide on the variance alone"
+                    )
+                config = self.config
+                drop_ok = config.loss_drop is None or loss_ratio <= 1 - config.loss_drop
+                passed = sample < config.threshold and tensor < config.tensor_threshold and coeff < config.threshold
+                self.streak = self.streak + 1 if passed and drop_ok else 0
+                self.last = dict(step=t, sample_excess=sample, tensor_excess=tensor, coeff_change=coeff,
+                                 loss_ratio=loss_ratio if config.loss_drop is not None else None,
+                                 streak=self.streak)
+                if self.streak >= config.patience and t >= self.min_step:
                     decided, self.reason = t, "settled"
         if decided is None and t >= self.max_step:
             decided, self.reason = t, "max_step"
-        if decided is not None:
-            self._snapshots, self._sample = {}, None  # freed: nothing more to measure
+        if decided is not None:  # freed: nothing more to measure
+            self._snapshots, self._sample = {}, None
+            self._loss_sum, self._loss_intervals = None, collections.deque(maxlen=self._loss_intervals.maxlen)
         self.seconds += time.perf_counter() - started
         return decided
 
     def describe(self) -> str:
         """The figures behind the decision, for logs and the stage announcement."""
         last = self.last
-        figures = (
-            "no comparison yet"
-            if last is None
-            else (
-                f"relative change of sqrt(v) over {self.window} steps at step {last['step']}: sample "
-                f"{last['sample_change']:.3g}, largest tensor norm {last['norm_change']:.3g}"
-                + (f", trust ratio {last['coeff_change']:.3g}" if last["coeff_change"] > 0 else "")
-                + f"; {last['streak']} check(s) in a row below {self.config.threshold:g}"
+        if last is None:
+            figures = "no comparison yet"
+        else:
+            figures = (
+                f"at step {last['step']}, gradients of the last {self.window} steps above the sqrt(v) of "
+                f"{self.window} steps before: sample "
+                f"{last['sample_excess']:.3g}, largest tensor {last['tensor_excess']:.3g}"
+                + (f"; trust-ratio change {last['coeff_change']:.3g}" if last["coeff_change"] > 0 else "")
+                + (f"; loss at {last['loss_ratio']:.3g} of its start" if last.get("loss_ratio") is not None else "")
+                + f"; {last['streak']} passing check(s) in a row"
             )
-        )
         if self.reason == "max_step":
             return f"max_step {self.max_step} reached ({figures})"
         return figures
 
+    def rule(self) -> str:
+        """The rule in one sentence, for the warmup announcement."""
+        config = self.config
+        loss = "" if config.loss_drop is None else f", the training loss {config.loss_drop:g} below its start"
+        return (
+            f"gradients of the last {self.window} steps at most {config.threshold:g} above the sqrt(v) of a window "
+            f"before (sample; "
+            f"{config.tensor_threshold:g} per tensor){loss}, for {config.patience} checks {self.check_every} steps "
+            f"apart, between steps {self.min_step} and {self.max_step}"
+        )
+
     # ------------------------------------------------------------------ measurements
+    def _decays(self, optimizer: "CompressedOptimizer") -> list[tuple[float, float]]:
+        """``(beta2^W, bias correction)`` per detector parameter, as of now."""
+        return [(b2**self.window, c) for _, _, c, b2 in optimizer._detector_params()]
+
+    def _sample_counts(self, tensors: int) -> torch.Tensor:
+        counts = torch.zeros(tensors, dtype=torch.long)
+        for i, idx in self._sample or []:
+            counts[i] = len(idx)
+        return counts
+
     def _snapshot(self, optimizer: "CompressedOptimizer") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(sample of sqrt(v_hat), L1 norm of sqrt(v_hat) per tensor, the optimizer's extra settling figures)``,
-        in float64 on the CPU."""
+        """``(sample of the raw v, sum of the raw v per tensor, the optimizer's extra settling figures)``, in float64 on
+        the CPU; the sample is laid out tensor by tensor (see :func:`_draw_sample`)."""
         params = optimizer._detector_params()
         if self._sample is None:
-            self._sample = _draw_sample([p.numel() for p, _, _ in params], self.config.sample_size, self.config.seed)
-        # sqrt(v / c) = sqrt(v) / sqrt(c): one tensor's sqrt at a time, never a corrected copy of all of v
-        norms = [0.0 if v is None else float(v.sqrt().double().sum()) / math.sqrt(c) for _, v, c in params]
+            self._sample = _draw_sample([p.numel() for p, *_ in params], self.config.sample_size, self.config.seed)
+        sums = [0.0 if v is None else float(v.double().sum()) for _, v, _, _ in params]
         sample = []
         for i, idx in self._sample:
-            _, v, c = params[i]
-            if v is None:
-                sample.append(torch.zeros(len(idx), dtype=torch.float64))
-            else:
-                sample.append(v.reshape(-1)[idx.to(v.device)].double().cpu().sqrt() / math.sqrt(c))
+            v = params[i][1]
+            sample.append(torch.zeros(len(idx), dtype=torch.float64) if v is None
+                          else v.reshape(-1)[idx.to(v.device)].double().cpu())
         extra = optimizer._settling_figures()
         return (
             torch.cat(sample) if sample else torch.zeros(0, dtype=torch.float64),
-            torch.tensor(norms, dtype=torch.float64),
+            torch.tensor(sums, dtype=torch.float64),
             torch.zeros(0, dtype=torch.float64) if extra is None else extra.double().cpu(),
         )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return dict(streak=self.streak, last=self.last, snapshots={k: list(v) for k, v in self._snapshots.items()})
+        pending = None if self._loss_sum is None else float(self._loss_sum)
+        return dict(
+            streak=self.streak,
+            last=self.last,
+            snapshots={k: list(v) for k, v in self._snapshots.items()},
+            losses=dict(sum=pending, count=self._loss_count, intervals=list(self._loss_intervals),
+                        initial=self._initial_loss),
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (an empty dict: start measuring afresh)."""
@@ -182,11 +315,21 @@ class FreezeDetector:
         self.last = state.get("last")
         self._snapshots = {int(k): tuple(v) for k, v in (state.get("snapshots") or {}).items()}
         self._sample = None  # drawn again from the seed: the same coordinates
+        losses = state.get("losses") or {}
+        total = losses.get("sum")
+        self._loss_sum = None if total is None else torch.tensor(float(total), dtype=torch.float64)
+        self._loss_count = int(losses.get("count", 0))
+        self._loss_intervals = collections.deque(
+            [(float(s), int(n)) for s, n in losses.get("intervals", [])], maxlen=self._loss_intervals.maxlen
+        )
+        self._initial_loss = losses.get("initial")
+        if self.last is not None and "sample_excess" not in self.last:  # measured by the older rule: compare afresh
+            self.last, self.streak, self._snapshots = None, 0, {}
 
 
 def _draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, torch.Tensor]]:
     """``size`` distinct coordinates drawn uniformly over all tensors (all if there are fewer), the same on every
-    rank: ``(tensor index, flat indices)`` pairs."""
+    rank: ``(tensor index, flat indices)`` pairs, in tensor order."""
     total = sum(numels)
     generator = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(total, generator=generator)[:size].sort().values if total > size else torch.arange(total)
@@ -199,21 +342,44 @@ def _draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, tor
     return out
 
 
-def _relative_change(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Elementwise ``|new - old| / old``; 0 where both are 0, 1 where only ``old`` is (it just started moving)."""
-    change = (new - old).abs() / old.clamp_min(1e-300)
-    return torch.where(old > 0, change, (new > 0).double())
+def _window_moment(v_new: torch.Tensor, v_old: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``E = (v_t - a v_{t-W}) / (1 - a)``: the (exponentially weighted) mean squared gradient of the window."""
+    return ((v_new - decay * v_old) / (1 - decay)).clamp_min(0)
 
 
-def _changes(old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> list[float]:
-    """``[r, q, coeff]``: the sample's relative L1 change, the largest relative change of a tensor norm, the largest
-    relative change of the extra figures (0 without them)."""
-    (sample_old, norms_old, extra_old), (sample_new, norms_new, extra_new) = old, new
-    base = float(sample_old.sum())
-    r = float((sample_new - sample_old).abs().sum()) / base if base > 0 else (1.0 if float(sample_new.sum()) else 0.0)
-    q = float(_relative_change(norms_old, norms_new).max()) if norms_old.numel() else 0.0
-    coeff = float(_relative_change(extra_old, extra_new).max()) if extra_old.numel() == extra_new.numel() > 0 else 0.0
-    return [r, q, coeff]
+def _excesses(
+    old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...], decays: list[tuple[float, float]],
+    sample_counts: torch.Tensor,
+) -> list[float]:
+    """``[e, e_T, coeff]``: the sample's excess, the largest tensor excess, the largest relative change of the extra
+    figures (0 without them). ``decays``: ``(beta2^W, bias correction now)`` per tensor; ``sample_counts``: the
+    sample's coordinates in each tensor (they lie tensor by tensor)."""
+    (sample_old, sums_old, extra_old), (sample_new, sums_new, extra_new) = old, new
+    decay = torch.tensor([d for d, _ in decays], dtype=torch.float64)
+    # the bias correction a window ago: 1 - b2^(t-W) = 1 - (1 - c_t) / b2^W (1 without bias correction)
+    correction = 1 - (1 - torch.tensor([c for _, c in decays], dtype=torch.float64)) / decay
+    # per tensor
+    moment = _window_moment(sums_new, sums_old, decay)
+    frozen = sums_old / correction
+    live = frozen > 0
+    if live.any():
+        live &= frozen >= _NEGLIGIBLE_VARIANCE * frozen[live].median()
+    ratio = torch.where(live, moment / frozen.clamp_min(1e-300), torch.zeros_like(frozen))
+    tensor = float((ratio.sqrt() - 1).clamp_min(0).max()) if ratio.numel() else 0.0
+    # the sample: its coordinates lie tensor by tensor, in the order of _draw_sample
+    if sample_new.numel():
+        d, c = decay.repeat_interleave(sample_counts), correction.repeat_interleave(sample_counts)
+        root_frozen = (sample_old / c).sqrt()
+        excess = (_window_moment(sample_new, sample_old, d).sqrt() - root_frozen).clamp_min(0)
+        base = float(root_frozen.sum())
+        sample = float(excess.sum()) / base if base > 0 else (1.0 if float(excess.sum()) > 0 else 0.0)
+    else:
+        sample = 0.0
+    coeff = 0.0
+    if extra_old.numel() == extra_new.numel() > 0:
+        change = (extra_new - extra_old).abs() / extra_old.clamp_min(1e-300)
+        coeff = float(torch.where(extra_old > 0, change, (extra_new > 0).double()).max())
+    return [sample, tensor, coeff]
 
 
 def _agree_max(values: list[float], group: Any, device: torch.device) -> list[float]:

@@ -138,6 +138,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.freeze_step: Optional[int] = None if freeze_step == "auto" else freeze_step
         self.auto_freeze = (auto_freeze or AutoFreeze()) if freeze_step == "auto" else None
         self._detector: Optional[FreezeDetector] = None  # created at the first warmup step (needs the betas)
+        #: Whether ``step(closure)`` records the closure's loss for ``freeze_step="auto"`` (:meth:`observe_loss`). The
+        #: Lightning strategy records the loss in its ``backward`` instead and turns this off.
+        self.observe_closure_loss = True
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         if topology is not None and not isinstance(topology, Topology):
             raise ValueError(
@@ -286,12 +289,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         )
 
     def _detector_rule(self) -> str:
-        detector = self._ensure_detector()
-        return (
-            f"relative change of sqrt(v) over {detector.window} steps below {self.auto_freeze.threshold:g} for "
-            f"{self.auto_freeze.patience} checks {detector.check_every} steps apart, between steps "
-            f"{detector.min_step} and {detector.max_step}"
-        )
+        return self._ensure_detector().rule()
+
+    def observe_loss(self, loss: Union[torch.Tensor, float]) -> None:
+        """Record a training loss for ``freeze_step="auto"``, whose :class:`~lightning_onebit.AutoFreeze` ``loss_drop``
+        guard waits for the loss to leave its initial plateau. Call it every step (or every micro-batch) on every rank,
+        before :meth:`step`; a ``closure`` passed to :meth:`step` is observed too. The Lightning strategy calls it
+        from its ``backward``. A scalar tensor is summed on its device and read once per check, so this adds no host
+        synchronisation per step. Does nothing once the freeze step is known, or with an integer ``freeze_step``."""
+        if self.auto_freeze is None or self.freeze_step is not None:
+            return
+        self._ensure_detector().record_loss(loss)
 
     def _ensure_detector(self) -> FreezeDetector:
         if self._detector is None:
@@ -304,17 +312,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The measuring state of ``freeze_step="auto"`` (its figures, ``describe()``), ``None`` with an int."""
         return self._ensure_detector() if self.auto_freeze is not None else None
 
-    def _detector_params(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor], float]]:
-        """``(parameter, v, correction)`` for every trainable parameter of the compressed param groups, in order: the
-        update will use ``v / correction`` (1 without bias correction); ``v`` is ``None`` where the parameter has no
-        variance yet. ``compress=False`` groups are left out: their variance is never frozen."""
+    def _detector_params(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor], float, float]]:
+        """``(parameter, v, correction, beta2)`` for every trainable parameter of the compressed param groups, in
+        order: the update will use ``v / correction`` (1 without bias correction); ``v`` is ``None`` where the
+        parameter has no variance yet. ``compress=False`` groups are left out: their variance is never frozen."""
         out = []
         for group in self.param_groups:
             if not group["compress"]:
                 continue
             b2 = group["betas"][1]
             correction = 1 - b2**self._step if group["bias_correction"] else 1.0
-            out += [(p, self.state[p].get("exp_avg_sq"), correction) for p in _trainable(group)]
+            out += [(p, self.state[p].get("exp_avg_sq"), correction, b2) for p in _trainable(group)]
         return out
 
     def _detector_device(self) -> torch.device:
@@ -376,6 +384,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if loss is not None and self.observe_closure_loss:
+                self.observe_loss(loss)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
