@@ -713,18 +713,28 @@ def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence
         for t in same_kind:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-        sent = ring_allreduce_bytes(flat.numel(), flat.element_size(), world_size)
-        counters.bytes_sent += sent
-        counters.bytes_received += sent
-        counters.bytes_sent_uncompressed += sent
-        if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
-            counters.bytes_sent_intra_node += sent
-        else:
-            counters.bytes_sent_inter_node += sent
-        counters.bytes_fp32_equivalent += ring_allreduce_bytes(flat.numel(), 4, world_size)
-        counters.collectives += 1
-        counters.calls += 1
+        counters.bytes_sent_uncompressed += count_ring_allreduce(counters, flat, world_size, rank, topology)
         counters.time_s += time.perf_counter() - started
+
+
+def count_ring_allreduce(
+    counters: CommunicationCounters, tensor: torch.Tensor, world_size: int, rank: int, topology: Optional[Topology]
+) -> int:
+    """Count one full-precision ring allreduce of ``tensor`` in ``counters`` and return the bytes this rank sends.
+
+    A ring sends everything to the next rank, ``(rank + 1) % P``: intra-node bytes when the topology puts it on this
+    rank's node, else (or without a topology) inter-node. ``bytes_fp32_equivalent`` counts the same data in fp32."""
+    sent = ring_allreduce_bytes(tensor.numel(), tensor.element_size(), world_size)
+    counters.bytes_sent += sent
+    counters.bytes_received += sent
+    if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
+        counters.bytes_sent_intra_node += sent
+    else:
+        counters.bytes_sent_inter_node += sent
+    counters.bytes_fp32_equivalent += ring_allreduce_bytes(tensor.numel(), 4, world_size)
+    counters.collectives += 1
+    counters.calls += 1
+    return sent
 
 
 def _count_call(state: CompressedAllreduceState, layout: BucketLayout, buffer: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import CommunicationCounters, ring_allreduce_bytes
+from lightning_onebit.comm import CommunicationCounters, count_ring_allreduce
 from lightning_onebit.topology import Topology
 
 if TYPE_CHECKING:
@@ -65,18 +65,7 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
 
     world_size = dist.get_world_size(state.process_group)
     counters = state.counters
-    sent = ring_allreduce_bytes(tensor.numel(), tensor.element_size(), world_size)
-    counters.bytes_sent += sent
-    counters.bytes_received += sent
-    topology = state.topology
-    rank = dist.get_rank(state.process_group)
-    if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
-        counters.bytes_sent_intra_node += sent
-    else:
-        counters.bytes_sent_inter_node += sent
-    counters.bytes_fp32_equivalent += ring_allreduce_bytes(tensor.numel(), 4, world_size)
-    counters.collectives += 1
-    counters.calls += 1
+    count_ring_allreduce(counters, tensor, world_size, dist.get_rank(state.process_group), state.topology)
     started = time.perf_counter()
     tensor.div_(world_size)
     future = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
