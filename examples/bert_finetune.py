@@ -24,6 +24,7 @@ a communication summary (bytes sent by this rank in each stage), and writes it a
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import random
@@ -39,7 +40,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
-from lightning_onebit import CompressedOptimizer, GradientSyncState, OnebitAdamStrategy, switchable_allreduce_hook
+from lightning_onebit import (
+    CommunicationMonitor,
+    CompressedOptimizer,
+    GradientSyncState,
+    OnebitAdamStrategy,
+    switchable_allreduce_hook,
+)
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -506,6 +513,9 @@ class BertFinetuneCLI(LightningCLI):
                     trainer.global_step,
                 ),
             )
+            monitors = [c for c in trainer.callbacks if isinstance(c, CommunicationMonitor)]
+            if monitors and monitors[0].advice is not None:  # "will compression help?", and the measured answer
+                summary["advice"] = dataclasses.asdict(monitors[0].advice)
         else:
             counters = self._ddp_counter.state.counters
             summary.update(

@@ -6,7 +6,7 @@ Importing the package registers the ``onebit_adam`` strategies (``onebit_adam``,
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_onebit.callbacks import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, ReplicaCheck
+from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, ErrorFeedbackCheckpoint, MomentumMask, ReplicaCheck
 from lightning_onebit.comm import (
     BucketLayout,
     CommunicationCounters,
@@ -39,6 +39,7 @@ __all__ = [
     "BucketLayout",
     "CommunicationCounters",
     "CommunicationMonitor",
+    "CompressionAdvice",
     "CompressedAllreduceState",
     "CompressedOptimizer",
     "ErrorFeedbackCheckpoint",

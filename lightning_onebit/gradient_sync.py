@@ -11,8 +11,9 @@ Used by :class:`lightning_onebit.OnebitAdamStrategy`, and usable with plain DDP:
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
+import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,17 @@ class GradientSyncState:
 
     Attributes:
         counters: bytes and time of the warmup allreduces on this rank (``bytes_sent`` counts a ring allreduce in the
-            gradient's dtype; ``time_s`` is launch-to-completion time, which overlaps the backward pass).
+            gradient's dtype; ``time_s`` sums each bucket's launch-to-completion time, which overlaps the backward
+            pass; ``exposed_s`` is, per backward, the time from the launch of the allreduce of DDP's last bucket,
+            when backward has no gradient left to compute, to the completion of every bucket's allreduce: what the
+            step waited for the link).
+        span_s: per backward, the time from the first bucket's launch to the completion of every allreduce
+            (cumulative seconds): the link was in use at most this long.
         skipped_buckets: buckets left local because ``sync_predicate`` returned ``False``.
+
+    On CUDA, ``exposed_s`` and ``span_s`` are device times measured with CUDA events (read back without stalling
+    the stream, when :meth:`settle_timings` is called: :attr:`OnebitAdamStrategy.communication` does); elsewhere
+    they are host wall-clock times.
     """
 
     def __init__(
@@ -51,7 +61,61 @@ class GradientSyncState:
         self.sync_predicate = sync_predicate or (lambda: True)
         self.topology = topology
         self.counters = CommunicationCounters()
+        self.span_s = 0.0
         self.skipped_buckets = 0
+        # One backward's allreduces: launch marks and how many are still in flight. Futures complete on the
+        # backend's threads, hence the lock.
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._first_mark: Optional[_Mark] = None
+        self._last_mark: Optional[_Mark] = None
+        self._unsettled: list[tuple[_Mark, _Mark, _Mark]] = []  # CUDA (first, last, done) events not read back yet
+
+    def _launched(self, device: torch.device, is_last_bucket: bool) -> None:
+        mark = _mark(device)
+        with self._lock:
+            self._in_flight += 1
+            if self._first_mark is None:
+                self._first_mark = mark
+            if is_last_bucket:
+                self._last_mark = mark
+
+    def _completed(self, device: torch.device) -> None:
+        mark = _mark(device)
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight or self._last_mark is None:
+                return  # more to come in this backward (or its last bucket has not been launched yet)
+            first, last = self._first_mark, self._last_mark
+            self._first_mark = self._last_mark = None
+            if isinstance(mark, float):
+                self.counters.exposed_s += max(0.0, mark - last)
+                self.span_s += mark - first
+            else:
+                self._unsettled.append((first, last, mark))
+
+    def settle_timings(self) -> None:
+        """Add the CUDA-event timings of finished backward passes to ``counters.exposed_s`` and ``span_s`` (no-op
+        on CPU, where they are added as the allreduces complete)."""
+        with self._lock:
+            pending, self._unsettled = self._unsettled, []
+        for first, last, done in pending:
+            done.synchronize()  # recorded after the allreduce of an earlier backward: normally complete already
+            self.counters.exposed_s += max(0.0, last.elapsed_time(done) / 1000.0)
+            self.span_s += first.elapsed_time(done) / 1000.0
+
+
+_Mark = Union[float, "torch.cuda.Event"]
+
+
+def _mark(device: torch.device) -> _Mark:
+    """A point in time: host seconds, or a CUDA event recorded on the current stream (host time says nothing about
+    when NCCL work runs; inside a future's callback the current stream is synchronised with the collective)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
 
 
 def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -68,10 +132,12 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
     count_ring_allreduce(counters, tensor, world_size, dist.get_rank(state.process_group), state.topology)
     started = time.perf_counter()
     tensor.div_(world_size)
+    state._launched(tensor.device, bucket.is_last())
     future = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
         counters.time_s += time.perf_counter() - started
+        state._completed(tensor.device)
         return done.value()[0]
 
     return future.then(finish)

@@ -215,6 +215,7 @@ class OnebitAdamStrategy(DDPStrategy):
     @property
     def communication(self) -> CommunicationCounters:
         """This rank's cumulative communication: warmup gradient allreduces plus compressed momentum allreduces."""
+        self.gradient_sync.settle_timings()
         total = self.gradient_sync.counters.snapshot()
         if self._onebit_optimizer is not None:
             total = total + self._onebit_optimizer.communication
