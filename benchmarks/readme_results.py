@@ -483,6 +483,25 @@ def topology_model_table() -> str:
             f"({n / 1e6:.0f}M parameters):\n\n" + _table(header, time_rows))
 
 
+def advisor_table() -> str:
+    data = _load("advisor")
+    cfg = data["config"]
+    rows = []
+    for r in data["rows"]:
+        share = r["exposed_s"] / r["step_s"]
+        verdict = "helps" if r["step_s"] - r["expected_step_s"] >= 0.05 * r["step_s"] else "cannot help"
+        rows.append([
+            r["rate"], _s(r["step_s"]), f"{_s(r['exposed_s'])} ({share:.0%})",
+            f"{r['warmup_bytes'] / r['compressed_bytes']:.1f}x", f"{_s(r['expected_step_s'])} ({verdict})",
+            _s(r["measured_step_s"]), f"{r['measured_step_s'] / r['expected_step_s'] - 1:+.0%}",
+        ])
+    header = ["link", "warmup step", "allreduce exposed", "fewer bytes", "advice: expected step",
+              "measured compression step", "measured vs expected"]
+    return (f"The example (`{cfg['example']}`), {cfg['ranks']} ranks, freeze_step {cfg['freeze_step']}, "
+            f"{cfg['steps']} steps; medians of the last 20 warmup steps and of 20 compression-stage steps, slowest "
+            "rank:\n\n" + _table(header, rows))
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "kernels": kernels_table,
     "bytes": bytes_table,
@@ -500,6 +519,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "multinode_batch8": lambda: multinode_table("multinode_batch8", with_formulas=False),
     "intra_reduce": intra_reduce_table,
     "topology_model": topology_model_table,
+    "advisor": advisor_table,
 }
 
 
