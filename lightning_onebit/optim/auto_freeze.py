@@ -344,7 +344,7 @@ def _draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, tor
 
 def _window_moment(v_new: torch.Tensor, v_old: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
     """``E = (v_t - a v_{t-W}) / (1 - a)``: the (exponentially weighted) mean squared gradient of the window."""
-    return ((v_new - decay * v_old) / (1 - decay)).clamp_min(0)
+    return (v_new - decay * v_old).div_(1 - decay).clamp_min_(0)
 
 
 def _excesses(
@@ -368,9 +368,13 @@ def _excesses(
     tensor = float((ratio.sqrt() - 1).clamp_min(0).max()) if ratio.numel() else 0.0
     # the sample: its coordinates lie tensor by tensor, in the order of _draw_sample
     if sample_new.numel():
-        d, c = decay.repeat_interleave(sample_counts), correction.repeat_interleave(sample_counts)
-        root_frozen = (sample_old / c).sqrt()
-        excess = (_window_moment(sample_new, sample_old, d).sqrt() - root_frozen).clamp_min(0)
+        if bool((decay == decay[0]).all() and (correction == correction[0]).all()):
+            # one beta2 and one step for every tensor (the usual case): scalars, not a per-coordinate expansion
+            d, c = decay[0], correction[0]
+        else:
+            d, c = decay.repeat_interleave(sample_counts), correction.repeat_interleave(sample_counts)
+        root_frozen = (sample_old / c).sqrt_()
+        excess = _window_moment(sample_new, sample_old, d).sqrt_().sub_(root_frozen).clamp_min_(0)
         base = float(root_frozen.sum())
         sample = float(excess.sum()) / base if base > 0 else (1.0 if float(excess.sum()) > 0 else 0.0)
     else:
