@@ -108,8 +108,10 @@ class CommunicationCounters:
         calls: number of allreduce calls (one per bucket per step, plus one per device and dtype of the
             full-precision allreduce of ``compress=False`` groups).
         time_s: wall-clock seconds spent inside the calls (compression included; host time on CUDA).
-        exposed_s: wall-clock seconds the optimizer step spent on the exchange after backward (starting buckets that
-            were not started during backward, waiting, decoding): the exchange time *not* hidden behind backward.
+        exposed_s: the exchange time *not* hidden behind backward, seconds. Compressed exchange: wall-clock time the
+            optimizer step spent on it after backward (starting buckets that were not started during backward,
+            waiting, decoding). DDP's warmup allreduce (:class:`~lightning_onebit.GradientSyncState`): per backward,
+            from the launch of the last gradient bucket's allreduce to the completion of every allreduce.
         hook_s: wall-clock seconds spent during backward, inside DDP's hooks, folding gradients into momenta,
             compressing and launching (the overlapped exchange; 0 without it).
     """

@@ -113,7 +113,7 @@ def _mark(device: torch.device) -> _Mark:
     when NCCL work runs; inside a future's callback the current stream is synchronised with the collective)."""
     if device.type == "cuda":
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(device))  # the bucket's device, also on a callback thread
         return event
     return time.perf_counter()
 

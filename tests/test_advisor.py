@@ -267,3 +267,24 @@ def test_a_straggler_is_not_mistaken_for_a_slow_link(session: list[dict[str, Any
     assert a.step_s >= STRAGGLER_S and a.exposed_s < 0.5 * STRAGGLER_S
     assert not a.helps
     assert "cannot make steps noticeably faster" in results[0]["messages"][0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_exposed_time_on_cuda_is_measured_with_events() -> None:
+    """One NCCL rank in this process: the exposed time and span come from CUDA events, read back by settle_timings."""
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1)).cuda()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        state = GradientSyncState()
+        ddp.register_comm_hook(state, switchable_allreduce_hook)
+        for _ in range(3):
+            ddp(torch.randn(64, 256, device="cuda")).square().mean().backward()
+        torch.cuda.synchronize()
+        assert state.counters.exposed_s == 0.0 and state.span_s == 0.0  # not read back yet
+        state.settle_timings()
+        assert 0.0 <= state.counters.exposed_s <= state.span_s < 10.0 and state.span_s > 0.0
+        assert state._unsettled == []
+    finally:
+        dist.destroy_process_group()
