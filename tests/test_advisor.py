@@ -8,12 +8,11 @@ straggler, which is not communication)."""
 from __future__ import annotations
 
 import csv
-import logging
 import os
 import time
 import types
-from typing import Any, Iterator
 from contextlib import contextmanager
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import pytest
@@ -27,6 +26,7 @@ from lightning_onebit import gradient_sync
 from lightning_onebit.comm import ring_allreduce_bytes
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
+from tests.test_callbacks import capture_logs
 
 LINK_DELAY_S = 0.12  # added to every gradient allreduce's completion
 STRAGGLER_S = 0.12  # rank 1's extra compute per training step
@@ -166,23 +166,6 @@ class SlowRankRegressor(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-@contextmanager
-def capture_rank_zero_info() -> Iterator[list[str]]:
-    messages: list[str] = []
-
-    class ListHandler(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    handler = ListHandler(logging.INFO)
-    logger = logging.getLogger("lightning.pytorch")
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
-
-
 def _fit_with_monitor(rank: int, world_size: int, workdir: str, name: str, **model_kwargs: Any) -> dict[str, Any]:
     monitor = CommunicationMonitor(advise_steps=ADVISE_STEPS)
     model = SlowRankRegressor(freeze_step=FREEZE, **model_kwargs)
@@ -190,7 +173,7 @@ def _fit_with_monitor(rank: int, world_size: int, workdir: str, name: str, **mod
     trainer = pl.Trainer(
         **trainer_kwargs(world_size, MAX_STEPS, callbacks=[monitor], logger=logger, log_every_n_steps=1)
     )
-    with capture_rank_zero_info() as messages:
+    with capture_logs() as messages:
         trainer.fit(model, loader(rank, MAX_STEPS))
     onebit = trainer.strategy.onebit_optimizer
     n_params = sum(p.numel() for p in model.parameters())
