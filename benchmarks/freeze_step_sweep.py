@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import write_results  # noqa: E402
 from lightning_onebit import AutoFreeze, OnebitAdam  # noqa: E402
 
-# freeze_step="auto" as the example configs set it (a run of 620 steps; the defaults are tied to beta2 = 0.999,
-# a 1000-step window, for runs of many thousands of steps)
-AUTO_DEFAULTS = dict(window=40, check_every=10, threshold=0.3, tensor_threshold=1.0, loss_drop=0.1, patience=3,
+# freeze_step="auto" as examples/configs/bert_onebit.yaml sets it (a run of 620 steps; the defaults are tied to
+# beta2 = 0.999, a 1000-step window, for runs of many thousands of steps)
+AUTO_DEFAULTS = dict(window=40, check_every=10, threshold=0.5, tensor_threshold=1.6, loss_drop=0.1, patience=3,
                      min_step=None, max_step=400)
 
 
@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (one thread each)")
+    parser.add_argument("--name", default="freeze_step_sweep", help="results/NAME.json (default freeze_step_sweep)")
     for name, value in AUTO_DEFAULTS.items():
         parser.add_argument(f"--auto-{name.replace('_', '-')}", type=type(value) if value is not None else int,
                             default=value, help=f"AutoFreeze {name} (default {value})")
@@ -143,7 +144,7 @@ def main() -> None:
               f"{s['loss_before_decision']:.3f}), best fixed {s['best_fixed_step']} ({s['best_fixed_acc']:.3f}): "
               f"{s['accuracy_points']:+.2f} points, warmup x{s['warmup_ratio']:.2f}")
     results = dict(args=vars(args), rows=rows, summary=summary, wall_s=round(time.perf_counter() - started, 1))
-    print(f"written to {write_results('freeze_step_sweep', results)}")
+    print(f"written to {write_results(args.name, results)}")
 
 
 if __name__ == "__main__":
