@@ -9,9 +9,11 @@ generated here (see :func:`make_reviews`). Real models and data plug in through 
     # the same with DDP + AdamW, for comparison
     python examples/bert_finetune.py fit --config examples/configs/bert_adamw.yaml
 
-    # with a hub or local model and GLUE SST-2 (needs network access and `pip install datasets`)
+    # with a hub or local model (and its tokenizer) and GLUE SST-2 (needs network access and `pip install datasets`);
+    # a pretrained model fine-tunes with a smaller learning rate than the fresh one
     python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml \\
-        --model.model_name_or_path bert-base-uncased --data.dataset glue/sst2 --data.max_length 128
+        --model.model_name_or_path bert-base-uncased --data.dataset glue/sst2 --data.max_length 128 \\
+        --optimizer.init_args.lr 5e-5
 
     # your own data: a .tsv / .csv / .jsonl file, or a directory with train.* and dev.* (or validation.*), e.g. the
     # GLUE SST-2 TSVs; columns are detected (text, sentence, sentence1/sentence2, ..., label) or named explicitly
@@ -235,7 +237,8 @@ class TextClassificationData(L.LightningDataModule):
             ``validation`` file in a directory) 10% of the training rows are held out, split by ``seed``.
         val_split: the validation split of a Hugging Face dataset. Default ``"validation"``.
         tokenizer: hub name or local directory of a tokenizer. ``None`` (default) builds a word-level BERT tokenizer
-            from the training texts (offline); use the model's tokenizer with a pretrained model.
+            from the training texts (offline); with ``--model.model_name_or_path`` the CLI defaults it to the model's
+            own tokenizer.
         max_length: tokens per example (padding and truncation). Default 32.
         batch_size: examples per rank per step. Default 32.
         num_train, num_val: sizes of the synthetic splits. Defaults 4000 and 1000.
@@ -454,6 +457,13 @@ class BertFinetuneCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.num_labels", "model.num_labels", apply_on="instantiate")
         parser.add_argument("--summary_json", type=Optional[str], default=None, help="write the final summary here")
+
+    def before_instantiate_classes(self) -> None:
+        # a pretrained model reads the ids of its own vocabulary: without --data.tokenizer, use the model's tokenizer
+        # rather than the word-level one built from the data
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.model.model_name_or_path is not None and config.data.tokenizer is None:
+            config.data.tokenizer = config.model.model_name_or_path
 
     @staticmethod
     def configure_optimizers(lightning_module: L.LightningModule, optimizer: Any, lr_scheduler: Any = None) -> Any:

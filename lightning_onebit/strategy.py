@@ -259,6 +259,7 @@ class OnebitAdamStrategy(DDPStrategy):
         self.gradient_sync.topology = self.topology
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._default_auto_freeze_bound(trainer, optimizer)
+        self._warn_if_run_ends_in_warmup(trainer, optimizer)
         optimizer.observe_closure_loss = False  # pre_backward records every loss, micro-batches and manual steps too
         self._onebit_optimizer = optimizer
         self._announced_stage = None
@@ -281,6 +282,24 @@ class OnebitAdamStrategy(DDPStrategy):
         rank_zero_info(
             f"onebit_adam: freeze_step='auto' ends the warmup at step {detector.max_step} at the latest (25% of "
             f"{int(total)} steps)"
+        )
+
+    @staticmethod
+    def _warn_if_run_ends_in_warmup(trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
+        """Warn when the warmup cannot end before the run does: the whole run would be plain DDP."""
+        detector = optimizer.freeze_detector
+        last_warmup = optimizer.freeze_step if detector is None else detector.max_step
+        total = trainer.estimated_stepping_batches
+        if last_warmup is None or not isinstance(total, (int, float)) or last_warmup < total:
+            return
+        setting = (
+            f"freeze_step={last_warmup}" if detector is None
+            else f"freeze_step='auto' with AutoFreeze(max_step={last_warmup})"
+        )
+        rank_zero_warn(
+            f"onebit_adam: {setting}, but the run has {int(total)} optimizer steps: it ends in the warmup, so it "
+            "is plain DDP and compression never starts. Lower freeze_step (or AutoFreeze's max_step; without "
+            "max_step, freeze_step='auto' ends the warmup by 25% of the run), or train longer"
         )
 
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:

@@ -310,3 +310,29 @@ def test_resume_with_other_measured_parameters_measures_afresh() -> None:
     assert detector.reason == "settled"
     # the first comparison after the resume needs a full new window: not before step 72 + W
     assert resumed.freeze_step >= 72 + detector.window
+
+
+@pytest.mark.parametrize(
+    ("freeze_step", "max_step", "total", "warns"),
+    [(50, None, 30, True), (30, None, 30, True), (29, None, 30, False), ("auto", 400, 320, True),
+     ("auto", 80, 320, False), (50, None, float("inf"), False)],
+)
+def test_a_run_that_would_end_in_the_warmup_is_warned_about(freeze_step: Any, max_step: Optional[int], total: float,
+                                                             warns: bool) -> None:
+    """freeze_step (or AutoFreeze's max_step) at or past the run's last step: the whole run would be plain DDP, which
+    a user fine-tuning briefly with the example's max_step 400 would not notice without the warning."""
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning_onebit.strategy import OnebitAdamStrategy
+
+    auto = dict(auto_freeze=AutoFreeze(max_step=max_step)) if freeze_step == "auto" else {}
+    opt = OnebitAdam(_params(), lr=1e-3, freeze_step=freeze_step, **auto)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OnebitAdamStrategy._warn_if_run_ends_in_warmup(SimpleNamespace(estimated_stepping_batches=total), opt)
+    messages = [str(w.message) for w in caught if "compression never starts" in str(w.message)]
+    assert len(messages) == int(warns), messages
+    if warns:
+        assert f"run has {int(total)} optimizer steps" in messages[0]
+        assert ("AutoFreeze(max_step=400)" if freeze_step == "auto" else f"freeze_step={freeze_step}") in messages[0]

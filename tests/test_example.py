@@ -117,6 +117,37 @@ def test_pretrained_model_loads_in_train_mode_and_fine_tunes(example, tmp_path):
     assert torch.isfinite(loss) and any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+def test_cli_gives_a_pretrained_model_its_own_tokenizer(example, tmp_path, monkeypatch):
+    """--model.model_name_or_path without --data.tokenizer: the data is tokenised with the model's vocabulary, not a
+    word-level one built from the data (whose ids would index the wrong embedding rows); an explicit tokenizer wins."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "zebra", "film", "fine", "dull", "a"]
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(tmp_path / "tiny-bert")
+    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=64,
+                                             max_position_embeddings=16)).save_pretrained(tmp_path / "tiny-bert")
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "a fine film\t1\na dull film\t0\n" * 8)
+    monkeypatch.chdir(tmp_path)
+
+    def data_of(*extra):
+        cli = example.BertFinetuneCLI(
+            example.BertClassifier, example.TextClassificationData, run=False,
+            args=["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false",
+                  "--model.model_name_or_path", str(tmp_path / "tiny-bert"),
+                  "--data.dataset", str(tmp_path / "train.tsv"), *extra],
+        )
+        return cli.datamodule
+
+    data = data_of()
+    assert data.tokenizer.get_vocab() == {w: i for i, w in enumerate(vocab)}  # the model's, zebra included
+    assert data.tokenizer("a fine film")["input_ids"] == [2, 9, 7, 6, 3]
+    other = vocab[:5] + ["film", "fine", "a", "dull"]
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(other)}).save_pretrained(tmp_path / "other-tokenizer")
+    explicit = data_of("--data.tokenizer", str(tmp_path / "other-tokenizer"))
+    assert explicit.tokenizer.get_vocab() == {w: i for i, w in enumerate(other)}
+
+
 def test_uncompressed_embeddings_puts_the_word_embeddings_in_a_compress_false_group(example):
     """--model.uncompressed_embeddings true: the CLI's optimizer (one group over model.parameters()) is split into
     the rest and the word embeddings with compress=False, both with the configured options."""
