@@ -21,19 +21,31 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import write_results  # noqa: E402
 
 
-def run_example(config: str, extra: list[str], workdir: Path) -> dict:
+def run_example(config: str, extra: list[str], workdir: Path, log: Optional[Path] = None) -> dict:
+    """One run of the example; its summary. With ``log``, its output also goes to that file."""
     summary = workdir / f"{Path(config).stem}.json"
     command = [sys.executable, str(ROOT / "examples" / "bert_finetune.py"), "fit", "--config",
                str(ROOT / "examples" / "configs" / config), "--summary_json", str(summary),
                "--trainer.enable_progress_bar", "false", *extra]
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True, cwd=workdir)
+    if log is None:
+        subprocess.run(command, check=True, cwd=workdir)
+    else:
+        with open(log, "w") as f:
+            process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+            for line in process.stdout:
+                sys.stdout.write(line)
+                f.write(line)
+            if process.wait():
+                raise subprocess.CalledProcessError(process.returncode, command)
     return json.loads(summary.read_text())
 
 

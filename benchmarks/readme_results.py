@@ -502,6 +502,48 @@ def advisor_table() -> str:
             "rank:\n\n" + _table(header, rows))
 
 
+def own_data_table() -> str:
+    """The new-user run (benchmarks/own_data.py): a pretrained model and TSV files, AdamW against 1-bit Adam, and 1-bit
+    Adam with the word embeddings averaged in full precision."""
+    data = _load("own_data")
+    names = [n for n in ("adamw", "onebit_adam", "onebit_adam_full_precision_embeddings") if n in data["runs"]]
+    runs = [data["runs"][n] for n in names]
+    adamw = data["runs"]["adamw"]
+    counts = data["counts"]
+    size = f", {counts['train']:,} training and {counts['dev']:,} validation rows" if counts else ""
+
+    def froze(run: dict[str, Any]) -> str:
+        return f"{run['steps']} (froze at step {run['freeze_step']})" if run.get("freeze_step") else str(run["steps"])
+
+    rows = [
+        ["validation accuracy"] + [f"{r['val_acc']:.2%}" for r in runs],
+        ["validation macro F1"] + [f"{r['val_f1']:.4f}" for r in runs],
+        ["optimizer steps"] + [froze(r) for r in runs],
+        ["bytes sent per rank, whole run"] + [
+            f"{r['bytes_sent']:,}" + ("" if r is adamw else f" ({adamw['bytes_sent'] / r['bytes_sent']:.1f}x less)")
+            for r in runs],
+        ["wall time (loopback, validation included)"] + [f"{r['wall_s']:.1f} s" for r in runs],
+    ]
+    header = {"adamw": "DDP + AdamW", "onebit_adam": "1-bit Adam",
+              "onebit_adam_full_precision_embeddings": "1-bit Adam, word embeddings in full precision"}
+    model = Path(data["model"])
+    text = (f"{data['data']}{size}; model `{model.parent.name}/{model.name}`; 2 CPU processes; every run with "
+            f"`{' '.join(data['args'])}`; the 1-bit Adam runs also with "
+            + ", ".join(f"`{' '.join(data['runs'][n]['args'])}`" for n in names if n != "adamw")
+            + ":\n\n" + _table([""] + [header[n] for n in names], rows))
+    for name, run in zip(names, runs):
+        if not run.get("log"):
+            continue
+        text += f"\n\n{header[name]}:"
+        advice = run.get("advice")
+        if advice and advice.get("measured_step_s"):
+            text += (f" the advisor at the freeze expected {_s(advice['expected_step_s'])} per compression-stage step "
+                     f"(warmup step {_s(advice['step_s'])}, allreduce exposed {_s(advice['exposed_s'])}); measured "
+                     f"{_s(advice['measured_step_s'])}, median of {advice['measured_steps']} steps.")
+        text += " What it logged:\n\n```text\n" + "\n".join(run["log"]) + "\n```"
+    return text
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "kernels": kernels_table,
     "bytes": bytes_table,
@@ -520,6 +562,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "intra_reduce": intra_reduce_table,
     "topology_model": topology_model_table,
     "advisor": advisor_table,
+    "own_data": own_data_table,
 }
 
 
