@@ -25,7 +25,7 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import merge_runs, previous_results, write_results  # noqa: E402
 
 
 def run_example(config: str, extra: list[str], workdir: Path, log: Optional[Path] = None) -> dict:
@@ -37,15 +37,14 @@ def run_example(config: str, extra: list[str], workdir: Path, log: Optional[Path
     print("$", " ".join(command), flush=True)
     if log is None:
         subprocess.run(command, check=True, cwd=workdir)
-    else:
-        with open(log, "w") as f:
-            process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True)
-            for line in process.stdout:
-                sys.stdout.write(line)
-                f.write(line)
-            if process.wait():
-                raise subprocess.CalledProcessError(process.returncode, command)
+        return json.loads(summary.read_text())
+    with open(log, "w") as f:  # shown as it runs and kept
+        process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in process.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+    if process.wait():
+        raise subprocess.CalledProcessError(process.returncode, command)
     return json.loads(summary.read_text())
 
 
@@ -92,12 +91,10 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="configs to run (default all); the others keep their results in results/bert_parity.json")
     args, extra = parser.parse_known_args()
-    path = ROOT / "results" / "bert_parity.json"
-    previous = json.loads(path.read_text()) if path.exists() and set(args.runs) != set(CONFIGS) else {}
+    previous = previous_results("bert_parity", args.runs, list(CONFIGS))
     with tempfile.TemporaryDirectory() as tmp:
         fresh = {name: run_example(CONFIGS[name], extra, Path(tmp)) for name in args.runs}
-    runs = {name: fresh.get(name, previous.get("runs", {}).get(name)) for name in CONFIGS}
-    runs = {name: run for name, run in runs.items() if run is not None}
+    runs = merge_runs(previous, fresh, list(CONFIGS))
     results = dict(runs=runs, extra_args=extra)
     if args.bag_of_words:
         results["bag_of_words_val_acc"] = bag_of_words_accuracy()

