@@ -216,7 +216,7 @@ def adamw_warmup_step_(
         if not masks and group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
             # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
             # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
-            steps = [torch.tensor(float(t - 1)) for _ in params]
+            steps = _step_tensors(params, t - 1)
             adamw_functional(
                 params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=b1, beta2=b2,
                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
@@ -262,6 +262,23 @@ def adam_update_(
         step=-lr / bias_correction1,
         backend=backend,
     )
+
+
+def _step_tensors(params: Sequence[torch.Tensor], value: int) -> list[torch.Tensor]:
+    """One float32 step tensor per parameter, holding ``value``, on that parameter's device.
+
+    The fused kernel reads each step through a ``float*`` on the parameters' device and refuses a CPU step next to
+    CUDA parameters, so the steps are made where the parameters live: one fill kernel per device (the steps are
+    0-dim views of it), no host-to-device copy and no synchronisation.
+    """
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
+    steps: list[Optional[torch.Tensor]] = [None] * len(params)
+    for device, indices in by_device.items():
+        for i, step in zip(indices, torch.full((len(indices),), float(value), dtype=torch.float32, device=device)):
+            steps[i] = step
+    return steps  # type: ignore[return-value]
 
 
 def _fused_adamw_supports(*tensor_lists: Sequence[torch.Tensor]) -> bool:
