@@ -43,14 +43,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend, Segments
+from lightning_onebit.streams import DeviceTimings
 from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,18 @@ class CommunicationCounters:
         collectives: number of collective operations issued.
         calls: number of allreduce calls (one per bucket per step, plus one per device and dtype of the
             full-precision allreduce of ``compress=False`` groups).
-        time_s: wall-clock seconds spent inside the calls (compression included; host time on CUDA).
-        exposed_s: the exchange time *not* hidden behind backward, seconds. Compressed exchange: wall-clock time the
+        time_s: seconds spent inside the calls (compression included).
+        exposed_s: the exchange time *not* hidden behind backward, seconds. Compressed exchange: the time the
             optimizer step spent on it after backward (starting buckets that were not started during backward,
             waiting, decoding). DDP's warmup allreduce (:class:`~lightning_onebit.GradientSyncState`): per backward,
             from the launch of the last gradient bucket's allreduce to the completion of every allreduce.
-        hook_s: wall-clock seconds spent during backward, inside DDP's hooks, folding gradients into momenta,
-            compressing and launching (the overlapped exchange; 0 without it).
+        hook_s: seconds spent during backward, inside DDP's hooks, folding gradients into momenta, compressing and
+            launching (the overlapped exchange; 0 without it).
+
+    Times are host wall-clock seconds off CUDA. On CUDA they are device times between CUDA events recorded on the
+    stream that runs the work (the hooks' side stream, the optimizer step's stream), read back lazily: a figure
+    counts once its end event has completed (``settle_timings`` of the owning state; the optimizer's
+    ``communication`` and the strategy's do it), typically a step later.
     """
 
     bytes_sent: int = 0
@@ -276,6 +281,8 @@ class CompressedAllreduceState:
         self.backend = backend
         self.topology = topology
         self.counters = CommunicationCounters()
+        #: Device-time spans of the exchange on CUDA, added to ``counters`` once complete (:meth:`settle_timings`).
+        self.timings = DeviceTimings()
         self._buckets: dict[Hashable, _BucketBuffers] = {}
         # Scratch memory for the kernels, shared by all buckets (they are reduced one after another): it is sized
         # for the largest bucket instead of growing with their number.
@@ -290,24 +297,46 @@ class CompressedAllreduceState:
         Needed by :func:`progress_exchanges_`, which launches a bucket's ``all_gather`` as soon as its ``all_to_all``
         has completed on this rank, possibly between the ``all_to_all`` calls of later buckets: in separate groups each
         group still sees its collectives in one fixed order on every rank. Flat: a copy of ``process_group``;
-        hierarchical: copies of the intra- and inter-node groups (:meth:`Topology.with_new_groups`). A collective over
-        WORLD: every rank calls it, in the same order relative to other group creations. Valid until
-        ``process_group`` or ``topology`` change (then the exchange falls back to the phase-1 groups).
+        hierarchical: copies of the intra- and inter-node groups (:func:`~lightning_onebit.topology.new_gather_groups`).
+        A collective (over WORLD, or ``process_group`` where torch can split it): every rank calls it, in the same
+        order relative to other group creations. Valid until ``process_group`` or ``topology`` change (then the
+        exchange falls back to the phase-1 groups).
+
+        The groups are new on every call and belong to the caller, who destroys them (``dist.destroy_process_group()``
+        at the end destroys every group). Whoever makes many optimizers over one process group (the Lightning strategy,
+        one per ``fit``) makes them once with ``new_gather_groups`` and hands them over with
+        :meth:`install_gather_groups` instead.
         """
         if not (dist.is_available() and dist.is_initialized()):
             return
+        from lightning_onebit.topology import new_gather_groups
+
+        self.install_gather_groups(*new_gather_groups(self.process_group, self.topology))
+
+    def install_gather_groups(self, inter: Any, intra: Any = None) -> None:
+        """Run the second phase in these ready-made groups (made by
+        :func:`~lightning_onebit.topology.new_gather_groups` for this ``process_group`` and ``topology``): ``inter``
+        for the ``all_gather`` between servers (flat: a copy of ``process_group``), ``intra`` for the hierarchical node
+        gather (``None`` when flat). No collective; valid, as :meth:`create_gather_groups`' groups, until
+        ``process_group`` or ``topology`` change. The caller keeps ownership (and destroys them)."""
         topology = self.topology
-        if topology is not None and topology.is_hierarchical:
-            copy = topology.with_new_groups(self.process_group)
-            inter, intra = copy.inter_group, copy.intra_group
-        else:
-            ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
-            inter, intra = dist.new_group(ranks), None
+        if inter is None or ((topology is not None and topology.is_hierarchical) != (intra is not None)):
+            raise ValueError(
+                "install_gather_groups needs an inter-node group, and an intra-node group exactly when the topology is "
+                "hierarchical"
+            )
         self._gather_groups = (self.process_group, topology, inter, intra)
+
+    def release_gather_groups(self) -> tuple[Any, ...]:
+        """Forget the second-phase groups (the exchange falls back to the phase-1 groups) and return them, for their
+        owner to destroy; ``()`` when there were none. No collective."""
+        made, self._gather_groups = self._gather_groups, None
+        return () if made is None else tuple(g for g in made[2:] if g is not None)
 
     @property
     def has_gather_groups(self) -> bool:
-        """Whether the second phase runs in groups of its own (:meth:`create_gather_groups`, still valid)."""
+        """Whether the second phase runs in groups of its own (:meth:`create_gather_groups` or
+        :meth:`install_gather_groups`, still valid)."""
         made = self._gather_groups
         return made is not None and made[0] is self.process_group and made[1] is self.topology
 
@@ -338,36 +367,38 @@ class CompressedAllreduceState:
             return 0
         return dist.get_rank(self.process_group)
 
+    def settle_timings(self) -> CommunicationCounters:
+        """Add the completed CUDA-event timings to :attr:`counters` (never waits for the device) and return them."""
+        self.timings.settle()
+        return self.counters
+
     # ------------------------------------------------------------------ error feedback
     def buffers(self, key: Hashable, layout: BucketLayout, like: torch.Tensor) -> _BucketBuffers:
-        """The bucket's buffers, (re)created as zeros when new or when the layout, dtype or device changed."""
+        """The bucket's buffers on ``like``'s device and dtype: created as zeros when new or when the layout changed
+        (the error belongs to a layout); when only the device or dtype changed, the error is carried over."""
         buffers = self._buckets.get(key)
-        if (
-            buffers is None
-            or buffers.layout != layout
-            or buffers.ranks_per_node != self.ranks_per_node
-            or buffers.worker_error.dtype != like.dtype
-            or buffers.worker_error.device != like.device
-        ):
+        if buffers is None or buffers.layout != layout or buffers.ranks_per_node != self.ranks_per_node:
             buffers = self._buckets[key] = _BucketBuffers(layout, like, self.ranks_per_node)
+        elif buffers.worker_error.dtype != like.dtype or buffers.worker_error.device != like.device:
+            moved = _BucketBuffers(layout, like, self.ranks_per_node)
+            moved.worker_error.copy_(buffers.worker_error)
+            moved.server_error.copy_(buffers.server_error)
+            buffers = self._buckets[key] = moved
         return buffers
 
     def error_feedback_norm(self) -> float:
-        """L2 norm of all error-feedback buffers of this rank (worker and server)."""
-        total = 0.0
-        for b in self._buckets.values():
-            total += float(b.worker_error.float().square().sum()) + float(b.server_error.float().square().sum())
-        return math.sqrt(total)
+        """L2 norm of all error-feedback buffers of this rank (worker and server); one host read per device."""
+        return _error_norm(self._buckets.values())
 
-    def reset_error_feedback(self, which: Optional[Callable[[Hashable], bool]] = None) -> float:
+    def reset_error_feedback(
+        self, which: Optional[Callable[[Hashable], bool]] = None, measure: bool = True
+    ) -> Optional[float]:
         """Drop error-feedback buffers (they restart from zero): all of them, or those whose key ``which(key)``
-        accepts (e.g. one stream of an optimizer). Returns the L2 norm that was dropped."""
-        keys = [key for key in self._buckets if which is None or which(key)]
-        total = 0.0
-        for key in keys:
-            b = self._buckets.pop(key)
-            total += float(b.worker_error.float().square().sum()) + float(b.server_error.float().square().sum())
-        return math.sqrt(total)
+        accepts (e.g. one stream of an optimizer). Returns the L2 norm that was dropped, read back with one host
+        synchronisation; ``measure=False`` skips that and returns ``None`` (for a reset the algorithm itself makes
+        during training, where nobody reads the figure)."""
+        dropped = [self._buckets.pop(key) for key in [k for k in self._buckets if which is None or which(k)]]
+        return _error_norm(dropped) if measure else None
 
     def error_feedback_state_dict(self) -> dict[str, Any]:
         """This rank's error-feedback buffers with the layouts they belong to (for per-rank checkpoints)."""
@@ -414,19 +445,26 @@ class CompressedAllreduceState:
             return f"the saved error feedback is malformed ({type(err).__name__}: {err})"
         return None
 
-    def load_error_feedback_state_dict(self, state: dict[str, Any], layouts: dict[Hashable, BucketLayout]) -> None:
+    def load_error_feedback_state_dict(
+        self, state: dict[str, Any], layouts: dict[Hashable, BucketLayout], like: dict[Hashable, torch.Tensor]
+    ) -> None:
         """Restore buffers saved by :meth:`error_feedback_state_dict`.
 
-        ``layouts`` maps each bucket key to the layout in use now. Raises ``ValueError`` with the reason of
-        :meth:`error_feedback_mismatch` (and changes nothing) unless the saved buckets fit exactly, so a caller can
-        fall back to a reset with a reason.
+        ``layouts`` maps each bucket key to the layout in use now, ``like`` to a tensor on the device and of the
+        dtype the bucket exchanges (its flat momentum buffer): the buffers are made there and the saved values
+        (typically loaded to the CPU) copied in, so the next exchange finds them in place. Raises ``ValueError`` with
+        the reason of :meth:`error_feedback_mismatch` (and changes nothing) unless the saved buckets fit exactly, so
+        a caller can fall back to a reset with a reason.
         """
         reason = self.error_feedback_mismatch(state, layouts)
         if reason is not None:
             raise ValueError(reason)
+        missing = [key for key in layouts if key not in like]
+        if missing:
+            raise ValueError(f"no live buffer given for bucket(s) {missing}: pass one per layout")
         for key, layout in layouts.items():
             entry = state["buckets"][key]
-            buffers = self.buffers(key, layout, entry["worker_error"])
+            buffers = self.buffers(key, layout, like[key])
             buffers.worker_error.copy_(entry["worker_error"])
             buffers.server_error.copy_(entry["server_error"])
 
@@ -435,6 +473,16 @@ class CompressedAllreduceState:
         if self.topology is None:
             return {"mode": "flat", "num_nodes": None, "ranks_per_node": None, "world_size": self.world_size()}
         return self.topology.describe()
+
+
+def _error_norm(buffers: Iterable[_BucketBuffers]) -> float:
+    """The L2 norm of the worker and server errors of ``buffers``, summed in float64 on each device, one host read
+    per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for b in buffers:
+        for error in (b.worker_error, b.server_error):
+            by_device.setdefault(error.device, []).append(error.double().square().sum())
+    return math.sqrt(sum(float(torch.stack(squares).sum()) for squares in by_device.values()))
 
 
 def _same_exchange(saved: Optional[dict[str, Any]], current: dict[str, Any]) -> bool:
@@ -591,7 +639,7 @@ def start_exchange_(
     pending = PendingExchange(key, buffer, layout)
     if state.world_size() == 1:
         return pending  # the mean over one rank: nothing to do
-    started = time.perf_counter()
+    started = state.timings.mark(buffer.device)  # on the stream that runs the work (the hook's side stream)
     bufs = pending.buffers = state.buffers(key, layout, buffer)
     pending.hierarchical = state.ranks_per_node > 1
     backend, workspace = state.backend, state.workspace
@@ -619,31 +667,37 @@ def start_exchange_(
         pending.work = dist.all_to_all_single(bufs.recv, bufs.send, group=state.process_group, async_op=True)
     pending.phase = _ALL_TO_ALL
     _count_call(state, layout, buffer)
-    state.counters.time_s += time.perf_counter() - started
+    state.timings.add(state.counters, "time_s", started, state.timings.mark(buffer.device))
     return pending
 
 
-def progress_exchanges_(state: CompressedAllreduceState, pending: Sequence[PendingExchange]) -> None:
-    """Advance, without blocking, the exchanges whose collective has completed: serve and launch the next collective,
-    in start order (an exchange never overtakes an earlier one, so every group sees its collectives in the same order
-    on every rank). Decoding is left to :func:`finish_exchanges_`.
+def progress_exchanges_(
+    state: CompressedAllreduceState, pending: Sequence[PendingExchange], keep_newest: bool = True
+) -> None:
+    """Advance the exchanges started so far on a fixed schedule: serve each one and launch the rest of its
+    collectives (decoding is left to :func:`finish_exchanges_`), except the newest when ``keep_newest`` (its first
+    collective then stays in flight while the caller computes).
 
-    Needs the second phase in process groups of its own (:meth:`CompressedAllreduceState.create_gather_groups`):
-    otherwise a rank whose transfer finished early would put an ``all_gather`` between two ``all_to_all`` of the same
-    group that another rank issues the other way round. Without them this does nothing.
+    Called after each start (the overlapped hook does), bucket ``k``'s start therefore advances bucket ``k - 1``: the
+    order of launches on every process group, and their interleaving across groups, is a function of the bucket
+    schedule alone, the same on every rank. NCCL requires that (operations on different communicators issued in the
+    same order on every rank, or kernels that cannot co-reside deadlock). Waiting is stream-ordered on CUDA (the
+    host does not block); on gloo it blocks until that bucket's first collective arrived.
+
+    Needs the second phase in process groups of its own (:meth:`CompressedAllreduceState.create_gather_groups`), so
+    that the ``all_gather`` of bucket ``k - 1`` and the ``all_to_all`` of bucket ``k`` run concurrently instead of
+    queueing in one communicator. Without them this does nothing (:func:`finish_exchanges_` does it all).
     """
     if not state.has_gather_groups or not pending:
         return
-    started = time.perf_counter()
-    last = _NODE_GATHER if pending[0].hierarchical else _GATHER
-    for phase in range(_ALL_TO_ALL, last):  # launches only; the final phase (decode) stays in finish_exchanges_
-        for p in pending:
-            if p.phase > phase:
-                continue
-            if p.phase < phase or not p.work.is_completed():
-                break
-            _advance(state, p)
-    state.counters.time_s += time.perf_counter() - started
+    device = pending[0].buffer.device
+    with state.timings.span(state.counters, "time_s", device):
+        last = _NODE_GATHER if pending[0].hierarchical else _GATHER
+        advancing = pending[:-1] if keep_newest else pending
+        for phase in range(_ALL_TO_ALL, last):  # phase by phase, oldest first: every group sees start order
+            for p in advancing:
+                if p.phase == phase:
+                    _advance(state, p)
 
 
 def finish_exchanges_(state: CompressedAllreduceState, pending: Sequence[PendingExchange]) -> None:
@@ -651,12 +705,11 @@ def finish_exchanges_(state: CompressedAllreduceState, pending: Sequence[Pending
     every server phase and its ``all_gather``, then (hierarchical) every intra-node gather, then every decode."""
     if all(p.done for p in pending):
         return
-    started = time.perf_counter()
-    for phase in (_ALL_TO_ALL, _GATHER, _NODE_GATHER):
-        for p in pending:
-            if p.phase == phase:
-                _advance(state, p)
-    state.counters.time_s += time.perf_counter() - started
+    with state.timings.span(state.counters, "time_s", pending[0].buffer.device):
+        for phase in (_ALL_TO_ALL, _GATHER, _NODE_GATHER):
+            for p in pending:
+                if p.phase == phase:
+                    _advance(state, p)
 
 
 def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
@@ -684,6 +737,45 @@ def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
         p.work, p.phase = None, _DONE
 
 
+def simulate_compressed_allreduce_(
+    buffers: Sequence[torch.Tensor],
+    layout: BucketLayout,
+    states: Optional[Sequence[_BucketBuffers]] = None,
+    backend: Backend = "auto",
+    workspace: Optional[kernels.Workspace] = None,
+) -> list[_BucketBuffers]:
+    """The flat compressed allreduce of ``P = layout.world_size`` ranks, simulated in one process: ``buffers[r]`` is
+    rank ``r``'s input (``layout.padded_numel`` elements, padding zero) and is replaced by the average every rank
+    would get. The collectives become copies between the ranks' wire buffers; the compression, serving and decoding
+    are the kernels and helpers the distributed path runs, so the bits are the same.
+
+    For checks and benchmarks on a single device (a one-GPU machine cannot run two NCCL ranks). ``states``: each
+    rank's error feedback and wire buffers from an earlier call (``None``: zeros). Returns the states, to pass on.
+    """
+    world_size = layout.world_size
+    if len(buffers) != world_size:
+        raise ValueError(f"the layout is for {world_size} ranks but {len(buffers)} buffers were given")
+    for buffer in buffers:
+        if buffer.dim() != 1 or buffer.numel() != layout.padded_numel or not buffer.is_contiguous():
+            raise ValueError(f"every buffer must be 1-D contiguous with {layout.padded_numel} elements")
+    ranks = list(states) if states is not None else [_BucketBuffers(layout, buffers[0]) for _ in range(world_size)]
+    workspace = workspace if workspace is not None else kernels.Workspace()
+    block = layout.block_bytes
+    for buffer, bufs in zip(buffers, ranks):
+        _compress_chunks(buffer, bufs.worker_error, bufs.send, layout, range(world_size), backend, workspace)
+    for r, bufs in enumerate(ranks):  # all_to_all: rank r receives every rank's block r
+        for j, peer in enumerate(ranks):
+            bufs.recv[j * block : (j + 1) * block].copy_(peer.send[r * block : (r + 1) * block])
+    for r, bufs in enumerate(ranks):
+        _serve_chunk(bufs, layout, layout.chunk_segments[r], world_size, backend, workspace)
+    for bufs in ranks:  # all_gather of the server blocks
+        for j, peer in enumerate(ranks):
+            bufs.gather_recv[j * block : (j + 1) * block].copy_(peer.gather_send)
+    for buffer, bufs in zip(buffers, ranks):
+        _decode_all(buffer, bufs.gather_recv, layout, backend, workspace)
+    return ranks
+
+
 def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence[torch.Tensor]) -> None:
     """Replace every tensor by its exact mean over ``state.process_group``, in full precision.
 
@@ -705,8 +797,8 @@ def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)
     rank, topology, counters = state.rank(), state.topology, state.counters
-    for same_kind in by_kind.values():
-        started = time.perf_counter()
+    for (device, _), same_kind in by_kind.items():
+        started = state.timings.mark(device)
         # a fresh buffer: the shared kernel workspace may still be in use by exchanges started during backward
         flat = torch.cat([t.reshape(-1) for t in same_kind])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=state.process_group)
@@ -716,7 +808,7 @@ def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         counters.bytes_sent_uncompressed += count_ring_allreduce(counters, flat, world_size, rank, topology)
-        counters.time_s += time.perf_counter() - started
+        state.timings.add(counters, "time_s", started, state.timings.mark(device))
 
 
 def count_ring_allreduce(

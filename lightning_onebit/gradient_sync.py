@@ -12,17 +12,21 @@ Used by :class:`lightning_onebit.OnebitAdamStrategy`, and usable with plain DDP:
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
 import threading
-import time
+import weakref
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import CommunicationCounters, count_ring_allreduce
+from lightning_onebit.streams import DeviceTimings
 from lightning_onebit.topology import Topology
 
 if TYPE_CHECKING:
     from lightning_onebit.optim import CompressedOptimizer
+
+
+_Mark = Union[float, "torch.cuda.Event"]  # host seconds, or a CUDA event
 
 
 class GradientSyncState:
@@ -46,9 +50,10 @@ class GradientSyncState:
             (cumulative seconds): the link was in use at most this long.
         skipped_buckets: buckets left local because ``sync_predicate`` returned ``False``.
 
-    On CUDA, ``exposed_s`` and ``span_s`` are device times measured with CUDA events (read back without stalling
-    the stream, when :meth:`settle_timings` is called: :attr:`OnebitAdamStrategy.communication` does); elsewhere
-    they are host wall-clock times.
+    On CUDA, ``time_s``, ``exposed_s`` and ``span_s`` are device times measured with CUDA events (NCCL completes a
+    future when the collective is enqueued, so host time would only be the launch), read back without waiting for
+    the device when :meth:`settle_timings` is called (:attr:`OnebitAdamStrategy.communication` does), at most a
+    bounded number kept unread; elsewhere they are host wall-clock times.
     """
 
     def __init__(
@@ -69,53 +74,36 @@ class GradientSyncState:
         self._in_flight = 0
         self._first_mark: Optional[_Mark] = None
         self._last_mark: Optional[_Mark] = None
-        self._unsettled: list[tuple[_Mark, _Mark, _Mark]] = []  # CUDA (first, last, done) events not read back yet
+        #: Device-time spans not read back yet on CUDA (bounded; see :class:`~lightning_onebit.streams.DeviceTimings`).
+        self.timings = DeviceTimings()
 
-    def _launched(self, device: torch.device, is_last_bucket: bool) -> None:
-        mark = _mark(device)
+    def _launched(self, device: torch.device, is_last_bucket: bool) -> _Mark:
+        mark = self.timings.mark(device)
         with self._lock:
             self._in_flight += 1
             if self._first_mark is None:
                 self._first_mark = mark
             if is_last_bucket:
                 self._last_mark = mark
+        return mark
 
-    def _completed(self, device: torch.device) -> None:
-        mark = _mark(device)
+    def _completed(self, device: torch.device, launched: _Mark) -> None:
+        # on a callback thread whose current stream has waited for the collective: this mark is its completion
+        mark = self.timings.mark(device)
+        self.timings.add(self.counters, "time_s", launched, mark)
         with self._lock:
             self._in_flight -= 1
             if self._in_flight or self._last_mark is None:
                 return  # more to come in this backward (or its last bucket has not been launched yet)
             first, last = self._first_mark, self._last_mark
             self._first_mark = self._last_mark = None
-            if isinstance(mark, float):
-                self.counters.exposed_s += max(0.0, mark - last)
-                self.span_s += mark - first
-            else:
-                self._unsettled.append((first, last, mark))
+        self.timings.add(self.counters, "exposed_s", last, mark)
+        self.timings.add(self, "span_s", first, mark)
 
     def settle_timings(self) -> None:
-        """Add the CUDA-event timings of finished backward passes to ``counters.exposed_s`` and ``span_s`` (no-op
-        on CPU, where they are added as the allreduces complete)."""
-        with self._lock:
-            pending, self._unsettled = self._unsettled, []
-        for first, last, done in pending:
-            done.synchronize()  # recorded after the allreduce of an earlier backward: normally complete already
-            self.counters.exposed_s += max(0.0, last.elapsed_time(done) / 1000.0)
-            self.span_s += first.elapsed_time(done) / 1000.0
-
-
-_Mark = Union[float, "torch.cuda.Event"]
-
-
-def _mark(device: torch.device) -> _Mark:
-    """A point in time: host seconds, or a CUDA event recorded on the current stream (host time says nothing about
-    when NCCL work runs; inside a future's callback the current stream is synchronised with the collective)."""
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))  # the bucket's device, also on a callback thread
-        return event
-    return time.perf_counter()
+        """Add the CUDA-event timings that have completed to ``counters`` (``time_s``, ``exposed_s``) and ``span_s``,
+        without waiting for the device (no-op off CUDA, where they are added as the allreduces complete)."""
+        self.timings.settle()
 
 
 def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -130,15 +118,14 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
     world_size = dist.get_world_size(state.process_group)
     counters = state.counters
     count_ring_allreduce(counters, tensor, world_size, dist.get_rank(state.process_group), state.topology)
-    started = time.perf_counter()
     tensor.div_(world_size)
-    state._launched(tensor.device, bucket.is_last())
+    launched = state._launched(tensor.device, bucket.is_last())
     future = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
-        counters.time_s += time.perf_counter() - started
-        state._completed(tensor.device)
-        return done.value()[0]
+        # NCCL completes the future at enqueue: on CUDA the time is read from events, not from this host call
+        state._completed(tensor.device, launched)
+        return tensor  # reduced in place (also what the future holds)
 
     return future.then(finish)
 
@@ -162,15 +149,37 @@ class OverlapState:
     that changes gradients after backward (clipping by norm, a GradScaler's unscale and skip, a second backward pass
     before ``step``) cannot, so use :func:`switchable_allreduce_hook` there (the Lightning strategy decides this).
 
-    Creating the state is a collective (it creates the second-phase process groups): every rank calls it. Usage::
+    Creating the state is a collective unless the optimizer already has its second-phase process groups (it then
+    creates them, :meth:`CompressedAllreduceState.create_gather_groups`): every rank calls it. Usage::
 
-        state = OverlapState(ddp_model, optimizer)
-        ddp_model.register_comm_hook(state, overlapped_exchange_hook)
-        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        def train():
+            ddp_model = DistributedDataParallel(model)
+            optimizer = OnebitAdam(ddp_model.parameters(), lr=1e-3, freeze_step=1000)
+            state = OverlapState(ddp_model, optimizer)
+            ddp_model.register_comm_hook(state, overlapped_exchange_hook)
+            for x, y in data:
+                loss_fn(ddp_model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
+
+        dist.init_process_group("gloo")  # or "nccl"
+        try:
+            train()
+        finally:
+            dist.destroy_process_group()
+
+    Tearing down: let the DDP module, the optimizer and this state go (here: ``train`` returns), then call
+    ``dist.destroy_process_group()``, which destroys every process group, the second-phase groups included, before
+    the interpreter exits. No ``gc.collect()`` is needed: the state holds the DDP module by weak reference (as torch's
+    ZeRO hook does; DDP holds the state through its hook, so a strong reference would make a cycle), and nothing
+    here refers back to the state, so all three are freed by reference counting when ``train`` returns, and the
+    second-phase groups are then held by torch's registry alone, which ``destroy_process_group`` empties. Why it
+    matters: ``destroy_process_group`` only unregisters a group, and a gloo group stops its threads when its last
+    Python reference goes; if that happens during interpreter finalization (e.g. when the final garbage collection
+    meets a cycle), a finished process can abort with "terminate called without an active exception" (SIGABRT).
 
     Args:
-        ddp: the ``DistributedDataParallel`` module the hook is registered on (its bucket rebuild is read from its
-            private ``_has_rebuilt_buckets``, as torch's ZeRO hook does, see :attr:`ddp_buckets_final`).
+        ddp: the ``DistributedDataParallel`` module the hook is registered on, held by weak reference (its bucket
+            rebuild is read from its private ``_has_rebuilt_buckets``, as torch's ZeRO hook does, see
+            :attr:`ddp_buckets_final`).
         optimizer: the compressed optimizer (:class:`~lightning_onebit.OnebitAdam`) training ``ddp``'s parameters,
             over ``ddp``'s process group (set here).
         clip_value: clip each gradient element to ``[-clip_value, clip_value]`` before folding it (Lightning's
@@ -206,7 +215,7 @@ class OverlapState:
         self.gradient_sync = gradient_sync or GradientSyncState(topology=optimizer.topology)
         self.gradient_sync.process_group = ddp.process_group
         self.gradient_sync.sync_predicate = lambda: optimizer.needs_gradient_allreduce
-        self.ddp = ddp
+        self._ddp = weakref.ref(ddp)  # DDP -> reducer -> hook state -> DDP would be a cycle
         self.optimizer = optimizer
         self.clip_value = clip_value
         self.enabled = enabled
@@ -216,6 +225,17 @@ class OverlapState:
         self._handed_version = -1  # ... and the optimizer's plan_version right after
         if enabled and not optimizer.compression.has_gather_groups:
             optimizer.compression.create_gather_groups()
+
+    @property
+    def ddp(self) -> "torch.nn.parallel.DistributedDataParallel":
+        """The ``DistributedDataParallel`` module this state serves (held by weak reference)."""
+        ddp = self._ddp()
+        if ddp is None:
+            raise RuntimeError(
+                "OverlapState: its DistributedDataParallel module was freed; the state is held by weak reference to it "
+                "and serves only the module it was made for"
+            )
+        return ddp
 
     @property
     def counters(self) -> CommunicationCounters:

@@ -4,10 +4,11 @@ warmup (1-bit Adam, 1-bit LAMB) or on chosen steps only (0/1 Adam)."""
 from __future__ import annotations
 
 import atexit
-import gc
+import functools
 import logging
 import os
 import uuid
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -37,7 +38,7 @@ from lightning_onebit.optim import CompressedOptimizer, OnebitStage
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
-from lightning_onebit.topology import Topology, TopologyMode
+from lightning_onebit.topology import Topology, TopologyMode, destroy_groups, new_gather_groups
 
 log = logging.getLogger(__name__)
 
@@ -50,30 +51,64 @@ PER_RANK_STATE_KEY = "onebit_per_rank"
 PER_RANK_STATUS_KEY = "onebit_per_rank_status"
 
 
+#: Strategies that may hold process groups at interpreter exit (weakly: a strategy freed earlier holds none).
+_LIVE_STRATEGIES: "weakref.WeakSet[OnebitAdamStrategy]" = weakref.WeakSet()
 _EXIT_HANDLER_REGISTERED = False
 
 
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy every process group (the topology's subgroups included) when the interpreter exits.
-
-    Lightning does this for NCCL only. A gloo group alive at interpreter teardown keeps its worker threads; when one
-    of them drops a finished collective's tensors during ``Py_FinalizeEx`` it needs the GIL, the interpreter ends the
-    thread, and the forced unwind calls ``std::terminate``: "terminate called without an active exception" (exit code
-    134) after training had finished, so a launcher reported a failed job.
-    """
+def _register_exit_handler() -> None:
     global _EXIT_HANDLER_REGISTERED
     if not _EXIT_HANDLER_REGISTERED:
-        atexit.register(_destroy_process_groups)
+        atexit.register(_release_process_groups_at_exit)
         _EXIT_HANDLER_REGISTERED = True
 
 
-def _destroy_process_groups() -> None:
+def _release_process_groups_at_exit() -> None:
+    """At interpreter exit, while the interpreter is still whole: every live strategy destroys the process groups it
+    made and detaches its optimizers from them (:meth:`OnebitAdamStrategy.destroy_process_groups`), then WORLD is
+    destroyed if still initialised (Lightning does that for NCCL only).
+
+    Why: ``dist.destroy_process_group`` only unregisters a group; a gloo group stops its threads when its C++ object is
+    freed, i.e. when the last Python reference to it goes. If that is during interpreter finalization (the trainer in
+    a module global, or objects in a reference cycle that the final garbage collection meets), a thread that needs the
+    GIL then is ended by the interpreter, and the forced unwind through C++ calls ``std::terminate``: "terminate called
+    without an active exception" (SIGABRT, exit code 134) after training had succeeded, and the launcher reports a
+    failed job. Unregistered by torch and no longer referenced by the strategy or its optimizers, the strategy's
+    groups are freed here, by reference counting: no ``gc.collect()`` is needed, because none of them is held in a
+    reference cycle (the DDP comm hook's state and the gradient predicate hold the strategy weakly,
+    :class:`~lightning_onebit.OverlapState` holds DDP weakly). WORLD's Python object itself is kept by torch until
+    finalization in any DDP program (``torch.distributed.nn`` takes it as a default argument); its threads are idle.
+    """
+    for strategy in list(_LIVE_STRATEGIES):
+        strategy.destroy_process_groups()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    # destroy_process_group() unregisters the groups and shuts them down, but gloo joins its threads only in the
-    # group's destructor, and the DDP reducer, this strategy and the optimizer hold the groups in reference cycles:
-    # collect them now, while the interpreter is fully alive.
-    gc.collect()
+
+
+class _HookState:
+    """State of the strategy's DDP comm hook: the strategy, by weak reference. DDP keeps its hook state alive and the
+    strategy keeps DDP (``strategy.model``): a strong reference would be a cycle holding DDP, and with it its process
+    group, until the garbage collector finds it, possibly at interpreter exit."""
+
+    __slots__ = ("_strategy",)
+
+    def __init__(self, strategy: "OnebitAdamStrategy") -> None:
+        self._strategy = weakref.ref(strategy)
+
+    @property
+    def strategy(self) -> "OnebitAdamStrategy":
+        strategy = self._strategy()
+        if strategy is None:
+            raise RuntimeError("the OnebitAdamStrategy that registered this DDP comm hook was freed")
+        return strategy
+
+
+def _gradient_allreduce_needed(strategy_ref: "weakref.ref[OnebitAdamStrategy]") -> bool:
+    """The strategy's gradient-sync predicate (``strategy_ref`` is weak for the reason given in :class:`_HookState`:
+    the predicate lives in ``strategy.gradient_sync``, which the hook reaches)."""
+    strategy = strategy_ref()
+    optimizer = None if strategy is None else strategy._onebit_optimizer
+    return optimizer is None or optimizer.needs_gradient_allreduce
 
 
 class OnebitAdamStrategy(DDPStrategy):
@@ -99,6 +134,13 @@ class OnebitAdamStrategy(DDPStrategy):
     * ``16-mixed``: the GradScaler's inf/NaN verdict is agreed across ranks, so an overflow on one rank skips the step
       on all of them (a per-rank skip would deadlock the compressed collective).
     * Combining with FSDP, DeepSpeed or other sharded strategies is not supported: this strategy *is* DDP.
+    * Process groups: the hierarchical topology's node groups and the overlapped exchange's second-phase groups are
+      made once per strategy (per process group) and reused by every later ``fit`` (:attr:`process_groups`). At
+      interpreter exit the strategy destroys them, detaches its optimizers from them and destroys WORLD if it is
+      still initialised, so that its gloo groups are freed while the interpreter is whole: nothing needs
+      ``gc.collect()``, and a process that trained and succeeded exits 0 (a gloo group freed during interpreter
+      finalization can abort it with "terminate called without an active exception"). Nothing to do in a script;
+      in a process that goes on after training (a notebook), :meth:`destroy_process_groups` releases them earlier.
     * Several nodes: with ``topology="auto"`` and several nodes of several ranks each (``Trainer(num_nodes=M,
       devices=L)``), momenta are averaged in full precision inside each node and with 1 bit between nodes, so about
       ``N/8`` bytes per node and step cross the slow link. Which ranks share a node comes from Lightning's cluster
@@ -165,7 +207,11 @@ class OnebitAdamStrategy(DDPStrategy):
         self.overlap_fallback_reason: Optional[str] = None
         self.ranks_per_node = ranks_per_node
         self.topology: Optional[Topology] = None
-        self._topology_group: Any = None
+        self._topology_group: Any = None  # the process group self.topology and the groups below were made for
+        self._gather_groups: Optional[tuple[Any, Any]] = None  # the overlapped exchange's second phase (inter, intra)
+        self._owned_groups: list[Any] = []  # every group this strategy made, in creation order (destroyed in it)
+        # every optimizer that was handed these groups (one per fit), to detach them all when the groups go
+        self._attached_optimizers: "weakref.WeakSet[CompressedOptimizer]" = weakref.WeakSet()
         self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
         self._save_index = 0
         ddp_kwargs = dict(ddp_kwargs or {})
@@ -190,7 +236,8 @@ class OnebitAdamStrategy(DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self.gradient_sync = GradientSyncState(sync_predicate=self._gradient_allreduce_needed)
+        self._sync_predicate = functools.partial(_gradient_allreduce_needed, weakref.ref(self))
+        self.gradient_sync = GradientSyncState(sync_predicate=self._sync_predicate)
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._announced_stage: Optional[str] = None  # the optimizer phase last announced (describe_phase)
         self._warned_local_clipping = False
@@ -199,7 +246,8 @@ class OnebitAdamStrategy(DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        _destroy_process_groups_at_exit()
+        _LIVE_STRATEGIES.add(self)
+        _register_exit_handler()
 
     @property
     def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
@@ -221,16 +269,13 @@ class OnebitAdamStrategy(DDPStrategy):
             total = total + self._onebit_optimizer.communication
         return total
 
-    def _gradient_allreduce_needed(self) -> bool:
-        return self._onebit_optimizer is None or self._onebit_optimizer.needs_gradient_allreduce
-
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers `ddp_comm_hook` only on CUDA; this hook must run on every device. DDP takes one hook,
         # registered before the optimizer exists: it dispatches to the overlapped hook once setup_optimizers made one.
         assert isinstance(self.model, DistributedDataParallel)
         self.gradient_sync.process_group = self.model.process_group
-        self.model.register_comm_hook(self, _strategy_comm_hook)
+        self.model.register_comm_hook(_HookState(self), _strategy_comm_hook)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -250,13 +295,20 @@ class OnebitAdamStrategy(DDPStrategy):
             )
         optimizer = optimizers[0]
         assert isinstance(self.model, DistributedDataParallel)
-        optimizer.process_group = self.model.process_group
-        if self.topology is None or self._topology_group is not self.model.process_group:
-            # once per process group: creating its node groups is a collective, and they are reused across fits
-            self.topology = self.build_topology(self.model.process_group)
-            self._topology_group = self.model.process_group
+        process_group = self.model.process_group
+        optimizer.process_group = process_group
+        if self.topology is None or self._topology_group is not process_group:
+            # Once per process group: creating its node groups is a collective, and they are reused by every later
+            # fit (groups made for an earlier process group are destroyed first).
+            self._destroy_owned_groups()
+            self.topology = self.build_topology(process_group)
+            self._topology_group = process_group
+            self._owned_groups.extend(self.topology.groups)
         optimizer.topology = self.topology
+        self._attached_optimizers.add(optimizer)
         self.gradient_sync.topology = self.topology
+        # the overlapped hook of an earlier fit pointed the predicate at that fit's optimizer
+        self.gradient_sync.sync_predicate = self._sync_predicate
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._default_auto_freeze_bound(trainer, optimizer)
         self._warn_if_run_ends_in_warmup(trainer, optimizer)
@@ -358,7 +410,46 @@ class OnebitAdamStrategy(DDPStrategy):
                 "DDP's buckets (size them with the strategy's ddp_bucket_cap_mb)"
             )
         clip_value = trainer.gradient_clip_val if trainer.gradient_clip_val else None
+        if self._gather_groups is None:
+            # the second phase's own groups: made once per process group, like the topology's, and reused by every
+            # later fit's optimizer (OverlapState would otherwise make new ones for each)
+            self._gather_groups = new_gather_groups(self.model.process_group, self.topology)
+            self._owned_groups.extend(g for g in self._gather_groups if g is not None)
+        optimizer.compression.install_gather_groups(*self._gather_groups)
         return OverlapState(self.model, optimizer, clip_value=clip_value, gradient_sync=self.gradient_sync)
+
+    # ------------------------------------------------------------------ process groups
+    @property
+    def process_groups(self) -> tuple[Any, ...]:
+        """The process groups this strategy made and owns, in creation order: the hierarchical topology's intra- and
+        inter-node groups, then the overlapped exchange's second-phase groups. Made once per process group (at the
+        first ``fit`` that needs them), reused by every later ``fit``, destroyed by :meth:`destroy_process_groups`."""
+        return tuple(self._owned_groups)
+
+    def destroy_process_groups(self) -> None:
+        """Destroy the process groups this strategy made (:attr:`process_groups`) and detach its optimizers (this
+        ``fit``'s and earlier ones' still alive) from them.
+
+        ``teardown``, which Lightning calls after every ``fit``, keeps them for the next ``fit``. This runs by itself
+        at interpreter exit; call it when done with the strategy for good in a process that goes on (e.g. a
+        notebook). A later ``fit`` makes new groups. Every rank must call it, as they are destroyed in creation order
+        (NCCL wants the same order of communicator teardown on every rank); it is not a collective on gloo.
+        """
+        for optimizer in list(self._attached_optimizers):  # this fit's and earlier fits' that are still alive
+            optimizer.compression.release_gather_groups()
+            if optimizer.topology is not None and optimizer.topology.groups:
+                optimizer.topology = None  # its groups are about to go (this resets the optimizer's error feedback)
+        self._attached_optimizers.clear()
+        self.overlap_state = None
+        self.gradient_sync.topology = None
+        self._destroy_owned_groups()
+
+    def _destroy_owned_groups(self) -> None:
+        owned, self._owned_groups = self._owned_groups, []
+        self.topology, self._topology_group, self._gather_groups = None, None, None
+        destroyed = destroy_groups(owned)
+        if destroyed:
+            log.debug("onebit_adam: destroyed %d process group(s)", destroyed)
 
     def build_topology(self, process_group: Any) -> Topology:
         """Every rank's ``(node_rank, local_rank)`` from the cluster environment, gathered, and the process groups of
@@ -524,10 +615,12 @@ class OnebitAdamStrategy(DDPStrategy):
             )
 
 
-def _strategy_comm_hook(strategy, bucket):  # type: ignore[no-untyped-def]
-    """The strategy's DDP comm hook: the overlapped exchange when configured, else the switchable allreduce.
+def _strategy_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """The strategy's DDP comm hook (``state``: a :class:`_HookState`): the overlapped exchange when configured, else
+    the switchable allreduce.
 
     (No annotations: DDP checks them as objects, and this module's are strings.)"""
+    strategy = state.strategy
     if strategy.overlap_state is not None:
         return overlapped_exchange_hook(strategy.overlap_state, bucket)
     return switchable_allreduce_hook(strategy.gradient_sync, bucket)

@@ -13,7 +13,9 @@ per node cross the slow link instead of ``~N/4`` to ``N`` for a flat 1-bit excha
 The topology is derived from an all-gather of every rank's ``(node_rank, local_rank)`` as the launcher reports them
 (torchrun, SLURM, LSF, ... via Lightning's cluster environment), never from ``rank // L``: under SLURM and torchrun
 the ranks of a node need not be contiguous. :meth:`Topology.plan` is the pure part (testable without processes);
-:meth:`Topology.build` gathers the placements and creates the groups, on every rank, in the same order.
+:meth:`Topology.build` gathers the placements and creates the groups, on every rank, in the same order: each family
+of groups (the intra-node groups, the inter-node groups) in one ``dist.split_group`` where torch and the backend can
+split (NCCL with a bound device), else one ``dist.new_group`` per group (gloo: :func:`split_group_supported`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import logging
 from typing import Any, Literal, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -223,9 +226,11 @@ class Topology:
         """Gather every rank's placement, choose the mode, and create the intra- and inter-node groups.
 
         A collective over ``group`` (default WORLD): every rank must call it, with the same ``mode`` and
-        ``ranks_per_node``. Every rank creates every group (one intra-node group per node, then one inter-node group
-        per local index, in that order), as ``torch.distributed.new_group`` requires. Without an initialised process
-        group the topology is flat over one rank.
+        ``ranks_per_node``. Every rank creates every group, the intra-node family (one group per node) and then the
+        inter-node family (one per local index), each in one ``dist.split_group`` where the backend can split, else
+        one ``dist.new_group`` per group in that order (:func:`new_group_family`). The caller owns the groups
+        (:attr:`groups`, :func:`destroy_groups`). Without an initialised process group the topology is flat over one
+        rank.
 
         Args:
             node_rank, local_rank: this process's node and local rank, as the launcher reports them (Lightning:
@@ -253,28 +258,123 @@ class Topology:
     def with_new_groups(self, group: Optional[dist.ProcessGroup] = None) -> "Topology":
         """This topology with freshly created intra- and inter-node process groups (hierarchical mode).
 
-        A collective over WORLD: every rank creates every group (one intra-node group per node, then one inter-node
-        group per local index, in that order), as ``torch.distributed.new_group`` requires. :meth:`build` uses it, and
-        the overlapped exchange calls it once more so that its second phase runs in groups of its own (each group
-        then sees its collectives in one fixed order, see :mod:`lightning_onebit.comm`). ``group`` is the process
+        A collective: every rank creates every group, the family of intra-node groups (one per node) first, then the
+        family of inter-node groups (one per local index), each family in one :func:`new_group_family` (one
+        ``dist.split_group`` where the backend can split, else one ``dist.new_group`` per group), as torch requires.
+        :meth:`build` uses it; the overlapped exchange's second phase takes a second set
+        (:func:`new_gather_groups`, made once per process group by the Lightning strategy). ``group`` is the process
         group the topology was built over (``None``: WORLD). A flat topology is returned unchanged.
+
+        The groups belong to the caller: destroy them with ``destroy_groups(topology.groups)`` (or
+        ``dist.destroy_process_group()``, which destroys every group) when they are no longer used.
         """
         if not self.is_hierarchical:
             return self
-        world_size = self.world_size
-        global_ranks = list(range(world_size)) if group is None else dist.get_process_group_ranks(group)
-        intra = inter = None
-        for node in range(self.num_nodes):
-            created = dist.new_group([global_ranks[r] for r in self.node_ranks(node)])
-            if node == self.node_index:
-                intra = created
-        for local in range(self.ranks_per_node or 0):
-            created = dist.new_group([global_ranks[r] for r in self.local_ranks(local)])
-            if local == self.local_index:
-                inter = created
+        intra = new_group_family([self.node_ranks(node) for node in range(self.num_nodes)], group)
+        inter = new_group_family([self.local_ranks(local) for local in range(self.ranks_per_node or 0)], group)
+        if intra is None or inter is None:
+            raise RuntimeError("this rank is in no topology group: the placements do not cover every rank")
         if (dist.get_rank(intra), dist.get_rank(inter)) != (self.local_index, self.inter_index):
             raise RuntimeError(
                 f"topology groups are numbered ({dist.get_rank(intra)}, {dist.get_rank(inter)}), expected "
-                f"({self.local_index}, {self.inter_index}): torch's new_group ordering changed"
+                f"({self.local_index}, {self.inter_index}): torch's group ordering changed"
             )
         return dataclasses.replace(self, intra_group=intra, inter_group=inter)
+
+    @property
+    def groups(self) -> tuple[Any, ...]:
+        """The process groups this topology holds (hierarchical: ``(intra_group, inter_group)``; else ``()``)."""
+        return tuple(g for g in (self.intra_group, self.inter_group) if g is not None)
+
+
+# ---------------------------------------------------------------------------------------------- process groups
+def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether ``dist.split_group`` can split ``group`` (``None``: WORLD) here, with the checks torch makes.
+
+    ``split_group`` (torch >= 2.6) makes a whole family of disjoint groups in one communicator split. On NCCL with a
+    bound device (Lightning passes ``device_id`` to ``init_process_group``), each ``dist.new_group`` is instead an
+    eager split of WORLD in which every rank takes part, non-members included: ``M + L`` of them for a hierarchical
+    topology, against 2 with ``split_group`` (REFERENCE.md section 10). torch refuses to split without an
+    accelerator and a device bound to the default group, so on CPU gloo (checked on torch 2.13: "No device
+    associated with the default pg, not safe to split any process groups"; ``init_process_group`` refuses a CPU
+    ``device_id``) groups are made with ``new_group``, where each is a gloo connection setup among its members only.
+    The answer depends only on the torch build, the backend and whether a device is bound, which every rank shares,
+    so every rank takes the same branch.
+    """
+    if not hasattr(dist, "split_group") or not (dist.is_available() and dist.is_initialized()):
+        return False
+    default = dist.distributed_c10d._get_default_group()
+    if getattr(default, "bound_device_id", None) is None:
+        return False
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None or not accelerator.is_available():
+        return False
+    parent = default if group is None else group
+    try:
+        backend = parent._get_backend(accelerator.current_accelerator())
+    except RuntimeError:  # the group has no backend for the accelerator (e.g. a gloo-only group)
+        return False
+    return bool(getattr(backend, "supports_splitting", False))
+
+
+def new_group_family(
+    members: Sequence[Sequence[int]], group: Optional[dist.ProcessGroup] = None
+) -> Optional[dist.ProcessGroup]:
+    """Create one process group per entry of ``members`` (disjoint lists of ranks of ``group``, ``None``: WORLD)
+    and return the one this rank is in (``None`` if it is in none).
+
+    One ``dist.split_group`` of ``group`` for the whole family where :func:`split_group_supported`, else one
+    ``dist.new_group`` per entry, in the order given. A collective: every rank calls it with the same ``members``
+    (``new_group``: every rank of WORLD; ``split_group``: every rank of ``group``), in the same order relative to
+    every other group creation. Each group's members are numbered in ascending order of their rank in ``group``.
+    """
+    members = [sorted(int(r) for r in ranks) for ranks in members]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("new_group_family needs an initialised torch.distributed process group")
+    if split_group_supported(group):
+        return dist.split_group(group, split_ranks=members)  # None where this rank is in no entry
+    own = dist.get_rank(group)
+    global_ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    mine = None
+    for ranks in members:
+        created = dist.new_group([global_ranks[r] for r in ranks])
+        if own in ranks:
+            mine = created
+    return mine
+
+
+def new_gather_groups(
+    process_group: Optional[dist.ProcessGroup], topology: Optional[Topology]
+) -> tuple[Any, Any]:
+    """Process groups of their own for the second phase of the compressed exchange, ``(inter, intra)``.
+
+    The overlapped exchange launches a bucket's ``all_gather`` as soon as its ``all_to_all`` has arrived, possibly
+    between later buckets' ``all_to_all``; in separate groups every group still sees its collectives in one fixed
+    order (:meth:`CompressedAllreduceState.create_gather_groups`). Flat: a copy of ``process_group`` and ``None``;
+    hierarchical: copies of the topology's inter- and intra-node groups. A collective, as :func:`new_group_family`.
+    """
+    if topology is not None and topology.is_hierarchical:
+        copy = topology.with_new_groups(process_group)
+        return copy.inter_group, copy.intra_group
+    ranks = list(range(dist.get_world_size(process_group)))
+    return new_group_family([ranks], process_group), None
+
+
+def is_registered(group: Any) -> bool:
+    """Whether ``group`` is a process group torch still knows (not destroyed, and its default group alive). Reads
+    torch's private registry: torch has no public test, and destroying an unknown group raises."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.distributed_c10d._world.pg_map.get(group) is not None
+
+
+def destroy_groups(groups: Sequence[Any]) -> int:
+    """``dist.destroy_process_group(g)`` for each of ``groups`` that is still registered (a group destroyed already,
+    e.g. by ``dist.destroy_process_group()`` of WORLD, is skipped); returns how many were destroyed. Local, no
+    collective: each rank destroys its own groups."""
+    destroyed = 0
+    for group in groups:
+        if group is not None and group is not dist.GroupMember.WORLD and is_registered(group):
+            dist.destroy_process_group(group)
+            destroyed += 1
+    return destroyed

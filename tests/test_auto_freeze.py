@@ -351,3 +351,55 @@ def test_the_default_bound_refuses_a_run_of_unknown_length(total: float) -> None
     with pytest.raises(ValueError, match="length is unknown.*AutoFreeze\\(max_step=...\\)"):
         OnebitAdamStrategy._default_auto_freeze_bound(SimpleNamespace(estimated_stepping_batches=total), opt)
     assert opt.freeze_detector.max_step is None
+
+
+def test_the_loss_sum_stays_on_the_losses_device_after_a_resume() -> None:
+    """A resumed detector holds its pending loss sum as a number and adds it on the device of the next loss: with a
+    CPU tensor there, every micro-batch on a GPU copied its loss to the host (a synchronisation) until the next check.
+    The device is seen with FakeTensorMode, whose tensors live on "cuda" without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_onebit.optim.auto_freeze import FreezeDetector
+
+    saved = FreezeDetector(AutoFreeze(max_step=100), 0.999)
+    saved.record_loss(torch.tensor(1.25))
+    saved.record_loss(0.5)
+    state = saved.state_dict()
+    assert state["losses"]["sum"] == 1.75 and state["losses"]["count"] == 2
+    detector = FreezeDetector(AutoFreeze(max_step=100), 0.999)
+    detector.load_state_dict(copy.deepcopy(state))
+    with FakeTensorMode():
+        loss = torch.empty((), device="cuda")
+        for _ in range(3):
+            detector.record_loss(loss)
+            assert detector._loss_sum.device.type == "cuda"
+        detector.record_loss(0.25)  # a number joins the sum where it is
+        assert detector._loss_sum.device.type == "cuda" and detector._loss_count == 6
+    # on real tensors the carried sum is counted once
+    detector = FreezeDetector(AutoFreeze(max_step=100), 0.999)
+    detector.load_state_dict(copy.deepcopy(state))
+    detector.record_loss(torch.tensor(2.0))
+    assert float(detector._loss_sum) == 3.75 and detector.state_dict()["losses"]["count"] == 3
+
+
+@pytest.mark.parametrize("optimizer_class", [OnebitAdam, OnebitLamb])
+def test_a_check_reads_the_device_once_not_per_tensor(optimizer_class: type) -> None:
+    """The figures of a check (variance sums and sample, LAMB's trust-ratio EMAs, the loss sum) are gathered on the
+    device and read with one copy per device; before, each tensor's sum and sample were read on their own (about 2
+    host synchronisations per tensor on a GPU)."""
+    from tests.detectors import count_host_syncs
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(7, 5)) for _ in range(12)]
+    opt = optimizer_class(params, lr=1e-3, freeze_step="auto", auto_freeze=AutoFreeze(max_step=400, window=8),
+                          warn_dead_coordinates=False)
+    for t in range(1, 4):
+        _synthetic_gradients(params, t)
+        opt.observe_loss(torch.tensor(_falling_loss(t)))
+        opt.step()
+    with count_host_syncs() as syncs:
+        snapshot, loss = opt.freeze_detector._snapshot(opt)
+    # on a CPU-only machine the one copy is not a sync; the read of the (already copied) loss sum is counted
+    assert syncs.count <= 1, syncs.summary()  # it was 12 (one float(v.sum()) per tensor)
+    assert loss == float(torch.tensor(_falling_loss(3)))  # the losses since the check at step 2 (check_every 2)
+    assert snapshot[1].shape == (12,) and (snapshot[2].shape == (12,)) == (optimizer_class is OnebitLamb)

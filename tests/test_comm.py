@@ -19,6 +19,7 @@ from lightning_onebit.comm import (
     CommunicationCounters,
     CompressedAllreduceState,
     compressed_allreduce_,
+    simulate_compressed_allreduce_,
 )
 from tests.distributed import run_distributed
 
@@ -410,6 +411,25 @@ def test_matches_single_process_reference(P):
                                            msg=f"{where}: worker error")
                 torch.testing.assert_close(rec["server_error"], server_errors[r], rtol=1e-6, atol=1e-7,
                                            msg=f"{where}: server error")
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_single_process_simulation_is_the_distributed_exchange_bit_for_bit(P):
+    """``simulate_compressed_allreduce_`` (the GPU suite's and GPU benchmark's stand-in for P ranks on one device)
+    gives exactly the outputs and error feedback of the real exchange on P gloo ranks, call after call."""
+    results = distributed_results(P)
+    for key, (sizes, _) in REF_BUCKETS.items():
+        layout = BucketLayout.build(sizes, P)
+        states = None
+        for t in range(REF_CALLS):
+            recs = [results[r]["records"][key][t] for r in range(P)]
+            buffers = [rec["input"].clone() for rec in recs]
+            states = simulate_compressed_allreduce_(buffers, layout, states)
+            for r, rec in enumerate(recs):
+                where = f"bucket {key!r}, call {t}, rank {r}"
+                assert torch.equal(buffers[r], rec["output"]), f"{where}: output"
+                assert torch.equal(states[r].worker_error, rec["worker_error"]), f"{where}: worker error"
+                assert torch.equal(states[r].server_error, rec["server_error"]), f"{where}: server error"
 
 
 @pytest.mark.parametrize("P", [2, 3])

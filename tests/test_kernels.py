@@ -10,6 +10,7 @@ import torch
 
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Segments, cpu_kernels, cupy_kernels
+from lightning_onebit.kernels.segments import NORM_CHUNK
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 PACK_LENGTHS = [0, 8, 16, 24, 32, 40, 56, 64, 72, 120, 128, 136, 248, 256, 264, 1000, 4096, 8 * 12345]
@@ -376,3 +377,47 @@ def test_scales_stay_accurate_for_long_segments():
     error = torch.empty_like(y)
     scales, _ = kernels.compress_with_error_feedback(y, error.zero_(), segments, backend="torch")
     assert ((scales.double() - expected).abs() / expected).max() < 1e-6
+
+
+class _RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_kernels_on_cuda_have_no_atomics_and_no_host_reads(monkeypatch):
+    """On (fake) CUDA tensors the torch kernels run with a fixed number of launches: no op reads a value back to the
+    host (fake tensors raise on those, e.g. the old per-segment ``scales.tolist()``), and the per-segment sums avoid
+    ``index_add_`` (float64 atomics on CUDA: run-to-run bits)."""
+    from tests.detectors import fake_cuda
+
+    monkeypatch.setattr(kernels.cupy_kernels, "is_available", lambda: True)  # "auto" still picks torch on CUDA
+    layout_segments = Segments.from_lengths([100_000, 37, 70_000, 5, 200_000 + 6])
+    n = layout_segments.total
+    with fake_cuda():
+        x = torch.randn(n, device="cuda")
+        assert kernels.resolve_backend(x) == "torch"
+        error = torch.zeros(n, device="cuda")
+        with _RecordOps() as recorder:
+            scales, packed = kernels.compress_with_error_feedback(x, error, layout_segments)
+            out = kernels.decompress(packed, scales, layout_segments, torch.empty(n, device="cuda"))
+            kernels.add_mean_of_signs_(torch.zeros(n, device="cuda"), [packed, packed], [scales, scales],
+                                       layout_segments)
+        assert out.device.type == "cuda" and scales.device.type == "cuda"
+    assert recorder.ops, "the dispatch mode saw nothing"
+    assert not [op for op in recorder.ops if "index_add" in op or "_local_scalar_dense" in op], recorder.ops
+
+
+def test_segment_sums_are_pairwise_in_a_fixed_order():
+    """``Segments.sum_per_segment`` adds each segment's chunks by halving (same order on every device and run)."""
+    segments = Segments.from_lengths([5 * NORM_CHUNK + 3, 7, 3 * NORM_CHUNK])
+    per_chunk = torch.tensor([1e16, 1.0, -1e16, 1.0, 3.0, 2.0, 4.0, 8.0, 16.0, 32.0], dtype=torch.float64)
+    assert len(segments.chunk_bounds) == per_chunk.numel()
+    sums = segments.sum_per_segment(per_chunk)
+    # segment 0 holds chunks 0..5, padded to 8: ((c0+c1)+(c2+c3)) + ((c4+c5)+(0+0)); sequential order would lose the 1s
+    expected0 = ((1e16 + 1.0) + (-1e16 + 1.0)) + ((3.0 + 2.0) + 0.0)
+    assert sums.tolist() == [expected0, 4.0, (8.0 + 16.0) + (32.0 + 0.0)]

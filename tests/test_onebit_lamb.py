@@ -81,7 +81,7 @@ def test_warmup_matches_a_lamb_reference(bias_correction: bool) -> None:
     for p, q in zip(net.parameters(), reference):
         torch.testing.assert_close(p.detach().double(), q, rtol=0, atol=1e-6)
     # the trust-ratio EMA ran from 0 for every tensor whose ratio was not 1
-    coeffs = [opt.state[p]["lamb_coeff"] for p in (net.l1.weight, net.l2.weight, net.head.weight)]
+    coeffs = [float(opt.state[p]["lamb_coeff"]) for p in (net.l1.weight, net.l2.weight, net.head.weight)]
     assert all(0 < c < 10 for c in coeffs)
 
 
@@ -94,9 +94,181 @@ def test_zero_momentum_tensor_gets_scaling_one_and_training_stays_finite() -> No
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
     assert opt.state[net.unused_scale]["lamb_scaling_coeff"] == 1.0
-    scales = [opt.state[p]["lamb_scaling_coeff"] for p in net.parameters()]
+    scales = [float(opt.state[p]["lamb_scaling_coeff"]) for p in net.parameters()]
     assert all(math.isfinite(s) and s > 0 for s in scales) and len(set(scales)) > 2
     assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ per-tensor version
+class _PerTensorLamb:
+    """1-bit LAMB on one process written per tensor with Python-float coefficients, as the optimizer was before its
+    norms, ratios and coefficients moved to the device (each ``float(norm)`` a host sync on CUDA): the reference for
+    the bits. World size 1: the exchange is the identity, but the momenta are multiplied by their scaling coefficients
+    and divided again, as the optimizer does around it."""
+
+    def __init__(self, groups: list[dict[str, Any]], freeze_step: int, bias_correction: bool) -> None:
+        self.groups = [dict(dict(lr=1e-2, weight_decay=0.0), **g) for g in groups]
+        self.freeze_step, self.bias_correction, self.t = freeze_step, bias_correction, 0
+        self.b1, self.b2, self.eps = 0.9, 0.999, 1e-8
+        self.state: dict[int, dict[str, Any]] = {}
+        self.scales: dict[int, float] = {}
+
+    def _corrections(self, t_v: int) -> tuple[float, float]:
+        if not self.bias_correction:
+            return 1.0, 1.0
+        return 1 - self.b1**self.t, 1 - self.b2**t_v
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        b1, b2, eps = self.b1, self.b2, self.eps
+        params = [p for g in self.groups for p in g["params"]]
+        if self.t <= self.freeze_step:
+            bc1, bc2 = self._corrections(self.t)
+            for group in self.groups:
+                for p in group["params"]:
+                    s = self.state.setdefault(id(p), dict(m=torch.zeros_like(p), v=torch.zeros_like(p), coeff=0.0))
+                    m, v, g = s["m"], s["v"], p.grad
+                    m.lerp_(g, 1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    u = (m / bc1) / ((v / bc2).sqrt_().add_(eps))
+                    if group["weight_decay"]:
+                        u.add_(p, alpha=group["weight_decay"])
+                    p_norm, u_norm = float(p.float().norm()), float(u.float().norm())
+                    ratio = 1.0 if p_norm == 0 or u_norm == 0 else min(max(p_norm / u_norm, 0.01), 10.0)
+                    if ratio != 1.0:
+                        s["coeff"] = 0.9 * s["coeff"] + (1 - 0.9) * ratio
+                    p.add_(u, alpha=-group["lr"] * ratio)
+            if self.t == self.freeze_step:
+                for p in params:
+                    self.state[id(p)]["m_last"] = self.state[id(p)]["m"].clone()
+            return
+        if not self.scales:
+            rms = {id(p): float(self.state[id(p)]["m"].float().norm()) / math.sqrt(p.numel()) for p in params}
+            live = [r for r in rms.values() if r > 0]
+            mean = sum(live) / len(live) if live else 1.0
+            self.scales = {k: mean / r if r > 0 else 1.0 for k, r in rms.items()}
+        for p in params:
+            m = self.state[id(p)]["m"]
+            m.lerp_(p.grad, 1 - b1).mul_(self.scales[id(p)]).div_(self.scales[id(p)])
+        bc1, bc2 = self._corrections(self.freeze_step)
+        for group in self.groups:
+            wd = group["weight_decay"]
+            for p in group["params"]:
+                s = self.state[id(p)]
+                m, v = s["m"], s["v"]
+                if "v_fresh" not in s:
+                    s["v_fresh"] = v.clone()
+                g_rec = (m - b1 * s["m_last"]) / (1 - b1)
+                s["v_fresh"].mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
+                u0 = (m / bc1) / (v / bc2).sqrt_().add_(eps)
+                u = u0 + wd * p if wd else u0
+                factor = float(((v.sqrt() + eps) / (s["v_fresh"].sqrt() + eps)).max())
+                if wd:
+                    u_norm = float(u.norm())
+                    rho = min(1.0, float(u0.norm()) / u_norm) if u_norm > 0 else 1.0
+                    factor = rho * factor + (1 - rho)
+                factor = min(max(factor, 0.5), 4.0)
+                last = s.get("last_factor", 1.0)
+                factor = min(max(factor, last * 0.9), last * 1.1)
+                s["last_factor"] = factor
+                p.add_(u, alpha=-group["lr"] * s["coeff"] * factor)
+        for p in params:
+            self.state[id(p)]["m_last"] = self.state[id(p)]["m"].clone()
+
+
+def _lamb_batches(net: Net, opt: Any, steps: range) -> list[torch.Tensor]:
+    out = []
+    for t in steps:
+        for p in net.parameters():
+            p.grad = None
+        x, y = rank_batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        out.append(torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_every_step_is_the_per_tensor_python_float_version_bit_for_bit(bias_correction: bool, wd: float) -> None:
+    """Multi-tensor ops, device-side ratios and factors in float64, cached frozen denominators, the previous momentum
+    as scratch: in float32 the bits of the per-tensor version with Python floats, warmup and compression stage."""
+    net, ref_net = Net(), Net()
+    opt = OnebitLamb(two_groups(net, wd), lr=1e-2, freeze_step=4, bias_correction=bias_correction,
+                     warn_dead_coordinates=False, kernel_backend="torch")
+    ref_groups = [dict(g, lr=g.get("lr", 1e-2)) for g in two_groups(ref_net, wd)]
+    reference = _PerTensorLamb(ref_groups, freeze_step=4, bias_correction=bias_correction)
+    ours, theirs = _lamb_batches(net, opt, range(1, 15)), _lamb_batches(ref_net, reference, range(1, 15))
+    for t, (a, b) in enumerate(zip(ours, theirs), start=1):
+        assert torch.equal(a, b), f"step {t}: max difference {float((a - b).abs().max())}"
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        state, ref = opt.state[p], reference.state[id(q)]
+        assert state["lamb_coeff"].dtype == torch.float64 and state["lamb_coeff"].dim() == 0
+        assert float(state["lamb_coeff"]) == ref["coeff"] and float(state["lamb_last_factor"]) == ref["last_factor"]
+        assert float(state["lamb_scaling_coeff"]) == reference.scales[id(q)]
+
+
+def test_steady_steps_do_not_synchronise_the_host() -> None:
+    """Warmup and compressed steps (and the LAMB step of a compress=False group in the compression stage) read no
+    device value on the host, the first compressed step (scaling coefficients) included."""
+    from tests.detectors import count_host_syncs
+
+    net = Net()
+    groups = two_groups(net, 0.01)
+    groups[1]["params"] = [p for p in groups[1]["params"] if p is not net.head.bias]
+    groups.append({"params": [net.head.bias], "compress": False})
+    opt = OnebitLamb(groups, lr=1e-2, freeze_step=3, warn_dead_coordinates=False, kernel_backend="torch")
+    for t in range(1, 9):
+        opt.zero_grad()
+        x, y = rank_batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        with count_host_syncs() as syncs:
+            opt.step()
+        # the first compressed step (t == 4) included: the scaling coefficients stay on the device
+        assert syncs.count == 0, f"step {t} ({opt.last_step_kind}): {syncs.summary()}"
+
+
+def _as_old_checkpoint(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict as the optimizer wrote it when its coefficients were Python floats."""
+    state_dict = copy.deepcopy(state_dict)
+    for entry in state_dict["state"].values():
+        for key in ("lamb_coeff", "lamb_last_factor", "lamb_scaling_coeff"):
+            if key in entry:
+                entry[key] = float(entry[key])
+    return state_dict
+
+
+@pytest.mark.parametrize("checkpoint", ["python floats (older checkpoints)", "torch.save round trip"])
+def test_checkpoints_with_float_or_tensor_coefficients_resume_exactly(checkpoint: str) -> None:
+    import io
+
+    net = Net()
+    opt = OnebitLamb(two_groups(net, 0.01), lr=1e-2, freeze_step=3, warn_dead_coordinates=False)
+    _lamb_batches(net, opt, range(1, 6))
+    saved_model = {k: v.clone() for k, v in net.state_dict().items()}
+    saved = copy.deepcopy(opt.state_dict())
+    expected = _lamb_batches(net, opt, range(6, 10))
+
+    if checkpoint.startswith("python"):
+        saved = _as_old_checkpoint(saved)
+        assert isinstance(saved["state"][0]["lamb_coeff"], float)
+    else:
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+    resumed_net = Net()
+    resumed_net.load_state_dict(saved_model)
+    resumed = OnebitLamb(two_groups(resumed_net, 0.01), lr=1e-2, freeze_step=3, warn_dead_coordinates=False)
+    resumed.load_state_dict(saved)
+    for p in resumed_net.parameters():
+        for key in ("lamb_coeff", "lamb_last_factor", "lamb_scaling_coeff"):
+            value = resumed.state[p][key]  # float64 kept: torch's loading alone would cast it to the parameter's dtype
+            assert isinstance(value, torch.Tensor) and value.dtype == torch.float64 and value.dim() == 0, key
+    got = _lamb_batches(resumed_net, resumed, range(6, 10))
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(

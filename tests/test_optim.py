@@ -1080,3 +1080,90 @@ def test_start_bucket_exchange_refuses_during_warmup_and_before_the_buckets_exis
         opt.start_bucket_exchange_(0, params, [p.grad for p in params])
     opt.step()
     assert opt.exchanges_in_flight == 0
+
+
+# ---------------------------------------------------------------------------------------------------- frozen variance
+class _OpCounter:
+    """Counts the aten ops whose name contains ``word`` (e.g. every ``sqrt``: plain, ``out=`` and ``_foreach``)."""
+
+    def __init__(self, word: str) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if word in func.__name__:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.mode = 0, Mode()
+
+    def __enter__(self) -> "_OpCounter":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
+def test_frozen_adam_denominator_is_cached_with_the_same_bits_and_recomputed_when_v_eps_or_bc2_change():
+    from lightning_onebit import kernels
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (3,), (64,)]
+    ms = [torch.randn(s, generator=g) for s in shapes]
+    vs = [torch.rand(s, generator=g) for s in shapes]
+    cached = [torch.randn(s, generator=g) for s in shapes]
+    fresh = [p.clone() for p in cached]
+
+    def both(bc2_sqrt: float, eps: float) -> int:
+        with _OpCounter("sqrt") as sqrts:
+            kernels.frozen_adam_update_(cached, ms, vs, 0.999, bc2_sqrt, eps, -1e-2, backend="torch", frozen=True)
+        kernels.frozen_adam_update_(fresh, ms, vs, 0.999, bc2_sqrt, eps, -1e-2, backend="torch")
+        for a, b in zip(cached, fresh):
+            assert torch.equal(a, b)
+        return sqrts.count
+
+    assert both(0.3, 1e-8) == len(shapes)  # computed once per tensor
+    assert both(0.3, 1e-8) == 0 and both(0.3, 1e-8) == 0  # then reused: no sqrt, two passes per tensor
+    vs[1].mul_(1.5)  # a variance step (in place: its version counter changes)
+    assert both(0.3, 1e-8) == 1
+    assert both(0.3, 1e-6) == len(shapes)  # another eps
+    assert both(0.5, 1e-6) == len(shapes)  # another bias correction
+    vs[0] = vs[0].clone()  # a new tensor (load_state_dict)
+    assert both(0.5, 1e-6) == 1
+
+
+def test_compressed_step_reuses_the_frozen_denominator_and_reads_nothing_on_the_host():
+    """1-bit Adam's compression stage on the torch kernels: after the first compressed step no sqrt (the frozen
+    variance's denominator is cached) and no host synchronisation; the bits are those of the update that recomputes
+    the denominator every step."""
+    from lightning_onebit import kernels
+    from tests.detectors import count_host_syncs
+
+    net_a, net_b = Net(), Net()
+    opt_a = OnebitAdam(_groups(net_a), freeze_step=3, kernel_backend="torch", warn_dead_coordinates=False)
+    opt_b = OnebitAdam(_groups(net_b), freeze_step=3, kernel_backend="torch", warn_dead_coordinates=False)
+    original = kernels.frozen_adam_update_
+
+    def uncached(*args, **kwargs):
+        kwargs["frozen"] = False
+        return original(*args, **kwargs)
+
+    for s in range(10):
+        for net in (net_a, net_b):
+            net.zero_grad(set_to_none=True)
+            _backward(net, s)
+        with count_host_syncs() as syncs, _OpCounter("sqrt") as sqrts:
+            opt_a.step()
+        kernels.frozen_adam_update_ = uncached
+        try:
+            opt_b.step()
+        finally:
+            kernels.frozen_adam_update_ = original
+        _assert_bitwise(_params(net_a), _params(net_b), f"step {s + 1}")
+        if s + 1 > 4:  # steady compressed steps (the first one computes the denominators)
+            assert sqrts.count == 0, f"step {s + 1}: the frozen denominator was recomputed"
+            assert syncs.count == 0, f"step {s + 1}: {syncs.summary()}"
+    assert opt_a.stage == "compression"

@@ -183,6 +183,7 @@ def scenario_cuda(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the side-stream path is CUDA only)")
 def test_cuda_side_stream_gives_the_in_step_bits() -> None:
     (r,) = run_distributed(scenario_cuda, 1, timeout_s=180)

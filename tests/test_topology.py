@@ -113,7 +113,7 @@ def test_error_feedback_of_another_topology_is_refused_before_anything_is_loaded
                         "server_error": torch.ones(layout.chunk_numel)}},
     }
     # the same topology restores
-    state.load_error_feedback_state_dict(saved, {0: layout})
+    state.load_error_feedback_state_dict(saved, {0: layout}, {0: torch.zeros(layout.padded_numel)})
     assert torch.equal(state._buckets[0].worker_error, torch.ones(layout.padded_numel // 2))
     # another place in the same shape, the flat exchange, and another node shape are refused with the reason
     for other in (
@@ -123,7 +123,7 @@ def test_error_feedback_of_another_topology_is_refused_before_anything_is_loaded
     ):
         fresh = CompressedAllreduceState(topology=other)
         with pytest.raises(ValueError, match="saved with topology hierarchical 2 nodes x 2 ranks, this rank at node 0"):
-            fresh.load_error_feedback_state_dict(saved, {0: layout})
+            fresh.load_error_feedback_state_dict(saved, {0: layout}, {0: torch.zeros(layout.padded_numel)})
         assert fresh._buckets == {}
 
 

@@ -142,13 +142,14 @@ def _reference_zeroone(steps: int, wd: float, bias_correction: bool) -> list[lis
     return history
 
 
+@pytest.mark.parametrize("kernel_backend", ["auto", "torch"])  # torch: the frozen denominators are cached
 @pytest.mark.parametrize("bias_correction", [True, False])
-def test_every_phase_matches_a_reference_from_the_formulas(bias_correction: bool) -> None:
+def test_every_phase_matches_a_reference_from_the_formulas(bias_correction: bool, kernel_backend: str) -> None:
     steps, wd = 40, 0.1
     net = Net()
     opt = ZeroOneAdam(net.parameters(), lr=1e-2, weight_decay=wd, bias_correction=bias_correction,
                       var_freeze_step=VFS, var_update_scaler=KAPPA, local_step_scaler=ALPHA,
-                      local_step_clipper=CLIPPER)
+                      local_step_clipper=CLIPPER, kernel_backend=kernel_backend)
     reference = _reference_zeroone(steps, wd, bias_correction)
     # without bias correction the early variance is tiny and the steps large (~0.3): float32 rounding grows to ~5e-5
     tolerance = 2e-6 if bias_correction else 1e-4
@@ -167,6 +168,35 @@ def test_every_phase_matches_a_reference_from_the_formulas(bias_correction: bool
     assert opt.replicas_in_sync == (kinds[-1] != "local")
     # a coordinate whose variance is zero never moved, although 1-bit noise would have moved it
     torch.testing.assert_close(net.unused_scale.detach(), torch.ones(3) * (1 - 1e-2 * wd) ** (steps - 4))
+
+
+@pytest.mark.parametrize("kernel_backend", ["auto", "torch"])
+def test_no_host_sync_in_any_step_after_the_warmup(kernel_backend: str) -> None:
+    """Variance, compressed, local and sync steps (and the AdamW step of a compress=False group) read no device value
+    on the host: the zero-variance masks are kept as tensors (no ``bool(zero.any())`` per parameter after each
+    variance step), the schedules are Python numbers."""
+    from tests.detectors import count_host_syncs
+
+    net = Net()
+    opt = ZeroOneAdam(
+        [{"params": [p for p in net.parameters() if p is not net.head.bias]},
+         {"params": [net.head.bias], "compress": False}],
+        lr=1e-2, weight_decay=0.1, var_freeze_step=VFS, var_update_scaler=KAPPA, local_step_scaler=ALPHA,
+        local_step_clipper=CLIPPER, kernel_backend=kernel_backend,
+    )
+    kinds = []
+    for t in range(1, 41):
+        opt.zero_grad()
+        x, y = rank_batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        with count_host_syncs() as syncs:
+            opt.step()
+        kinds.append(opt.last_step_kind)
+        if t > KAPPA:
+            assert syncs.count == 0, f"step {t} ({kinds[-1]}): {syncs.summary()}"
+    assert {"variance", "compressed", "local", "sync"} <= set(kinds[KAPPA:])
+    # the parameter whose variance is zero stayed at rest (weight decay aside)
+    torch.testing.assert_close(net.unused_scale.detach(), torch.ones(3) * (1 - 1e-2 * 0.1) ** 40)
 
 
 def test_state_dict_between_syncs_warns_until_synchronize() -> None:

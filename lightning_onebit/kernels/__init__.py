@@ -5,11 +5,11 @@ Three implementations give identical bits:
 * ``"torch"``: pure torch, any device and floating dtype; the reference.
 * ``"cpu"``: fused C kernels (AVX2 where available) for float32 tensors in CPU memory, compiled on first use (see
   :mod:`lightning_onebit.kernels.cpu_kernels`); one pass over memory where the torch path makes several.
-* ``"cupy"``: sign packing for CUDA tensors with cupy.
+* ``"cupy"``: sign packing for CUDA tensors with cupy (only when asked for).
 
 Every entry point takes ``backend="auto" | "torch" | "cpu" | "cupy"``; ``"auto"`` follows :func:`set_default_backend`
-(itself ``"auto"`` unless changed), which picks ``"cupy"`` for CUDA tensors when cupy is importable, ``"cpu"`` for
-float32 CPU tensors when the native library builds, and ``"torch"`` otherwise.
+(itself ``"auto"`` unless changed), which picks ``"cpu"`` for float32 CPU tensors when the native library builds, and
+``"torch"`` otherwise (CUDA tensors included: see :func:`resolve_backend`).
 
 The fused entry points that performance work optimises: :func:`compress_with_error_feedback` (and
 :func:`compress_in_place`), :func:`decompress`, :func:`add_mean_of_signs_` and :func:`frozen_adam_update_`. The torch
@@ -24,6 +24,7 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from lightning_onebit.kernels import cpu_kernels, cupy_kernels, torch_kernels
+from lightning_onebit.kernels.frozen import cached as _cached_frozen
 from lightning_onebit.kernels.segments import Segments
 from lightning_onebit.kernels.workspace import Workspace
 
@@ -41,6 +42,7 @@ __all__ = [
     "compress_with_error_feedback",
     "decompress",
     "effective_backend",
+    "frozen_adam_denominators",
     "frozen_adam_update_",
     "pack_signs",
     "resolve_backend",
@@ -82,7 +84,10 @@ def resolve_backend(tensor: torch.Tensor, backend: Backend = "auto") -> str:
         backend = _default_backend
     if backend == "auto":
         if tensor.is_cuda:
-            return "cupy" if cupy_kernels.is_available() else "torch"
+            # The torch kernels: one launch sequence with no host synchronisation and a single table lookup to unpack,
+            # in torch's own allocator. The cupy path unpacks in about five passes and keeps a memory pool of its own;
+            # it is used only when asked for (kernel_backend="cupy"), until a GPU benchmark shows it ahead.
+            return "torch"
         return "cpu" if cpu_kernels.supports(tensor) and cpu_kernels.is_available() else "torch"
     if backend == "cpu":
         if not cpu_kernels.supports(tensor):
@@ -232,6 +237,7 @@ def frozen_adam_update_(
     eps: float,
     step: float,
     backend: Backend = "auto",
+    frozen: bool = False,
 ) -> None:
     """The parameter update of Adam with a frozen variance, in place on ``params``::
 
@@ -242,17 +248,46 @@ def frozen_adam_update_(
     and contiguous in CPU memory) with a correctly rounded ``sqrt``; otherwise the ``torch._foreach`` sequence of
     AdamW runs. They can differ in the last bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about
     1 element in 140); every rank runs the same backend, so replicas stay identical.
+
+    ``frozen=True`` says that ``exp_avg_sqs`` will not change before the next call (the compression stage): the torch
+    path then caches the denominators (:func:`frozen_adam_denominators`, one tensor per variance while it lives) and
+    updates in two passes instead of five, with the same bits. The C kernel ignores it: its one pass reads ``v``
+    where a cached denominator would be read instead, the same memory traffic (``benchmarks/kernels.py`` measures
+    both), so it keeps no cache and no extra memory.
     """
     if not len(params) == len(exp_avgs) == len(exp_avg_sqs):
         raise ValueError(f"got {len(params)} params, {len(exp_avgs)} exp_avgs and {len(exp_avg_sqs)} exp_avg_sqs")
     if not params:
         return
+    if _uses_native_adam(params, exp_avgs, exp_avg_sqs, backend):
+        cpu_kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step)
+        return
+    denominators = frozen_adam_denominators(exp_avg_sqs, bias_correction2_sqrt, eps) if frozen else None
+    torch_kernels.frozen_adam_update_(
+        params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step, denominators=denominators
+    )
+
+
+def _uses_native_adam(
+    params: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+    backend: Backend,
+) -> bool:
+    """Whether :func:`frozen_adam_update_` runs the C kernel for these tensors (raises for ``backend="cpu"`` on
+    tensors it cannot take)."""
     native = all(
         t.is_contiguous() and cpu_kernels.supports(t) for group in (params, exp_avgs, exp_avg_sqs) for t in group
     )
     if backend == "cpu" and not native:
         raise ValueError("backend='cpu' needs contiguous float32 CPU tensors for params and Adam state")
-    if native and resolve_backend(params[0], backend) == "cpu":
-        cpu_kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step)
-        return
-    torch_kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step)
+    return native and resolve_backend(params[0], backend) == "cpu"
+
+
+def frozen_adam_denominators(
+    exp_avg_sqs: Sequence[torch.Tensor], bias_correction2_sqrt: float, eps: float
+) -> list[torch.Tensor]:
+    """``sqrt(v) / bias_correction2_sqrt + eps`` for each variance, computed by the torch path's ops (the same bits
+    as :func:`frozen_adam_update_` without a cache) and cached while ``v``, ``eps`` and the bias correction stay the
+    same (:mod:`lightning_onebit.kernels.frozen`). No host synchronisation."""
+    constants = (float(bias_correction2_sqrt), float(eps))
+    compute = lambda v, out: torch_kernels.frozen_adam_denominators_into(v, out, *constants)  # noqa: E731
+    return [_cached_frozen(v, "adam_denominator", constants, compute) for v in exp_avg_sqs]

@@ -85,3 +85,49 @@ class Segments:
         return self._on_device(
             "chunk_owner", device, lambda d: torch.tensor(self._chunk_owner_list, dtype=torch.int64, device=d)
         )
+
+    def lengths_tensor(self, device: torch.device) -> torch.Tensor:
+        """The segment lengths as an int64 tensor on ``device`` (cached)."""
+        return self._on_device("lengths", device, lambda d: torch.tensor(self.lengths, dtype=torch.int64, device=d))
+
+    def chunk_table(self, device: torch.device) -> torch.Tensor:
+        """``[S, K]`` int64 table (``K`` a power of two): row ``s`` lists segment ``s``'s norm chunks in order,
+        padded with the index one past the last chunk (the caller puts a zero there). Summing a row by halving it
+        (:meth:`sum_per_segment`) is a fixed order of additions on every device."""
+
+        def build(d: torch.device) -> torch.Tensor:
+            rows: list[list[int]] = [[] for _ in self.bounds]
+            for chunk, owner in enumerate(self._chunk_owner_list):
+                rows[owner].append(chunk)
+            width = 1
+            while width < max(len(r) for r in rows):
+                width *= 2
+            pad = len(self._chunk_owner_list)
+            return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=d)
+
+        return self._on_device("chunk_table", device, build)
+
+    def sum_per_segment(self, per_chunk: torch.Tensor) -> torch.Tensor:
+        """Sum ``per_chunk`` (one value per norm chunk) over each segment's chunks, in a pairwise order that is the
+        same on every device and run: no atomics (``index_add_`` on CUDA adds in a run-dependent order), no host
+        synchronisation, ``log2(K)`` small kernels for a segment of ``K`` chunks (none when every segment has one)."""
+        if per_chunk.numel() == len(self):  # one chunk per segment: nothing to add
+            return per_chunk
+        padded = torch.cat([per_chunk, per_chunk.new_zeros(1)])
+        index = self.chunk_table(per_chunk.device)
+        table = torch.index_select(padded, 0, index.view(-1)).view(index.shape)
+        while table.shape[1] > 1:  # neighbours in pairs: a sum of two is the same whatever the reduction order
+            table = table.view(len(self), -1, 2).sum(dim=2)
+        return table.view(len(self))
+
+    def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """One value per element: ``per_segment[s]`` repeated over segment ``s`` (``total`` elements), without a
+        host synchronisation.
+
+        CUDA: one ``repeat_interleave`` kernel (the output size is given, so the device never reports it back).
+        Elsewhere: a concatenation of broadcast views, about 30x faster than torch's CPU ``repeat_interleave``.
+        """
+        if per_segment.device.type == "cuda":
+            lengths = self.lengths_tensor(per_segment.device)
+            return torch.repeat_interleave(per_segment, lengths, output_size=self.total)
+        return torch.cat([value.expand(n) for value, n in zip(per_segment.unbind(), self.lengths)])

@@ -113,20 +113,27 @@ PackFn = Callable[..., torch.Tensor]
 SignsFn = Callable[..., torch.Tensor]
 
 
-def segment_scales(y: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """``||y_s||_2 / sqrt(len_s)`` for every segment ``s`` of ``y``, in float32.
+#: Accumulation dtype of the per-chunk norms, by device type. CUDA reads memory far slower than it adds doubles, so it
+#: accumulates in float64 for free; that makes its scales the same bits as a float64 computation anywhere else (up to a
+#: double-rounding tie, about one scale in 10^8). The CPU is compute-bound and accumulates in float32 (chunks of
+#: NORM_CHUNK elements keep that accurate). Every rank runs one device type, so replicas agree either way.
+NORM_ACCUMULATE_DTYPE: dict[str, torch.dtype] = {"cuda": torch.float64}
 
-    Norms of chunks of at most ``NORM_CHUNK`` elements (float32 accumulation is accurate at that length) are combined
-    per segment in float64, which keeps the scale accurate for tensors of any size at float32 speed.
+
+def segment_scales(y: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """``||y_s||_2 / sqrt(len_s)`` for every segment ``s`` of ``y``, in float32, with no host synchronisation.
+
+    Norms of chunks of at most ``NORM_CHUNK`` elements (one multi-tensor kernel) are squared and summed per segment
+    in float64 in a fixed pairwise order (:meth:`Segments.sum_per_segment`), which keeps the scale accurate for
+    tensors of any size and the same bits on every run.
     """
     if not segments.bounds:
         return torch.empty(0, dtype=torch.float32, device=y.device)
     views = [y[a:b] for a, b in segments.chunk_bounds]
     # Accumulate in at least float32 but never narrow (torch refuses a float64 -> float32 norm dtype).
-    norm_dtype = torch.promote_types(y.dtype, torch.float32)
+    norm_dtype = torch.promote_types(y.dtype, NORM_ACCUMULATE_DTYPE.get(y.device.type, torch.float32))
     norms = torch.stack(torch._foreach_norm(views, 2, dtype=norm_dtype)).to(torch.float64)
-    sum_squares = torch.zeros(len(segments), dtype=torch.float64, device=y.device)
-    sum_squares.index_add_(0, segments.chunk_owner(y.device), norms.square_())
+    sum_squares = segments.sum_per_segment(norms.square_())
     return sum_squares.sqrt_().div_(segments.sqrt_lengths(y.device)).to(torch.float32)
 
 
@@ -137,20 +144,24 @@ def compress_in_place(
     pack: PackFn = pack_bool,
     signs_into: SignsFn = unpack_signs_into,
     workspace: Optional[Workspace] = None,
+    scales: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """1-bit compression of ``y``, leaving the compression error in ``y``.
 
-    Per segment ``scale = ||y_s|| / sqrt(len_s)``; ``packed = bits(y >= 0)``; ``y <- y - scale * sgn(y)``. Returns
-    ``(scales, packed)`` with float32 scales, one per segment. The signs subtracted are decoded from ``packed``, so the
-    error is exactly consistent with what was sent.
+    Per segment ``scale = ||y_s|| / sqrt(len_s)`` (or the given float32 ``scales``); ``packed = bits(y >= 0)``;
+    ``y <- y - scale * sgn(y)``. Returns ``(scales, packed)`` with float32 scales, one per segment. The signs
+    subtracted are decoded from ``packed``, so the error is exactly consistent with what was sent. A fixed number of
+    kernels whatever the number of segments, and no host synchronisation: ``scale * sgn`` is exact, so
+    ``addcmul`` rounds once, like the per-segment ``sub_(signs, alpha=scale)`` it replaces (16-bit buffers compute in
+    float32 and round once too).
     """
     ws = workspace or Workspace()
-    scales = segment_scales(y, segments)
+    if scales is None:
+        scales = segment_scales(y, segments)
     bits = torch.ge(y, 0, out=ws.get("bits", y.numel(), torch.bool, y.device))
     packed = pack(bits, out=packed_out)
     signs = signs_into(packed, ws.get("signs", y.numel(), y.dtype, y.device), workspace=ws)
-    for (start, stop), scale in zip(segments.bounds, scales.tolist()):
-        y[start:stop].sub_(signs[start:stop], alpha=scale)
+    y.addcmul_(signs, segments.expand(scales), value=-1)
     return scales, packed
 
 
@@ -163,18 +174,19 @@ def decompress(
     signs_into: SignsFn = unpack_signs_into,
     workspace: Optional[Workspace] = None,
 ) -> torch.Tensor:
-    """``out (+)= scale_s * sgn`` per segment, from packed sign bits and per-segment scales."""
+    """``out (+)= scale_s * sgn`` per segment, from packed sign bits and per-segment scales (no host
+    synchronisation; each element rounds once, as with a per-segment ``add_(signs, alpha=scale)``)."""
     ws = workspace or Workspace()
     n = segments.total
-    signs = ws.get("signs", n, out.dtype, out.device) if accumulate else out[:n]
-    signs_into(packed, signs, workspace=ws)
-    for (start, stop), scale in zip(segments.bounds, scales.tolist()):
-        if accumulate:
-            out[start:stop].add_(signs[start:stop], alpha=scale)
-        else:
-            out[start:stop].mul_(scale)
-    if not accumulate and n < out.numel():
-        out[n:].zero_()
+    per_element = segments.expand(scales)
+    if accumulate:
+        signs = signs_into(packed, ws.get("signs", n, out.dtype, out.device), workspace=ws)
+        out[:n].addcmul_(signs, per_element)
+    else:
+        signs_into(packed, out[:n], workspace=ws)
+        out[:n].mul_(per_element)
+        if n < out.numel():
+            out[n:].zero_()
     return out
 
 
@@ -206,12 +218,28 @@ def frozen_adam_update_(
     bias_correction2_sqrt: float,
     eps: float,
     step: float,
+    denominators: Optional[Sequence[torch.Tensor]] = None,
 ) -> None:
     """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / (sqrt(v) / bias_correction2_sqrt + eps)``,
-    as the ``_foreach`` sequence of :class:`torch.optim.AdamW`."""
+    as the ``_foreach`` sequence of :class:`torch.optim.AdamW`.
+
+    ``denominators``: ``sqrt(v) / bias_correction2_sqrt + eps`` per tensor, already computed (by
+    :func:`frozen_adam_denominators_into`, the same ops, so the same bits): a frozen variance's, cached. The update is
+    then two passes (decay, ``addcdiv``) instead of five and allocates nothing."""
     if decay is not None:
         torch._foreach_mul_(params, decay)
-    denoms = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denoms, bias_correction2_sqrt)
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denoms, value=step)
+    if denominators is None:
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denominators, bias_correction2_sqrt)
+        torch._foreach_add_(denominators, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denominators, value=step)
+
+
+def frozen_adam_denominators_into(
+    v: torch.Tensor, out: torch.Tensor, bias_correction2_sqrt: float, eps: float
+) -> torch.Tensor:
+    """``out = sqrt(v) / bias_correction2_sqrt + eps``: the ops of :func:`frozen_adam_update_`'s denominator, one
+    tensor, written into ``out`` (no temporary)."""
+    torch.sqrt(v, out=out)
+    out.div_(bias_correction2_sqrt)
+    return out.add_(eps)

@@ -145,8 +145,12 @@ class FreezeDetector:
         self.reason: Optional[str] = None  # why the warmup ended, once it has
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._sample: Optional[list[tuple[int, torch.Tensor]]] = None  # (parameter index, flat indices)
+        self._sample_on: dict[tuple[int, torch.device], torch.Tensor] = {}  # the sample's indices, moved once
         # losses: summed on their device between checks (no host sync per step), then one (sum, count) per check
         self._loss_sum: Optional[torch.Tensor] = None
+        # a sum restored from a checkpoint (a number): added to the first loss recorded after the resume, on that
+        # loss's device (a CPU tensor here would make every later micro-batch copy its loss to the CPU: a host sync)
+        self._loss_carry: Optional[float] = None
         self._loss_count = 0
         self._loss_intervals: collections.deque[tuple[float, int]] = collections.deque(maxlen=self.window // every)
         self._initial_loss: Optional[float] = None
@@ -158,20 +162,36 @@ class FreezeDetector:
             if loss.numel() != 1:
                 raise ValueError(f"observe_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}")
             value = loss.detach().reshape(()).double()
+            if self._loss_sum is not None and self._loss_sum.device != value.device:
+                # the sum follows the losses' device (moved once; to a GPU without waiting for it)
+                self._loss_sum = self._loss_sum.to(value.device, non_blocking=value.device.type != "cpu")
         elif _is_number(loss):
-            value = torch.tensor(float(loss), dtype=torch.float64)
+            value = float(loss)
+            if self._loss_sum is None:
+                value = torch.tensor(value, dtype=torch.float64)
         else:
             raise ValueError(f"observe_loss takes a number or a scalar tensor, got {type(loss).__name__}")
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value.to(self._loss_sum.device)
+        if self._loss_sum is None:
+            self._loss_sum = value if self._loss_carry is None else value + self._loss_carry
+            self._loss_carry = None
+        else:
+            self._loss_sum = self._loss_sum + value
         self._loss_count += 1
 
-    def _close_loss_interval(self) -> None:
-        total = 0.0 if self._loss_sum is None else float(self._loss_sum)
+    def _pending_loss(self) -> Optional[float]:
+        """The sum of the losses recorded since the last check (a host sync when on a device), or ``None``."""
+        if self._loss_sum is not None:
+            return float(self._loss_sum)
+        return self._loss_carry
+
+    def _close_loss_interval(self, total: Optional[float]) -> None:
+        """End the interval of losses since the last check; ``total``: their sum, read with the check's figures."""
+        total = 0.0 if total is None else total
         if self._loss_count:
             self._loss_intervals.append((total, self._loss_count))
             if self._initial_loss is None:
                 self._initial_loss = total / self._loss_count
-        self._loss_sum, self._loss_count = None, 0
+        self._loss_sum, self._loss_carry, self._loss_count = None, None, 0
 
     def _loss_figures(self) -> list[float]:
         """``[loss ratio, no loss seen]``: the mean loss over the last window over the initial mean (0 where the guard
@@ -199,8 +219,8 @@ class FreezeDetector:
         started = time.perf_counter()
         decided = None
         if t % self.check_every == 0:
-            self._close_loss_interval()
-            snapshot = self._snapshot(optimizer)
+            snapshot, loss_total = self._snapshot(optimizer)
+            self._close_loss_interval(loss_total)
             self._snapshots[t] = snapshot
             for old_step in [s for s in self._snapshots if s < t - self.window]:
                 del self._snapshots[old_step]
@@ -234,8 +254,9 @@ class FreezeDetector:
         if decided is None and t >= self.max_step:
             decided, self.reason = t, "max_step"
         if decided is not None:  # freed: nothing more to measure
-            self._snapshots, self._sample = {}, None
-            self._loss_sum, self._loss_intervals = None, collections.deque(maxlen=self._loss_intervals.maxlen)
+            self._snapshots, self._sample, self._sample_on = {}, None, {}
+            self._loss_sum, self._loss_carry = None, None
+            self._loss_intervals = collections.deque(maxlen=self._loss_intervals.maxlen)
         self.seconds += time.perf_counter() - started
         return decided
 
@@ -279,28 +300,47 @@ class FreezeDetector:
             counts[i] = len(idx)
         return counts
 
-    def _snapshot(self, optimizer: "CompressedOptimizer") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _snapshot(
+        self, optimizer: "CompressedOptimizer"
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[float]]:
         """``(sample of the raw v, sum of the raw v per tensor, the optimizer's extra settling figures)``, in float64 on
-        the CPU; the sample is laid out tensor by tensor (see :func:`_draw_sample`)."""
+        the CPU (the sample laid out tensor by tensor, see :func:`_draw_sample`), and the sum of the losses recorded
+        since the last check. Gathered on the device and read with one copy per device (one host synchronisation per
+        check on a single GPU, not two per tensor)."""
         params = optimizer._detector_params()
         if self._sample is None:
             self._sample = _draw_sample([p.numel() for p, *_ in params], self.config.sample_size, self.config.seed)
-        sums = [0.0 if v is None else float(v.double().sum()) for _, v, _, _ in params]
-        sample = []
+            self._sample_on = {}
+        parts: list[torch.Tensor] = []
+        for _, v, _, _ in params:  # the sums
+            parts.append(torch.zeros(1, dtype=torch.float64) if v is None else v.double().sum().reshape(1))
         for i, idx in self._sample:
             v = params[i][1]
-            sample.append(torch.zeros(len(idx), dtype=torch.float64) if v is None
-                          else v.reshape(-1)[idx.to(v.device)].double().cpu())
+            if v is None:
+                parts.append(torch.zeros(len(idx), dtype=torch.float64))
+                continue
+            on_device = self._sample_on.get((i, v.device))
+            if on_device is None:
+                on_device = self._sample_on[(i, v.device)] = idx.to(v.device)
+            parts.append(v.reshape(-1).index_select(0, on_device).double())
         extra = optimizer._settling_figures()
-        return (
+        parts.append(torch.zeros(0, dtype=torch.float64) if extra is None else extra.reshape(-1).double())
+        if self._loss_sum is not None:
+            parts.append(self._loss_sum.reshape(1))
+        host = _read_on_host(parts)
+        n, k = len(params), len(self._sample)
+        sums, sample, extra_host = host[:n], host[n : n + k], host[n + k]
+        loss_total = float(host[n + k + 1][0]) if self._loss_sum is not None else self._loss_carry
+        snapshot = (
             torch.cat(sample) if sample else torch.zeros(0, dtype=torch.float64),
-            torch.tensor(sums, dtype=torch.float64),
-            torch.zeros(0, dtype=torch.float64) if extra is None else extra.double().cpu(),
+            torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64),
+            extra_host,
         )
+        return snapshot, loss_total
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        pending = None if self._loss_sum is None else float(self._loss_sum)
+        pending = self._pending_loss()
         return dict(
             streak=self.streak,
             last=self.last,
@@ -314,10 +354,11 @@ class FreezeDetector:
         self.streak = int(state.get("streak", 0))
         self.last = state.get("last")
         self._snapshots = {int(k): tuple(v) for k, v in (state.get("snapshots") or {}).items()}
-        self._sample = None  # drawn again from the seed: the same coordinates
+        self._sample, self._sample_on = None, {}  # drawn again from the seed: the same coordinates
         losses = state.get("losses") or {}
         total = losses.get("sum")
-        self._loss_sum = None if total is None else torch.tensor(float(total), dtype=torch.float64)
+        self._loss_sum = None
+        self._loss_carry = None if total is None else float(total)
         self._loss_count = int(losses.get("count", 0))
         self._loss_intervals = collections.deque(
             [(float(s), int(n)) for s, n in losses.get("intervals", [])], maxlen=self._loss_intervals.maxlen
@@ -339,6 +380,20 @@ def _draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, tor
         if hi > lo:
             out.append((i, chosen[lo:hi] - start))
         start += n
+    return out
+
+
+def _read_on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each (1-D float64) tensor's values in CPU memory, with one copy per device: a device's tensors are concatenated
+    there and copied at once (the one host synchronisation), then split on the CPU."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(tensors)
+    for device, indices in by_device.items():
+        joined = torch.cat([tensors[i] for i in indices]).cpu()
+        for i, piece in zip(indices, joined.split([tensors[i].numel() for i in indices])):
+            out[i] = piece
     return out
 
 

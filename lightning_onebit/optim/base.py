@@ -9,11 +9,9 @@ momentum into the rank-identical compressed average, then applies its update.
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
 import logging
 import numbers
-import time
 import warnings
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
@@ -36,6 +34,7 @@ from lightning_onebit.comm import (
 )
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector
+from lightning_onebit.streams import stream_ops
 from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -164,9 +163,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._pending_by_key: dict[int, PendingExchange] = {}
         self._side_stream: Optional[Any] = None  # CUDA: the stream the overlapped folding and compression run on
         self._frozen_params: set[int] = set()
-        # id(param) -> factor its momentum is multiplied by for the exchange (and divided by after it); set by a
-        # subclass (1-bit LAMB's scaling coefficients), empty for 1-bit Adam
-        self._exchange_scale: dict[int, float] = {}
+        # id(param) -> factor (a 0-dim tensor on the parameter's device) its momentum is multiplied by for the
+        # exchange and divided by after it; set by a subclass (1-bit LAMB's scaling coefficients), empty for 1-bit Adam
+        self._exchange_scale: dict[int, torch.Tensor] = {}
         self.last_dropped_error_norm: Optional[float] = None
         self.warn_dead_coordinates = warn_dead_coordinates
         # dead-coordinate detection (warmup only): id(param) -> bool tensor "gradient was nonzero in a tracked step"
@@ -372,8 +371,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     @property
     def communication(self) -> CommunicationCounters:
         """Cumulative counters of the compressed allreduce on this rank, and of the full-precision allreduce of
-        ``compress=False`` groups (``bytes_sent_uncompressed``); the warmup gradient sync is not included."""
-        return self.compression.counters
+        ``compress=False`` groups (``bytes_sent_uncompressed``); the warmup gradient sync is not included. On CUDA
+        the times count once their events completed (read back here without waiting)."""
+        return self.compression.settle_timings()
 
 
     # ------------------------------------------------------------------ step
@@ -390,6 +390,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients; use dense embeddings")
+        if self._pending:
+            # Everything this step does comes after the work the overlap hook queued on its side stream (folded
+            # momenta, compression, launches): compressed-group momenta and the kernel workspace are read from here on.
+            stream_ops().current_waits_for(self._side_stream, self._pending[0].buffer.device)
         stage = self.stage
         self._step += 1
         if stage is OnebitStage.WARMUP:
@@ -543,9 +547,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"{type(self).__name__}: the momentum buckets changed while their exchange was in flight"
             )
-        started = time.perf_counter()
-        if self._side_stream is not None and pending:
-            torch.cuda.current_stream(pending[0].buffer.device).wait_stream(self._side_stream)
+        started = self.compression.timings.mark(buckets[0].flat.device) if buckets else None
         # Fold the local gradients into the momenta of the buckets whose exchange did not start during backward.
         # A parameter without a gradient folds a zero gradient (lerp towards 0), as the backward hook does for DDP's
         # zero-filled bucket entries, so that both paths give the same bits.
@@ -570,7 +572,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         check_buckets(self.compression, rest)
         pending += [start_exchange_(self.compression, key, flat, layout, checked=True) for key, flat, layout in rest]
         finish_exchanges_(self.compression, pending)
-        self.compression.counters.exposed_s += time.perf_counter() - started
+        if started is not None:
+            timings = self.compression.timings
+            timings.add(self.compression.counters, "exposed_s", started, timings.mark(buckets[0].flat.device))
         if self._exchange_scale:
             scaled = [q for b in buckets for q in b.params if id(q) in self._exchange_scale]
             torch._foreach_div_(
@@ -614,10 +618,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``stream``'s (:meth:`_feedback_key`). Buckets are pipelined (:func:`compressed_allreduce_buckets_`)."""
         if not self._backend_agreed:
             self.agree_kernel_backend()
-        started = time.perf_counter()
         items = [(self._feedback_key(stream, bucket.key), flat, bucket.layout) for bucket, flat in buffers]
-        compressed_allreduce_buckets_(self.compression, items)
-        self.compression.counters.exposed_s += time.perf_counter() - started
+        if not items:
+            return
+        with self.compression.timings.span(self.compression.counters, "exposed_s", items[0][1].device):
+            compressed_allreduce_buckets_(self.compression, items)
 
     def _bucket_state_buffer(self, bucket: _Bucket, name: str) -> torch.Tensor:
         """A flat buffer laid out like ``bucket``'s momenta (layout, dtype, device; padding zero) whose views become
@@ -681,19 +686,16 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "exchange folds each backward's gradients into the momentum at once, so it needs exactly one backward "
                 "pass (with gradient sync) per step: use no_sync() for the other micro-batches, or turn overlap off"
             )
-        started = time.perf_counter()
         grads = [gradients[i] for i in chosen]
         if clip_value is not None:
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
-        stream = None
-        if bucket.flat.is_cuda:
-            # Compress on a side stream, so that it overlaps the backward kernels still queued on the current one.
-            if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device=bucket.flat.device)
-            stream = self._side_stream
-            stream.wait_stream(torch.cuda.current_stream(bucket.flat.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        # Fold and compress on a side stream (CUDA), so that it overlaps the backward kernels still queued on the
+        # current one; everything the hooks enqueue goes there, in hook order.
+        ops, device = stream_ops(), bucket.flat.device
+        stream = self._side_stream = ops.side_stream(device)
+        ops.wait_for_current(stream, device)
+        with ops.use(stream), self.compression.timings.span(self.compression.counters, "hook_s", device):
             for weight, indices in bucket.fold_groups:
                 torch._foreach_lerp_(
                     [self.state[bucket.params[i]]["exp_avg"] for i in indices], [grads[i] for i in indices], weight
@@ -703,16 +705,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._pending.append(pending)
             self._pending_by_key[key] = pending
             progress_exchanges_(self.compression, self._pending)
-        self.compression.counters.hook_s += time.perf_counter() - started
         return True
 
     def progress_exchanges(self) -> None:
-        """Advance, without blocking, the exchanges started during this backward (launch each one's second phase as
-        soon as its first has arrived). Called by the overlap hook; harmless at any time."""
+        """Advance every exchange started during this backward to its last launch (serve it and launch its second
+        phase; :func:`~lightning_onebit.comm.progress_exchanges_`). The overlap hook calls it for a gradient bucket
+        that started no exchange, which every rank does at the same point of the bucket schedule. Harmless at any
+        time."""
         if self._pending:
-            started = time.perf_counter()
-            progress_exchanges_(self.compression, self._pending)
-            self.compression.counters.hook_s += time.perf_counter() - started
+            # on the side stream, like every other launch of the hooks: the exchanges share its kernel workspace
+            device = self._pending[0].buffer.device
+            ops = stream_ops()
+            ops.wait_for_current(self._side_stream, device)
+            with ops.use(self._side_stream), self.compression.timings.span(
+                self.compression.counters, "hook_s", device
+            ):
+                progress_exchanges_(self.compression, self._pending, keep_newest=False)
 
     @property
     def exchanges_in_flight(self) -> int:
@@ -1030,7 +1038,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             # feedback is all zero. Building the layouts here would also be wrong during warmup.
             self.compression.reset_error_feedback()
             return
-        self.compression.load_error_feedback_state_dict(state, self._feedback_layouts(state))
+        layouts = self._feedback_layouts(state)
+        flats = {b.key: b.flat for b in self._ensure_buckets()}
+        like = {key: flats[key[1] if isinstance(key, tuple) else key] for key in layouts}
+        self.compression.load_error_feedback_state_dict(state, layouts, like)
 
     def _feedback_layouts(self, state: dict[str, Any]) -> dict[Hashable, BucketLayout]:
         """Error-feedback key -> bucket layout, for every bucket in every stream the saved ``state`` holds: a stream

@@ -87,7 +87,8 @@ class OnebitAdam(CompressedOptimizer):
         process_group: group whose ranks average momenta; ``None`` (default) means WORLD, resolved at step time.
             The Lightning strategy sets its data-parallel group here.
         kernel_backend: ``"auto"`` (default), ``"torch"``, ``"cpu"`` (fused C kernels for float32 CPU tensors) or
-            ``"cupy"``, see :mod:`lightning_onebit.kernels`. ``"auto"`` takes the fastest one available per tensor.
+            ``"cupy"``, see :mod:`lightning_onebit.kernels`. ``"auto"`` takes the C kernels for float32 CPU tensors when
+            they build, else the torch ones (on CUDA too; cupy only when named).
             At the first compressed step (or when the strategy sets up) the ranks agree on it
             (:func:`~lightning_onebit.comm.agree_kernel_backend`): if they have different kernels available, all run
             the torch ones, so that replicas compute identical bits.
@@ -245,6 +246,11 @@ def adam_update_(
 
     Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
     compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
+
+    ``t_v < t`` means that ``v`` was not updated by this step (it is frozen: the compression stage, or 0/1 Adam
+    between variance steps), so the torch path caches the denominator ``sqrt(v)/sqrt(bc2) + eps`` until ``v``, ``eps``
+    or ``bc2`` change (:func:`~lightning_onebit.kernels.frozen_adam_denominators`; same bits, two passes instead of
+    five, no temporary). Host synchronisations: none (every argument but the tensors is a Python number).
     """
     lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     if group["bias_correction"]:
@@ -261,6 +267,7 @@ def adam_update_(
         eps=eps,
         step=-lr / bias_correction1,
         backend=backend,
+        frozen=t_v < t,
     )
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.kernels import Backend
+from lightning_onebit.kernels import frozen as frozen_cache
 from lightning_onebit.optim.auto_freeze import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real, _mask_like
 from lightning_onebit.topology import Topology
@@ -45,8 +46,19 @@ class OnebitLamb(CompressedOptimizer):
     correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` and ``v`` by ``1 - b2^min(t, freeze_step)``,
     as :class:`~lightning_onebit.OnebitAdam` does (DeepSpeed accepted the flag and ignored it; with
     ``bias_correction=False`` this is DeepSpeed's update, its step ``t`` being this one's ``t``). bf16 works (DeepSpeed
-    refused it). ``scaling_coeff``, ``coeff`` and ``last_factor`` (Python floats), ``v_fresh`` and the previous
-    momentum are per-parameter optimizer state, saved and restored with it.
+    refused it). ``scaling_coeff``, ``coeff`` and ``last_factor`` (0-dim float64 tensors on the parameter's device;
+    a checkpoint that holds them as Python floats loads too), ``v_fresh`` and the previous momentum are per-parameter
+    optimizer state, saved and restored with it.
+
+    Host synchronisations: none per step. Norms, trust ratios, factors and coefficients are computed on the device
+    with multi-tensor ops in float64, the arithmetic of the scalar rules above op for op; the scaling coefficients are
+    read once, at the first compressed step of a run (the exchange multiplies by Python floats). In float32 every
+    parameter gets the bits of the per-tensor version with Python floats (tested); with bf16/fp16 parameters the update
+    ``p - s u`` (``addcmul`` with a device-side ``s``, rounded to the parameters' dtype, where that version called
+    ``p.add_(u, alpha=s)`` with ``s`` in float32) can differ in the last bit. Memory in the compression stage: the
+    frozen variance's ``sqrt(v) + eps`` and, with bias correction, ``sqrt(v_hat) + eps`` are cached (one or two
+    tensors of the parameters' size), and the previous momentum serves as scratch, so a step allocates no full-size
+    temporary (the warmup's temporaries are bounded by runs of ``2**24`` elements).
 
     A param group with ``compress=False`` (see :class:`~lightning_onebit.OnebitAdam`) takes the warmup's LAMB step
     above in the compression stage too, on its gradients averaged in full precision by :meth:`step` (its variance
@@ -129,44 +141,74 @@ class OnebitLamb(CompressedOptimizer):
     def _lamb_step_(self, groups: Sequence[dict[str, Any]], compression_stage: bool) -> None:
         """Step ``t`` of LAMB on the (averaged) gradients of these groups. In warmup it records nonzero gradients of
         the compressed groups for the dead-coordinate warning; in the compression stage (``compress=False`` groups)
-        explicit ``exp_avg_mask`` multiply the momentum after the gradient is folded in."""
+        explicit ``exp_avg_mask`` multiply the momentum after the gradient is folded in.
+
+        Multi-tensor ops over runs of tensors (:func:`_chunks`: one device, at most ``_CHUNK_NUMEL`` elements, which
+        bounds the temporaries ``u`` and the denominators), the trust ratios and their EMAs computed on the device in
+        float64 (the Python arithmetic of the per-tensor version, op for op): no host synchronisation."""
         t = self._step
         for group in groups:
             b1, b2 = group["betas"]
             bc1, bc2 = _bias_corrections(group, t, t)
             masks = group["exp_avg_mask"]
+            params, indices = [], []
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 state = self._moment_state(p)
-                state.setdefault("lamb_coeff", 0.0)
+                if "lamb_coeff" not in state:
+                    state["lamb_coeff"] = _scalar(0.0, p.device)
                 if self.warn_dead_coordinates and group["compress"] and not compression_stage:
                     self._track_nonzero(p)
-                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-                m.lerp_(g, 1 - b1)
-                if compression_stage and masks[i] is not None:
-                    m.mul_(_mask_like(masks, i, m))
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                u = (m / bc1) / ((v / bc2).sqrt_().add_(group["eps"]))
+                params.append(p)
+                indices.append(i)
+            for chunk in _chunks(params):
+                ps = [params[k] for k in chunk]
+                states = [self.state[p] for p in ps]
+                ms, vs, gs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [p.grad for p in ps]
+                torch._foreach_lerp_(ms, gs, 1 - b1)
+                if compression_stage:
+                    for m, k in zip(ms, chunk):
+                        if masks[indices[k]] is not None:
+                            m.mul_(_mask_like(masks, indices[k], m))
+                torch._foreach_mul_(vs, b2)
+                torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+                # u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p)
+                us = torch._foreach_div(ms, bc1)
+                denominators = torch._foreach_div(vs, bc2)
+                torch._foreach_sqrt_(denominators)
+                torch._foreach_add_(denominators, group["eps"])
+                torch._foreach_div_(us, denominators)
+                del denominators
                 if group["weight_decay"]:
-                    u.add_(p, alpha=group["weight_decay"])
-                ratio = _trust_ratio(p, u, group["min_coeff"], group["max_coeff"])
-                if ratio != 1.0:
-                    beta = group["coeff_beta"]
-                    state["lamb_coeff"] = beta * state["lamb_coeff"] + (1 - beta) * ratio
-                p.add_(u, alpha=-group["lr"] * ratio)
+                    torch._foreach_add_(us, ps, alpha=group["weight_decay"])
+                ratios = _trust_ratios(ps, us, group["min_coeff"], group["max_coeff"])
+                coeffs = [s["lamb_coeff"] for s in states]
+                beta, coeff = group["coeff_beta"], torch.stack(coeffs)
+                # the EMA skips tensors whose ratio is 1 (a zero norm)
+                torch._foreach_copy_(coeffs, torch.where(ratios != 1.0, beta * coeff + (1 - beta) * ratios, coeff)
+                                     .unbind(0))
+                # p = p - lr r u, the step size a device tensor: addcmul, where the per-tensor version called
+                # p.add_(u, alpha=-lr * r). The same bits in float32 (tested); with bf16/fp16 parameters addcmul
+                # rounds the step size to the parameters' dtype before multiplying (add_ kept it in float32), so
+                # they can differ in the last bit.
+                torch._foreach_addcmul_(ps, us, (ratios * -group["lr"]).unbind(0))
 
     def _on_freeze(self) -> None:
         self._remember_momenta()  # the first compressed step reconstructs the gradient from them
 
     def _settling_figures(self) -> torch.Tensor:
         """freeze_step='auto' also waits for every compressed tensor's trust-ratio EMA (the coefficient that gets
-        frozen; ``compress=False`` groups keep updating theirs)."""
-        return torch.tensor(
-            [self.state[p].get("lamb_coeff", 0.0) for group in self.param_groups if group["compress"]
-             for p in group["params"] if p.requires_grad],
-            dtype=torch.float64,
-        )
+        frozen; ``compress=False`` groups keep updating theirs): one tensor on the first parameter's device (the
+        detector reads it with its other figures, once per check)."""
+        params = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
+        if not params:
+            return torch.zeros(0, dtype=torch.float64)
+        home = params[0].device
+        return torch.stack([
+            self.state[p]["lamb_coeff"].to(home) if "lamb_coeff" in self.state[p] else _scalar(0.0, home)
+            for p in params
+        ])
 
     # ------------------------------------------------------------------ compression stage
     def _compressed_step(self) -> None:
@@ -178,40 +220,72 @@ class OnebitLamb(CompressedOptimizer):
         t, t_v = self._step, self.freeze_step
         for group in self.param_groups:
             params = self._updated_params(group)
-            if not params:
-                continue
-            b1, b2 = group["betas"]
-            eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
-            bc1, bc2 = _bias_corrections(group, t, t_v)
-            for p in params:
-                state = self.state[p]
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                v_fresh = state.get("exp_avg_sq_fresh")
-                if v_fresh is None:  # seeded at the first compressed step, whatever freeze_step was
-                    v_fresh = state["exp_avg_sq_fresh"] = v.clone()
-                g_rec = (m - b1 * state["exp_avg_last"]) / (1 - b1)
-                v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
-                denom = (v / bc2).sqrt_().add_(eps)
-                u0 = (m / bc1) / denom
-                u = u0 + wd * p if wd else u0
-                factor = float(((v.sqrt() + eps) / (v_fresh.sqrt() + eps)).max())
-                if wd:
-                    u_norm = float(u.norm())
-                    rho = min(1.0, float(u0.norm()) / u_norm) if u_norm > 0 else 1.0
-                    factor = rho * factor + (1 - rho)
-                factor = min(max(factor, group["factor_min"]), group["factor_max"])
-                last = state.get("lamb_last_factor", 1.0)
-                threshold = group["factor_threshold"]
-                factor = min(max(factor, last * (1 - threshold)), last * (1 + threshold))
-                state["lamb_last_factor"] = factor
-                p.add_(u, alpha=-lr * state["lamb_coeff"] * factor)
+            for chunk in _chunks(params, limit=None):
+                self._compressed_update_(group, [params[k] for k in chunk], t, t_v)
         self._remember_momenta()
+
+    def _compressed_update_(self, group: dict[str, Any], params: list[torch.Tensor], t: int, t_v: int) -> None:
+        """The update after the exchange, for these parameters (one device), with multi-tensor ops and no host
+        synchronisation. Scratch: each parameter's ``exp_avg_last`` (the previous momentum is only needed for the
+        reconstructed gradient, and :meth:`_remember_momenta` rewrites it after the step), so the step allocates no
+        full-size temporary; the frozen variance's ``sqrt(v) + eps`` and ``sqrt(v / bc2) + eps`` are computed once
+        and cached (:mod:`lightning_onebit.kernels.frozen`). Every op and its rounding is the per-tensor version's
+        except where a comment says otherwise."""
+        b1, b2 = group["betas"]
+        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        bc1, bc2 = _bias_corrections(group, t, t_v)
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if state.get("exp_avg_sq_fresh") is None:  # seeded at the first compressed step, whatever freeze_step was
+                state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+            if "lamb_last_factor" not in state:
+                state["lamb_last_factor"] = _scalar(1.0, p.device)
+        ms, vs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        fresh, scratch = [s["exp_avg_sq_fresh"] for s in states], [s["exp_avg_last"] for s in states]
+        # g_rec = (m - b1 m_last) / (1 - b1), in place: (b1 m_last - m) / -(1 - b1) is the same number, bit for bit
+        torch._foreach_mul_(scratch, b1)
+        torch._foreach_sub_(scratch, ms)
+        torch._foreach_div_(scratch, -(1 - b1))
+        torch._foreach_mul_(fresh, b2)
+        torch._foreach_addcmul_(fresh, scratch, scratch, value=1 - b2)
+        # factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))
+        roots = [_root_eps(v, eps) for v in vs]
+        for s, v_fresh in zip(scratch, fresh):
+            torch.sqrt(v_fresh, out=s)
+        torch._foreach_add_(scratch, eps)
+        for s, root in zip(scratch, roots):
+            torch.div(root, s, out=s)
+        factor = torch.stack(torch._foreach_max(scratch)).double()
+        # u0 = (m / bc1) / (sqrt(v / bc2) + eps);  u = u0 + wd p
+        if bc2 == 1.0:  # v / 1 is v: the same denominators
+            denominators = roots
+        else:
+            denominators = [_denominator(v, bc2, eps) for v in vs]
+        for s, m in zip(scratch, ms):
+            torch.div(m, bc1, out=s)
+        torch._foreach_div_(scratch, denominators)
+        if wd:
+            u0_norm = torch.stack(torch._foreach_norm(scratch)).double()
+            # u0 + wd * p: addcmul multiplies p by wd (rounded) and then adds, as the two ops did
+            torch._foreach_addcmul_(scratch, params, [_one(p) for p in params], value=wd)
+            u_norm = torch.stack(torch._foreach_norm(scratch)).double()
+            rho = torch.where(u_norm > 0, _py_min(1.0, u0_norm / u_norm), 1.0)
+            factor = rho * factor + (1 - rho)
+        factor = _py_min(_py_max(factor, group["factor_min"]), group["factor_max"])
+        last_factors = [s["lamb_last_factor"] for s in states]
+        last, threshold = torch.stack(last_factors), group["factor_threshold"]
+        factor = _py_min(_py_max(factor, last * (1 - threshold)), last * (1 + threshold))
+        torch._foreach_copy_(last_factors, factor.unbind(0))
+        step = -lr * torch.stack([s["lamb_coeff"] for s in states]) * factor
+        # p - lr coeff factor u: addcmul with a device-side step (see _lamb_step_ for its bits)
+        torch._foreach_addcmul_(params, scratch, step.unbind(0))
 
     def _remember_momenta(self, missing_only: bool = False) -> None:
         """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
         taken before the next backward, so the overlap hook may fold into the momenta while this copy stays.
         ``missing_only``: only for parameters without a copy (a group switched to ``compress=True`` on resume, before
         its first compressed step: nothing has been folded into its momenta yet)."""
+        copies, sources = [], []
         for group in self.param_groups:
             for p in self._updated_params(group):
                 state = self.state[p]
@@ -221,29 +295,146 @@ class OnebitLamb(CompressedOptimizer):
                 if last is None or last.shape != p.shape:
                     state["exp_avg_last"] = state["exp_avg"].detach().clone()
                 else:
-                    last.copy_(state["exp_avg"])
+                    copies.append(last)
+                    sources.append(state["exp_avg"])
+        if copies:
+            torch._foreach_copy_(copies, sources)
 
     def _set_scaling_coefficients(self) -> None:
         """Per compressed tensor ``mean_over_tensors(rms) / rms`` from the momenta at the end of warmup
-        (rank-identical: warmup averaged the gradients); 1 for an all-zero momentum. Kept in the state, so a resume
-        keeps them; a tensor without one (its group switched to ``compress=True`` on resume) gets one from the current
-        momenta, the others keep theirs."""
+        (rank-identical: warmup averaged the gradients); 1 for an all-zero momentum. Kept in the state (0-dim float64
+        tensors), so a resume keeps them; a tensor without one (its group switched to ``compress=True`` on resume)
+        gets one from the current momenta, the others keep theirs.
+
+        Computed on the device (the Python arithmetic of the per-tensor version, the mean summed in order), and
+        never read back to the host: the exchange multiplies the momenta by these 0-dim tensors
+        (:attr:`_exchange_scale`)."""
         trainable = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
+        if not trainable:
+            self._exchange_scale = {}
+            return
         missing = [p for p in trainable if "lamb_scaling_coeff" not in self.state[p]]
         if missing:
-            rms = {}
-            for p in trainable:
-                m = self.state[p].get("exp_avg")
-                rms[id(p)] = 0.0 if m is None else float(m.float().norm()) / math.sqrt(max(p.numel(), 1))
-            live = [r for r in rms.values() if r > 0]
-            mean = sum(live) / len(live) if live else 1.0
+            home = trainable[0].device
+            with_m = [p for p in trainable if self.state[p].get("exp_avg") is not None]
+            norms = dict(zip(map(id, with_m), torch._foreach_norm([self.state[p]["exp_avg"].float() for p in with_m])))
+            rms = torch.stack([
+                norms[id(p)].to(home).double() / math.sqrt(max(p.numel(), 1)) if id(p) in norms else _scalar(0.0, home)
+                for p in trainable
+            ])
+            live = rms > 0
+            # Python's sum(live) / len(live): the live values added in order (a cumulative sum), over their count
+            total = torch.cumsum(torch.where(live, rms, 0.0), 0)[-1]
+            count = live.sum().double()
+            mean = torch.where(count > 0, total / count, 1.0)
+            coeffs = torch.where(live, mean / rms, 1.0)
+            index = {id(p): i for i, p in enumerate(trainable)}
             for p in missing:
-                self.state[p]["lamb_scaling_coeff"] = mean / rms[id(p)] if rms[id(p)] > 0 else 1.0
+                self.state[p]["lamb_scaling_coeff"] = coeffs[index[id(p)]].to(p.device).clone()
         self._exchange_scale = {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable}
 
+    # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`CompressedOptimizer.load_state_dict`. The per-tensor coefficients (``lamb_coeff``,
+        ``lamb_last_factor``, ``lamb_scaling_coeff``) come back as 0-dim float64 tensors on each parameter's device,
+        from tensors or from the Python floats that checkpoints written before they were tensors hold (torch's own
+        loading would cast a tensor to the parameter's dtype and lose their bits)."""
+        state_dict = dict(state_dict)
+        scalars: dict[Any, dict[str, Any]] = {}
+        saved_state = {}
+        for key, entry in (state_dict.get("state") or {}).items():
+            if isinstance(entry, dict) and any(name in entry for name in _SCALAR_STATE):
+                entry = dict(entry)
+                scalars[key] = {name: entry.pop(name) for name in _SCALAR_STATE if name in entry}
+            saved_state[key] = entry
+        state_dict["state"] = saved_state
         super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        by_id = dict(zip(saved_ids, params))
+        for key, values in scalars.items():
+            p = by_id.get(key)
+            if p is not None:
+                for name, value in values.items():
+                    self.state[p][name] = _as_scalar(value, p.device)
         self._exchange_scale = {}  # re-read from the loaded state at the next compressed step
+
+
+# per-parameter state held as 0-dim float64 tensors on the parameter's device
+_SCALAR_STATE = ("lamb_coeff", "lamb_last_factor", "lamb_scaling_coeff")
+# the warmup's multi-tensor ops run over at most this many elements at a time (their temporaries: u, denominators)
+_CHUNK_NUMEL = 2**24
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 tensor on ``device``, filled there (no host-to-device copy)."""
+    return torch.full((), value, dtype=torch.float64, device=device)
+
+
+def _one(p: torch.Tensor) -> torch.Tensor:
+    return torch.ones((), dtype=p.dtype, device=p.device)
+
+
+def _as_scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A loaded coefficient (a Python number from an older checkpoint, or a tensor) as a 0-dim float64 tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(()).clone()
+    return _scalar(float(value), device)
+
+
+def _py_max(a: Any, b: Any) -> torch.Tensor:
+    """Python's ``max(a, b)`` elementwise (``a`` unless ``b > a``: NaN handled as Python does)."""
+    return torch.where(b > a, b, a)
+
+
+def _py_min(a: Any, b: Any) -> torch.Tensor:
+    """Python's ``min(a, b)`` elementwise (``a`` unless ``b < a``)."""
+    return torch.where(b < a, b, a)
+
+
+def _by_device(params: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
+    out: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        out.setdefault(p.device, []).append(i)
+    return out
+
+
+def _chunks(params: Sequence[torch.Tensor], limit: Optional[int] = _CHUNK_NUMEL) -> list[list[int]]:
+    """Indices into ``params``, by device, in runs of at most ``limit`` elements (a larger tensor alone; ``None``:
+    one run per device)."""
+    out = []
+    for indices in _by_device(params).values():
+        chunk, size = [], 0
+        for i in indices:
+            n = params[i].numel()
+            if chunk and limit is not None and size + n > limit:
+                out.append(chunk)
+                chunk, size = [], 0
+            chunk.append(i)
+            size += n
+        if chunk:
+            out.append(chunk)
+    return out
+
+
+def _root_eps(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """The frozen variance's ``sqrt(v) + eps`` (the ops of ``v.sqrt() + eps``), cached while ``v`` and ``eps`` stay."""
+
+    def into(x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.sqrt(x, out=out)
+        out.add_(eps)
+
+    return frozen_cache.cached(v, "lamb_root_eps", (float(eps),), into)
+
+
+def _denominator(v: torch.Tensor, bc2: float, eps: float) -> torch.Tensor:
+    """The frozen variance's ``sqrt(v / bc2) + eps`` (the ops of ``(v / bc2).sqrt_().add_(eps)``), cached."""
+
+    def into(x: torch.Tensor, out: torch.Tensor) -> None:
+        torch.div(x, bc2, out=out)
+        out.sqrt_().add_(eps)
+
+    return frozen_cache.cached(v, "lamb_denominator", (float(bc2), float(eps)), into)
 
 
 def _bias_corrections(group: dict[str, Any], t: int, t_v: int) -> tuple[float, float]:
@@ -254,9 +445,11 @@ def _bias_corrections(group: dict[str, Any], t: int, t_v: int) -> tuple[float, f
     return 1 - b1**t, 1 - b2**t_v
 
 
-def _trust_ratio(p: torch.Tensor, u: torch.Tensor, low: float, high: float) -> float:
-    """LAMB's ``clip(||p|| / ||u||, low, high)``, 1 when either norm is 0."""
-    p_norm, u_norm = float(p.detach().float().norm()), float(u.float().norm())
-    if p_norm == 0 or u_norm == 0:
-        return 1.0
-    return min(max(p_norm / u_norm, low), high)
+def _trust_ratios(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], low: float, high: float
+                  ) -> torch.Tensor:
+    """LAMB's ``clip(||p|| / ||u||, low, high)`` per tensor, 1 where either norm is 0: a float64 vector on the
+    parameters' device (norms in float32, as ``float(p.float().norm())`` read them, then the Python arithmetic)."""
+    p_norms = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).double()
+    u_norms = torch.stack(torch._foreach_norm([u.float() for u in updates])).double()
+    ratios = _py_min(_py_max(p_norms / u_norms, low), high)
+    return torch.where((p_norms == 0) | (u_norms == 0), 1.0, ratios)

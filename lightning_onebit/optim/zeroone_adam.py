@@ -10,6 +10,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import (
     DEFAULT_BUCKET_CAP_MB,
@@ -93,7 +94,12 @@ class ZeroOneAdam(CompressedOptimizer):
 
     Memory: besides Adam's ``m`` and ``v``, the error feedback (about ``N (1 + 1/P)`` elements) and, in the
     local-step phase, ``U`` and ``p_sync`` (``compress="gradient"`` also keeps a gradient-sized exchange buffer
-    before it).
+    before it); after the warmup, a bool ``v == 0`` per parameter (1 byte per element) and, where the update runs
+    the torch kernels (CUDA, or ``kernel_backend="torch"``), the frozen variance's denominator ``sqrt(v_hat) + eps``
+    (one tensor per parameter, recomputed after each variance step).
+
+    Host synchronisations: none in any step after the warmup (the step kinds and schedules are decided from Python
+    numbers; the zero-variance masks and denominators stay on the device).
 
     **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`, not
     to be confused with this constructor's ``compress``, which says what the compressed steps exchange) take an AdamW
@@ -181,9 +187,9 @@ class ZeroOneAdam(CompressedOptimizer):
         self.compress = compress
         self._replay_schedules(0)
         self.forced_syncs = 0  # syncs made by synchronize() between scheduled ones (e.g. before a checkpoint)
-        # id(param) -> bool tensor of its coordinates whose variance is exactly zero, or None if there are none;
-        # valid until the variance next changes
-        self._zero_variance: dict[int, Optional[torch.Tensor]] = {}
+        # id(param) -> bool tensor of its coordinates whose variance is exactly zero (1 byte per element); valid until
+        # the variance next changes
+        self._zero_variance: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ schedules
     def _replay_schedules(self, steps: int) -> None:
@@ -378,7 +384,9 @@ class ZeroOneAdam(CompressedOptimizer):
     def _begin_local_steps(self, buckets: list[_Bucket]) -> None:
         """At the first local step: the error feedback held momentum (or gradient) errors and restarts for updates,
         the scratch gradient buffers are freed, and the (rank-identical) parameters become the first sync point."""
-        dropped = self.compression.reset_error_feedback(lambda key: self._stream_of(key) != "update")
+        # the algorithm's own reset (0/1 Adam restarts the error for updates): not measured, which would read the
+        # device back in the middle of training
+        self.compression.reset_error_feedback(lambda key: self._stream_of(key) != "update", measure=False)
         for bucket in buckets:
             bucket.extra.pop("gradient", None)
             self._bucket_state_buffer(bucket, _UPDATE).zero_()
@@ -390,10 +398,9 @@ class ZeroOneAdam(CompressedOptimizer):
         self.local_steps_since_sync = 0
         log.info(
             "ZeroOneAdam: variance frozen after step %d; local steps from step %d (error feedback of the exchanges "
-            "before them reset, norm %.3g dropped)",
+            "before them reset)",
             self.var_freeze_step,
             self._step,
-            dropped,
         )
 
     @torch.no_grad()
@@ -436,12 +443,16 @@ class ZeroOneAdam(CompressedOptimizer):
             torch._foreach_mul_(exp_avgs, _bc1(group, t) / lr_sum)
             bc2_sqrt = math.sqrt(_bc2(group, self.variance_updates))
             eps = group["eps"]
-            for p, sync_point, update in zip(params, synced, updates):
-                denominator = self.state[p]["exp_avg_sq"].sqrt().div_(bc2_sqrt).add_(eps)
-                p.copy_(sync_point)
-                if decay != 1.0:
-                    p.mul_(decay)
-                p.addcdiv_(update, denominator, value=-1.0)
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            if kernels._uses_native_adam(params, exp_avgs, exp_avg_sqs, self.compression.backend):
+                # the C kernel's local steps keep no cached denominator: a temporary per tensor, as they need none
+                denominators = [v.sqrt().div_(bc2_sqrt).add_(eps) for v in exp_avg_sqs]
+            else:  # the torch path's local steps cached them (the frozen variance's): the same bits, no pass
+                denominators = kernels.frozen_adam_denominators(exp_avg_sqs, bc2_sqrt, eps)
+            torch._foreach_copy_(params, synced)
+            if decay != 1.0:
+                torch._foreach_mul_(params, decay)
+            torch._foreach_addcdiv_(params, updates, denominators, value=-1.0)
             torch._foreach_copy_(synced, params)
         for _, flat in pairs:
             flat.zero_()
@@ -458,16 +469,17 @@ class ZeroOneAdam(CompressedOptimizer):
             i = index[id(p)]
             if masks[i] is not None:
                 x.mul_(_mask_like(masks, i, x))
-            zero = self._zero_variance_of(p)
-            if zero is not None:
-                x.masked_fill_(zero, 0)
+            x.masked_fill_(self._zero_variance_of(p), 0)
 
-    def _zero_variance_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+    def _zero_variance_of(self, p: torch.Tensor) -> torch.Tensor:
+        """``v == 0`` for ``p`` (a bool tensor, kept until the variance next changes). Always a tensor, also where no
+        coordinate is zero: asking whether any is (``bool(zero.any())``) would synchronise the host with the device
+        once per parameter after every variance step; the ``masked_fill_`` it would save is one pass."""
         key = id(p)
-        if key not in self._zero_variance:
-            zero = self.state[p]["exp_avg_sq"] == 0
-            self._zero_variance[key] = zero if bool(zero.any()) else None
-        return self._zero_variance[key]
+        zero = self._zero_variance.get(key)
+        if zero is None:
+            zero = self._zero_variance[key] = self.state[p]["exp_avg_sq"] == 0
+        return zero
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
