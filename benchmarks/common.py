@@ -57,6 +57,20 @@ def bert_like_shapes(n_params: float) -> list[tuple[int, ...]]:
     return shapes
 
 
+def momentum_buckets(n_params: float, bucket_bytes: int = 25 * 2**20) -> list[list[int]]:
+    """The tensor sizes of each fp32 momentum bucket of ``bert_like_shapes(n_params)``, cut as OnebitAdam cuts them
+    (in parameter order, up to ``bucket_bytes``, default 25 MB)."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for n in (int(torch.Size(s).numel()) for s in bert_like_shapes(n_params)):
+        if buckets[-1] and size + 4 * n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(n)
+        size += 4 * n
+    return buckets
+
+
 def write_results(name: str, payload: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"

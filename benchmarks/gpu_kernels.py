@@ -29,12 +29,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bert_like_shapes, write_results  # noqa: E402
+from benchmarks.common import momentum_buckets, write_results  # noqa: E402
 from lightning_onebit import BucketLayout, kernels  # noqa: E402
 from lightning_onebit.comm import simulate_compressed_allreduce_  # noqa: E402
-
-BUCKET_BYTES = 25 * 2**20
-
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     for _ in range(3):  # warm: allocator, lazy module loads, cupy compilation
@@ -50,18 +47,6 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _largest_bucket(n_params: float) -> list[int]:
-    numels = [int(torch.Size(s).numel()) for s in bert_like_shapes(n_params)]
-    buckets, size = [[]], 0
-    for n in numels:  # momentum buckets as OnebitAdam cuts them (25 MB)
-        if buckets[-1] and size + 4 * n > BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(n)
-        size += 4 * n
-    return max(buckets, key=len)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=float, default=110e6, help="BERT-like model size (default 110e6)")
@@ -71,7 +56,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_kernels.py needs a CUDA GPU")
     device = torch.device("cuda")
-    layout = BucketLayout.build(_largest_bucket(args.params), args.ranks)
+    # the bucket of encoder-layer tensors with the most segments (the first one holds the word embedding alone)
+    layout = BucketLayout.build(max(momentum_buckets(args.params), key=len), args.ranks)
     n, chunk = layout.padded_numel, layout.chunk_numel
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n, generator=g, device=device)

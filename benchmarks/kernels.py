@@ -36,10 +36,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bert_like_shapes, write_results  # noqa: E402
+from benchmarks.common import bert_like_shapes, momentum_buckets, write_results  # noqa: E402
 from lightning_onebit import BucketLayout, kernels  # noqa: E402
 
-BUCKET_BYTES = 25 * 2**20
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -60,15 +59,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     numels = [int(torch.Size(s).numel()) for s in bert_like_shapes(args.params)]
-    buckets, size = [[]], 0
-    for n in numels:  # momentum buckets as OnebitAdam cuts them (25 MB)
-        if buckets[-1] and size + 4 * n > BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(n)
-        size += 4 * n
     # the bucket of encoder-layer tensors with the most segments (the first one holds the word embedding alone)
-    layout = BucketLayout.build(max(buckets, key=len), 2)
+    layout = BucketLayout.build(max(momentum_buckets(args.params), key=len), 2)
     n = layout.padded_numel
     g = torch.Generator().manual_seed(0)
     x, error, out = torch.randn(n, generator=g), torch.zeros(n), torch.empty(n)

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_onebit.gradient_sync import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
-from tests.optim_models import Net, rank_batch
+from tests.optim_models import EmbeddingNet, Net, rank_batch
 
 FREEZE = 3
 
@@ -58,21 +58,6 @@ def lamb_run(device: str, steps: int = 8) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return [p.detach().cpu() for p in net.parameters()]
-
-
-class EmbeddingNet(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(40, 16)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
-        self.head = torch.nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x).mean(1)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
 
 
 def overlap_scenario(rank: int, world_size: int, device: str, steps: int = 9) -> dict[str, Any]:

@@ -39,3 +39,23 @@ def two_groups(net: Net, wd: float) -> list[dict[str, Any]]:
         {"params": [net.l1.weight, net.l1.bias, net.unused_scale]},
         {"params": [net.l2.weight, net.l2.bias, net.head.weight, net.head.bias], "weight_decay": wd, "lr": 2e-3},
     ]
+
+
+class EmbeddingNet(nn.Module):
+    """An embedding of 40 x 16, four tanh layers and a 2-way head: several DDP buckets at a small ``bucket_cap_mb``,
+    the embedding (the first parameter) in DDP's last one."""
+
+    vocab = 40
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(self.vocab, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x).mean(1)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)

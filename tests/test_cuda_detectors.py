@@ -65,6 +65,7 @@ from tests.detectors import (
     unexpected_syncs,
 )
 from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.optim_models import EmbeddingNet
 
 # lightning_onebit/kernels/frozen.py stamps its cache with data_ptr(), which torch warns about on fake tensors
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
@@ -89,21 +90,7 @@ ALLOWED = (
 )
 
 
-class Chain(nn.Module):
-    """An embedding, four tanh layers and a head: several DDP buckets at :data:`DDP_BUCKET_MB`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
-        self.head = nn.Linear(DIM, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x).mean(1)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
+Chain = EmbeddingNet  # several DDP buckets at DDP_BUCKET_MB
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -109,7 +109,7 @@ def test_nccl_overlap_gives_the_in_step_bits():
 
 def delayed_overlap_scenario(rank: int, world_size: int, steps: int) -> list[torch.Tensor]:
     """Many small buckets, random host delays in the hooks of odd ranks: must neither hang nor change the bits."""
-    from tests.gpu_scenarios import EmbeddingNet
+    from tests.optim_models import EmbeddingNet
 
     rng = random.Random(rank)
     net = EmbeddingNet().cuda()

@@ -40,6 +40,7 @@ from lightning_onebit import (
 )
 from lightning_onebit.comm import replica_checksums
 from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.optim_models import EmbeddingNet
 
 VOCAB, SEEN_ROWS, DIM = 12, 8, 4  # rows SEEN_ROWS.. of the embedding are looked up only after the freeze
 FREEZE, STEPS, LR, WD = 3, 8, 1e-2, 0.01
@@ -130,21 +131,7 @@ def _zeroone(params: Any) -> ZeroOneAdam:
 
 
 # ------------------------------------------------------------------------------------------------ overlap
-class DeepNet(nn.Module):
-    """An embedding, four tanh layers and a head: several DDP buckets at a small ``bucket_cap_mb``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(40, 16)
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
-        self.head = nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x).mean(1)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
+DeepNet = EmbeddingNet  # several DDP buckets at a small bucket_cap_mb
 
 
 def _train_overlap(rank: int, enabled: bool) -> dict[str, Any]:

@@ -22,26 +22,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_onebit.gradient_sync import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
+from tests.optim_models import EmbeddingNet
 
 FREEZE = 3
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(64, 32)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
-        self.head = torch.nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x).mean(1)
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return self.head(h)
-
-
-def make_optimizer(name: str, net: Net, uncompressed_embedding: bool):
+def make_optimizer(name: str, net: EmbeddingNet, uncompressed_embedding: bool):
     groups = (
         [{"params": [net.emb.weight], "compress": False},
          {"params": [p for n, p in net.named_parameters() if not n.startswith("emb")]}]
@@ -58,7 +44,7 @@ def make_optimizer(name: str, net: Net, uncompressed_embedding: bool):
 
 def run_case(name: str, overlap: bool, uncompressed_embedding: bool, sync_debug: bool, steps: int = 12) -> None:
     device = torch.device("cuda", 0)
-    net = Net().to(device)
+    net = EmbeddingNet().to(device)
     ddp = DDP(net, device_ids=[0], bucket_cap_mb=0.004)
     opt = make_optimizer(name, net, uncompressed_embedding)
     # the fake group gathers no objects: every "rank" runs the torch kernels, as agree_kernel_backend would decide
@@ -69,8 +55,8 @@ def run_case(name: str, overlap: bool, uncompressed_embedding: bool, sync_debug:
         sync = GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce)
         ddp.register_comm_hook(sync, switchable_allreduce_hook)
     g = torch.Generator(device=device).manual_seed(0)
-    batches = [(torch.randint(0, 64, (16, 6), device=device, generator=g),
-                torch.randint(0, 4, (16,), device=device, generator=g)) for _ in range(steps)]
+    batches = [(torch.randint(0, EmbeddingNet.vocab, (16, 6), device=device, generator=g),
+                torch.randint(0, 2, (16,), device=device, generator=g)) for _ in range(steps)]
     torch.cuda.synchronize()
     for step, (x, y) in enumerate(batches):
         steady = step >= FREEZE + 3  # past the first compressed steps (bucket building, one-time reports)
