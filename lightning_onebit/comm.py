@@ -294,9 +294,9 @@ class CompressedAllreduceState:
     def create_gather_groups(self) -> None:
         """Create process groups of their own for the second phase of the exchange (the ``all_gather`` calls).
 
-        Needed by :func:`progress_exchanges_`, which launches a bucket's ``all_gather`` as soon as its ``all_to_all``
-        has completed on this rank, possibly between the ``all_to_all`` calls of later buckets: in separate groups each
-        group still sees its collectives in one fixed order on every rank. Flat: a copy of ``process_group``;
+        Needed by :func:`progress_exchanges_`, which launches bucket ``k - 1``'s ``all_gather`` right after bucket
+        ``k``'s ``all_to_all``: in a group of its own it runs concurrently with that transfer instead of queueing
+        behind it in one communicator. Flat: a copy of ``process_group``;
         hierarchical: copies of the intra- and inter-node groups (:func:`~lightning_onebit.topology.new_gather_groups`).
         A collective (over WORLD, or ``process_group`` where torch can split it): every rank calls it, in the same
         order relative to other group creations. Valid until ``process_group`` or ``topology`` change (then the

@@ -136,8 +136,9 @@ class OverlapState:
     DDP calls a communication hook for each gradient bucket as soon as all its gradients are ready, in bucket order on
     every rank. In the compression stage the hook folds the bucket's local gradients into the matching momentum
     bucket (the optimizer lays its momenta out like DDP's buckets, :meth:`CompressedOptimizer.set_bucket_plan`),
-    compresses it with error feedback and launches its first collective, all from the hook body; it also launches the
-    second phase of earlier buckets whose first phase has arrived, in a process group of its own.
+    compresses it with error feedback and launches its first collective, all from the hook body (on a CUDA side
+    stream); it also serves the previous bucket and launches its second phase, in a process group of its own, so the
+    launch order is a function of the bucket schedule, the same on every rank.
     ``optimizer.step()`` then only finishes the exchanges, decodes and applies, with exactly the bits of the
     non-overlapped path. Warmup is DDP's allreduce, as with :func:`switchable_allreduce_hook`.
 

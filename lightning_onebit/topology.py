@@ -8,7 +8,7 @@ between nodes. Rank ``(n, l)`` (node ``n``, local index ``l``) belongs to two gr
 
 The hierarchical compressed allreduce (:mod:`lightning_onebit.comm`) reduces in full precision inside the node, runs
 the 1-bit exchange inside the inter-node group, and gathers the result inside the node again, so only ``~N/8`` bytes
-per node cross the slow link instead of ``~N/4`` to ``N`` for a flat 1-bit exchange (REFERENCE.md section 7).
+per node cross the slow link instead of ``~N/4`` to ``N`` for a flat 1-bit exchange.
 
 The topology is derived from an all-gather of every rank's ``(node_rank, local_rank)`` as the launcher reports them
 (torchrun, SLURM, LSF, ... via Lightning's cluster environment), never from ``rank // L``: under SLURM and torchrun
@@ -294,7 +294,7 @@ def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
     ``split_group`` (torch >= 2.6) makes a whole family of disjoint groups in one communicator split. On NCCL with a
     bound device (Lightning passes ``device_id`` to ``init_process_group``), each ``dist.new_group`` is instead an
     eager split of WORLD in which every rank takes part, non-members included: ``M + L`` of them for a hierarchical
-    topology, against 2 with ``split_group`` (REFERENCE.md section 10). torch refuses to split without an
+    topology, against 2 with ``split_group``. torch refuses to split without an
     accelerator and a device bound to the default group, so on CPU gloo (checked on torch 2.13: "No device
     associated with the default pg, not safe to split any process groups"; ``init_process_group`` refuses a CPU
     ``device_id``) groups are made with ``new_group``, where each is a gloo connection setup among its members only.
@@ -348,9 +348,8 @@ def new_gather_groups(
 ) -> tuple[Any, Any]:
     """Process groups of their own for the second phase of the compressed exchange, ``(inter, intra)``.
 
-    The overlapped exchange launches a bucket's ``all_gather`` as soon as its ``all_to_all`` has arrived, possibly
-    between later buckets' ``all_to_all``; in separate groups every group still sees its collectives in one fixed
-    order (:meth:`CompressedAllreduceState.create_gather_groups`). Flat: a copy of ``process_group`` and ``None``;
+    The overlapped exchange launches bucket ``k - 1``'s ``all_gather`` right after bucket ``k``'s ``all_to_all``;
+    in groups of their own the two run concurrently (:meth:`CompressedAllreduceState.create_gather_groups`). Flat: a copy of ``process_group`` and ``None``;
     hierarchical: copies of the topology's inter- and intra-node groups. A collective, as :func:`new_group_family`.
     """
     if topology is not None and topology.is_hierarchical:
