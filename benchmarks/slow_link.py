@@ -41,7 +41,8 @@ burst 256kb latency 50ms``; the ranks run under ``ip netns exec NAME`` on 127.0.
 afterwards (also on errors). On loopback both ranks' traffic passes the one shaped device, so RATE is the *aggregate*
 bandwidth of the 2-rank link (a 91 MB fp32 ring allreduce moves 2 x 91 MB through it: ~1.5 s at 1 Gbit/s).
 
-Per method: ``--untimed`` steps untimed, then the median of ``--steps`` timed steps (forward + backward + optimizer
+Each method runs in its own fresh pair of rank processes (one after another in the same processes, a method was
+measured up to 2x slower than alone). Per method: ``--untimed`` steps untimed, then the median of ``--steps`` timed steps (forward + backward + optimizer
 step, after a barrier; a step's time is the slower rank's). Bytes per rank per step:
   * ddp_fp32, ddp_bf16: analytic, ``lightning_onebit.ring_allreduce_bytes`` of the gradient at 4 / 2 bytes per
     element (for bf16 also measured by counting the hook's ``dist.all_reduce`` calls);
@@ -715,15 +716,34 @@ def shaped_namespace(name: str, rate: str, burst: str, latency: str):
         _sh(["ip", "netns", "del", name], check=False)
 
 
-def _worker_command(args: argparse.Namespace, mode: str, out: str) -> list[str]:
+def _worker_command(args: argparse.Namespace, mode: str, out: str, methods: Optional[list[str]] = None) -> list[str]:
     cmd = [sys.executable, str(SCRIPT), mode, "--out", out]
     for flag in ("model", "layers", "hidden", "heads", "batch", "seq", "vocab", "warmup_steps", "steps", "untimed",
                  "adamw", "onebit_bucket_cap_mb"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(value)]
-    cmd += ["--methods", *args.methods]
+    cmd += ["--methods", *(args.methods if methods is None else methods)]
     return cmd
+
+
+def _run_methods_apart(args: argparse.Namespace, tmp: str, rate: str, netns: Optional[str]) -> list[dict]:
+    """Each distributed method in its own pair of fresh rank processes, the per-rank results merged. In one pair of
+    processes a method ran up to 2x slower after another (measured: 1-bit LAMB 1.69 s/step first, 2.55 s after
+    1-bit Adam; 1-bit Adam 1.26 s first, 1.75 s after LAMB), so methods run in the same processes were not compared
+    on equal terms."""
+    merged: list[dict] = []
+    for method in [m for m in args.methods if m in DIST_METHODS]:
+        out = os.path.join(tmp, f"{re.sub(r'[^A-Za-z0-9]', '', rate)}_{method}.json")
+        per_rank = _run_worker(_worker_command(args, "--worker", out, [method]), out, args.timeout, netns=netns)
+        if not merged:
+            merged = per_rank
+            continue
+        for into, ran in zip(merged, per_rank):
+            into["methods"].update(ran["methods"])
+            if ran.get("model", {}).get("ddp_buckets", {}).get("source") == OBSERVED_BUCKETS:
+                into["model"] = ran["model"]
+    return merged
 
 
 def _run_worker(cmd: list[str], out: str, timeout: float, netns: Optional[str] = None) -> list[dict]:
@@ -828,14 +848,12 @@ def main() -> None:
         for rate in rates:
             print(f"[{time.strftime('%H:%M:%S')}] link {rate}: 2 ranks, methods "
                   f"{', '.join(m for m in args.methods if m in DIST_METHODS)}", flush=True)
-            out = os.path.join(tmp, f"{rate}.json")
-            cmd = _worker_command(args, "--worker", out)
             if args.no_netns:
-                per_rank = _run_worker(cmd, out, args.timeout)
+                per_rank = _run_methods_apart(args, tmp, rate, None)
             else:
                 name = f"slowlink{os.getpid()}_{re.sub(r'[^A-Za-z0-9]', '', rate)}"
                 with shaped_namespace(name, rate, args.burst, args.latency):
-                    per_rank = _run_worker(cmd, out, args.timeout, netns=name)
+                    per_rank = _run_methods_apart(args, tmp, rate, name)
             # the ranks' model info carries the DDP buckets they observed; the floor's only the analytic ones
             payload["model"] = per_rank[0].get("model") or payload.get("model")
             summary = summarise(per_rank, floor, cfg, rate)
