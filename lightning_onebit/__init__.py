@@ -21,6 +21,7 @@ from lightning_onebit.comm import (
 from lightning_onebit.gradient_sync import (
     GradientSyncState,
     OverlapState,
+    leaves_gradients_unchanged,
     overlapped_exchange_hook,
     switchable_allreduce_hook,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "bytes_leaving_node",
     "compressed_allreduce_",
     "compressed_allreduce_buckets_",
+    "leaves_gradients_unchanged",
     "overlapped_exchange_hook",
     "ring_allreduce_bytes",
     "switchable_allreduce_hook",

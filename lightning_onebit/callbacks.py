@@ -312,8 +312,13 @@ class ErrorFeedbackCheckpoint(Callback):
     * ``"require"``: as ``keep``, but if any rank cannot restore, every rank raises ``RuntimeError`` naming the
       ranks, files and reasons, at the start of training, before any training collective.
 
-    Sidecars are written atomically, follow a checkpoint reached through a symbolic link (``save_last="link"``), and
-    are removed with their checkpoint (e.g. by ``ModelCheckpoint(save_top_k=...)``), each rank removing its own.
+    Sidecars are written atomically with the checkpoint's permission bits, follow a checkpoint reached through a
+    symbolic link (``save_last="link"``), and are removed with their checkpoint (e.g. by
+    ``ModelCheckpoint(save_top_k=...)``), each rank removing its own.
+
+    Restored buffers stay restored when the momentum buckets are laid out anew after the resume (a checkpoint saved
+    with ``overlap=False`` resumed with ``overlap=True``, whose hook lays the momenta out like DDP's gradient buckets
+    at the second step): the optimizer carries them into the new layout coordinate by coordinate, and logs it.
 
     Args:
         policy: ``"reset"``, ``"keep"`` or ``"require"``. Default ``"reset"``.
@@ -552,8 +557,9 @@ class CommunicationMonitor(Callback):
     estimate. Both go to the log (rank 0) and the logger (``advisor/warmup_step_ms``, ``advisor/exposed_ms``,
     ``advisor/expected_step_ms``, ``advisor/measured_step_ms``); :attr:`advice` holds them. Each costs one small
     ``all_reduce`` (every rank's figures: the advice is the slowest rank's). A run resumed in the compression stage
-    measured no warmup and gets no advice; ``ZeroOneAdam``, whose steps after its first ones mix full-precision,
-    compressed and local steps, gets none either.
+    measured no warmup and gets no advice (the log says so). With ``ZeroOneAdam``, whose steps after its warmup mix
+    full-precision variance steps, 1-bit compressed steps and local steps, the advice is about its 1-bit steps: it is
+    given at the first one and measured on those only (until its local steps begin), and the log says what it covers.
 
     Args:
         prog_bar: show ``stage``, ``1bit_x`` and ``freeze`` in the progress bar. Default ``True``.
@@ -567,6 +573,9 @@ class CommunicationMonitor(Callback):
     SETTLING_STEPS = 2
 
     def __init__(self, prog_bar: bool = True, advise: bool = True, advise_steps: int = 20) -> None:
+        for name, value in (("prog_bar", prog_bar), ("advise", advise)):
+            if not isinstance(value, bool):  # "yes", "no", 0 and 1 would all read as a truth value
+                raise ValueError(f"CommunicationMonitor {name} must be True or False, got {value!r}")
         if isinstance(advise_steps, bool) or not isinstance(advise_steps, int) or advise_steps < 1:
             raise ValueError(f"CommunicationMonitor advise_steps must be an integer >= 1, got {advise_steps!r}")
         self.prog_bar = prog_bar
@@ -582,6 +591,7 @@ class CommunicationMonitor(Callback):
         self._warmup: collections.deque[tuple[float, float, float, int]] = collections.deque(maxlen=advise_steps)
         self._compressed: list[float] = []
         self._advice_done = False
+        self._zeroone_note: Optional[str] = None  # what the advice covers with ZeroOneAdam (its 1-bit steps)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
@@ -598,6 +608,14 @@ class CommunicationMonitor(Callback):
         self._compressed = []
         self.advice = None
         self._advice_done = False
+        optimizer = strategy.onebit_optimizer
+        self._zeroone_note = (
+            f" (ZeroOneAdam: for its 1-bit compressed steps, which alone are timed; its variance steps, every "
+            f"var_interval-th step up to var_freeze_step={optimizer.var_freeze_step}, cost about a warmup step, and "
+            "its local steps after that send nothing but a 1-bit sync every local_step_interval steps)"
+            if isinstance(optimizer, ZeroOneAdam)
+            else None
+        )
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -638,8 +656,13 @@ class CommunicationMonitor(Callback):
         pl_module.log_dict(shown, on_step=True, on_epoch=False, batch_size=1)
         if self.prog_bar:  # short names that fit a terminal; the logger has the full ones
             pl_module.log_dict(short, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
-        if self.advise and not self._advice_done and not isinstance(optimizer, ZeroOneAdam):
-            self._advise(trainer, strategy, compressed, step, step_s, span_s)
+        if self.advise and not self._advice_done:
+            if isinstance(optimizer, ZeroOneAdam) and compressed and optimizer.last_step_kind != "compressed":
+                # 0/1 Adam's variance steps cost a warmup step and its local steps send (almost) nothing: the advice
+                # is about its 1-bit steps, so it times those only
+                self._zeroone_other_step(trainer, strategy, optimizer)
+            else:
+                self._advise(trainer, strategy, compressed, step, step_s, span_s)
 
     # -- will compression help? --------------------------------------------------------------------------------------
     def _advise(
@@ -682,7 +705,7 @@ class CommunicationMonitor(Callback):
                 overlap=strategy.overlap_state is not None and strategy.overlap_state.enabled,
             )
             self._warmup.clear()
-            rank_zero_info(f"onebit_adam advisor: {self.advice.message()}")
+            rank_zero_info(f"onebit_adam advisor: {self.advice.message()}{self._note}")
             _log_once(
                 trainer,
                 {
@@ -697,11 +720,43 @@ class CommunicationMonitor(Callback):
             self._compressed.append(step_s)
         if len(self._compressed) < self.advise_steps:
             return
+        self._measured(trainer, strategy)
+
+    def _measured(self, trainer: "pl.Trainer", strategy: OnebitAdamStrategy) -> None:
+        assert self.advice is not None and self._compressed
         self.advice.measured_step_s = _reduce_max(strategy, [statistics.median(self._compressed)])[0]
         self.advice.measured_steps = len(self._compressed)
         self._advice_done = True
-        rank_zero_info(f"onebit_adam advisor: {self.advice.measured_message()}")
+        rank_zero_info(f"onebit_adam advisor: {self.advice.measured_message()}{self._note}")
         _log_once(trainer, {"advisor/measured_step_ms": 1000.0 * self.advice.measured_step_s})
+
+    @property
+    def _note(self) -> str:
+        return self._zeroone_note or ""
+
+    def _zeroone_other_step(self, trainer: "pl.Trainer", strategy: OnebitAdamStrategy, optimizer: ZeroOneAdam) -> None:
+        """A 0/1 Adam step after its warmup that is not a 1-bit compressed step (a variance, local or sync step):
+        not timed. Once its local steps begin there are no more 1-bit steps to time: the advice ends with what it
+        has (the schedule is the same on every rank, so every rank ends here at the same step)."""
+        if optimizer.last_step_kind not in ("local", "sync"):
+            return  # a variance step: a warmup step's cost, as the note says
+        if self.advice is None:
+            self._advice_done = True
+            rank_zero_info(
+                "CommunicationMonitor: no compression advice: in this fit ZeroOneAdam took no 1-bit compressed step "
+                f"before its local steps (var_freeze_step={optimizer.var_freeze_step}), so there is no compressed "
+                "step to estimate; its local steps send nothing but a 1-bit sync of the accumulated update every "
+                "local_step_interval steps"
+            )
+        elif self._compressed:
+            self._measured(trainer, strategy)
+        else:
+            self._advice_done = True
+            rank_zero_info(
+                "onebit_adam advisor: the 1-bit steps were not measured: ZeroOneAdam's local steps began "
+                f"(var_freeze_step={optimizer.var_freeze_step}) before a 1-bit step after the estimate's first "
+                f"{self.SETTLING_STEPS} could be timed"
+            )
 
 
 def _log_once(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:

@@ -40,10 +40,11 @@ call (:func:`bytes_leaving_node`). The counters split every call's bytes into in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend, Segments
 from lightning_onebit.streams import DeviceTimings
-from lightning_onebit.topology import Topology
+from lightning_onebit.topology import Topology, group_timeout
 
 log = logging.getLogger(__name__)
 
@@ -508,6 +509,39 @@ def _topology_text(description: Optional[dict[str, Any]]) -> str:
     return text
 
 
+class CollectiveFailedError(RuntimeError):
+    """A collective of the compressed exchange failed on this rank. The message names the collective, the global
+    ranks of its process group and the group's timeout; the backend's own error is the ``__cause__``. On gloo a peer
+    that stalled (stopped, swapped out, stuck in I/O or a debugger) makes it time out after the group's timeout, one
+    that died makes it fail at once; neither error says which peer."""
+
+
+@contextlib.contextmanager
+def _naming_the_group(what: str, group: Optional[dist.ProcessGroup]) -> Iterator[None]:
+    """Re-raise a backend error of the collective(s) inside as a :class:`CollectiveFailedError` naming ``group``."""
+    try:
+        yield
+    except CollectiveFailedError:
+        raise
+    except RuntimeError as error:  # gloo and NCCL raise RuntimeError (DistBackendError is one) for a failed peer
+        raise CollectiveFailedError(_collective_failure(what, group, error)) from error
+
+
+def _collective_failure(what: str, group: Optional[dist.ProcessGroup], error: BaseException) -> str:
+    try:
+        ranks: Any = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except (RuntimeError, ValueError):
+        ranks = "unknown"
+    timeout = group_timeout(group)
+    waited = f"with a timeout of {timeout.total_seconds():g} s" if timeout is not None else "(timeout unknown)"
+    return (
+        f"lightning_onebit: the compressed exchange's {what} in the process group of global ranks {ranks} {waited} "
+        f"failed: {error}. A rank of that group that stalled (stopped, swapped out, stuck in I/O or a debugger) "
+        "makes this collective time out; one that died makes it fail at once. Look for the rank whose log stops "
+        "before this step; the timeout is the strategy's (or init_process_group's) timeout"
+    )
+
+
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -593,6 +627,8 @@ def check_buckets(
 # Phases of a PendingExchange. Flat: ALL_TO_ALL -> GATHER -> DONE. Hierarchical: ALL_TO_ALL (inter-node) -> GATHER
 # (inter-node) -> NODE_GATHER (intra-node) -> DONE.
 _ALL_TO_ALL, _GATHER, _NODE_GATHER, _DONE = 1, 2, 3, 4
+_PHASE_NAMES = {_ALL_TO_ALL: "1-bit all_to_all", _GATHER: "all_gather of the server blocks",
+                _NODE_GATHER: "intra-node all_gather of the server blocks"}
 
 
 class PendingExchange:
@@ -603,12 +639,13 @@ class PendingExchange:
         done: whether the average has been written into ``buffer``.
     """
 
-    __slots__ = ("key", "buffer", "layout", "buffers", "work", "phase", "hierarchical")
+    __slots__ = ("key", "buffer", "layout", "buffers", "work", "group", "phase", "hierarchical")
 
     def __init__(self, key: Hashable, buffer: torch.Tensor, layout: BucketLayout) -> None:
         self.key, self.buffer, self.layout = key, buffer, layout
         self.buffers: Optional[_BucketBuffers] = None
         self.work: Optional[dist.Work] = None  # the collective in flight
+        self.group: Optional[dist.ProcessGroup] = None  # its process group (named if it fails)
         self.phase = _DONE
         self.hierarchical = False
 
@@ -654,17 +691,20 @@ def start_exchange_(
         # (gloo has no AVG, and a fixed order gives the same bits as a single-process reference)
         shard = layout.padded_numel // per_node
         received = workspace.get("intra_reduce_scatter", layout.padded_numel, buffer.dtype, buffer.device)
-        dist.all_to_all_single(received, buffer, group=topology.intra_group)
+        with _naming_the_group("intra-node reduce-scatter (all_to_all)", topology.intra_group):
+            dist.all_to_all_single(received, buffer, group=topology.intra_group)
         node_mean = received[:shard]
         for j in range(1, per_node):
             node_mean.add_(received[j * shard : (j + 1) * shard])
         node_mean.div_(per_node)
         own_chunks = range(local * nodes, (local + 1) * nodes)
         _compress_chunks(node_mean, bufs.worker_error, bufs.send, layout, own_chunks, backend, workspace)
-        pending.work = dist.all_to_all_single(bufs.recv, bufs.send, group=topology.inter_group, async_op=True)
+        pending.group = topology.inter_group
     else:
         _compress_chunks(buffer, bufs.worker_error, bufs.send, layout, range(state.world_size()), backend, workspace)
-        pending.work = dist.all_to_all_single(bufs.recv, bufs.send, group=state.process_group, async_op=True)
+        pending.group = state.process_group
+    with _naming_the_group("1-bit all_to_all", pending.group):
+        pending.work = dist.all_to_all_single(bufs.recv, bufs.send, group=pending.group, async_op=True)
     pending.phase = _ALL_TO_ALL
     _count_call(state, layout, buffer)
     state.timings.add(state.counters, "time_s", started, state.timings.mark(buffer.device))
@@ -716,7 +756,8 @@ def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
     """Wait for ``p``'s collective and run its next phase."""
     bufs, layout = p.buffers, p.layout
     assert bufs is not None and p.work is not None
-    p.work.wait()
+    with _naming_the_group(_PHASE_NAMES[p.phase], p.group):
+        p.work.wait()
     backend, workspace = state.backend, state.workspace
     inter_gather_group, intra_gather_group = state.gather_groups()
     if p.phase == _ALL_TO_ALL:
@@ -727,10 +768,14 @@ def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
         else:
             chunk, sources = state.rank(), state.world_size()
         _serve_chunk(bufs, layout, layout.chunk_segments[chunk], sources, backend, workspace)
-        p.work, p.phase = _all_gather(bufs.gather_recv, bufs.gather_send, inter_gather_group), _GATHER
+        with _naming_the_group(_PHASE_NAMES[_GATHER], inter_gather_group):
+            p.work = _all_gather(bufs.gather_recv, bufs.gather_send, inter_gather_group)
+        p.group, p.phase = inter_gather_group, _GATHER
     elif p.phase == _GATHER and p.hierarchical:
         # every server block of the bucket, gathered packed inside the node (32x fewer bytes than the decoded shard)
-        p.work, p.phase = _all_gather(bufs.node_gather_recv, bufs.gather_recv, intra_gather_group), _NODE_GATHER
+        with _naming_the_group(_PHASE_NAMES[_NODE_GATHER], intra_gather_group):
+            p.work = _all_gather(bufs.node_gather_recv, bufs.gather_recv, intra_gather_group)
+        p.group, p.phase = intra_gather_group, _NODE_GATHER
     else:
         _decode_all(p.buffer, bufs.gather_recv if not p.hierarchical else bufs.node_gather_recv, layout, backend,
                     workspace)
@@ -801,7 +846,8 @@ def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence
         started = state.timings.mark(device)
         # a fresh buffer: the shared kernel workspace may still be in use by exchanges started during backward
         flat = torch.cat([t.reshape(-1) for t in same_kind])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=state.process_group)
+        with _naming_the_group("full-precision all_reduce (compress=False groups)", state.process_group):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=state.process_group)
         flat.div_(world_size)
         offset = 0
         for t in same_kind:

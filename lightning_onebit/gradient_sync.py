@@ -13,7 +13,7 @@ Used by :class:`lightning_onebit.OnebitAdamStrategy`, and usable with plain DDP:
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real objects.
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,58 @@ if TYPE_CHECKING:
 
 
 _Mark = Union[float, "torch.cuda.Event"]  # host seconds, or a CUDA event
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_READ_ONLY_MARK = "_onebit_leaves_gradients_unchanged"
+
+
+def leaves_gradients_unchanged(hook: _F) -> _F:
+    """Mark a LightningModule or Callback hook (``on_after_backward``, ``on_before_optimizer_step``) as one that only
+    reads gradients, so that it does not turn the overlapped exchange off.
+
+    The overlapped exchange folds each gradient bucket into the momenta during backward, before these hooks run, so
+    an edit of ``.grad`` there could not reach the momenta. ``OnebitAdamStrategy(overlap="auto")`` therefore exchanges
+    in ``optimizer.step`` whenever the LightningModule or a user callback overrides one of them (``overlap=True`` is
+    then an error at setup), unless the override carries this mark::
+
+        @leaves_gradients_unchanged
+        def on_before_optimizer_step(self, optimizer):
+            self.log_dict(grad_norm(self, norm_type=2))
+
+    A marked hook that does change gradients (or ``requires_grad``) gives silently wrong results under overlap.
+    """
+    setattr(hook, _READ_ONLY_MARK, True)
+    return hook
+
+
+def is_marked_read_only(hook: Any) -> bool:
+    """Whether ``hook`` (a function or bound method) carries :func:`leaves_gradients_unchanged`'s mark."""
+    return bool(getattr(hook, _READ_ONLY_MARK, False))
+
+
+class OverlapFallbackReason(str):
+    """Why the momentum exchange is not overlapped with backward: the sentence the strategy logs (this string) and a
+    stable :attr:`cause` to branch on (never the text): ``"manual_optimization"``, ``"grad_scaler"``,
+    ``"clip_by_norm"``, ``"clipping_override"``, ``"gradient_hook"``, ``"static_graph_accumulation"``,
+    ``"optimizer"`` (the optimizer's ``overlap_unsupported_reason``) or ``"custom"`` (a plain string from an
+    override of ``OnebitAdamStrategy.overlap_unsupported_reason``)."""
+
+    cause: str
+
+    def __new__(cls, cause: str, text: str) -> "OverlapFallbackReason":
+        reason = super().__new__(cls, text)
+        reason.cause = cause
+        return reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (OverlapFallbackReason, (self.cause, str(self)))
+
+    @classmethod
+    def of(cls, reason: Optional[str], cause: str = "custom") -> Optional["OverlapFallbackReason"]:
+        """``reason`` as an :class:`OverlapFallbackReason` (a plain string gets ``cause``); ``None`` stays ``None``."""
+        if reason is None or isinstance(reason, OverlapFallbackReason):
+            return reason
+        return cls(cause, reason)
 
 
 class GradientSyncState:
@@ -143,9 +195,12 @@ class OverlapState:
     non-overlapped path. Warmup is DDP's allreduce, as with :func:`switchable_allreduce_hook`.
 
     Overlap starts once DDP's buckets are final (:attr:`ddp_buckets_final`: after DDP's first iteration, or two with
-    ``static_graph``), from the second compressed step on (the first one lays the momenta out); until then, and for
-    any bucket the momentum layout does not match, the hook leaves the gradients local and ``step`` does everything,
-    as without overlap. Gradients
+    ``static_graph``), from the second compressed step on (the first one lays the momenta out); until then, for
+    any bucket the momentum layout does not match, and in a backward where the trainable parameters differ from those
+    the momentum buckets were built for (``requires_grad`` switched since the last step: a layer frozen or unfrozen;
+    read at the first bucket, before any collective, so the same on every rank), the hook leaves the gradients local
+    and ``step`` does everything (rebuilding the buckets), as without overlap. Change ``requires_grad`` before the
+    forward pass: a change between backward and ``step`` finds exchanges in flight and raises. Gradients
     are consumed as backward produces them: clipping by value can run in the hook (``clip_value``), but anything
     that changes gradients after backward (clipping by norm, a GradScaler's unscale and skip, a second backward pass
     before ``step``) cannot, so use :func:`switchable_allreduce_hook` there (the Lightning strategy decides this).

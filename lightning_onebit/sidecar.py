@@ -10,8 +10,11 @@ Lightning writes only rank 0's checkpoint under DDP, but compression error feedb
 * the per-rank state, serialised, with its SHA-256, so truncation and corruption are detected before unpickling.
 
 Writing is atomic (a temporary file in the same directory, then ``os.replace``): a crash mid-write leaves the previous
-sidecar or none, never half a file. :func:`read_sidecar` never raises for a bad file: it returns the reason, so that
-the ranks can agree on what to do (see :class:`~lightning_onebit.ErrorFeedbackCheckpoint`).
+sidecar or none, never half a file. The file gets the permission bits a plain ``open(path, "wb")`` would give it
+(``0666`` less the process umask), as ``torch.save`` gives the checkpoint itself, so whoever can read the checkpoint in
+a shared directory can read its sidecars too. :func:`read_sidecar` never raises for a bad file: it returns the reason
+(a file this process may not read says so, with its mode and owner), so that the ranks can agree on what to do (see
+:class:`~lightning_onebit.ErrorFeedbackCheckpoint`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def write_sidecar(path: str, meta: dict[str, Any], state: Any) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
+        # mkstemp makes the file 0600: give it the bits of a plain open(path, "wb"), as the checkpoint has
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
@@ -63,7 +68,10 @@ def read_sidecar(path: str, expected: dict[str, Any]) -> tuple[Optional[Any], Op
     if not os.path.exists(path):
         return None, "the file does not exist"
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as f:
+            payload = torch.load(f, map_location="cpu", weights_only=True)
+    except PermissionError:
+        return None, _permission_reason(path)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a reason, not a crash
         return None, f"the file is unreadable ({type(err).__name__}: {_first_line(err)})"
     if not isinstance(payload, dict) or payload.get("format") != SIDECAR_FORMAT:
@@ -88,6 +96,36 @@ def read_sidecar(path: str, expected: dict[str, Any]) -> tuple[Optional[Any], Op
     except Exception as err:  # noqa: BLE001
         return None, f"the file's state cannot be loaded ({type(err).__name__}: {_first_line(err)})"
     return state, None
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux says it (``/proc/self/status``), else set and
+    restored at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _permission_reason(path: str) -> str:
+    """Why a sidecar that exists cannot be opened: its mode and owner, this process's user, and the fix."""
+    try:
+        st = os.stat(path)
+        owner = f"mode {st.st_mode & 0o777:04o}, owner uid {st.st_uid}"
+    except OSError:
+        owner = "mode unknown"
+    uid = os.getuid() if hasattr(os, "getuid") else "?"
+    return (
+        f"the file exists but this process (uid {uid}) may not read it: permission denied ({owner}). Make it "
+        f"readable by the user resuming (e.g. `chmod a+r {path}`, as the checkpoint is); sidecars written by this "
+        "version get the checkpoint's permission bits"
+    )
 
 
 def _first_line(err: BaseException) -> str:

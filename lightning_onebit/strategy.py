@@ -30,7 +30,9 @@ import lightning.pytorch as pl
 from lightning_onebit.comm import CommunicationCounters
 from lightning_onebit.gradient_sync import (
     GradientSyncState,
+    OverlapFallbackReason,
     OverlapState,
+    is_marked_read_only,
     overlapped_exchange_hook,
     switchable_allreduce_hook,
 )
@@ -135,7 +137,9 @@ class OnebitAdamStrategy(DDPStrategy):
       on all of them (a per-rank skip would deadlock the compressed collective).
     * Combining with FSDP, DeepSpeed or other sharded strategies is not supported: this strategy *is* DDP.
     * Process groups: the hierarchical topology's node groups and the overlapped exchange's second-phase groups are
-      made once per strategy (per process group) and reused by every later ``fit`` (:attr:`process_groups`). At
+      made once per strategy (per process group) and reused by every later ``fit`` (:attr:`process_groups`), with
+      the strategy's ``timeout``: a stalled or dead rank makes its peers' collectives in them fail after ``timeout``,
+      with an error naming the group's ranks, as in the process group Lightning makes. At
       interpreter exit the strategy destroys them, detaches its optimizers from them and destroys WORLD if it is
       still initialised, so that its gloo groups are freed while the interpreter is whole: nothing needs
       ``gc.collect()``, and a process that trained and succeeded exits 0 (a gloo group freed during interpreter
@@ -164,12 +168,17 @@ class OnebitAdamStrategy(DDPStrategy):
         overlap: start the compressed momentum exchange during backward, bucket by bucket as DDP's gradient buckets
             become ready (:class:`~lightning_onebit.OverlapState`), so that ``optimizer.step`` only finishes it;
             same results, bit for bit, as without. ``"auto"`` (default): on wherever it is correct, else off with the
-            reason logged once (:attr:`overlap_fallback_reason`): clipping by norm (it needs the whole gradient;
-            clipping by value runs in the hook), a ``configure_gradient_clipping`` override, ``16-mixed`` (the
-            GradScaler decides to skip a step only after backward), ``static_graph`` with gradient accumulation,
-            manual optimization (several backward passes per step cannot be told apart in advance). ``True``: on, and
-            any of these cases is a ``ValueError`` at setup, except manual optimization, where a second backward pass
-            before ``step`` raises ``RuntimeError``. ``False``: off.
+            reason logged once (:attr:`overlap_fallback_reason`, whose ``cause`` names the case): clipping by norm
+            (it needs the whole gradient; clipping by value runs in the hook), a ``configure_gradient_clipping``
+            override, an ``on_after_backward`` or ``on_before_optimizer_step`` override of the LightningModule or of a
+            user callback (it could edit gradients the hooks already folded; one that only reads them keeps overlap
+            when marked :func:`~lightning_onebit.leaves_gradients_unchanged`; Lightning's and this package's
+            callbacks do not count), ``16-mixed`` (the GradScaler decides to skip a step only after backward),
+            ``static_graph`` with gradient accumulation, manual optimization (several backward passes per step cannot
+            be told apart in advance). ``True``: on, and any of these cases is a ``ValueError`` at setup (before any
+            collective; the optimizer's own reason after ``configure_optimizers``), except manual optimization, where
+            a second backward pass before ``step`` raises ``RuntimeError``. ``False``: off. Freezing or unfreezing
+            parameters (``requires_grad``) between steps works: that step exchanges in ``step``.
     """
 
     strategy_name = "onebit_adam"
@@ -345,59 +354,126 @@ class OnebitAdamStrategy(DDPStrategy):
 
     @classmethod
     def _warn_if_run_ends_in_warmup(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        """Warn when the warmup cannot end before the run does: the whole run would be plain DDP."""
+        """Warn when the warmup cannot end before the run does (a fixed ``freeze_step``: the whole run is plain DDP)
+        or is only bounded past its end (``freeze_step='auto'``: plain DDP unless the detector decides earlier)."""
         detector = optimizer.freeze_detector
         last_warmup = optimizer.freeze_step if detector is None else detector.max_step
         total = cls._run_length(trainer)
         if last_warmup is None or total is None or last_warmup < total:
             return
-        setting = (
-            f"freeze_step={last_warmup}" if detector is None
-            else f"freeze_step='auto' with AutoFreeze(max_step={last_warmup})"
-        )
+        if detector is not None:
+            # the detector may still end the warmup before its bound: only the worst case is known at fit start
+            rank_zero_warn(
+                f"onebit_adam: freeze_step='auto' with AutoFreeze(max_step={last_warmup}), but the run has {total} "
+                "optimizer steps: that bound lies past the end of the run, so compression starts only if the "
+                "detector ends the warmup earlier (the log says when it does); if it does not, the run is plain DDP "
+                "and compression never starts. Lower AutoFreeze's max_step (without max_step, freeze_step='auto' "
+                "ends the warmup by 25% of the run) to be sure, or train longer"
+            )
+            return
         rank_zero_warn(
-            f"onebit_adam: {setting}, but the run has {total} optimizer steps: it ends in the warmup, so it "
-            "is plain DDP and compression never starts. Lower freeze_step (or AutoFreeze's max_step; without "
-            "max_step, freeze_step='auto' ends the warmup by 25% of the run), or train longer"
+            f"onebit_adam: freeze_step={last_warmup}, but the run has {total} optimizer steps: it ends in the warmup, "
+            "so it is plain DDP and compression never starts. Lower freeze_step, or train longer"
         )
 
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
-        """Why the exchange cannot overlap backward in this run (``None``: it can). Override to add cases."""
+        """Why the exchange cannot overlap backward in this run (``None``: it can), as an
+        :class:`~lightning_onebit.gradient_sync.OverlapFallbackReason` (a string with a ``cause``). Override to add
+        cases (a plain string counts as cause ``"custom"``). Manual optimization comes last: ``overlap=True`` accepts
+        it, so any other reason must be found first."""
         module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            return (
-                "manual optimization: a step may have several backward passes, and each would fold its gradients into "
-                "the momentum at once"
-            )
         precision = self.precision_plugin
         if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-            return (
+            return OverlapFallbackReason(
+                "grad_scaler",
                 "16-mixed: the GradScaler decides whether to skip a step only after backward, when the momenta already "
-                "hold the gradients (use bf16-mixed)"
+                "hold the gradients (use bf16-mixed)",
             )
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            return (
+            return OverlapFallbackReason(
+                "clip_by_norm",
                 "gradient clipping by norm needs the whole gradient before anything is folded (clip by value, "
-                "gradient_clip_algorithm='value', runs in the hook)"
+                "gradient_clip_algorithm='value', runs in the hook)",
             )
         if module is not None and is_overridden("configure_gradient_clipping", module, pl.LightningModule):
-            return "the LightningModule overrides configure_gradient_clipping, which changes gradients after backward"
+            return OverlapFallbackReason(
+                "clipping_override",
+                "the LightningModule overrides configure_gradient_clipping, which changes gradients after backward",
+            )
+        hooks = self._gradient_hooks(trainer)
+        if hooks:
+            return OverlapFallbackReason(
+                "gradient_hook",
+                f"{' and '.join(hooks)} run{'s' if len(hooks) == 1 else ''} after backward, when the overlapped "
+                "exchange has already folded the gradients into the momenta, so a change of .grad there would be "
+                "lost; if the hook only reads gradients, decorate it with @lightning_onebit.leaves_gradients_unchanged",
+            )
         if self._ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:
-            return "static_graph with gradient accumulation (DDP's static graph does not support no_sync)"
+            return OverlapFallbackReason(
+                "static_graph_accumulation",
+                "static_graph with gradient accumulation (DDP's static graph does not support no_sync)",
+            )
+        if module is not None and not module.automatic_optimization:
+            return OverlapFallbackReason(
+                "manual_optimization",
+                "manual optimization: a step may have several backward passes, and each would fold its gradients into "
+                "the momentum at once",
+            )
         return None
+
+    #: The hooks that run between backward and ``optimizer.step`` and may edit ``.grad``.
+    GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+    def _gradient_hooks(self, trainer: "pl.Trainer") -> list[str]:
+        """``Class.hook`` for every :attr:`GRADIENT_HOOKS` override of the LightningModule and of the user callbacks
+        that is not marked :func:`~lightning_onebit.leaves_gradients_unchanged`. Callbacks whose hook is defined by
+        Lightning or by this package (``MomentumMask`` reads gradients only) do not count; a user subclass that
+        overrides the hook does."""
+        found = []
+        owners: list[tuple[Any, type]] = [(self.lightning_module, pl.LightningModule)]
+        owners += [(callback, pl.Callback) for callback in getattr(trainer, "callbacks", None) or []]
+        for owner, base in owners:
+            if owner is None:
+                continue
+            for name in self.GRADIENT_HOOKS:
+                if not is_overridden(name, owner, base):
+                    continue
+                hook = getattr(type(owner), name)
+                package = (getattr(hook, "__module__", None) or "").split(".")[0]
+                if base is pl.Callback and package in ("lightning", "pytorch_lightning", "lightning_onebit"):
+                    continue
+                if not is_marked_read_only(hook):
+                    found.append(f"{type(owner).__name__}.{name}")
+        return found
+
+    def _refuse_explicit_overlap(self, trainer: "pl.Trainer") -> None:
+        """``overlap=True`` in a run it cannot serve: raise on every rank at the start of setup, before any collective
+        (DDP's parameter broadcast, the topology, the run id). The optimizer's own reason is known only after
+        ``configure_optimizers`` (:meth:`_configure_overlap`)."""
+        if self.overlap is not True or trainer.state.fn != TrainerFn.FITTING:
+            return
+        reason = OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer))
+        if reason is not None and reason.cause != "manual_optimization":
+            raise ValueError(self._explicit_overlap_message(reason))
+
+    @staticmethod
+    def _explicit_overlap_message(reason: str) -> str:
+        return (
+            f"OnebitAdamStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
+            "Use overlap='auto' (falls back to exchanging in optimizer.step) or overlap=False."
+        )
 
     def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> Optional[OverlapState]:
         """The overlapped hook's state, or ``None`` with the reason logged once (``overlap='auto'``)."""
         self.overlap_fallback_reason = None
         if self.overlap is False:
             return None
-        reason = optimizer.overlap_unsupported_reason or self.overlap_unsupported_reason(trainer)
-        if reason is not None and not (self.overlap is True and reason.startswith("manual optimization")):
+        reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or (
+            OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer))
+        )
+        if reason is not None and not (self.overlap is True and reason.cause == "manual_optimization"):
             if self.overlap is True:
-                raise ValueError(
-                    f"OnebitAdamStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
-                    "Use overlap='auto' (falls back to exchanging in optimizer.step) or overlap=False."
-                )
+                raise ValueError(self._explicit_overlap_message(reason))
             self.overlap_fallback_reason = reason
             rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}")
             return None
@@ -413,7 +489,7 @@ class OnebitAdamStrategy(DDPStrategy):
         if self._gather_groups is None:
             # the second phase's own groups: made once per process group, like the topology's, and reused by every
             # later fit's optimizer (OverlapState would otherwise make new ones for each)
-            self._gather_groups = new_gather_groups(self.model.process_group, self.topology)
+            self._gather_groups = new_gather_groups(self.model.process_group, self.topology, self._timeout)
             self._owned_groups.extend(g for g in self._gather_groups if g is not None)
         optimizer.compression.install_gather_groups(*self._gather_groups)
         return OverlapState(self.model, optimizer, clip_value=clip_value, gradient_sync=self.gradient_sync)
@@ -462,12 +538,14 @@ class OnebitAdamStrategy(DDPStrategy):
             mode=self.topology_mode,
             ranks_per_node=self.ranks_per_node,
             group=process_group,
+            timeout=self._timeout,  # a stalled rank fails its peers' collectives in these groups too, not in 30 min
         )
         rank_zero_info(f"onebit_adam: {topology.mode} momentum exchange ({topology.reason})")
         return topology
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        self._refuse_explicit_overlap(trainer)
         super().setup(trainer)
         run_id = [uuid.uuid4().hex if self.global_rank == 0 else None]
         if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import warnings
+from datetime import timedelta
 from typing import Any, Literal, Optional, Sequence
 
 import torch
@@ -151,22 +153,30 @@ class Topology:
                 naming the reason. ``"flat"`` is always flat.
             rank: this process's group rank (optional).
             ranks_per_node: override the placements: ranks ``k K .. k K + K - 1`` form node ``k`` (for one host
-                playing several nodes, e.g. in tests). ``None`` (default) uses the placements.
+                playing several nodes, e.g. in tests). ``None`` (default) uses the placements. A ``K`` that does not
+                divide the world size leaves the last node short: ``"auto"`` is then flat, saying why (and
+                :meth:`build` warns), ``"hierarchical"`` a ``ValueError``.
 
         Raises:
-            ValueError: on an unknown mode, a bad override, or two ranks reporting the same ``(node, local)`` place.
+            ValueError: on an unknown mode, a bad override, ``"hierarchical"`` where it is impossible, or two ranks
+                reporting the same ``(node, local)`` place.
         """
         if mode not in _MODES:
             raise ValueError(f"topology must be one of {_MODES}, got {mode!r}")
         world_size = len(placements)
+        uneven_override = None  # why ranks_per_node cannot give equal nodes, if it cannot
         if ranks_per_node is not None:
             if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
                 raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
             if world_size % ranks_per_node:
-                raise ValueError(
-                    f"ranks_per_node={ranks_per_node} does not divide the world size {world_size}: "
-                    "every simulated node needs the same number of ranks"
-                )
+                uneven_override = _uneven_override(ranks_per_node, world_size)
+                if mode == "hierarchical":
+                    raise ValueError(
+                        f"topology='hierarchical' needs every simulated node to have the same number of ranks, but "
+                        f"{uneven_override}; pass a ranks_per_node that divides the world size, or use "
+                        "topology='auto' (falls back to flat) or 'flat'"
+                    )
+            # the last simulated node is short when ranks_per_node does not divide the world size ('auto': flat)
             placements = [(r // ranks_per_node, r % ranks_per_node) for r in range(world_size)]
         placements = [(int(n), int(l)) for n, l in placements]
         seen: dict[tuple[int, int], int] = {}
@@ -187,7 +197,7 @@ class Topology:
             for index, r in enumerate(r for r in range(world_size) if node_of[r] == node):
                 local_of[r] = index
         topology = cls("flat", "", node_of, tuple(local_of), rank)
-        why_not = topology._why_not_hierarchical()
+        why_not = uneven_override or topology._why_not_hierarchical()
         if mode == "flat":
             reason = "topology='flat' requested"
         elif why_not is None:
@@ -222,6 +232,7 @@ class Topology:
         mode: TopologyMode = "auto",
         ranks_per_node: Optional[int] = None,
         group: Optional[dist.ProcessGroup] = None,
+        timeout: Optional[timedelta] = None,
     ) -> "Topology":
         """Gather every rank's placement, choose the mode, and create the intra- and inter-node groups.
 
@@ -237,10 +248,24 @@ class Topology:
                 ``cluster_environment.node_rank()`` and ``local_rank()``; torchrun: ``GROUP_RANK``, ``LOCAL_RANK``).
             mode, ranks_per_node: see :meth:`plan`.
             group: the process group the compressed allreduce averages over; ``None`` means WORLD.
+            timeout: how long a collective in the new groups waits for a peer before it fails (a stalled or dead
+                rank); ``None``: ``group``'s own timeout (:func:`new_group_family`). The Lightning strategy passes
+                its ``timeout``.
+
+        Raises:
+            ValueError: as :meth:`plan`; ``"hierarchical"`` with a ``ranks_per_node`` that does not divide the world
+                size is refused before any collective.
         """
         if not (dist.is_available() and dist.is_initialized()):
-            return cls.plan([(node_rank, local_rank)], mode if mode != "hierarchical" else "auto", 0, ranks_per_node)
+            topology = cls.plan(
+                [(node_rank, local_rank)], mode if mode != "hierarchical" else "auto", 0, ranks_per_node
+            )
+            _warn_uneven_override(topology, mode, ranks_per_node)
+            return topology
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if mode == "hierarchical" and ranks_per_node is not None:
+            # refused here, locally, so that no rank waits in the gather below for one that raised
+            cls.plan([(0, r) for r in range(world_size)], mode, None, ranks_per_node)
         placements: list[Any] = [None] * world_size
         dist.all_gather_object(placements, (int(node_rank), int(local_rank), mode, ranks_per_node), group=group)
         requested = {(m, k) for _, _, m, k in placements}
@@ -251,11 +276,15 @@ class Topology:
             )
         topology = cls.plan([(n, l) for n, l, _, _ in placements], mode, rank, ranks_per_node)
         if topology.is_hierarchical:
-            topology = topology.with_new_groups(group)
+            topology = topology.with_new_groups(group, timeout)
+        if rank == 0:
+            _warn_uneven_override(topology, mode, ranks_per_node)
         log.info("lightning_onebit topology: %s (%s)", topology.mode, topology.reason)
         return topology
 
-    def with_new_groups(self, group: Optional[dist.ProcessGroup] = None) -> "Topology":
+    def with_new_groups(
+        self, group: Optional[dist.ProcessGroup] = None, timeout: Optional[timedelta] = None
+    ) -> "Topology":
         """This topology with freshly created intra- and inter-node process groups (hierarchical mode).
 
         A collective: every rank creates every group, the family of intra-node groups (one per node) first, then the
@@ -263,15 +292,16 @@ class Topology:
         ``dist.split_group`` where the backend can split, else one ``dist.new_group`` per group), as torch requires.
         :meth:`build` uses it; the overlapped exchange's second phase takes a second set
         (:func:`new_gather_groups`, made once per process group by the Lightning strategy). ``group`` is the process
-        group the topology was built over (``None``: WORLD). A flat topology is returned unchanged.
+        group the topology was built over (``None``: WORLD). ``timeout``: how long the groups' collectives wait for
+        a peer (``None``: ``group``'s own, see :func:`new_group_family`). A flat topology is returned unchanged.
 
         The groups belong to the caller: destroy them with ``destroy_groups(topology.groups)`` (or
         ``dist.destroy_process_group()``, which destroys every group) when they are no longer used.
         """
         if not self.is_hierarchical:
             return self
-        intra = new_group_family([self.node_ranks(node) for node in range(self.num_nodes)], group)
-        inter = new_group_family([self.local_ranks(local) for local in range(self.ranks_per_node or 0)], group)
+        intra = new_group_family([self.node_ranks(node) for node in range(self.num_nodes)], group, timeout)
+        inter = new_group_family([self.local_ranks(local) for local in range(self.ranks_per_node or 0)], group, timeout)
         if intra is None or inter is None:
             raise RuntimeError("this rank is in no topology group: the placements do not cover every rank")
         if (dist.get_rank(intra), dist.get_rank(inter)) != (self.local_index, self.inter_index):
@@ -287,7 +317,41 @@ class Topology:
         return tuple(g for g in (self.intra_group, self.inter_group) if g is not None)
 
 
+def _uneven_override(ranks_per_node: int, world_size: int) -> str:
+    nodes = -(-world_size // ranks_per_node)
+    sizes = [ranks_per_node] * (nodes - 1) + [world_size - ranks_per_node * (nodes - 1)]
+    return (
+        f"ranks_per_node={ranks_per_node} does not divide the world size {world_size} (the simulated nodes would have "
+        f"{sizes} ranks)"
+    )
+
+
+def _warn_uneven_override(topology: Topology, mode: str, ranks_per_node: Optional[int]) -> None:
+    """Warn when ``topology='auto'`` fell back to flat because ``ranks_per_node`` does not divide the world size: the
+    override was asked for, so a silent flat exchange would hide a mistake."""
+    if mode == "auto" and ranks_per_node is not None and topology.world_size % ranks_per_node:
+        warnings.warn(f"lightning_onebit: {topology.reason}", UserWarning, stacklevel=3)
+
+
 # ---------------------------------------------------------------------------------------------- process groups
+def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
+    """How long a collective in ``group`` (``None``: WORLD) waits before it fails, where torch says (``None`` where
+    it does not: no initialised group, or a backend without the option). Reads the backend's options, which torch
+    exposes without a public accessor (checked on torch 2.13, gloo and NCCL)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        pg = dist.distributed_c10d._get_default_group() if group is None else group
+        for device in pg._device_types:
+            options = pg._get_backend(device).options
+            value = getattr(options, "_timeout", getattr(options, "timeout", None))
+            if isinstance(value, timedelta):
+                return value
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        pass
+    return None
+
+
 def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
     """Whether ``dist.split_group`` can split ``group`` (``None``: WORLD) here, with the checks torch makes.
 
@@ -318,7 +382,9 @@ def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
 
 
 def new_group_family(
-    members: Sequence[Sequence[int]], group: Optional[dist.ProcessGroup] = None
+    members: Sequence[Sequence[int]],
+    group: Optional[dist.ProcessGroup] = None,
+    timeout: Optional[timedelta] = None,
 ) -> Optional[dist.ProcessGroup]:
     """Create one process group per entry of ``members`` (disjoint lists of ranks of ``group``, ``None``: WORLD)
     and return the one this rank is in (``None`` if it is in none).
@@ -327,36 +393,43 @@ def new_group_family(
     ``dist.new_group`` per entry, in the order given. A collective: every rank calls it with the same ``members``
     (``new_group``: every rank of WORLD; ``split_group``: every rank of ``group``), in the same order relative to
     every other group creation. Each group's members are numbered in ascending order of their rank in ``group``.
+
+    ``timeout`` is how long a collective in the new groups waits for a peer before it fails; ``None`` takes
+    ``group``'s own (:func:`group_timeout`), where torch would otherwise give every new group its default of 30
+    minutes whatever the parent's: a stalled rank would then hold its peers for half an hour.
     """
     members = [sorted(int(r) for r in ranks) for ranks in members]
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("new_group_family needs an initialised torch.distributed process group")
+    if timeout is None:
+        timeout = group_timeout(group)
     if split_group_supported(group):
-        return dist.split_group(group, split_ranks=members)  # None where this rank is in no entry
+        return dist.split_group(group, split_ranks=members, timeout=timeout)  # None where this rank is in no entry
     own = dist.get_rank(group)
     global_ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     mine = None
     for ranks in members:
-        created = dist.new_group([global_ranks[r] for r in ranks])
+        created = dist.new_group([global_ranks[r] for r in ranks], timeout=timeout)
         if own in ranks:
             mine = created
     return mine
 
 
 def new_gather_groups(
-    process_group: Optional[dist.ProcessGroup], topology: Optional[Topology]
+    process_group: Optional[dist.ProcessGroup], topology: Optional[Topology], timeout: Optional[timedelta] = None
 ) -> tuple[Any, Any]:
     """Process groups of their own for the second phase of the compressed exchange, ``(inter, intra)``.
 
     The overlapped exchange launches bucket ``k - 1``'s ``all_gather`` right after bucket ``k``'s ``all_to_all``;
     in groups of their own the two run concurrently (:meth:`CompressedAllreduceState.create_gather_groups`). Flat: a copy of ``process_group`` and ``None``;
-    hierarchical: copies of the topology's inter- and intra-node groups. A collective, as :func:`new_group_family`.
+    hierarchical: copies of the topology's inter- and intra-node groups. A collective, as :func:`new_group_family`;
+    ``timeout`` as there (``None``: ``process_group``'s own).
     """
     if topology is not None and topology.is_hierarchical:
-        copy = topology.with_new_groups(process_group)
+        copy = topology.with_new_groups(process_group, timeout)
         return copy.inter_group, copy.intra_group
     ranks = list(range(dist.get_world_size(process_group)))
-    return new_group_family([ranks], process_group), None
+    return new_group_family([ranks], process_group, timeout), None
 
 
 def is_registered(group: Any) -> bool:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from lightning_onebit import OnebitAdam
+from lightning_onebit import OnebitAdam, leaves_gradients_unchanged
 
 N_IN = 6
 HIDDEN = 8
@@ -158,6 +158,7 @@ class Regressor(pl.LightningModule):
         opt = getattr(opt, "_optimizer", opt)
         return opt if isinstance(opt, OnebitAdam) else None
 
+    @leaves_gradients_unchanged  # records only: the overlapped exchange stays on
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         onebit = self._onebit()
         self.records.append(

@@ -92,8 +92,9 @@ def test_plan_flat_requested_and_overrides():
     # one host playing 2 nodes of 3: placements are ignored
     topology = Topology.plan([(0, r) for r in range(6)], "auto", ranks_per_node=3)
     assert topology.mode == "hierarchical" and topology.node_of == (0, 0, 0, 1, 1, 1)
-    with pytest.raises(ValueError, match="ranks_per_node=4 does not divide the world size 6"):
-        Topology.plan([(0, r) for r in range(6)], "auto", ranks_per_node=4)
+    # a K that does not divide the world size: auto falls back to flat, saying why (tests/test_hostile_topology.py)
+    uneven = Topology.plan([(0, r) for r in range(6)], "auto", ranks_per_node=4)
+    assert uneven.mode == "flat" and "ranks_per_node=4 does not divide the world size 6" in uneven.reason
     with pytest.raises(ValueError, match="ranks_per_node must be an integer >= 1"):
         Topology.plan([(0, 0)], "auto", ranks_per_node=0)
     with pytest.raises(ValueError, match="topology must be one of"):

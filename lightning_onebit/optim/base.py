@@ -541,11 +541,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not self._backend_agreed:
             self.agree_kernel_backend()
         pending, self._pending, self._pending_by_key = self._pending, [], {}
-        buckets = self._ensure_buckets()
+        buckets = self._ensure_buckets(carry=True)
         flats = {b.key: b.flat for b in buckets}
         if any(flats.get(p.key) is not p.buffer for p in pending):
             raise RuntimeError(
-                f"{type(self).__name__}: the momentum buckets changed while their exchange was in flight"
+                f"{type(self).__name__}: the momentum buckets changed while their exchange was in flight: the "
+                "trainable parameters (requires_grad, a param group's compress, a new param group) changed after "
+                "backward had started exchanging them and before optimizer.step(). Change them before the forward "
+                "pass (in Lightning: e.g. in on_train_batch_start; a hook marked leaves_gradients_unchanged must not "
+                "change them), or turn overlap off"
             )
         started = self.compression.timings.mark(buckets[0].flat.device) if buckets else None
         # Fold the local gradients into the momenta of the buckets whose exchange did not start during backward.
@@ -665,11 +669,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
         buckets, finishes every exchange, decodes and applies, with the same bits as without the hook.
 
         Returns ``False``, doing nothing, where it cannot start: in warmup, before the first compressed step built
-        the buckets, or when bucket ``key`` does not hold exactly these parameters (the plan changed). Every rank
+        the buckets, when the trainable parameters changed since they were built (``requires_grad`` switched: then
+        for every bucket of this backward, and the next :meth:`step` rebuilds them and exchanges everything), or when
+        bucket ``key`` does not hold exactly these parameters (the plan changed). Every rank
         must get the same answer (true for DDP's buckets, which rank 0 decides). Raises ``RuntimeError`` if the
         bucket's exchange was already started since the last step (a second backward pass before ``step``).
         """
         if self.stage is not OnebitStage.COMPRESSION or self._buckets is None or self._deferred_plan is not None:
+            return False
+        if not self._pending and self._bucket_inputs()[0] != self._buckets_built_for:
+            # The buckets no longer fit the trainable parameters (a layer frozen or unfrozen, a group's compress
+            # switched): the next step rebuilds them. No bucket of this backward starts; step exchanges them all, as
+            # without overlap. Read from requires_grad at the first bucket, before the step's first collective: the
+            # same on every rank (the model is). Later buckets skip the check once one has started.
             return False
         bucket = self._bucket_by_key.get(key)
         if bucket is None:
@@ -739,9 +751,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         by ``bucket_cap_mb``. The plan is saved in :meth:`state_dict`, so a resumed run keeps its layout (and its
         error feedback, which belongs to the layout).
 
-        Changing the plan during the compression stage moves the momenta into the new layout and resets the error
-        feedback (logged with the norm dropped); while exchanges are in flight the change waits for the end of the
-        next :meth:`step`. Raises ``ValueError`` if a bucket mixes devices or dtypes or names a parameter twice.
+        Changing the plan during the compression stage moves the momenta into the new layout and carries the error
+        feedback over coordinate by coordinate (:meth:`_carry_error_feedback_`, a collective: call it on every rank);
+        while exchanges are in flight the change waits for the end of the next :meth:`step`. Raises ``ValueError``
+        if a bucket mixes devices or dtypes or names a parameter twice.
 
         Returns whether the plan changed.
         """
@@ -775,15 +788,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._bucket_plan = plan
         self.plan_version += 1
         if self._buckets is not None:
-            dropped = self.compression.reset_error_feedback()
-            self._buckets = None
-            log.info(
-                "%s: momentum buckets re-laid out at step %d (%s); error feedback reset (norm %.3g dropped)",
-                type(self).__name__,
-                self._step,
-                "new bucket plan" if plan is not None else "packed by bucket_cap_mb",
-                dropped,
-            )
+            old, self._buckets = self._buckets, None
+            self._carry_error_feedback_(old, "new bucket plan" if plan is not None else "packed by bucket_cap_mb")
 
     @property
     def bucket_plan(self) -> Optional[list[list[torch.Tensor]]]:
@@ -795,18 +801,35 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The trainable parameters whose momenta are compressed (those of ``compress=False`` groups are not)."""
         return {id(p) for group in self.param_groups for p in _compressed_trainable(group)}
 
-    def _ensure_buckets(self) -> list[_Bucket]:
-        """Pack momenta of the compressed trainable parameters into flat padded buckets (once per layout; rebuilt
-        when that set changes, e.g. a group's ``compress`` or a ``requires_grad``); momenta become views."""
-        world_size = self.compression.world_size()
+    def _bucket_inputs(self) -> tuple[tuple[Any, int, list[int]], list[torch.Tensor]]:
+        """``(built_for, trainable)``: what the buckets are built from (the plan as ids, the world size, the ids of
+        the compressed trainable parameters; :meth:`_ensure_buckets` rebuilds when it changes) and those parameters.
+        Host-only (no device access)."""
         trainable = [p for group in self.param_groups for p in _compressed_trainable(group)]
         built_for = (
             None if self._bucket_plan is None else [(k, [id(p) for p in ps]) for k, ps in self._bucket_plan],
-            world_size,
+            self.compression.world_size(),
             [id(p) for p in trainable],
         )
+        return built_for, trainable
+
+    def _ensure_buckets(self, carry: bool = False) -> list[_Bucket]:
+        """Pack momenta of the compressed trainable parameters into flat padded buckets (once per layout; rebuilt
+        when that set changes, e.g. a group's ``compress`` or a ``requires_grad``); momenta become views.
+
+        ``carry=True`` (the step's exchange paths, which every rank runs at the same step): a rebuild carries the
+        error feedback of the parameters that stay over to the new layout (:meth:`_carry_error_feedback_`, a
+        collective), so freezing one layer does not reset the error of the others. Other callers (e.g.
+        :meth:`bucket_layouts`, which one rank may call alone) never start a collective here."""
+        built_for, trainable = self._bucket_inputs()
+        world_size = built_for[1]
         if self._buckets is not None and self._buckets_built_for == built_for:
             return self._buckets
+        if carry and self._buckets is not None:
+            old, self._buckets = self._buckets, None
+            self._carry_error_feedback_(old, "the compressed trainable parameters changed")
+            # without error feedback to carry, nothing was built yet
+            return self._buckets if self._buckets is not None else self._ensure_buckets()
         self._buckets_built_for = built_for
         self._bucketed_ids = set(built_for[2])
         self._bucket_by_key: dict[int, _Bucket] = {}
@@ -918,15 +941,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step and the momentum bucket plan
-        (:meth:`set_bucket_plan`, as parameter indices), if any. Masks, the groups' ``compress`` and error feedback are
-        not included (masks and ``compress`` come from the code; error feedback is per rank, see
+        """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step, the optimizer that wrote it
+        (``"optimizer"``: OnebitAdam, ZeroOneAdam or OnebitLamb, checked by :meth:`load_state_dict`) and the momentum
+        bucket plan (:meth:`set_bucket_plan`, as parameter indices), if any. Masks, the groups' ``compress`` and
+        error feedback are not included (masks and ``compress`` come from the code; error feedback is per rank, see
         :meth:`error_feedback_state_dict`)."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group.pop("exp_avg_mask", None)
             group.pop("compress", None)
-        meta: dict[str, Any] = {"step": self._step, "freeze_step": self.freeze_step or "auto"}
+        meta: dict[str, Any] = {
+            "step": self._step, "freeze_step": self.freeze_step or "auto", "optimizer": self._state_family()
+        }
         if self.auto_freeze is not None and self._detector is not None:
             meta["auto_freeze"] = dict(self._detector.state_dict(), reason=self._detector.reason)
         if self._bucket_plan is not None:
@@ -940,8 +966,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         per-parameter ``step``). The stage is re-derived from the step; masks and each group's ``compress`` stay those
         of the code (a group may be switched in or out of compression between runs: its momentum and variance are
         ordinary state, and the buckets are rebuilt); error feedback is reset to zero and the norm that was dropped is
-        kept in :attr:`last_dropped_error_norm`."""
-        state_dict = dict(state_dict)
+        kept in :attr:`last_dropped_error_norm`.
+
+        The state of another algorithm is checked first (:meth:`_check_state_writer`): one this optimizer cannot
+        continue from (1-bit LAMB's and the Adam family's, either way) raises ``ValueError`` naming the optimizer that
+        wrote it and this one, changing nothing; OnebitAdam's and ZeroOneAdam's states continue each other with a
+        warning (the Adam moments and the step are carried, the other algorithm's own state is dropped)."""
+        state_dict = self._check_state_writer(state_dict)
         meta = state_dict.pop(_CHECKPOINT_KEY, None)
         code_groups = self.param_groups
         super().load_state_dict(state_dict)
@@ -975,6 +1006,87 @@ class CompressedOptimizer(torch.optim.Optimizer):
             state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
         self._buckets = None
         self.last_dropped_error_norm = self.compression.reset_error_feedback()
+
+    #: The algorithms whose optimizer state this one can continue from (see :meth:`_check_state_writer`);
+    #: ``"torch.optim"``: a torch optimizer's state dict (e.g. AdamW's: its moments and step).
+    _continues_state_of: tuple[str, ...] = ("OnebitAdam", "ZeroOneAdam", "torch.optim")
+
+    def _state_family(self) -> str:
+        """The algorithm whose state this optimizer writes: the nearest class of this package in its MRO (a user's
+        subclass of OnebitAdam writes OnebitAdam's state)."""
+        for cls in type(self).__mro__:
+            if cls is CompressedOptimizer:
+                break
+            if cls.__module__.startswith("lightning_onebit.optim."):
+                return cls.__name__
+        return type(self).__name__
+
+    @staticmethod
+    def _state_writer(state_dict: dict[str, Any]) -> Optional[str]:
+        """Which algorithm wrote ``state_dict``: the one it records, else (checkpoints written before it was recorded)
+        what its contents show; ``"torch.optim"`` without an ``"onebit"`` entry; ``None`` when it holds no
+        per-parameter state (nothing to continue)."""
+        meta = state_dict.get(_CHECKPOINT_KEY)
+        states = [s for s in (state_dict.get("state") or {}).values() if isinstance(s, dict) and s]
+        if not isinstance(meta, dict):
+            return "torch.optim" if states else None
+        if meta.get("optimizer"):
+            return str(meta["optimizer"])
+        if "zeroone" in meta:
+            return "ZeroOneAdam"
+        if any(k.startswith("lamb_") or k in ("exp_avg_last", "exp_avg_sq_fresh") for s in states for k in s):
+            return "OnebitLamb"
+        return "OnebitAdam" if states else None
+
+    def _check_state_writer(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A shallow copy of ``state_dict`` that this optimizer can load. Raises ``ValueError`` naming the optimizer
+        that wrote it and this one when it is another algorithm's that this one cannot continue from (before any step
+        and any collective: every rank reads the same checkpoint, so every rank raises). A state of another algorithm
+        this one can continue from (OnebitAdam <-> ZeroOneAdam) is kept to the Adam moments, with a warning."""
+        state_dict = dict(state_dict)
+        writer, reader = self._state_writer(state_dict), self._state_family()
+        name = type(self).__name__
+        if writer is None or writer == reader:
+            return state_dict
+        shown = "a torch.optim optimizer (e.g. AdamW)" if writer == "torch.optim" else writer
+        if writer not in self._continues_state_of:
+            if reader == "OnebitLamb":
+                why = (
+                    "1-bit LAMB needs its per-tensor trust-ratio coefficients (lamb_coeff, frozen at the end of "
+                    f"warmup, and the exchange's lamb_scaling_coeff), which {shown}'s state does not hold"
+                )
+            elif writer == "OnebitLamb":
+                why = (
+                    "that is 1-bit LAMB's state (layer-wise trust ratios, with a learning rate of another scale), not "
+                    "the state of an Adam update"
+                )
+            else:
+                why = f"{name} does not continue from {shown}'s state"
+            raise ValueError(
+                f"{name}.load_state_dict: this optimizer state was written by {shown} and is read by {name}: {why}. "
+                f"Resume with the optimizer that wrote it ({shown}); to switch optimizers, start from the checkpoint's "
+                "weights only (load its 'state_dict' into the model and fit without ckpt_path), so the new optimizer "
+                "starts fresh"
+            )
+        if writer == "torch.optim":
+            return state_dict  # e.g. AdamW: its moments and step are this optimizer's (the documented migration)
+        state = state_dict.get("state") or {}
+        dropped = sorted({k for s in state.values() if isinstance(s, dict) for k in s} - {"exp_avg", "exp_avg_sq"})
+        state_dict["state"] = {
+            key: {k: v for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")} if isinstance(s, dict) else s
+            for key, s in state.items()
+        }
+        if self.compression.rank() == 0:
+            warnings.warn(
+                f"{name}.load_state_dict: this optimizer state was written by {writer} and is read by {name}: the Adam "
+                f"moments (exp_avg, exp_avg_sq) and the step are carried over"
+                + (f", {writer}'s own per-parameter state ({', '.join(dropped)}) is dropped" if dropped else "")
+                + f", and {name} goes on with its own schedule from the step. If this was not meant, resume with "
+                f"{writer}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return state_dict
 
     def _restore_auto_freeze(self, meta: dict[str, Any], step: int) -> None:
         """freeze_step='auto' resumed: keep the step the checkpoint decided (or its fixed freeze step, if that was
@@ -1056,6 +1168,109 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def reset_error_feedback(self) -> float:
         """Zero the compression error buffers; returns the L2 norm that was dropped."""
         return self.compression.reset_error_feedback()
+
+    def _carry_error_feedback_(self, old_buckets: list[_Bucket], why: str) -> None:
+        """The momentum buckets were re-laid out (``old_buckets`` is the layout the error feedback belongs to): build
+        the new buckets and move every rank's error buffers into them, coordinate by coordinate, so that no error is
+        dropped (a checkpoint saved with ``overlap=False`` resumed with ``overlap=True``: the packed layout restored
+        from the sidecars, then DDP's).
+
+        Both buffers hold one value per coordinate of a bucket's flat padded buffer: the worker error the coordinates
+        this rank compresses (flat: all of them; hierarchical: its node's shard ``l`` of ``L``), the server error the
+        chunk this rank serves. A new layout moves coordinates to other chunks and shards, hence to other ranks, so
+        each stream's buffers are first gathered into whole per-coordinate vectors (``all_gather``: the server chunks
+        over the process group, flat, or over the inter- then the intra-node group, hierarchical; the worker shards
+        over the intra-node group), cut per parameter, placed at the parameter's offset in its new bucket, and this
+        rank's new shard and chunk taken. Padding holds no error (it is zero and compresses to zero). A parameter no
+        longer in any bucket drops its error (counted in the log). Transient memory: two flat copies of the bucketed
+        momenta per stream. A collective when there is error feedback (every rank has the same buffers): every rank
+        calls it at the same point, as it does the bucket plan change.
+        """
+        saved = self.compression.error_feedback_state_dict()["buckets"]
+        old_by_key = {b.key: b for b in old_buckets}
+
+        def bucket_key(fkey: Any) -> Any:
+            return fkey[1] if isinstance(fkey, tuple) else fkey
+
+        entries = sorted(
+            (
+                (fkey, entry) for fkey, entry in saved.items()
+                if bucket_key(fkey) in old_by_key
+                and tuple(entry["layout"][0]) == old_by_key[bucket_key(fkey)].layout.tensor_numels
+            ),
+            key=lambda item: (self._stream_of(item[0]), bucket_key(item[0])),
+        )
+        stale = len(saved) - len(entries)
+        self.compression.reset_error_feedback()
+        name = type(self).__name__
+        if not entries:
+            log.info("%s: momentum buckets re-laid out at step %d (%s); no error feedback to carry over", name,
+                     self._step, why)
+            return
+        compression, topology = self.compression, self.compression.topology
+        per_node = compression.ranks_per_node
+        if per_node > 1:
+            nodes, local, inter = topology.num_nodes, topology.local_index, topology.inter_index
+            intra_group, inter_group = topology.intra_group, topology.inter_group
+        else:
+            nodes, local, inter = compression.world_size(), 0, compression.rank()
+            intra_group, inter_group = None, compression.process_group
+
+        from lightning_onebit.comm import _all_gather
+
+        def gather(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+            out = part.new_empty(n * part.numel())
+            _all_gather(out, part.contiguous(), group).wait()
+            return out
+
+        # stream -> id(param) -> (worker error, server error) of the parameter's coordinates
+        carried: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for fkey, entry in entries:
+            bucket = old_by_key[bucket_key(fkey)]
+            worker, server = entry["worker_error"], entry["server_error"]
+            if per_node > 1:
+                worker = gather(worker, intra_group, per_node)
+                server = gather(gather(server, inter_group, nodes), intra_group, per_node)
+            else:
+                server = gather(server, inter_group, nodes)
+            per_param, offset = carried.setdefault(self._stream_of(fkey), {}), 0
+            for p in bucket.params:
+                per_param[id(p)] = (worker[offset : offset + p.numel()], server[offset : offset + p.numel()])
+                offset += p.numel()
+        new_buckets = self._ensure_buckets()
+        moved: set[int] = set()
+        chunk = local * nodes + inter  # the chunk this rank serves (flat: its rank)
+        for stream, per_param in carried.items():
+            for bucket in new_buckets:
+                layout = bucket.layout
+                worker = bucket.flat.new_zeros(layout.padded_numel)  # the error buffers' device and dtype
+                server = bucket.flat.new_zeros(layout.padded_numel)
+                offset = 0
+                for p in bucket.params:
+                    found = per_param.get(id(p))
+                    if found is not None:
+                        worker[offset : offset + p.numel()].copy_(found[0])
+                        server[offset : offset + p.numel()].copy_(found[1])
+                        moved.add(id(p))
+                    offset += p.numel()
+                shard, c = layout.padded_numel // per_node, layout.chunk_numel
+                buffers = compression.buffers(self._feedback_key(stream, bucket.key), layout, bucket.flat)
+                buffers.worker_error.copy_(worker[local * shard : (local + 1) * shard])
+                buffers.server_error.copy_(server[chunk * c : (chunk + 1) * c])
+        lost = {i for per_param in carried.values() for i in per_param} - moved
+        log.info(
+            "%s: momentum buckets re-laid out at step %d (%s); error feedback carried over coordinate by coordinate "
+            "(%d bucket(s) -> %d)%s",
+            name,
+            self._step,
+            why,
+            len(old_buckets),
+            len(new_buckets),
+            "".join([
+                f"; dropped for {len(lost)} parameter(s) no longer in the buckets" if lost else "",
+                f"; {stale} buffer(s) of another layout dropped" if stale else "",
+            ]),
+        )
 
 
 _Plan = Optional[list[tuple[int, list[torch.Tensor]]]]

@@ -78,6 +78,9 @@ class OnebitLamb(CompressedOptimizer):
         factor_threshold: the factor changes by at most this fraction per step, ``>= 0``. Default ``0.1``.
     """
 
+    # its compression stage needs the trust-ratio coefficients only its own warmup computes (see load_state_dict)
+    _continues_state_of = ("OnebitLamb",)
+
     def __init__(
         self,
         params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
@@ -338,8 +341,12 @@ class OnebitLamb(CompressedOptimizer):
         """As :meth:`CompressedOptimizer.load_state_dict`. The per-tensor coefficients (``lamb_coeff``,
         ``lamb_last_factor``, ``lamb_scaling_coeff``) come back as 0-dim float64 tensors on each parameter's device,
         from tensors or from the Python floats that checkpoints written before they were tensors hold (torch's own
-        loading would cast a tensor to the parameter's dtype and lose their bits)."""
-        state_dict = dict(state_dict)
+        loading would cast a tensor to the parameter's dtype and lose their bits). Another algorithm's state
+        (OnebitAdam, ZeroOneAdam, a torch optimizer's) raises ``ValueError`` naming it, before anything is loaded."""
+        state_dict = self._check_state_writer(state_dict)  # before the coefficients are taken out (they identify it)
+        meta = state_dict.get("onebit")
+        if isinstance(meta, dict):
+            state_dict["onebit"] = dict(meta, optimizer=self._state_family())  # checked: the base need not infer it
         scalars: dict[Any, dict[str, Any]] = {}
         saved_state = {}
         for key, entry in (state_dict.get("state") or {}).items():

@@ -288,7 +288,7 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _variance_step(self, t: int) -> str:
         """Averaged gradients: ``m`` and ``v`` updated (parameters without a gradient are skipped, as in AdamW)."""
-        self._ensure_buckets()
+        self._ensure_buckets(carry=True)
         self._zero_variance.clear()
         n = self.variance_updates + 1
         for group in self.param_groups:
@@ -325,7 +325,7 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _average_gradients_into_momenta_(self) -> None:
         """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``."""
-        buckets = self._ensure_buckets()
+        buckets = self._ensure_buckets(carry=True)
         averaged: dict[int, torch.Tensor] = {}
         pairs = []
         for bucket in buckets:
@@ -351,7 +351,7 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _local_step(self, t: int) -> str:
         """A step on this rank's own gradient with no communication; a sync after it when the schedule says so."""
-        buckets = self._ensure_buckets()
+        buckets = self._ensure_buckets(carry=True)
         if self._lr_sum is None:
             self._begin_local_steps(buckets)
         for bucket in buckets:
@@ -415,7 +415,7 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _sync(self, t: int) -> None:
         """Average the accumulated updates (1 bit) and move every replica to the same new point."""
-        buckets = self._ensure_buckets()
+        buckets = self._ensure_buckets(carry=True)
         pairs = [(bucket, self._bucket_state_buffer(bucket, _UPDATE)) for bucket in buckets]
         assert self._lr_sum is not None and self._decay is not None
         for index, group in enumerate(self.param_groups):
