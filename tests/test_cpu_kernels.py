@@ -642,3 +642,59 @@ def test_native_kernels_reject_wrong_sizes_without_touching_memory():
     with pytest.raises(ValueError):  # the torch path checks the list lengths too
         kernels.frozen_adam_update_([p, p.clone()], [m], [v], None, 1.0, 1e-8, -0.1, backend="torch")
     assert bool((p == 0).all())
+
+
+def _lamb_run(backend: str, weight_decay: float, bias_correction: bool, steps: int = 8) -> tuple[torch.Tensor, list]:
+    from lightning_onebit import OnebitLamb
+
+    torch.manual_seed(0)
+    # 29 * 37 and 5 * 29 elements: tails after the 8-wide vector loop
+    net = torch.nn.Sequential(torch.nn.Linear(37, 29), torch.nn.Tanh(), torch.nn.Linear(29, 5))
+    opt = OnebitLamb(net.parameters(), lr=1e-2, weight_decay=weight_decay, freeze_step=3, kernel_backend=backend,
+                     warn_dead_coordinates=False, bias_correction=bias_correction)
+    for i in range(steps):
+        x = torch.randn(16, 37, generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        net(x).pow(2).mean().backward()
+        opt.step()
+    factors = [float(opt.state[p]["lamb_last_factor"]) for p in net.parameters()]
+    return torch.cat([p.detach().flatten() for p in net.parameters()]), factors
+
+
+@requires_native
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_lamb_compression_stage_c_kernels_match_the_torch_ops(weight_decay: float, bias_correction: bool) -> None:
+    """1-bit LAMB's fused C update (five compressed steps) against its torch ops: the same arithmetic per element, the
+    norms summed in another order, so within float32 rounding; and it really ran (the factors moved off 1)."""
+    torch_params, torch_factors = _lamb_run("torch", weight_decay, bias_correction)
+    c_params, c_factors = _lamb_run("cpu", weight_decay, bias_correction)
+    torch.testing.assert_close(c_params, torch_params, rtol=0, atol=1e-6)
+    assert c_factors == pytest.approx(torch_factors, rel=1e-6, abs=1e-6)
+    assert any(abs(f - 1.0) > 1e-3 for f in c_factors), "the compression-stage factor never moved: nothing was tested"
+
+
+@requires_native
+def test_lamb_prepare_reports_a_nan_ratio_and_the_float64_norms() -> None:
+    n = 21  # a vector block and a tail of 5
+    m, p = torch.linspace(-1, 1, n), torch.linspace(0.5, 2, n)
+    last, fresh = torch.full((n,), 0.25), torch.full((n,), 4.0)
+    root, denominator = torch.full((n,), 2.0), torch.full((n,), 0.5)
+    b1, b2, eps, bc1, wd = 0.9, 0.999, 1e-8, 0.5, 0.1
+    g = (last * b1 - m) / -(1 - b1)
+    f = fresh * b2 + (1 - b2) * g * g
+    u0 = (m / bc1) / denominator
+    u = u0 + wd * p
+    expected = torch.tensor([float((root / (f.sqrt() + eps)).max()), float(u0.double().pow(2).sum()),
+                             float(u.double().pow(2).sum())], dtype=torch.float64)
+    out = kernels.lamb_prepare_([m], [last], [fresh], [root], [denominator], [p], (b1, b2), eps, bc1, wd)
+    torch.testing.assert_close(out[0], expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(last, u, rtol=1e-6, atol=0)  # u written into the scratch
+    torch.testing.assert_close(fresh, f, rtol=1e-6, atol=0)
+    # a NaN ratio (a NaN in the fresh variance) in the tail or in a vector block makes the largest ratio NaN
+    for where in (3, n - 1):
+        bad_fresh = torch.full((n,), 4.0)
+        bad_fresh[where] = float("nan")
+        out = kernels.lamb_prepare_([m], [torch.full((n,), 0.25)], [bad_fresh], [root], [denominator], [p],
+                                    (b1, b2), eps, bc1, wd)
+        assert math.isnan(float(out[0, 0])), f"NaN at {where} not reported"

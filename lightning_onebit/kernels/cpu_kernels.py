@@ -50,6 +50,8 @@ _SIGNATURES = {
     "onebit_decode": [_p, _i64, _p, _p, _p, ctypes.c_int],
     "onebit_add_mean_of_signs": [_p, _i64, _p, _p, _p, _i64],
     "onebit_frozen_adam_update": [_p, _p, _p, _i64, _f32, ctypes.c_int, _f32, _f32, _f32],
+    "onebit_lamb_prepare": [_p, _p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _f32, ctypes.c_int, _p],
+    "onebit_lamb_apply": [_p, _p, _i64, _f32],
 }
 
 
@@ -231,3 +233,48 @@ def frozen_adam_update_(
             bias_correction2_sqrt, eps, step,
         )
         increment_version(p)  # as an in-place torch op would: autograd must see that p changed
+
+
+def lamb_prepare_(
+    exp_avgs: Sequence[torch.Tensor],
+    scratch: Sequence[torch.Tensor],
+    fresh: Sequence[torch.Tensor],
+    roots: Sequence[torch.Tensor],
+    denominators: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    betas: tuple[float, float],
+    eps: float,
+    bias_correction1: float,
+    weight_decay: float,
+) -> torch.Tensor:
+    """1-bit LAMB's compression-stage first pass, one pass per parameter (:func:`lightning_onebit.kernels.lamb_prepare_`
+    documents the arithmetic). Returns a float64 ``(len(params), 3)`` tensor: per parameter the largest ratio, the
+    sum of ``u0^2`` and the sum of ``u^2``."""
+    prepare = _lib().onebit_lamb_prepare
+    b1, b2 = betas
+    out = torch.empty((len(params), 3), dtype=torch.float64)
+    for k, tensors in enumerate(zip(exp_avgs, scratch, fresh, roots, denominators, params)):
+        n = tensors[-1].numel()
+        for tensor, name in zip(tensors, ("exp_avg", "scratch", "fresh variance", "root", "denominator", "param")):
+            _check(tensor, name)
+            if tensor.numel() != n:
+                raise ValueError(f"lamb_prepare_: {name} has {tensor.numel()} elements, the parameter {n}")
+        m, s, f, root, denominator, p = tensors
+        prepare(m.data_ptr(), s.data_ptr(), f.data_ptr(), root.data_ptr(), denominator.data_ptr(), p.data_ptr(), n,
+                b1, -(1 - b1), b2, 1 - b2, eps, bias_correction1, weight_decay, bool(weight_decay),
+                out[k].data_ptr())
+        increment_version(s)
+        increment_version(f)
+    return out
+
+
+def lamb_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], steps: Sequence[float]) -> None:
+    """``p <- p + step * u`` per parameter (float32, one pass)."""
+    apply = _lib().onebit_lamb_apply
+    for p, u, step in zip(params, updates, steps):
+        _check(p, "param")
+        _check(u, "update")
+        if p.numel() != u.numel():
+            raise ValueError(f"lamb_apply_: param has {p.numel()} elements, update {u.numel()}")
+        apply(p.data_ptr(), u.data_ptr(), p.numel(), step)
+        increment_version(p)

@@ -118,6 +118,14 @@ __attribute__((target("avx2"))) static int64_t frozen_adam_update_avx2(float *p,
     return i;
 }
 
+__attribute__((target("avx2"))) static int64_t axpy_avx2(float *p, const float *u, int64_t n, float step) {
+    const __m256 step_v = _mm256_set1_ps(step);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_mul_ps(step_v, _mm256_loadu_ps(u + i))));
+    return i;
+}
+
 static int has_avx2(void) {
     static int cached = -1;
     if (cached < 0) {
@@ -213,4 +221,99 @@ void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t
         float d = sqrtf(v[i]) / bias_correction2_sqrt + eps;
         p[i] = q + (step * m[i]) / d;
     }
+}
+
+/* ------------------------------------------------------------------ 1-bit LAMB, compression stage */
+
+/* One element of the first pass: the averaged gradient reconstructed from the momenta, g = (b1 last - m) / -(1 - b1);
+ * the fresh variance f <- b2 f + (1 - b2) g^2; the factor's ratio (sqrt(v) + eps) / (sqrt(f) + eps) with `root` the
+ * cached sqrt(v) + eps; the update u0 = (m / bc1) / denominator (cached sqrt(v / bc2) + eps), u = u0 + wd p. */
+#define LAMB_PREPARE_ELEMENT(i)                                                                                      \
+    do {                                                                                                             \
+        float g = (last[i] * b1 - m[i]) / neg_one_minus_b1;                                                          \
+        float f = fresh[i] * b2 + one_minus_b2 * g * g;                                                              \
+        fresh[i] = f;                                                                                                \
+        float r = root[i] / (sqrtf(f) + eps);                                                                        \
+        if (r != r) nan_seen = 1; else if (r > max_ratio) max_ratio = r;                                            \
+        float u0 = (m[i] / bc1) / denominator[i];                                                                    \
+        u0_sq += (double)u0 * (double)u0;                                                                            \
+        float u = use_wd ? u0 + wd * p[i] : u0;                                                                      \
+        u_sq += (double)u * (double)u;                                                                               \
+        last[i] = u;                                                                                                 \
+    } while (0)
+
+#ifdef ONEBIT_X86
+__attribute__((target("avx2"))) static int64_t lamb_prepare_avx2(
+    const float *m, float *last, float *fresh, const float *root, const float *denominator, const float *p, int64_t n,
+    float b1, float neg_one_minus_b1, float b2, float one_minus_b2, float eps, float bc1, float wd, int use_wd,
+    float *max_out, int *nan_out, double *u0_sq_out, double *u_sq_out) {
+    const __m256 b1_v = _mm256_set1_ps(b1), neg_v = _mm256_set1_ps(neg_one_minus_b1), b2_v = _mm256_set1_ps(b2),
+                 omb2_v = _mm256_set1_ps(one_minus_b2), eps_v = _mm256_set1_ps(eps), bc1_v = _mm256_set1_ps(bc1),
+                 wd_v = _mm256_set1_ps(wd);
+    __m256 max_v = _mm256_set1_ps(-INFINITY), nan_v = _mm256_setzero_ps();
+    __m256d u0_lo = _mm256_setzero_pd(), u0_hi = _mm256_setzero_pd(), u_lo = _mm256_setzero_pd(),
+            u_hi = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 mi = _mm256_loadu_ps(m + i);
+        __m256 g = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(last + i), b1_v), mi), neg_v);
+        __m256 f = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(fresh + i), b2_v),
+                                 _mm256_mul_ps(_mm256_mul_ps(omb2_v, g), g));
+        _mm256_storeu_ps(fresh + i, f);
+        __m256 r = _mm256_div_ps(_mm256_loadu_ps(root + i), _mm256_add_ps(_mm256_sqrt_ps(f), eps_v));
+        nan_v = _mm256_or_ps(nan_v, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+        max_v = _mm256_max_ps(max_v, r);
+        __m256 u0 = _mm256_div_ps(_mm256_div_ps(mi, bc1_v), _mm256_loadu_ps(denominator + i));
+        __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(u0)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(u0, 1));
+        u0_lo = _mm256_add_pd(u0_lo, _mm256_mul_pd(a, a));
+        u0_hi = _mm256_add_pd(u0_hi, _mm256_mul_pd(b, b));
+        __m256 u = use_wd ? _mm256_add_ps(u0, _mm256_mul_ps(wd_v, _mm256_loadu_ps(p + i))) : u0;
+        a = _mm256_cvtps_pd(_mm256_castps256_ps128(u));
+        b = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1));
+        u_lo = _mm256_add_pd(u_lo, _mm256_mul_pd(a, a));
+        u_hi = _mm256_add_pd(u_hi, _mm256_mul_pd(b, b));
+        _mm256_storeu_ps(last + i, u);
+    }
+    float lanes[8];
+    double sums[4];
+    _mm256_storeu_ps(lanes, max_v);
+    for (int k = 0; k < 8; ++k) if (lanes[k] > *max_out) *max_out = lanes[k];
+    _mm256_storeu_ps(lanes, nan_v);
+    for (int k = 0; k < 8; ++k) if (lanes[k] != 0.0f || lanes[k] != lanes[k]) *nan_out = 1;
+    _mm256_storeu_pd(sums, _mm256_add_pd(u0_lo, u0_hi));
+    *u0_sq_out += (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    _mm256_storeu_pd(sums, _mm256_add_pd(u_lo, u_hi));
+    *u_sq_out += (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    return i;
+}
+#endif
+
+/* 1-bit LAMB's compression-stage first pass over one tensor (see LAMB_PREPARE_ELEMENT): updates `fresh`, writes u into
+ * `last` (its scratch: the previous momentum is not needed after it) and returns in `out`: the largest ratio (NaN if
+ * any ratio is NaN), sum u0^2 and sum u^2 (accumulated in double). Every element op is one float32 IEEE op. */
+void onebit_lamb_prepare(const float *m, float *last, float *fresh, const float *root, const float *denominator,
+                         const float *p, int64_t n, float b1, float neg_one_minus_b1, float b2, float one_minus_b2,
+                         float eps, float bc1, float wd, int use_wd, double *out) {
+    float max_ratio = -INFINITY;
+    int nan_seen = 0;
+    double u0_sq = 0.0, u_sq = 0.0;
+    int64_t i = 0;
+#ifdef ONEBIT_X86
+    if (has_avx2())
+        i = lamb_prepare_avx2(m, last, fresh, root, denominator, p, n, b1, neg_one_minus_b1, b2, one_minus_b2, eps, bc1,
+                              wd, use_wd, &max_ratio, &nan_seen, &u0_sq, &u_sq);
+#endif
+    for (; i < n; ++i) LAMB_PREPARE_ELEMENT(i);
+    out[0] = nan_seen ? (double)NAN : (double)max_ratio;
+    out[1] = u0_sq;
+    out[2] = u_sq;
+}
+
+/* p <- p + step * u over one tensor. */
+void onebit_lamb_apply(float *p, const float *u, int64_t n, float step) {
+    int64_t i = 0;
+#ifdef ONEBIT_X86
+    if (has_avx2()) i = axpy_avx2(p, u, n, step);
+#endif
+    for (; i < n; ++i) p[i] = p[i] + step * u[i];
 }

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
 from lightning_onebit.kernels import frozen as frozen_cache
 from lightning_onebit.optim.auto_freeze import AutoFreeze
@@ -232,8 +233,11 @@ class OnebitLamb(CompressedOptimizer):
         synchronisation. Scratch: each parameter's ``exp_avg_last`` (the previous momentum is only needed for the
         reconstructed gradient, and :meth:`_remember_momenta` rewrites it after the step), so the step allocates no
         full-size temporary; the frozen variance's ``sqrt(v) + eps`` and ``sqrt(v / bc2) + eps`` are computed once
-        and cached (:mod:`lightning_onebit.kernels.frozen`). Every op and its rounding is the per-tensor version's
-        except where a comment says otherwise."""
+        and cached (:mod:`lightning_onebit.kernels.frozen`). With the torch kernels every op and its rounding is the
+        per-tensor version's except where a comment says otherwise. With the C kernels (CPU float32, kernel backend
+        ``"auto"`` or ``"cpu"``) the fresh variance, the ratios, ``u`` and its norms come from one fused pass per
+        tensor and the step from a second (:func:`~lightning_onebit.kernels.lamb_prepare_`), where the torch ops make
+        about thirteen: the same arithmetic per element, norms summed in float64 (last-bit differences)."""
         b1, b2 = group["betas"]
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
         bc1, bc2 = _bias_corrections(group, t, t_v)
@@ -245,33 +249,15 @@ class OnebitLamb(CompressedOptimizer):
                 state["lamb_last_factor"] = _scalar(1.0, p.device)
         ms, vs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         fresh, scratch = [s["exp_avg_sq_fresh"] for s in states], [s["exp_avg_last"] for s in states]
-        # g_rec = (m - b1 m_last) / (1 - b1), in place: (b1 m_last - m) / -(1 - b1) is the same number, bit for bit
-        torch._foreach_mul_(scratch, b1)
-        torch._foreach_sub_(scratch, ms)
-        torch._foreach_div_(scratch, -(1 - b1))
-        torch._foreach_mul_(fresh, b2)
-        torch._foreach_addcmul_(fresh, scratch, scratch, value=1 - b2)
-        # factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))
         roots = [_root_eps(v, eps) for v in vs]
-        for s, v_fresh in zip(scratch, fresh):
-            torch.sqrt(v_fresh, out=s)
-        torch._foreach_add_(scratch, eps)
-        for s, root in zip(scratch, roots):
-            torch.div(root, s, out=s)
-        factor = torch.stack(torch._foreach_max(scratch)).double()
-        # u0 = (m / bc1) / (sqrt(v / bc2) + eps);  u = u0 + wd p
-        if bc2 == 1.0:  # v / 1 is v: the same denominators
-            denominators = roots
+        denominators = roots if bc2 == 1.0 else [_denominator(v, bc2, eps) for v in vs]
+        native = kernels.uses_native_update((params, ms, vs, fresh, scratch), self.compression.backend)
+        if native:  # the same quantities in one C pass per tensor (CPU float32): scratch = u
+            figures = kernels.lamb_prepare_(ms, scratch, fresh, roots, denominators, params, (b1, b2), eps, bc1, wd)
+            factor, u0_norm, u_norm = figures[:, 0], figures[:, 1].sqrt(), figures[:, 2].sqrt()
         else:
-            denominators = [_denominator(v, bc2, eps) for v in vs]
-        for s, m in zip(scratch, ms):
-            torch.div(m, bc1, out=s)
-        torch._foreach_div_(scratch, denominators)
+            factor, u0_norm, u_norm = self._lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1)
         if wd:
-            u0_norm = torch.stack(torch._foreach_norm(scratch)).double()
-            # u0 + wd * p: addcmul multiplies p by wd (rounded) and then adds, as the two ops did
-            torch._foreach_addcmul_(scratch, params, [_one(p) for p in params], value=wd)
-            u_norm = torch.stack(torch._foreach_norm(scratch)).double()
             rho = torch.where(u_norm > 0, _py_min(1.0, u0_norm / u_norm), 1.0)
             factor = rho * factor + (1 - rho)
         factor = _py_min(_py_max(factor, group["factor_min"]), group["factor_max"])
@@ -280,8 +266,45 @@ class OnebitLamb(CompressedOptimizer):
         factor = _py_min(_py_max(factor, last * (1 - threshold)), last * (1 + threshold))
         torch._foreach_copy_(last_factors, factor.unbind(0))
         step = -lr * torch.stack([s["lamb_coeff"] for s in states]) * factor
-        # p - lr coeff factor u: addcmul with a device-side step (see _lamb_step_ for its bits)
-        torch._foreach_addcmul_(params, scratch, step.unbind(0))
+        if native:  # CPU tensors: reading the steps is no device synchronisation
+            kernels.lamb_apply_(params, scratch, step.tolist())
+        else:
+            # p - lr coeff factor u: addcmul with a device-side step (see _lamb_step_ for its bits)
+            torch._foreach_addcmul_(params, scratch, step.unbind(0))
+
+    @staticmethod
+    def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: list[torch.Tensor],
+                       roots: list[torch.Tensor], denominators: list[torch.Tensor], params: list[torch.Tensor],
+                       group: dict[str, Any], bc1: float) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                   Optional[torch.Tensor]]:
+        """The torch ops of the update's first part (any device, no host synchronisation): the fresh variance
+        updated, ``u`` written into ``scratch``; returns per tensor the largest ratio and, with weight decay, the
+        norms of ``u0`` and ``u`` (float64 device vectors; ``None`` without weight decay)."""
+        (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
+        # g_rec = (m - b1 m_last) / (1 - b1), in place: (b1 m_last - m) / -(1 - b1) is the same number, bit for bit
+        torch._foreach_mul_(scratch, b1)
+        torch._foreach_sub_(scratch, ms)
+        torch._foreach_div_(scratch, -(1 - b1))
+        torch._foreach_mul_(fresh, b2)
+        torch._foreach_addcmul_(fresh, scratch, scratch, value=1 - b2)
+        # factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))
+        for s, v_fresh in zip(scratch, fresh):
+            torch.sqrt(v_fresh, out=s)
+        torch._foreach_add_(scratch, eps)
+        for s, root in zip(scratch, roots):
+            torch.div(root, s, out=s)
+        factor = torch.stack(torch._foreach_max(scratch)).double()
+        # u0 = (m / bc1) / (sqrt(v / bc2) + eps);  u = u0 + wd p  (with bc2 = 1 the denominators are the roots)
+        for s, m in zip(scratch, ms):
+            torch.div(m, bc1, out=s)
+        torch._foreach_div_(scratch, denominators)
+        if not wd:
+            return factor, None, None
+        u0_norm = torch.stack(torch._foreach_norm(scratch)).double()
+        # u0 + wd * p: addcmul multiplies p by wd (rounded) and then adds, as the two ops did
+        torch._foreach_addcmul_(scratch, params, [_one(p) for p in params], value=wd)
+        u_norm = torch.stack(torch._foreach_norm(scratch)).double()
+        return factor, u0_norm, u_norm
 
     def _remember_momenta(self, missing_only: bool = False) -> None:
         """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
