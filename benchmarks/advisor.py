@@ -6,7 +6,7 @@ Each run is ``python examples/bert_finetune.py fit --config examples/configs/ber
 ``--freeze-step`` (default 30) and ``--steps`` optimizer steps (default 60), no validation, one torch thread per rank;
 the advice (``CompressionAdvice``: median of the last 20 timed warmup steps, then the median of 20 compression-stage
 steps from the 3rd) comes from the example's summary JSON. A shaped rate runs the example inside a network namespace
-whose loopback is shaped with ``tc tbf`` (REFERENCE.md 6; the same namespace ``benchmarks/slow_link.py`` uses, deleted
+whose loopback is shaped with ``tc tbf`` (the same namespace ``benchmarks/slow_link.py`` uses, deleted
 afterwards, also on errors); both ranks' traffic shares that rate. ``unshaped`` runs on the host's loopback.
 Results: ``results/advisor.json``.
 

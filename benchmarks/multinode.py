@@ -1,7 +1,7 @@
 """Simulated 2 nodes x 2 ranks on one host: flat vs topology-aware ("hierarchical") 1-bit compression, shaped link.
 
 For each ``--rates`` entry the script (as root) builds a two-node "cluster" out of two network namespaces joined by a
-veth pair (REFERENCE.md 7): node k is namespace ``mn<pid>r<i>n<k>`` with the veth end ``v<k>`` at 10.77.<i>.<k+1>/24
+veth pair: node k is namespace ``mn<pid>r<i>n<k>`` with the veth end ``v<k>`` at 10.77.<i>.<k+1>/24
 and ``lo`` up; both veth ends are shaped with ``tc qdisc add dev v<k> root tbf rate RATE burst 256kb latency 50ms``.
 Traffic between the two ranks of a node goes over that namespace's (unshaped) loopback; only inter-node traffic
 crosses the veth. In each namespace it runs ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 2
@@ -38,7 +38,7 @@ Bytes that cross the link per node per step (inter-node, each direction; "node k
     Both include the TCP ACKs a node sends for the data it receives and the gloo barriers inside the window
     (``steps + 2`` of them). A calibration window of ``--calibration-barriers`` bare barriers at the start of every
     launch measures one barrier's bytes; the "corrected" figure subtracts the window's barriers.
-  * formula (REFERENCE.md 7, N = parameter count, P = M nodes x L ranks): fp32 ring ``2(P-1)/P 4N``; flat 1-bit
+  * formula (N = parameter count, P = M nodes x L ranks): fp32 ring ``2(P-1)/P 4N``; flat 1-bit
     ``L(P-L)N/(8P) + (P-1)N/(8P)`` (all_to_all + ring all_gather); hierarchical 1-bit ``2(M-1)/M N/8``; also tabulated
     at 2, 4 and 16 nodes x 8 ranks.
 
@@ -577,7 +577,7 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
 
 
 def print_formulas(n_params: int) -> None:
-    print(f"\nBytes leaving each node per step by formula (REFERENCE.md 7), N = {n_params:,} parameters, "
+    print(f"\nBytes leaving each node per step by formula, N = {n_params:,} parameters, "
           f"{FORMULA_RANKS_PER_NODE} ranks per node:")
     header = f"{'nodes':>6s}{'fp32 ring':>18s}{'flat 1-bit':>18s}{'hierarchical 1-bit':>22s}"
     print(header)

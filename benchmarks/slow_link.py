@@ -35,7 +35,7 @@ Compared in one run, per link rate:
   floor           one process, no communication, the same per-rank batch (the issue's compute floor; run once,
                   outside any namespace)
 
-Each link rate runs in its own network namespace whose loopback is shaped with a token bucket filter (REFERENCE.md 6):
+Each link rate runs in its own network namespace whose loopback is shaped with a token bucket filter:
 ``ip netns add NAME; ip netns exec NAME ip link set lo up; ip netns exec NAME tc qdisc add dev lo root tbf rate RATE
 burst 256kb latency 50ms``; the ranks run under ``ip netns exec NAME`` on 127.0.0.1 and the namespace is deleted
 afterwards (also on errors). On loopback both ranks' traffic passes the one shaped device, so RATE is the *aggregate*

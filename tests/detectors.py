@@ -1,4 +1,4 @@
-"""Detectors for what CPU tests cannot otherwise see of CUDA and NCCL (issue 24, part 2; REFERENCE.md section 10).
+"""Detectors for what CPU tests cannot otherwise see of CUDA and NCCL (issue 24, part 2).
 
 Three tools, each usable in any test:
 

@@ -1,6 +1,6 @@
 """1-bit LAMB (``OnebitLamb``).
 
-* Warmup is LAMB: it matches a reference written here from the formulas (REFERENCE.md 3.2), to 1e-6, with and
+* Warmup is LAMB: it matches a reference written here from the paper's formulas (1-bit LAMB, arXiv 2104.06069), to 1e-6, with and
   without bias correction and weight decay, across param groups.
 * An all-zero momentum tensor gets ``scaling_coeff = 1`` (DeepSpeed divided by zero), and training stays finite.
 * On 2 and 3 gloo ranks with different data, replicas are bitwise identical after every step; starting each bucket's

@@ -2,7 +2,7 @@
 
 * The variance-step and sync schedules match closed forms of the rules for 400 steps, and the DDP hook's per-step
   decision (``needs_gradient_allreduce``) follows them.
-* On one process every step matches a reference written here from the formulas (REFERENCE.md 3.1), in float64:
+* On one process every step matches a reference written here from the paper's formulas (0/1 Adam, arXiv 2202.06009), in float64:
   momentum updated on compressed steps at world size 1 (DeepSpeed skipped it), no weight decay in the momentum after
   a sync (DeepSpeed leaked it), and an interval with ``lr = 0`` stays finite (DeepSpeed divided by zero).
 * On 2 and 3 gloo ranks with different data: replicas bitwise identical after every step that communicates, different

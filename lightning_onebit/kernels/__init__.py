@@ -290,39 +290,9 @@ def uses_native_update(tensor_lists: Sequence[Sequence[torch.Tensor]], backend: 
     return native and resolve_backend(tensors[0], backend) == "cpu"
 
 
-def lamb_prepare_(
-    exp_avgs: Sequence[torch.Tensor],
-    scratch: Sequence[torch.Tensor],
-    fresh: Sequence[torch.Tensor],
-    roots: Sequence[torch.Tensor],
-    denominators: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    betas: tuple[float, float],
-    eps: float,
-    bias_correction1: float,
-    weight_decay: float,
-) -> torch.Tensor:
-    """1-bit LAMB's compression-stage first pass in one C pass per parameter (CPU float32; check with
-    :func:`uses_native_update`). Per element, each a float32 IEEE operation, with ``m`` the averaged momentum and
-    ``scratch`` holding the previous one::
-
-        g = (b1 last - m) / -(1 - b1);   f = b2 f + (1 - b2) g g          (the fresh variance, in place)
-        ratio = root / (sqrt(f) + eps)                                   (root: the frozen sqrt(v) + eps)
-        u0 = (m / bias_correction1) / denominator;   u = u0 + weight_decay p;   scratch = u
-
-    Returns a float64 ``(len(params), 3)`` CPU tensor: per parameter the largest ratio (NaN if any is), the sum of
-    ``u0^2`` and the sum of ``u^2`` (accumulated in float64). The torch ops of
-    :meth:`~lightning_onebit.OnebitLamb._compressed_update_` compute the same quantities; the norms differ in their
-    summation order and torch's CPU ``sqrt`` is not always correctly rounded, so the two can differ in the last bits
-    (every rank runs the same backend, so replicas stay identical)."""
-    return cpu_kernels.lamb_prepare_(exp_avgs, scratch, fresh, roots, denominators, params, betas, eps,
-                                     bias_correction1, weight_decay)
-
-
-def lamb_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], steps: Sequence[float]) -> None:
-    """``p <- p + step * u`` per parameter in one C pass (CPU float32; ``steps`` are Python floats, rounded to
-    float32)."""
-    cpu_kernels.lamb_apply_(params, updates, steps)
+# 1-bit LAMB's compression-stage update: C kernels only (the torch ops live in OnebitLamb, on any device)
+lamb_prepare_ = cpu_kernels.lamb_prepare_
+lamb_apply_ = cpu_kernels.lamb_apply_
 
 
 def frozen_adam_denominators(

@@ -247,9 +247,19 @@ def lamb_prepare_(
     bias_correction1: float,
     weight_decay: float,
 ) -> torch.Tensor:
-    """1-bit LAMB's compression-stage first pass, one pass per parameter (:func:`lightning_onebit.kernels.lamb_prepare_`
-    documents the arithmetic). Returns a float64 ``(len(params), 3)`` tensor: per parameter the largest ratio, the
-    sum of ``u0^2`` and the sum of ``u^2``."""
+    """1-bit LAMB's compression-stage first pass in one C pass per parameter (CPU float32; check with
+    :func:`lightning_onebit.kernels.uses_native_update`). Per element, each a float32 IEEE operation, with ``m`` the
+    averaged momentum and ``scratch`` holding the previous one::
+
+        g = (b1 last - m) / -(1 - b1);   f = b2 f + (1 - b2) g g          (the fresh variance, in place)
+        ratio = root / (sqrt(f) + eps)                                   (root: the frozen sqrt(v) + eps)
+        u0 = (m / bias_correction1) / denominator;   u = u0 + weight_decay p;   scratch = u
+
+    Returns a float64 ``(len(params), 3)`` CPU tensor: per parameter the largest ratio (NaN if any is), the sum of
+    ``u0^2`` and the sum of ``u^2`` (accumulated in float64). The torch ops of
+    :meth:`~lightning_onebit.OnebitLamb._compressed_update_` compute the same quantities; the norms differ in their
+    summation order and torch's CPU ``sqrt`` is not always correctly rounded, so the two can differ in the last bits
+    (every rank runs the same backend, so replicas stay identical)."""
     prepare = _lib().onebit_lamb_prepare
     b1, b2 = betas
     out = torch.empty((len(params), 3), dtype=torch.float64)
@@ -269,7 +279,8 @@ def lamb_prepare_(
 
 
 def lamb_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], steps: Sequence[float]) -> None:
-    """``p <- p + step * u`` per parameter (float32, one pass)."""
+    """``p <- p + step * u`` per parameter in one C pass (CPU float32; ``steps`` are Python floats, rounded to
+    float32)."""
     apply = _lib().onebit_lamb_apply
     for p, u, step in zip(params, updates, steps):
         _check(p, "param")

@@ -1,7 +1,7 @@
 """``freeze_step="auto"``: end the warmup once a variance frozen a window ago would have covered the gradients since,
 and training has left its initial plateau; decided by every rank together.
 
-The rule (REFERENCE.md 3.3, reworked on the example's sweep). Every ``check_every`` warmup steps, with ``v_t`` the raw
+The rule (1-bit Adam's variance-stability idea, reworked on the example's freeze-step sweep). Every ``check_every`` warmup steps, with ``v_t`` the raw
 variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and ``c`` the bias corrections:
 
 * the mean squared gradient of the last ``W`` steps follows from the two snapshots, with no extra state:
