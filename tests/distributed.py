@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import tempfile
@@ -28,6 +29,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     interpreter finalization. No ``gc.collect()``: a rank that aborts at exit fails the run (``run_distributed``
     checks every exit code). A Lightning run inside ``fn`` needs nothing more: the strategy releases its groups
     at exit."""
+    # a rank that dies of a signal (SIGABRT at exit, SIGSEGV) prints every thread's Python stack: where it was
+    faulthandler.enable(all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # With these set, Lightning treats the processes as externally launched (as under torchrun), so a Trainer with
