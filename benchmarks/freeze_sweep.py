@@ -209,7 +209,9 @@ class VarianceTrace(L.Callback):
 
     * every ``every`` optimizer steps while the variance is live (the whole run for AdamW and other optimizers
       without a freeze; the warmup of the 1-bit ones), and at the freeze step: per parameter tensor
-      ``mean(sqrt(exp_avg_sq))`` (raw, no bias correction), the mean training loss since the previous record, and the
+      ``mean(sqrt(exp_avg_sq))`` and ``mean(exp_avg_sq)`` (raw, no bias correction; the second lets a rule that
+      needs the window's mean squared gradient be replayed on the trace), the mean training loss since the previous
+      record, and the
       relative change of ``sqrt(v_hat)`` (``v_hat = v / (1 - beta2^t)``) over the last ``window`` steps, median and
       90th percentile over tensors, as ``sum |s_t - s_(t-W)| / sum s_(t-W)`` over a fixed sample of up to ``sample``
       coordinates per tensor (``rel_coord``) and as the change of the tensor's mean (``rel_mean``). Tensors whose
@@ -223,7 +225,7 @@ class VarianceTrace(L.Callback):
         if window % every:
             raise ValueError(f"VarianceTrace window ({window}) must be a multiple of every ({every})")
         self.out, self.every, self.window, self.sample = out, every, window, sample
-        self.trace: dict[str, Any] = dict(every=every, window=window, names=None, steps=[], sqrt_v=[], loss=[],
+        self.trace: dict[str, Any] = dict(every=every, window=window, names=None, steps=[], sqrt_v=[], mean_v=[], loss=[],
                                           rel_coord_med=[], rel_coord_p90=[], rel_mean_med=[], rel_mean_p90=[])
         self.record: dict[str, Any] = dict(freeze=None, mask=None, validations=[], step_s=None)
         self._snapshots: dict[int, tuple[list[float], list[torch.Tensor]]] = {}  # step: (means, sample), sqrt(v_hat)
@@ -274,12 +276,13 @@ class VarianceTrace(L.Callback):
                              torch.randperm(v.numel(), generator=generator)[: self.sample] for _, v, *_ in tensors]
         elif [n for n, *_ in tensors] != self.trace["names"]:
             raise RuntimeError("VarianceTrace: the optimizer's tensors with a variance changed during the run")
-        means, snapshot = [], []
+        means, mean_v, snapshot = [], [], []
         with torch.no_grad():
             for (_, v, b2, bias_correction), idx in zip(tensors, self._indices):
                 correction = math.sqrt(1 - b2**step) if bias_correction else 1.0
                 root = v.detach().float().sqrt()
                 means.append(float(root.mean()))
+                mean_v.append(float(v.detach().double().mean()))
                 flat = root.reshape(-1)
                 snapshot.append(((flat if idx is None else flat[idx.to(flat.device)]) / correction).cpu().clone())
         self._snapshots[step] = ([m / (math.sqrt(1 - b2**step) if bc else 1.0)
@@ -290,6 +293,7 @@ class VarianceTrace(L.Callback):
         t = self.trace
         t["steps"].append(step)
         t["sqrt_v"].append([_round(m) for m in means])
+        t["mean_v"].append([_round(m, 7) for m in mean_v])  # raw: rules that need the window's gradient moment replay on it
         t["loss"].append(_round(sum(self._losses) / len(self._losses)) if self._losses else None)
         self._losses = []
         for key, value in zip(("rel_coord_med", "rel_coord_p90", "rel_mean_med", "rel_mean_p90"), rel):
