@@ -346,10 +346,9 @@ class OnebitAdamStrategy(DDPStrategy):
                 "length is unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
                 "max_steps/max_epochs, or AutoFreeze(max_step=...)"
             )
-        detector.max_step = max(1, int(0.25 * total))
+        bound = detector.bound_by_run(total)
         rank_zero_info(
-            f"onebit_adam: freeze_step='auto' ends the warmup at step {detector.max_step} at the latest (25% of "
-            f"{total} steps)"
+            f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest (25% of {total} steps)"
         )
 
     @classmethod

@@ -398,7 +398,7 @@ def test_a_check_reads_the_device_once_not_per_tensor(optimizer_class: type) -> 
         opt.observe_loss(torch.tensor(_falling_loss(t)))
         opt.step()
     with count_host_syncs() as syncs:
-        snapshot, loss = opt.freeze_detector._snapshot(opt)
+        snapshot, loss = opt.freeze_detector._snapshot(opt._variance_reading())
     # one device-to-host copy of everything (it was 12 reads: one float(v.sum()) per tensor); the counter also sees
     # the float() of the loss sum, which reads that host copy (CPU memory, no device involved)
     assert sorted(e.what for e in syncs.events) in (["cpu"], ["__float__", "cpu"]), syncs.summary()

@@ -38,13 +38,10 @@ import logging
 import math
 import numbers
 import time
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from lightning_onebit.optim.base import CompressedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +124,39 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-class FreezeDetector:
-    """The measuring state of :class:`AutoFreeze` for one optimizer (snapshots, losses, streak, last figures)."""
+@dataclasses.dataclass(frozen=True)
+class VarianceReading:
+    """What :class:`FreezeDetector` reads at a check. The optimizer supplies it through a callable that the detector
+    calls only at check steps, so the detector holds no reference to the optimizer.
 
-    def __init__(self, config: AutoFreeze, beta2: float) -> None:
+    Attributes:
+        variances: one entry per measured tensor, in a fixed order: ``(numel, v, correction, beta2)``, with ``v`` the
+            raw variance (``None`` where the tensor has none yet), ``correction`` the bias correction the update
+            divides it by now (1 without bias correction) and ``beta2`` the tensor's.
+        extra: other per-tensor figures that must settle before a freeze (1-bit LAMB's trust-ratio EMAs), one
+            tensor; ``None`` for none.
+        device: where the ranks' agreement runs (NCCL takes CUDA tensors only).
+        process_group: the ranks that decide together (``None``: WORLD).
+    """
+
+    variances: Sequence[tuple[int, Optional[torch.Tensor], float, float]]
+    extra: Optional[torch.Tensor]
+    device: torch.device
+    process_group: Optional[dist.ProcessGroup]
+
+
+class FreezeDetector:
+    """The measuring state of :class:`AutoFreeze` for one optimizer (snapshots, losses, streak, last figures).
+
+    Args:
+        config: the settings.
+        beta2: the first param group's ``beta2`` (the default window is its time constant).
+        owner: the optimizer's name, for messages.
+    """
+
+    def __init__(self, config: AutoFreeze, beta2: float, owner: str = "the optimizer") -> None:
         self.config = config
+        self.owner = owner
         self.window = config.window or max(1, round(1 / (1 - beta2)))
         every = config.check_every or max(1, self.window // 4)
         while self.window % every:  # the largest divisor of the window not above W / 4
@@ -208,18 +233,28 @@ class FreezeDetector:
         return [ratio if math.isfinite(ratio) else math.inf, 0.0]
 
     # ------------------------------------------------------------------ the decision
-    def observe(self, optimizer: "CompressedOptimizer", t: int) -> Optional[int]:
+    def bound_by_run(self, run_steps: int) -> int:
+        """The latest step of the warmup for a run of ``run_steps`` optimizer steps: ``AutoFreeze(max_step)`` when
+        set, else 25% of the run, which then becomes this detector's bound. The Lightning strategy calls it at the
+        start of every fit; outside it ``max_step`` must be set."""
+        if self.max_step is None:
+            self.max_step = max(1, int(0.25 * run_steps))
+        return self.max_step
+
+    def observe(self, t: int, read: Callable[[], VarianceReading]) -> Optional[int]:
         """Called after warmup step ``t`` on every rank; returns ``t`` when the warmup ends with it, else ``None``.
-        A collective at check steps from the first full window on (every rank calls it at the same steps)."""
+        ``read`` is called at check steps only. A collective at check steps from the first full window on (every
+        rank calls it at the same steps)."""
         if self.max_step is None:
             raise ValueError(
-                f"{type(optimizer).__name__}(freeze_step='auto') needs AutoFreeze(max_step=...) outside the Lightning "
+                f"{self.owner}(freeze_step='auto') needs AutoFreeze(max_step=...) outside the Lightning "
                 "strategy (which defaults it to 25% of the run): the latest step at which to end the warmup"
             )
         started = time.perf_counter()
         decided = None
         if t % self.check_every == 0:
-            snapshot, loss_total = self._snapshot(optimizer)
+            reading = read()
+            snapshot, loss_total = self._snapshot(reading)
             self._close_loss_interval(loss_total)
             self._snapshots[t] = snapshot
             for old_step in [s for s in self._snapshots if s < t - self.window]:
@@ -231,13 +266,13 @@ class FreezeDetector:
                 self._snapshots, old = {t: snapshot}, None
                 log.info("freeze_step='auto': the measured parameters changed; measuring afresh from step %d", t)
             if old is not None:
-                local = _excesses(old, snapshot, self._decays(optimizer), self._sample_counts(len(snapshot[1])))
+                local = _excesses(old, snapshot, self._decays(reading), self._sample_counts(len(snapshot[1])))
                 local += self._loss_figures()
-                figures = _agree_max(local, optimizer.process_group, optimizer._detector_device())
+                figures = _agree_max(local, reading.process_group, reading.device)
                 sample, tensor, coeff, loss_ratio, no_loss = figures
                 if no_loss:
                     raise ValueError(
-                        f"{type(optimizer).__name__}(freeze_step='auto') waits for the training loss to fall "
+                        f"{self.owner}(freeze_step='auto') waits for the training loss to fall "
                         f"(AutoFreeze(loss_drop={self.config.loss_drop})) but was given no loss by step {t}: call "
                         "optimizer.observe_loss(loss) every step or pass a closure to step() (the Lightning strategy "
                         "does this), or set AutoFreeze(loss_drop=None) to decide on the variance alone"
@@ -290,9 +325,9 @@ class FreezeDetector:
         )
 
     # ------------------------------------------------------------------ measurements
-    def _decays(self, optimizer: "CompressedOptimizer") -> list[tuple[float, float]]:
-        """``(beta2^W, bias correction)`` per detector parameter, as of now."""
-        return [(b2**self.window, c) for _, _, c, b2 in optimizer._detector_params()]
+    def _decays(self, reading: VarianceReading) -> list[tuple[float, float]]:
+        """``(beta2^W, bias correction)`` per measured tensor, as of now."""
+        return [(b2**self.window, c) for _, _, c, b2 in reading.variances]
 
     def _sample_counts(self, tensors: int) -> torch.Tensor:
         counts = torch.zeros(tensors, dtype=torch.long)
@@ -301,15 +336,15 @@ class FreezeDetector:
         return counts
 
     def _snapshot(
-        self, optimizer: "CompressedOptimizer"
+        self, reading: VarianceReading
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[float]]:
         """``(sample of the raw v, sum of the raw v per tensor, the optimizer's extra settling figures)``, in float64 on
         the CPU (the sample laid out tensor by tensor, see :func:`_draw_sample`), and the sum of the losses recorded
         since the last check. Gathered on the device and read with one copy per device (one host synchronisation per
         check on a single GPU, not two per tensor)."""
-        params = optimizer._detector_params()
+        params = reading.variances
         if self._sample is None:
-            self._sample = _draw_sample([p.numel() for p, *_ in params], self.config.sample_size, self.config.seed)
+            self._sample = _draw_sample([numel for numel, *_ in params], self.config.sample_size, self.config.seed)
             self._sample_on = {}
         parts: list[torch.Tensor] = []
         for _, v, _, _ in params:  # the sums
@@ -323,7 +358,7 @@ class FreezeDetector:
             if on_device is None:
                 on_device = self._sample_on[(i, v.device)] = idx.to(v.device)
             parts.append(v.reshape(-1).index_select(0, on_device).double())
-        extra = optimizer._settling_figures()
+        extra = reading.extra
         parts.append(torch.zeros(0, dtype=torch.float64) if extra is None else extra.reshape(-1).double())
         if self._loss_sum is not None:
             parts.append(self._loss_sum.reshape(1))

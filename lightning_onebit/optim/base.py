@@ -33,7 +33,7 @@ from lightning_onebit.comm import (
     start_exchange_,
 )
 from lightning_onebit.kernels import Backend
-from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector
+from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector, VarianceReading
 from lightning_onebit.streams import stream_ops
 from lightning_onebit.topology import Topology
 
@@ -303,7 +303,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _ensure_detector(self) -> FreezeDetector:
         if self._detector is None:
             assert self.auto_freeze is not None
-            self._detector = FreezeDetector(self.auto_freeze, self.param_groups[0]["betas"][1])
+            self._detector = FreezeDetector(self.auto_freeze, self.param_groups[0]["betas"][1], type(self).__name__)
         return self._detector
 
     @property
@@ -311,22 +311,21 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The measuring state of ``freeze_step="auto"`` (its figures, ``describe()``), ``None`` with an int."""
         return self._ensure_detector() if self.auto_freeze is not None else None
 
-    def _detector_params(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor], float, float]]:
-        """``(parameter, v, correction, beta2)`` for every trainable parameter of the compressed param groups, in
-        order: the update will use ``v / correction`` (1 without bias correction); ``v`` is ``None`` where the
-        parameter has no variance yet. ``compress=False`` groups are left out: their variance is never frozen."""
-        out = []
+    def _variance_reading(self) -> VarianceReading:
+        """What the freeze detector measures now: ``(numel, v, correction, beta2)`` for every trainable parameter of
+        the compressed param groups, in order (the update will use ``v / correction``, 1 without bias correction;
+        ``v`` is ``None`` where the parameter has no variance yet; ``compress=False`` groups are left out: their
+        variance is never frozen), the subclass's settling figures, the parameters' device and the process group."""
+        variances = []
         for group in self.param_groups:
             if not group["compress"]:
                 continue
             b2 = group["betas"][1]
             correction = 1 - b2**self._step if group["bias_correction"] else 1.0
-            out += [(p, self.state[p].get("exp_avg_sq"), correction, b2) for p in _trainable(group)]
-        return out
-
-    def _detector_device(self) -> torch.device:
+            variances += [(p.numel(), self.state[p].get("exp_avg_sq"), correction, b2) for p in _trainable(group)]
         params = [p for group in self.param_groups for p in group["params"]]
-        return params[0].device if params else torch.device("cpu")
+        device = params[0].device if params else torch.device("cpu")
+        return VarianceReading(variances, self._settling_figures(), device, self.process_group)
 
     def _on_freeze(self) -> None:
         """Called once, after the last warmup step (fixed or decided ``freeze_step``)."""
@@ -414,7 +413,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _observe_variance(self) -> None:
         """freeze_step='auto': measure after this warmup step; end the warmup here if the detector says so."""
         detector = self._ensure_detector()
-        decided = detector.observe(self, self._step)
+        decided = detector.observe(self._step, self._variance_reading)
         if decided is not None:
             self.freeze_step = decided
             if self.compression.rank() == 0:
