@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
-from lightning_onebit.optim import CompressedOptimizer, OnebitStage, ZeroOneAdam, check_exp_avg_mask
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind, check_exp_avg_mask
 from lightning_onebit.strategy import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, OnebitAdamStrategy
 
 log = logging.getLogger(__name__)
@@ -591,7 +591,7 @@ class CommunicationMonitor(Callback):
         self._warmup: collections.deque[tuple[float, float, float, int]] = collections.deque(maxlen=advise_steps)
         self._compressed: list[float] = []
         self._advice_done = False
-        self._zeroone_note: Optional[str] = None  # what the advice covers with ZeroOneAdam (its 1-bit steps)
+        self._optimizer_note: Optional[str] = None  # what the advice adds about steps it does not time
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
@@ -608,14 +608,7 @@ class CommunicationMonitor(Callback):
         self._compressed = []
         self.advice = None
         self._advice_done = False
-        optimizer = strategy.onebit_optimizer
-        self._zeroone_note = (
-            f" (ZeroOneAdam: for its 1-bit compressed steps, which alone are timed; its variance steps, every "
-            f"var_interval-th step up to var_freeze_step={optimizer.var_freeze_step}, cost about a warmup step, and "
-            "its local steps after that send nothing but a 1-bit sync every local_step_interval steps)"
-            if isinstance(optimizer, ZeroOneAdam)
-            else None
-        )
+        self._optimizer_note = strategy.onebit_optimizer.advisor_note
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -657,10 +650,10 @@ class CommunicationMonitor(Callback):
         if self.prog_bar:  # short names that fit a terminal; the logger has the full ones
             pl_module.log_dict(short, on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
         if self.advise and not self._advice_done:
-            if isinstance(optimizer, ZeroOneAdam) and compressed and optimizer.last_step_kind != "compressed":
-                # 0/1 Adam's variance steps cost a warmup step and its local steps send (almost) nothing: the advice
-                # is about its 1-bit steps, so it times those only
-                self._zeroone_other_step(trainer, strategy, optimizer)
+            if compressed and optimizer.last_step_kind is not StepKind.COMPRESSED:
+                # after the warmup, 0/1 Adam's variance steps cost a warmup step and its local steps send (almost)
+                # nothing: the advice is about 1-bit compressed steps, so it times those only
+                self._other_step(trainer, strategy, optimizer)
             else:
                 self._advise(trainer, strategy, compressed, step, step_s, span_s)
 
@@ -732,30 +725,29 @@ class CommunicationMonitor(Callback):
 
     @property
     def _note(self) -> str:
-        return self._zeroone_note or ""
+        return self._optimizer_note or ""
 
-    def _zeroone_other_step(self, trainer: "pl.Trainer", strategy: OnebitAdamStrategy, optimizer: ZeroOneAdam) -> None:
-        """A 0/1 Adam step after its warmup that is not a 1-bit compressed step (a variance, local or sync step):
-        not timed. Once its local steps begin there are no more 1-bit steps to time: the advice ends with what it
-        has (the schedule is the same on every rank, so every rank ends here at the same step)."""
-        if optimizer.last_step_kind not in ("local", "sync"):
+    def _other_step(self, trainer: "pl.Trainer", strategy: OnebitAdamStrategy, optimizer: CompressedOptimizer) -> None:
+        """A step after the warmup that is not a 1-bit compressed step (0/1 Adam's variance, local or sync steps):
+        not timed. Once local steps begin there are no more 1-bit steps to time: the advice ends with what it has
+        (the schedule is the same on every rank, so every rank ends here at the same step)."""
+        if optimizer.last_step_kind not in (StepKind.LOCAL, StepKind.SYNC):
             return  # a variance step: a warmup step's cost, as the note says
         if self.advice is None:
             self._advice_done = True
             rank_zero_info(
-                "CommunicationMonitor: no compression advice: in this fit ZeroOneAdam took no 1-bit compressed step "
-                f"before its local steps (var_freeze_step={optimizer.var_freeze_step}), so there is no compressed "
-                "step to estimate; its local steps send nothing but a 1-bit sync of the accumulated update every "
-                "local_step_interval steps"
+                f"CommunicationMonitor: no compression advice: in this fit {type(optimizer).__name__} took no 1-bit "
+                "compressed step before its local steps, so there is no compressed step to estimate; its local "
+                f"steps send nothing but a 1-bit sync of the accumulated update now and then{self._note}"
             )
         elif self._compressed:
             self._measured(trainer, strategy)
         else:
             self._advice_done = True
             rank_zero_info(
-                "onebit_adam advisor: the 1-bit steps were not measured: ZeroOneAdam's local steps began "
-                f"(var_freeze_step={optimizer.var_freeze_step}) before a 1-bit step after the estimate's first "
-                f"{self.SETTLING_STEPS} could be timed"
+                f"onebit_adam advisor: the 1-bit steps were not measured: {type(optimizer).__name__}'s local steps "
+                f"began before a 1-bit step after the estimate's first {self.SETTLING_STEPS} could be timed"
+                f"{self._note}"
             )
 
 

@@ -36,7 +36,7 @@ from lightning_onebit.gradient_sync import (
     overlapped_exchange_hook,
     switchable_allreduce_hook,
 )
-from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
 from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
@@ -248,7 +248,7 @@ class OnebitAdamStrategy(DDPStrategy):
         self._sync_predicate = functools.partial(_gradient_allreduce_needed, weakref.ref(self))
         self.gradient_sync = GradientSyncState(sync_predicate=self._sync_predicate)
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._announced_stage: Optional[str] = None  # the optimizer phase last announced (describe_phase)
+        self._announced_phase: Optional[StepKind] = None  # the optimizer phase last announced (describe_phase)
         self._warned_local_clipping = False
 
     # ------------------------------------------------------------------ wiring
@@ -323,7 +323,7 @@ class OnebitAdamStrategy(DDPStrategy):
         self._warn_if_run_ends_in_warmup(trainer, optimizer)
         optimizer.observe_closure_loss = False  # pre_backward records every loss, micro-batches and manual steps too
         self._onebit_optimizer = optimizer
-        self._announced_stage = None
+        self._announced_phase = None
         self.overlap_state = self._configure_overlap(trainer, optimizer)
 
     @staticmethod
@@ -580,9 +580,9 @@ class OnebitAdamStrategy(DDPStrategy):
 
     def _announce_stage(self, onebit: CompressedOptimizer) -> None:
         phase, sentence = onebit.describe_phase()
-        if phase != self._announced_stage:
+        if phase is not self._announced_phase:
             rank_zero_info(f"onebit_adam: {sentence}")
-            self._announced_stage = phase
+            self._announced_phase = phase
 
     def _warn_local_clipping(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

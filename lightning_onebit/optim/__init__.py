@@ -13,6 +13,7 @@ from lightning_onebit.optim.auto_freeze import AutoFreeze
 from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage, check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam
 from lightning_onebit.optim.onebit_lamb import OnebitLamb
+from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.optim.zeroone_adam import ZeroOneAdam
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "OnebitAdam",
     "OnebitLamb",
     "OnebitStage",
+    "StepKind",
     "ZeroOneAdam",
     "check_exp_avg_mask",
 ]

@@ -34,6 +34,7 @@ from lightning_onebit.comm import (
 )
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector, VarianceReading
+from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.streams import stream_ops
 from lightning_onebit.topology import Topology
 
@@ -171,11 +172,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
         # dead-coordinate detection (warmup only): id(param) -> bool tensor "gradient was nonzero in a tracked step"
         self._seen_nonzero: dict[int, torch.Tensor] = {}
         self._seen_since: Optional[int] = None  # first tracked warmup step (> 1 after a resume in warmup)
-        #: Steps this process took, by kind: ``"warmup"`` (gradients averaged in full precision) and ``"compressed"``
-        #: (one 1-bit compressed exchange); :class:`~lightning_onebit.ZeroOneAdam` also counts ``"variance"``,
-        #: ``"local"`` (no communication at all) and ``"sync"``. Not saved in checkpoints.
-        self.steps_by_kind: collections.Counter[str] = collections.Counter()
-        self.last_step_kind: Optional[str] = None  # the kind of the latest step (see steps_by_kind)
+        #: Steps this process took, by :class:`~lightning_onebit.optim.StepKind`: ``WARMUP`` and ``COMPRESSED``;
+        #: :class:`~lightning_onebit.ZeroOneAdam` takes ``VARIANCE``, ``COMPRESSED``, ``LOCAL`` and ``SYNC`` steps.
+        #: Not saved in checkpoints.
+        self.steps_by_kind: collections.Counter[StepKind] = collections.Counter()
+        self.last_step_kind: Optional[StepKind] = None  # the kind of the latest step
 
     # ------------------------------------------------------------------ validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -247,9 +248,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return OnebitStage.COMPRESSION
 
     @property
+    def next_step_kind(self) -> StepKind:
+        """What the next :meth:`step` will do (``WARMUP`` until the freeze step, ``COMPRESSED`` after it; exact as
+        long as the freeze step is known, and ``WARMUP`` while ``freeze_step="auto"`` has not decided)."""
+        return StepKind.WARMUP if self.stage is OnebitStage.WARMUP else StepKind.COMPRESSED
+
+    @property
     def needs_gradient_allreduce(self) -> bool:
-        """Whether gradients of the next backward must be averaged across ranks (true during warmup only)."""
-        return self.stage is OnebitStage.WARMUP
+        """Whether gradients of the next backward must be averaged across ranks (the next step's kind says so)."""
+        return self.next_step_kind.averages_gradients
+
+    #: What :class:`~lightning_onebit.CommunicationMonitor`'s advice adds about the steps of this optimizer that it
+    #: does not time (``None``: it times every compressed step).
+    advisor_note: Optional[str] = None
 
     @property
     def replicas_in_sync(self) -> bool:
@@ -263,9 +274,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         Nothing to do here: this optimizer's replicas are identical after every step."""
         return False
 
-    def describe_phase(self) -> tuple[str, str]:
-        """``(phase, sentence)``: which phase the next step is in, and a sentence for the log saying what it does.
-        The strategy announces each new phase once."""
+    def describe_phase(self) -> tuple[StepKind, str]:
+        """``(phase, sentence)``: the phase the next step is in, named by the kind of step that characterises it, and
+        a sentence for the log saying what it does. The strategy announces each new phase once."""
         name = type(self).__name__
         if self.stage is OnebitStage.WARMUP:
             until = (
@@ -273,7 +284,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 if self.freeze_step is not None
                 else "the variance settles (freeze_step='auto': " + self._detector_rule() + ")"
             )
-            return "warmup", f"warmup (DDP gradient allreduce, full-precision {name} update) until {until}"
+            return StepKind.WARMUP, f"warmup (DDP gradient allreduce, full-precision {name} update) until {until}"
         decided = "" if self._detector is None else f" (freeze_step='auto' decided {self.freeze_step}: " + (
             self._detector.describe() + ")"
         )
@@ -282,7 +293,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if self._uncompressed_groups()
             else ""
         )
-        return "compression", (
+        return StepKind.COMPRESSED, (
             f"compression stage from optimizer step {self._step + 1}: DDP gradient allreduce off, momenta averaged by "
             f"the 1-bit compressed allreduce, variance frozen{decided}{uncompressed}"
         )
@@ -396,13 +407,13 @@ class CompressedOptimizer(torch.optim.Optimizer):
         stage = self.stage
         self._step += 1
         if stage is OnebitStage.WARMUP:
-            kind = self._warmup_step() or "warmup"
+            kind = self._warmup_step() or StepKind.WARMUP
             if self.freeze_step is None:
                 self._observe_variance()
             if self.stage is OnebitStage.COMPRESSION:
                 self._on_freeze()
         else:
-            kind = self._compressed_step() or "compressed"
+            kind = self._compressed_step() or StepKind.COMPRESSED
         self.steps_by_kind[kind] += 1
         self.last_step_kind = kind
         if self._deferred_plan is not None:
@@ -436,10 +447,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._frozen_params.discard(id(p))
         return state
 
-    def _warmup_step(self) -> Optional[str]:
+    def _warmup_step(self) -> Optional[StepKind]:
         raise NotImplementedError
 
-    def _compressed_step(self) -> Optional[str]:
+    def _compressed_step(self) -> Optional[StepKind]:
         raise NotImplementedError
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:

@@ -20,6 +20,7 @@ from lightning_onebit.optim.base import (
     _mask_like,
 )
 from lightning_onebit.optim.onebit_adam import adam_update_, adamw_warmup_step_
+from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -228,24 +229,37 @@ class ZeroOneAdam(CompressedOptimizer):
 
     # ------------------------------------------------------------------ status
     @property
-    def needs_gradient_allreduce(self) -> bool:
-        """Whether the next step is a variance step (its gradients must be averaged in full precision)."""
-        return self.is_variance_step(self._step + 1)
+    def next_step_kind(self) -> StepKind:
+        """``VARIANCE`` (the warmup's steps and every ``var_interval``-th step up to ``var_freeze_step``: gradients
+        averaged in full precision), ``COMPRESSED`` (the other steps until then), then ``LOCAL``, or ``SYNC`` every
+        ``local_step_interval``-th step. Exact: the schedules depend only on the step."""
+        t = self._step + 1
+        if t > self.var_freeze_step:
+            return StepKind.SYNC if t % self.local_step_interval == 0 else StepKind.LOCAL
+        return StepKind.VARIANCE if self.is_variance_step(t) else StepKind.COMPRESSED
+
+    @property
+    def advisor_note(self) -> str:
+        return (
+            f" (ZeroOneAdam: for its 1-bit compressed steps, which alone are timed; its variance steps, every "
+            f"var_interval-th step up to var_freeze_step={self.var_freeze_step}, cost about a warmup step, and "
+            "its local steps after that send nothing but a 1-bit sync every local_step_interval steps)"
+        )
 
     @property
     def replicas_in_sync(self) -> bool:
         """False after a local step, until the next sync."""
         return self.local_steps_since_sync == 0
 
-    def describe_phase(self) -> tuple[str, str]:
+    def describe_phase(self) -> tuple[StepKind, str]:
         t = self._step + 1
         if t <= self.freeze_step:
-            return "warmup", (
+            return StepKind.WARMUP, (
                 f"warmup until optimizer step {self.freeze_step}: every step a variance step (DDP gradient allreduce, "
                 "full-precision Adam update)"
             )
         if t <= self.var_freeze_step:
-            return "variance", (
+            return StepKind.VARIANCE, (
                 f"from optimizer step {t}: variance steps (DDP gradient allreduce) every {self.var_interval} steps, "
                 f"the interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
                 f"the other steps average the {'momenta' if self.compress == 'momentum' else 'gradients'} by the "
@@ -256,24 +270,24 @@ class ZeroOneAdam(CompressedOptimizer):
             if self._uncompressed_groups()
             else ""
         )
-        return "local", (
+        return StepKind.LOCAL, (
             f"from optimizer step {t}: variance frozen; local steps without communication{uncompressed}, the "
             f"accumulated update averaged by the 1-bit compressed allreduce every {self.local_step_interval} steps "
             f"(doubling every {self.local_step_scaler} steps up to {self.local_step_clipper})"
         )
 
     # ------------------------------------------------------------------ steps
-    def _warmup_step(self) -> str:
+    def _warmup_step(self) -> StepKind:
         t = self._step  # every warmup step is a variance step: t variance updates so far, as AdamW's step t
         adamw_warmup_step_(self, t)
         self._advance_schedules(t)
-        return "variance"
+        return StepKind.VARIANCE
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
         # every step of a compress=False group is an AdamW step: its variance has received t updates
         adamw_warmup_step_(self, self._step, groups, compression_stage=True)
 
-    def _compressed_step(self) -> str:
+    def _compressed_step(self) -> StepKind:
         t = self._step
         # compress=False groups: an AdamW step every step; variance steps' gradients are already averaged by DDP
         self._step_uncompressed_groups_(averaged=self.is_variance_step(t))
@@ -286,7 +300,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self._advance_schedules(t)
         return kind
 
-    def _variance_step(self, t: int) -> str:
+    def _variance_step(self, t: int) -> StepKind:
         """Averaged gradients: ``m`` and ``v`` updated (parameters without a gradient are skipped, as in AdamW)."""
         self._ensure_buckets(carry=True)
         self._zero_variance.clear()
@@ -304,9 +318,9 @@ class ZeroOneAdam(CompressedOptimizer):
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
             self._keep_at_rest_(group, params, exp_avgs)
             adam_update_(group, params, exp_avgs, exp_avg_sqs, t, n, self.compression.backend)
-        return "variance"
+        return StepKind.VARIANCE
 
-    def _compressed_exchange_step(self, t: int) -> str:
+    def _compressed_exchange_step(self, t: int) -> StepKind:
         """Local gradients reach the momentum through one 1-bit compressed exchange (of the momenta, or of the
         gradients with ``compress="gradient"``); ``v`` unchanged."""
         if self.compress == "momentum":
@@ -321,7 +335,7 @@ class ZeroOneAdam(CompressedOptimizer):
             self._keep_at_rest_(group, params, exp_avgs)
             exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
             adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
-        return "compressed"
+        return StepKind.COMPRESSED
 
     def _average_gradients_into_momenta_(self) -> None:
         """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``."""
@@ -349,7 +363,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 exp_avgs = [self.state[p]["exp_avg"] for p in params]
                 torch._foreach_lerp_(exp_avgs, [averaged[id(p)] for p in params], 1 - group["betas"][0])
 
-    def _local_step(self, t: int) -> str:
+    def _local_step(self, t: int) -> StepKind:
         """A step on this rank's own gradient with no communication; a sync after it when the schedule says so."""
         buckets = self._ensure_buckets(carry=True)
         if self._lr_sum is None:
@@ -378,8 +392,8 @@ class ZeroOneAdam(CompressedOptimizer):
         self.local_steps_since_sync += 1
         if t % self.local_step_interval == 0:
             self._sync(t)
-            return "sync"
-        return "local"
+            return StepKind.SYNC
+        return StepKind.LOCAL
 
     def _begin_local_steps(self, buckets: list[_Bucket]) -> None:
         """At the first local step: the error feedback held momentum (or gradient) errors and restarts for updates,
