@@ -8,7 +8,7 @@ warmup into the compression stage on CPU/gloo, along one of these paths:
   the second phase in its own process group), 3 ranks, torn down the way the ``OverlapState`` docstring tells users
   to: the training function returns (DDP, optimizer and hook state freed by reference counting) and the script calls
   ``dist.destroy_process_group()``. No ``gc.collect()`` anywhere.
-* ``lightning-flat``: ``Trainer(strategy=OnebitAdamStrategy())``, 2 ranks, flat exchange, overlapped.
+* ``lightning-flat``: ``Trainer(strategy=OnebitStrategy())``, 2 ranks, flat exchange, overlapped.
 * ``lightning-hierarchical``: the same on 4 ranks with ``ranks_per_node=2`` (2 simulated nodes x 2 ranks: the
   intra- and inter-node groups and their second-phase copies).
 * ``gloo``: the control experiment: a few async collectives on the default group and two subgroups, with
@@ -59,7 +59,7 @@ def _lightning_worker(ranks_per_node: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import lightning.pytorch as pl
-    from lightning_onebit import OnebitAdam, OnebitAdamStrategy
+    from lightning_onebit import OnebitAdam, OnebitStrategy
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
@@ -77,7 +77,7 @@ def _lightning_worker(ranks_per_node: int) -> None:
     g = torch.Generator().manual_seed(int(os.environ.get("RANK", 0)))
     data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 1, generator=g))
     # several DDP buckets (tiny cap), so the overlapped exchange runs its second phase between bucket hooks
-    strategy = OnebitAdamStrategy(ranks_per_node=ranks_per_node or None, ddp_bucket_cap_mb=2000 / 2**20)
+    strategy = OnebitStrategy(ranks_per_node=ranks_per_node or None, ddp_bucket_cap_mb=2000 / 2**20)
     global _TRAINER  # kept alive until interpreter exit, as a script's module-level trainer is
     _TRAINER = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=STEPS,

@@ -46,7 +46,7 @@ from lightning_onebit import (
     CommunicationMonitor,
     CompressedOptimizer,
     GradientSyncState,
-    OnebitAdamStrategy,
+    OnebitStrategy,
     switchable_allreduce_hook,
 )
 
@@ -480,7 +480,7 @@ class BertFinetuneCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._started = time.perf_counter()
-        if not isinstance(self.trainer.strategy, OnebitAdamStrategy):
+        if not isinstance(self.trainer.strategy, OnebitStrategy):
             self._ddp_counter = _CountDDPBytes()
             self.trainer.callbacks.append(self._ddp_counter)
 
@@ -494,7 +494,7 @@ class BertFinetuneCLI(LightningCLI):
             **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")},
         }
         strategy = trainer.strategy
-        if isinstance(strategy, OnebitAdamStrategy):
+        if isinstance(strategy, OnebitStrategy):
             optimizer = strategy.onebit_optimizer
             warm, comp = strategy.gradient_sync.counters, optimizer.communication
             summary.update(

@@ -27,13 +27,13 @@ from lightning_onebit.gradient_sync import (
 )
 from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
 from lightning_onebit.precision import RankSyncedGradScaler
-from lightning_onebit.strategy import OnebitAdamStrategy
+from lightning_onebit.strategy import OnebitAdamStrategy, OnebitStrategy
 from lightning_onebit.topology import Topology
 
 __version__ = "0.1.0"
 
 if "onebit_adam" not in StrategyRegistry:
-    OnebitAdamStrategy.register_strategies(StrategyRegistry)
+    OnebitStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "AutoFreeze",
@@ -48,6 +48,7 @@ __all__ = [
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
+    "OnebitStrategy",
     "OnebitLamb",
     "OnebitStage",
     "OverlapState",

@@ -1,6 +1,6 @@
 """Lightning callbacks for 1-bit Adam: momentum masks, compression state across checkpoints, communication logging.
 
-All three need the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitAdamStrategy`) and fail at setup with a
+All three need the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitStrategy`) and fail at setup with a
 clear message otherwise.
 """
 
@@ -21,18 +21,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind, check_exp_avg_mask
-from lightning_onebit.strategy import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, OnebitAdamStrategy
+from lightning_onebit.strategy import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, OnebitStrategy
 
 log = logging.getLogger(__name__)
 
 MaskSpec = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
-def _onebit_strategy(trainer: "pl.Trainer", who: str) -> OnebitAdamStrategy:
+def _onebit_strategy(trainer: "pl.Trainer", who: str) -> OnebitStrategy:
     strategy = trainer.strategy
-    if not isinstance(strategy, OnebitAdamStrategy):
+    if not isinstance(strategy, OnebitStrategy):
         raise ValueError(
-            f"{who} needs the 'onebit_adam' strategy (lightning_onebit.OnebitAdamStrategy), but the Trainer uses "
+            f"{who} needs the 'onebit_adam' strategy (lightning_onebit.OnebitStrategy), but the Trainer uses "
             f"{type(strategy).__name__}. Pass Trainer(strategy='onebit_adam') or remove the callback."
         )
     return strategy
@@ -334,7 +334,7 @@ class ErrorFeedbackCheckpoint(Callback):
         self._pending: Optional[dict[str, Any]] = None
         self._status: Optional[dict[str, Any]] = None
         self._saved_norm: Optional[float] = None
-        self._strategy: Optional[OnebitAdamStrategy] = None
+        self._strategy: Optional[OnebitStrategy] = None
         self._loaded = False
         self.restored: Optional[bool] = None  # after a resume: True if buffers were restored, False if reset
 
@@ -661,7 +661,7 @@ class CommunicationMonitor(Callback):
     def _advise(
         self,
         trainer: "pl.Trainer",
-        strategy: OnebitAdamStrategy,
+        strategy: OnebitStrategy,
         compressed: bool,
         step: CommunicationCounters,
         step_s: Optional[float],
@@ -715,7 +715,7 @@ class CommunicationMonitor(Callback):
             return
         self._measured(trainer, strategy)
 
-    def _measured(self, trainer: "pl.Trainer", strategy: OnebitAdamStrategy) -> None:
+    def _measured(self, trainer: "pl.Trainer", strategy: OnebitStrategy) -> None:
         assert self.advice is not None and self._compressed
         self.advice.measured_step_s = _reduce_max(strategy, [statistics.median(self._compressed)])[0]
         self.advice.measured_steps = len(self._compressed)
@@ -727,7 +727,7 @@ class CommunicationMonitor(Callback):
     def _note(self) -> str:
         return self._optimizer_note or ""
 
-    def _other_step(self, trainer: "pl.Trainer", strategy: OnebitAdamStrategy, optimizer: CompressedOptimizer) -> None:
+    def _other_step(self, trainer: "pl.Trainer", strategy: OnebitStrategy, optimizer: CompressedOptimizer) -> None:
         """A step after the warmup that is not a 1-bit compressed step (0/1 Adam's variance, local or sync steps):
         not timed. Once local steps begin there are no more 1-bit steps to time: the advice ends with what it has
         (the schedule is the same on every rank, so every rank ends here at the same step)."""
@@ -758,7 +758,7 @@ def _log_once(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
         logger.log_metrics(metrics, step=trainer.global_step)
 
 
-def _reduce_max(strategy: OnebitAdamStrategy, values: list[float]) -> list[float]:
+def _reduce_max(strategy: OnebitStrategy, values: list[float]) -> list[float]:
     """Elementwise maximum over the ranks of the strategy's process group (one small ``all_reduce``)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [float(v) for v in values]

@@ -4,7 +4,7 @@
 gradient and the optimizer averages compressed momenta instead. The switch is a predicate consulted for every
 bucket of every backward, so it follows the optimizer's own step, including right after a checkpoint is restored.
 
-Used by :class:`lightning_onebit.OnebitAdamStrategy`, and usable with plain DDP::
+Used by :class:`lightning_onebit.OnebitStrategy`, and usable with plain DDP::
 
     state = GradientSyncState(process_group=None, sync_predicate=lambda: optimizer.needs_gradient_allreduce)
     ddp_model.register_comm_hook(state, switchable_allreduce_hook)
@@ -37,7 +37,7 @@ def leaves_gradients_unchanged(hook: _F) -> _F:
     reads gradients, so that it does not turn the overlapped exchange off.
 
     The overlapped exchange folds each gradient bucket into the momenta during backward, before these hooks run, so
-    an edit of ``.grad`` there could not reach the momenta. ``OnebitAdamStrategy(overlap="auto")`` therefore exchanges
+    an edit of ``.grad`` there could not reach the momenta. ``OnebitStrategy(overlap="auto")`` therefore exchanges
     in ``optimizer.step`` whenever the LightningModule or a user callback overrides one of them (``overlap=True`` is
     then an error at setup), unless the override carries this mark::
 
@@ -61,7 +61,7 @@ class OverlapFallbackReason(str):
     stable :attr:`cause` to branch on (never the text): ``"manual_optimization"``, ``"grad_scaler"``,
     ``"clip_by_norm"``, ``"clipping_override"``, ``"gradient_hook"``, ``"static_graph_accumulation"``,
     ``"optimizer"`` (the optimizer's ``overlap_unsupported_reason``) or ``"custom"`` (a plain string from an
-    override of ``OnebitAdamStrategy.overlap_unsupported_reason``)."""
+    override of ``OnebitStrategy.overlap_unsupported_reason``)."""
 
     cause: str
 
@@ -104,7 +104,7 @@ class GradientSyncState:
 
     On CUDA, ``time_s``, ``exposed_s`` and ``span_s`` are device times measured with CUDA events (NCCL completes a
     future when the collective is enqueued, so host time would only be the launch), read back without waiting for
-    the device when :meth:`settle_timings` is called (:attr:`OnebitAdamStrategy.communication` does), at most a
+    the device when :meth:`settle_timings` is called (:attr:`OnebitStrategy.communication` does), at most a
     bounded number kept unread; elsewhere they are host wall-clock times.
     """
 

@@ -54,7 +54,7 @@ PER_RANK_STATUS_KEY = "onebit_per_rank_status"
 
 
 #: Strategies that may hold process groups at interpreter exit (weakly: a strategy freed earlier holds none).
-_LIVE_STRATEGIES: "weakref.WeakSet[OnebitAdamStrategy]" = weakref.WeakSet()
+_LIVE_STRATEGIES: "weakref.WeakSet[OnebitStrategy]" = weakref.WeakSet()
 _EXIT_HANDLER_REGISTERED = False
 
 
@@ -67,7 +67,7 @@ def _register_exit_handler() -> None:
 
 def _release_process_groups_at_exit() -> None:
     """At interpreter exit, while the interpreter is still whole: every live strategy destroys the process groups it
-    made and detaches its optimizers from them (:meth:`OnebitAdamStrategy.destroy_process_groups`), then WORLD is
+    made and detaches its optimizers from them (:meth:`OnebitStrategy.destroy_process_groups`), then WORLD is
     destroyed if still initialised (Lightning does that for NCCL only).
 
     Why: ``dist.destroy_process_group`` only unregisters a group; a gloo group stops its threads when its C++ object is
@@ -94,18 +94,18 @@ class _HookState:
 
     __slots__ = ("_strategy",)
 
-    def __init__(self, strategy: "OnebitAdamStrategy") -> None:
+    def __init__(self, strategy: "OnebitStrategy") -> None:
         self._strategy = weakref.ref(strategy)
 
     @property
-    def strategy(self) -> "OnebitAdamStrategy":
+    def strategy(self) -> "OnebitStrategy":
         strategy = self._strategy()
         if strategy is None:
-            raise RuntimeError("the OnebitAdamStrategy that registered this DDP comm hook was freed")
+            raise RuntimeError("the OnebitStrategy that registered this DDP comm hook was freed")
         return strategy
 
 
-def _gradient_allreduce_needed(strategy_ref: "weakref.ref[OnebitAdamStrategy]") -> bool:
+def _gradient_allreduce_needed(strategy_ref: "weakref.ref[OnebitStrategy]") -> bool:
     """The strategy's gradient-sync predicate (``strategy_ref`` is weak for the reason given in :class:`_HookState`:
     the predicate lives in ``strategy.gradient_sync``, which the hook reaches)."""
     strategy = strategy_ref()
@@ -113,7 +113,7 @@ def _gradient_allreduce_needed(strategy_ref: "weakref.ref[OnebitAdamStrategy]") 
     return optimizer is None or optimizer.needs_gradient_allreduce
 
 
-class OnebitAdamStrategy(DDPStrategy):
+class OnebitStrategy(DDPStrategy):
     """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB: DDP during warmup, compressed averaging after.
 
     ``configure_optimizers`` must return one compressed optimizer: :class:`~lightning_onebit.OnebitAdam`,
@@ -458,7 +458,7 @@ class OnebitAdamStrategy(DDPStrategy):
     @staticmethod
     def _explicit_overlap_message(reason: str) -> str:
         return (
-            f"OnebitAdamStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
+            f"OnebitStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
             "Use overlap='auto' (falls back to exchanging in optimizer.step) or overlap=False."
         )
 
@@ -701,3 +701,8 @@ def _strategy_comm_hook(state, bucket):  # type: ignore[no-untyped-def]
     if strategy.overlap_state is not None:
         return overlapped_exchange_hook(strategy.overlap_state, bucket)
     return switchable_allreduce_hook(strategy.gradient_sync, bucket)
+
+
+#: The earlier name of :class:`OnebitStrategy` (it drives all three optimizers), kept so existing code and
+#: ``class_path: lightning_onebit.OnebitAdamStrategy`` configs go on working.
+OnebitAdamStrategy = OnebitStrategy

@@ -325,13 +325,13 @@ def test_a_run_that_would_end_in_the_warmup_is_warned_about(freeze_step: Any, ma
     import warnings
     from types import SimpleNamespace
 
-    from lightning_onebit.strategy import OnebitAdamStrategy
+    from lightning_onebit.strategy import OnebitStrategy
 
     auto = dict(auto_freeze=AutoFreeze(max_step=max_step)) if freeze_step == "auto" else {}
     opt = OnebitAdam(_params(), lr=1e-3, freeze_step=freeze_step, **auto)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        OnebitAdamStrategy._warn_if_run_ends_in_warmup(SimpleNamespace(estimated_stepping_batches=total), opt)
+        OnebitStrategy._warn_if_run_ends_in_warmup(SimpleNamespace(estimated_stepping_batches=total), opt)
     messages = [str(w.message) for w in caught if "compression never starts" in str(w.message)]
     assert len(messages) == int(warns), messages
     if warns:
@@ -345,11 +345,11 @@ def test_the_default_bound_refuses_a_run_of_unknown_length(total: float) -> None
     estimates as -1) is an error naming the fixes, not a bound of step 1."""
     from types import SimpleNamespace
 
-    from lightning_onebit.strategy import OnebitAdamStrategy
+    from lightning_onebit.strategy import OnebitStrategy
 
     opt = OnebitAdam(_params(), lr=1e-3, freeze_step="auto")
     with pytest.raises(ValueError, match="length is unknown.*AutoFreeze\\(max_step=...\\)"):
-        OnebitAdamStrategy._default_auto_freeze_bound(SimpleNamespace(estimated_stepping_batches=total), opt)
+        OnebitStrategy._default_auto_freeze_bound(SimpleNamespace(estimated_stepping_batches=total), opt)
     assert opt.freeze_detector.max_step is None
 
 

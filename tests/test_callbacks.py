@@ -34,7 +34,7 @@ from lightning_onebit import (
     ErrorFeedbackCheckpoint,
     MomentumMask,
     OnebitAdam,
-    OnebitAdamStrategy,
+    OnebitStrategy,
     ring_allreduce_bytes,
 )
 from lightning_onebit.sidecar import sidecar_path
@@ -289,7 +289,7 @@ def scenario_one_rank_resume(rank: int, world_size: int, workdir: str) -> dict[s
     keep = ErrorFeedbackCheckpoint("keep")
     mask = MomentumMask(auto=True)
     trainer, model, logs, warned = _resume(
-        rank, world_size, workdir, TOG_RESUME_EPOCH, [mask, keep], strategy=OnebitAdamStrategy()
+        rank, world_size, workdir, TOG_RESUME_EPOCH, [mask, keep], strategy=OnebitStrategy()
     )
     return dict(
         restored=keep.restored,

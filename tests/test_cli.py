@@ -29,9 +29,11 @@ optimizer:
 """
 
 STRATEGY_BY_CLASS_PATH = """
-    class_path: lightning_onebit.OnebitAdamStrategy
+    class_path: lightning_onebit.OnebitStrategy
     init_args:
       find_unused_parameters: false"""
+# configs written before the rename keep working
+STRATEGY_BY_OLD_CLASS_PATH = STRATEGY_BY_CLASS_PATH.replace("OnebitStrategy", "OnebitAdamStrategy")
 
 
 def _run_cli(tmp_path: Path, strategy: str) -> list[dict]:
@@ -52,11 +54,15 @@ def _run_cli(tmp_path: Path, strategy: str) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("strategy", ["onebit_adam", STRATEGY_BY_CLASS_PATH], ids=["registry-name", "class_path"])
+@pytest.mark.parametrize(
+    "strategy",
+    ["onebit_adam", STRATEGY_BY_CLASS_PATH, STRATEGY_BY_OLD_CLASS_PATH],
+    ids=["registry-name", "class_path", "old-class_path"],
+)
 def test_cli_yaml_trains_both_stages_on_two_processes(tmp_path, strategy):
     reports = _run_cli(tmp_path, strategy)
     for report in reports:
-        assert report["strategy"] == "OnebitAdamStrategy"
+        assert report["strategy"] == "OnebitStrategy"
         assert report["optimizer"] == "OnebitAdam"
         assert report["freeze_step"] == 4
         assert report["step_count"] == 12

@@ -197,7 +197,7 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(summary.read_text())
-    assert result["strategy"] == "OnebitAdamStrategy" and result["optimizer"] == "OnebitAdam"
+    assert result["strategy"] == "OnebitStrategy" and result["optimizer"] == "OnebitAdam"
     assert result["steps"] == steps and result["stage"] == "compression" and result["freeze_step"] == freeze
     assert result["val_acc"] > 0.65, result  # chance is 0.5
     warmup_per_step = result["bytes_sent_warmup"] / freeze

@@ -27,7 +27,7 @@ from torch import nn
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_onebit import ErrorFeedbackCheckpoint, OnebitAdam, OnebitAdamStrategy, OnebitLamb, ZeroOneAdam
+from lightning_onebit import ErrorFeedbackCheckpoint, OnebitAdam, OnebitStrategy, OnebitLamb, ZeroOneAdam
 from lightning_onebit import sidecar
 from lightning_onebit.optim.base import CompressedOptimizer
 from lightning_onebit.sidecar import read_sidecar, sidecar_path, write_sidecar
@@ -53,7 +53,7 @@ class ZeroOneRegressor(Regressor):
 
 def _fit(rank: int, model: pl.LightningModule, overlap: Any, callbacks: list, max_epochs: int,
          ckpt_path: Any = None, **trainer: Any) -> dict[str, Any]:
-    strategy = OnebitAdamStrategy(overlap=overlap, ddp_bucket_cap_mb=BUCKET_CAP_MB)
+    strategy = OnebitStrategy(overlap=overlap, ddp_bucket_cap_mb=BUCKET_CAP_MB)
     t = pl.Trainer(**trainer_kwargs(WORLD_SIZE, -1, max_epochs=max_epochs, strategy=strategy, callbacks=callbacks,
                                     **trainer))
     error = None

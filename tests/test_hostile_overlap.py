@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning.pytorch as pl
-from lightning_onebit import MomentumMask, OnebitAdam, OnebitAdamStrategy, leaves_gradients_unchanged
+from lightning_onebit import MomentumMask, OnebitAdam, OnebitStrategy, leaves_gradients_unchanged
 from lightning_onebit.gradient_sync import OverlapFallbackReason
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import N_IN, Regressor, flat_params
@@ -158,7 +158,7 @@ def scenario_edits(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     }
     for name, kwargs in (("module_explicit", dict(model_cls=HalfGradients)),
                          ("callback_explicit", dict(callbacks=(HalfGradientsCallback(),)))):
-        box: list[OnebitAdamStrategy] = []
+        box: list[OnebitStrategy] = []
         try:
             _fit(rank, world_size, overlap=True, strategy_box=box, **kwargs)
             out[name] = dict(error=None)
@@ -258,7 +258,7 @@ def test_a_hook_marked_read_only_keeps_overlap(session: list[dict[str, Any]]) ->
 
 # ------------------------------------------------------------------------------------------------ in-process
 def _reason(model: pl.LightningModule, callbacks: tuple = (), overlap: Any = "auto") -> Any:
-    strategy = OnebitAdamStrategy(overlap=overlap)
+    strategy = OnebitStrategy(overlap=overlap)
     strategy._lightning_module = model
     trainer = types.SimpleNamespace(callbacks=list(callbacks), gradient_clip_val=None,
                                     gradient_clip_algorithm=None, accumulate_grad_batches=1)

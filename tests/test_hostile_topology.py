@@ -14,7 +14,7 @@ bound the test asserts (``STALL_TIMEOUT_S + MARGIN_S``): a survivor that only fa
 killed (before the fix: the topology's groups waited torch's default 30 minutes) fails the test.
 
 Each rank re-creates WORLD with the strategy's timeout, as a real launch does (Lightning creates WORLD with
-``OnebitAdamStrategy(timeout=...)``; ``tests/distributed.py`` creates it first, with the launcher's own timeout).
+``OnebitStrategy(timeout=...)``; ``tests/distributed.py`` creates it first, with the launcher's own timeout).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import lightning.pytorch as pl
 import lightning_onebit  # noqa: F401  (registers the strategies)
-from lightning_onebit import CommunicationMonitor, OnebitAdamStrategy, Topology, ZeroOneAdam
+from lightning_onebit import CommunicationMonitor, OnebitStrategy, Topology, ZeroOneAdam
 from lightning_onebit.optim import AutoFreeze, OnebitAdam
 from tests.distributed import free_port, run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
@@ -41,7 +41,7 @@ from tests.test_callbacks import capture_logs, capture_warnings
 # ======================================================================================== a stalled rank
 WORLD_SIZE, PER_NODE = 4, 2
 STALLED_RANK = 3
-STALL_TIMEOUT_S = 5.0  # OnebitAdamStrategy(timeout=...)
+STALL_TIMEOUT_S = 5.0  # OnebitStrategy(timeout=...)
 MARGIN_S = 15.0  # a survivor's error must come within STALL_TIMEOUT_S + MARGIN_S of the stalled step's start
 KILL_AFTER_S = 40.0  # the test kills the stopped rank this long after it stopped, if a survivor has not reported
 FREEZE, STALL_STEP, MAX_STEPS = 2, 4, 8  # step 3 is the first compressed step, step 4 the first overlapped one
@@ -93,7 +93,7 @@ def _world_with_the_strategy_timeout(rank: int, world_size: int) -> None:
 
 def _stall_fit(rank: int, world_size: int, workdir: str, topology: str, overlap: bool) -> dict[str, Any]:
     _world_with_the_strategy_timeout(rank, world_size)
-    strategy = OnebitAdamStrategy(
+    strategy = OnebitStrategy(
         timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S), topology=topology, ranks_per_node=PER_NODE,
         overlap=overlap,
     )
@@ -273,13 +273,13 @@ def test_auto_freeze_warning_does_not_say_compression_never_starts_when_it_may()
 
     opt = OnebitAdam(Regressor().parameters(), lr=1e-3, freeze_step="auto", auto_freeze=AutoFreeze(max_step=20))
     with capture_warnings() as warned:
-        OnebitAdamStrategy._warn_if_run_ends_in_warmup(SimpleNamespace(estimated_stepping_batches=20), opt)
+        OnebitStrategy._warn_if_run_ends_in_warmup(SimpleNamespace(estimated_stepping_batches=20), opt)
     (message,) = [w for w in warned if "AutoFreeze(max_step=20)" in w]
     assert "compression starts only if the detector ends the warmup earlier" in message, message
     assert "it ends in the warmup" not in message, message
     fixed = OnebitAdam(Regressor().parameters(), lr=1e-3, freeze_step=20)
     with capture_warnings() as warned:
-        OnebitAdamStrategy._warn_if_run_ends_in_warmup(SimpleNamespace(estimated_stepping_batches=20), fixed)
+        OnebitStrategy._warn_if_run_ends_in_warmup(SimpleNamespace(estimated_stepping_batches=20), fixed)
     (message,) = [w for w in warned if "freeze_step=20" in w]
     assert "it ends in the warmup" in message and "compression never starts" in message, message
 
@@ -336,7 +336,7 @@ def scenario_zeroone_no_onebit_step(rank: int, world_size: int, workdir: str) ->
 
 
 def _topology_fit(rank: int, world_size: int, topology: str) -> dict[str, Any]:
-    strategy = OnebitAdamStrategy(topology=topology, ranks_per_node=3)
+    strategy = OnebitStrategy(topology=topology, ranks_per_node=3)
     trainer = pl.Trainer(**trainer_kwargs(world_size, 4, strategy=strategy))
     model = Regressor(freeze_step=2)
     out: dict[str, Any] = dict(error_type=None, message="")

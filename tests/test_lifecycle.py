@@ -7,7 +7,7 @@
 * After each fit, the fit's DDP module is freed by reference counting alone (garbage collector off): no cycle
   through the comm hook's state (strategy <-> DDP reducer) or :class:`OverlapState` keeps it, and its process group,
   alive.
-* The strategy destroys what it made: :meth:`OnebitAdamStrategy.destroy_process_groups` unregisters its groups and,
+* The strategy destroys what it made: :meth:`OnebitStrategy.destroy_process_groups` unregisters its groups and,
   with the garbage collector off since before they were made, they are freed at once although the trainer is still
   referenced (nothing but torch's registry and the strategy held them: no reference cycle). The exit handler does the
   same for every live strategy, then destroys WORLD.
@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning.pytorch as pl
 import lightning_onebit.strategy as strategy_module
 import lightning_onebit.topology as topology_module
-from lightning_onebit import OnebitAdam, OnebitAdamStrategy, OverlapState, Topology, overlapped_exchange_hook
+from lightning_onebit import OnebitAdam, OnebitStrategy, OverlapState, Topology, overlapped_exchange_hook
 from lightning_onebit.topology import new_gather_groups, split_group_supported
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
@@ -118,7 +118,7 @@ def _two_fits(rank: int, world_size: int, ranks_per_node: Optional[int]) -> dict
     out: dict[str, Any] = dict(registered_before=_registered(), split_supported=split_group_supported())
     counter = GroupCounter()
     with _no_garbage_collector(), counter.active():
-        strategy = OnebitAdamStrategy(overlap=True, ddp_bucket_cap_mb=BUCKET_CAP_MB, ranks_per_node=ranks_per_node)
+        strategy = OnebitStrategy(overlap=True, ddp_bucket_cap_mb=BUCKET_CAP_MB, ranks_per_node=ranks_per_node)
         ddp_refs = DDPRefs()
         trainer = pl.Trainer(**trainer_kwargs(world_size, STEPS, strategy=strategy, callbacks=[ddp_refs]))
         trainer.fit(Regressor(freeze_step=FREEZE), loader(rank, STEPS))
@@ -163,7 +163,7 @@ def scenario_two_fits(rank: int, world_size: int, workdir: str) -> dict[str, Any
 def scenario_exit_handler(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     """What runs at interpreter exit, run now: every live strategy's groups destroyed and freed, then WORLD."""
     with _no_garbage_collector():
-        strategy = OnebitAdamStrategy(overlap=True, ddp_bucket_cap_mb=BUCKET_CAP_MB,
+        strategy = OnebitStrategy(overlap=True, ddp_bucket_cap_mb=BUCKET_CAP_MB,
                                       ranks_per_node=2 if world_size == 4 else None)
         trainer = pl.Trainer(**trainer_kwargs(world_size, STEPS, strategy=strategy))
         trainer.fit(Regressor(freeze_step=FREEZE), loader(rank, STEPS))

@@ -1,4 +1,4 @@
-"""``OnebitAdamStrategy(overlap=...)`` in real Trainer runs on 2 gloo CPU ranks.
+"""``OnebitStrategy(overlap=...)`` in real Trainer runs on 2 gloo CPU ranks.
 
 * Overlapped runs give the same parameters, bit for bit and at every step, as the same runs with the hook's exchange
   switched off (same momentum layout: DDP's buckets): ``32-true``, ``bf16-mixed``, accumulation 2,
@@ -26,7 +26,7 @@ from torch import nn
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning_onebit import ErrorFeedbackCheckpoint, OnebitAdamStrategy
+from lightning_onebit import ErrorFeedbackCheckpoint, OnebitStrategy
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import HIDDEN, ManualRegressor, Regressor, flat_params, loader, trainer_kwargs
 
@@ -118,7 +118,7 @@ def _fit(
     **trainer_overrides: Any,
 ) -> dict[str, Any]:
     model = model_cls(freeze_step=FREEZE, **(model_kwargs or {}))
-    strategy = OnebitAdamStrategy(overlap=overlap, ddp_bucket_cap_mb=BUCKET_CAP_MB, **(strategy_kwargs or {}))
+    strategy = OnebitStrategy(overlap=overlap, ddp_bucket_cap_mb=BUCKET_CAP_MB, **(strategy_kwargs or {}))
     if strategy_box is not None:
         strategy_box.append(strategy)
     every_step = ParamsEveryStep()
@@ -224,7 +224,7 @@ def _fallback_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 def _outcome(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any]:
     """``_fit``'s result, or the error the run ended with (plain DDP itself fails with static_graph and no_sync,
     pytorch #143580: the fallback must then fail exactly as the non-overlapped run does)."""
-    strategy_box: list[OnebitAdamStrategy] = []
+    strategy_box: list[OnebitStrategy] = []
     try:
         return _fit(rank, world_size, strategy_box=strategy_box, **kwargs)
     except RuntimeError as err:

@@ -24,7 +24,7 @@ import lightning_onebit  # noqa: F401  (registers the strategies)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_onebit import OnebitAdamStrategy, RankSyncedGradScaler
+from lightning_onebit import OnebitStrategy, RankSyncedGradScaler
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import (
     ManualRegressor,
@@ -222,7 +222,7 @@ def scenario_unused_and_frozen(rank: int, world_size: int, workdir: str) -> dict
     optimizer is given all parameters (including the frozen ones), as users typically do."""
     model = Regressor(freeze_step=UNUSED_FREEZE, unused_layer=True, frozen_layer=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    strategy = OnebitAdamStrategy(find_unused_parameters=True)
+    strategy = OnebitStrategy(find_unused_parameters=True)
     marker = StepMarker()
     trainer = pl.Trainer(**trainer_kwargs(world_size, UNUSED_STEPS, strategy=strategy, callbacks=[marker]))
     with PythonAllreduceCounter(marker) as counter, torch.profiler.profile() as prof:
@@ -456,11 +456,11 @@ def test_registry_and_trainer_builds_onebit_strategy() -> None:
     for name, start_method in expected.items():
         assert name in StrategyRegistry
         entry = StrategyRegistry[name]
-        assert entry["strategy"] is OnebitAdamStrategy
+        assert entry["strategy"] is OnebitStrategy
         assert entry["init_params"]["start_method"] == start_method
     for name, start_method in expected.items():
         trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False)
-        assert type(trainer.strategy) is OnebitAdamStrategy
+        assert type(trainer.strategy) is OnebitStrategy
         assert trainer.strategy._start_method == start_method
         assert trainer.strategy.num_processes == 2
         assert trainer.strategy.onebit_optimizer is None  # nothing wired before setup

@@ -6,7 +6,7 @@ as a sequence of independent ``Trainer.fit`` calls; every test asserts on the pe
 
 Two ways of making 4 processes on one host look like 2 nodes:
 
-* ``OnebitAdamStrategy(ranks_per_node=2)``: ranks ``{0, 1}`` form node 0 and ``{2, 3}`` node 1 (the override);
+* ``OnebitStrategy(ranks_per_node=2)``: ranks ``{0, 1}`` form node 0 and ``{2, 3}`` node 1 (the override);
 * a simulated torchrun environment (``TORCHELASTIC_RUN_ID``, ``GROUP_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``...)
   set inside the rank before the ``Trainer`` is built, with the ranks of a node NOT contiguous (node 0 = global ranks
   ``{0, 2}``, node 1 = ``{1, 3}``): Lightning then picks ``TorchElasticEnvironment`` and the topology must come from
@@ -39,7 +39,7 @@ from lightning_onebit import (
     CommunicationMonitor,
     ErrorFeedbackCheckpoint,
     OnebitAdam,
-    OnebitAdamStrategy,
+    OnebitStrategy,
     ReplicaCheck,
     Topology,
     ring_allreduce_bytes,
@@ -224,14 +224,14 @@ def _fit_expecting_error(trainer: pl.Trainer, model: Regressor, data: Any) -> di
     return dict(error_type=None, message="", steps=len(model.records))
 
 
-def _strategy(topology: str = "hierarchical", ranks_per_node: Optional[int] = PER_NODE) -> OnebitAdamStrategy:
+def _strategy(topology: str = "hierarchical", ranks_per_node: Optional[int] = PER_NODE) -> OnebitStrategy:
     return _onebit_strategy(topology=topology, ranks_per_node=ranks_per_node)
 
 
-def _onebit_strategy(**kwargs: Any) -> OnebitAdamStrategy:
+def _onebit_strategy(**kwargs: Any) -> OnebitStrategy:
     """The strategy with DDP's gradient buckets at 40 bytes: with the overlapped exchange (on by default) the momenta
     are laid out like DDP's buckets, two here (see _expected_layouts)."""
-    return OnebitAdamStrategy(ddp_bucket_cap_mb=DDP_BUCKET_CAP_MB, **kwargs)
+    return OnebitStrategy(ddp_bucket_cap_mb=DDP_BUCKET_CAP_MB, **kwargs)
 
 
 # DDP closes a bucket once it reaches the cap: (l2.bias, l2.weight, l1.bias) = 68 bytes, then l1.weight
@@ -375,7 +375,7 @@ def _checkpointing(workdir: str, run: str) -> ModelCheckpoint:
 def _resume_fit(
     rank: int,
     world_size: int,
-    strategy: OnebitAdamStrategy,
+    strategy: OnebitStrategy,
     ckpt_path: str,
     extra_callbacks: tuple[pl.Callback, ...] = (),
     **kwargs: Any,

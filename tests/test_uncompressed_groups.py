@@ -30,7 +30,7 @@ from lightning_onebit import (
     GradientSyncState,
     MomentumMask,
     OnebitAdam,
-    OnebitAdamStrategy,
+    OnebitStrategy,
     OnebitLamb,
     OverlapState,
     ZeroOneAdam,
@@ -458,7 +458,7 @@ def test_describe_phase_mentions_uncompressed_groups() -> None:
 def test_momentum_mask_auto_skips_uncompressed_groups(caplog: pytest.LogCaptureFixture) -> None:
     net = EmbNet()
     opt = OnebitAdam(groups(net), lr=LR, freeze_step=1)
-    strategy = OnebitAdamStrategy()
+    strategy = OnebitStrategy()
     strategy._onebit_optimizer = opt
     trainer = types.SimpleNamespace(strategy=strategy)
     callback = MomentumMask(auto=True)

@@ -369,7 +369,7 @@ def scenario_zeroone_lightning(rank: int, world_size: int, workdir: str) -> dict
 
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, OnebitAdamStrategy
+    from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, OnebitStrategy
 
     out: dict[str, Any] = {}
     out["bf16"] = _zeroone_fit(rank, world_size, workdir, strategy="zeroone_adam", precision="bf16-mixed",
@@ -386,7 +386,7 @@ def scenario_zeroone_lightning(rank: int, world_size: int, workdir: str) -> dict
         lambda: _zeroone_fit(rank, world_size, workdir, callbacks=[MomentumMask(auto=True)])
     )
     out["overlap_true_refused"] = _error_of(
-        lambda: _zeroone_fit(rank, world_size, workdir, strategy=OnebitAdamStrategy(overlap=True))
+        lambda: _zeroone_fit(rank, world_size, workdir, strategy=OnebitStrategy(overlap=True))
     )
 
     # 5 steps per epoch: the saves after steps 5, 10 and 15 fall between syncs (interval 4 from step 9 on) at 10 and 15

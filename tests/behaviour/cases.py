@@ -1,6 +1,6 @@
 """The behaviour record's cases: what runs, and what each rank records (shared by ``record.py`` and the replay test).
 
-Every case is one ``lightning.Trainer.fit`` with :class:`~lightning_onebit.OnebitAdamStrategy` on CPU ranks joined by
+Every case is one ``lightning.Trainer.fit`` with :class:`~lightning_onebit.OnebitStrategy` on CPU ranks joined by
 gloo (``tests/distributed.py``): a small three-layer MLP, each rank on its own data, ``FREEZE`` warmup steps, then
 compression-stage steps. One rank's record (:func:`run_case`) holds CPU tensors and plain Python values only:
 
@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from lightning_onebit import OnebitAdam, OnebitAdamStrategy, OnebitLamb, ZeroOneAdam
+from lightning_onebit import OnebitAdam, OnebitStrategy, OnebitLamb, ZeroOneAdam
 
 # ======================================================================================== the CPU environment
 #: What the spawned ranks must run under, so that a record made on one x86 CPU replays bit for bit on another. Why
@@ -235,12 +235,12 @@ def fingerprint(tensor: torch.Tensor) -> str:
     return digest.hexdigest()[:16]
 
 
-def _strategy(case: Case) -> OnebitAdamStrategy:
+def _strategy(case: Case) -> OnebitStrategy:
     if case.mode == "hierarchical":
-        return OnebitAdamStrategy(
+        return OnebitStrategy(
             topology="hierarchical", ranks_per_node=RANKS_PER_NODE, overlap=False, ddp_bucket_cap_mb=DDP_BUCKET_CAP_MB
         )
-    return OnebitAdamStrategy(topology="flat", overlap=case.overlap, ddp_bucket_cap_mb=DDP_BUCKET_CAP_MB)
+    return OnebitStrategy(topology="flat", overlap=case.overlap, ddp_bucket_cap_mb=DDP_BUCKET_CAP_MB)
 
 
 # ======================================================================================== one rank's record
