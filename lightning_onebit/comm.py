@@ -858,13 +858,20 @@ def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence
 
 
 def count_ring_allreduce(
-    counters: CommunicationCounters, tensor: torch.Tensor, world_size: int, rank: int, topology: Optional[Topology]
+    counters: CommunicationCounters,
+    tensor: torch.Tensor,
+    world_size: int,
+    rank: int,
+    topology: Optional[Topology],
+    element_size: Optional[int] = None,
 ) -> int:
-    """Count one full-precision ring allreduce of ``tensor`` in ``counters`` and return the bytes this rank sends.
+    """Count one ring allreduce of ``tensor`` in ``counters`` and return the bytes this rank sends; ``element_size``:
+    bytes per element on the wire (default: ``tensor``'s; 2 when a hook sends it in bf16 or fp16).
 
     A ring sends everything to the next rank, ``(rank + 1) % P``: intra-node bytes when the topology puts it on this
     rank's node, else (or without a topology) inter-node. ``bytes_fp32_equivalent`` counts the same data in fp32."""
-    sent = ring_allreduce_bytes(tensor.numel(), tensor.element_size(), world_size)
+    size = tensor.element_size() if element_size is None else element_size
+    sent = ring_allreduce_bytes(tensor.numel(), size, world_size)
     counters.bytes_sent += sent
     counters.bytes_received += sent
     if topology is not None and topology.same_node(rank, (rank + 1) % world_size):

@@ -91,6 +91,12 @@ class GradientSyncState:
         topology: which ranks share a node (a :class:`~lightning_onebit.Topology` over ``process_group``), to split
             ``bytes_sent`` into intra- and inter-node bytes: a ring allreduce sends everything to the next rank, so a
             rank's bytes cross the node boundary when that rank is on another node. ``None``: all count as inter-node.
+        averaging_hook: a DDP comm hook that averages the buckets instead of the plain ``mean`` allreduce, called as
+            ``averaging_hook(averaging_hook_state, bucket)`` (e.g. torch's ``bf16_compress_hook`` with its process
+            group as state: gradients sent in bf16, half the bytes). Its bytes are counted as a ring allreduce in
+            bf16/fp16 for torch's ``bf16_compress_hook``/``fp16_compress_hook`` and in the gradient's dtype for any
+            other hook (this state cannot see what another hook sends). Default ``None``: the ``mean`` allreduce.
+        averaging_hook_state: the state passed to ``averaging_hook``.
 
     Attributes:
         counters: bytes and time of the warmup allreduces on this rank (``bytes_sent`` counts a ring allreduce in the
@@ -113,10 +119,14 @@ class GradientSyncState:
         process_group: Optional[dist.ProcessGroup] = None,
         sync_predicate: Optional[Callable[[], bool]] = None,
         topology: Optional[Topology] = None,
+        averaging_hook: Optional[Callable[[Any, dist.GradBucket], torch.futures.Future]] = None,
+        averaging_hook_state: Any = None,
     ) -> None:
         self.process_group = process_group
         self.sync_predicate = sync_predicate or (lambda: True)
         self.topology = topology
+        self.averaging_hook = averaging_hook
+        self.averaging_hook_state = averaging_hook_state
         self.counters = CommunicationCounters()
         self.span_s = 0.0
         self.skipped_buckets = 0
@@ -168,8 +178,20 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
         return local
 
     world_size = dist.get_world_size(state.process_group)
-    counters = state.counters
-    count_ring_allreduce(counters, tensor, world_size, dist.get_rank(state.process_group), state.topology)
+    rank = dist.get_rank(state.process_group)
+    if state.averaging_hook is not None:
+        count_ring_allreduce(
+            state.counters, tensor, world_size, rank, state.topology, _wire_element_size(state.averaging_hook)
+        )
+        launched = state._launched(tensor.device, bucket.is_last())
+        averaged = state.averaging_hook(state.averaging_hook_state, bucket)
+
+        def finish_hook(done: torch.futures.Future) -> torch.Tensor:
+            state._completed(tensor.device, launched)
+            return done.value()
+
+        return averaged.then(finish_hook)
+    count_ring_allreduce(state.counters, tensor, world_size, rank, state.topology)
     tensor.div_(world_size)
     launched = state._launched(tensor.device, bucket.is_last())
     future = dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()
@@ -180,6 +202,14 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
         return tensor  # reduced in place (also what the future holds)
 
     return future.then(finish)
+
+
+def _wire_element_size(hook: Callable[..., Any]) -> Optional[int]:
+    """Bytes per element that ``hook`` sends, where known (torch's bf16/fp16 compression hooks); ``None``: the
+    gradient's."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return 2 if hook in (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook) else None
 
 
 class OverlapState:

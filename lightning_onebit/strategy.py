@@ -158,6 +158,14 @@ class OnebitStrategy(DDPStrategy):
         gradient_as_bucket_view: passed to ``DistributedDataParallel``. Default ``False``.
         ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce); ``None`` keeps DDP's default (25).
         ddp_kwargs: any other ``DistributedDataParallel`` arguments (e.g. ``{"broadcast_buffers": False}``).
+        ddp_comm_hook: a DDP comm hook that averages gradients whenever the strategy averages them (the warmup, and
+            0/1 Adam's variance steps) instead of the plain fp32 ``mean`` allreduce, as Lightning's ``DDPStrategy``
+            takes it, on every device (CPU too). E.g. ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
+            bf16_compress_hook``: warmup gradients sent in bf16, half the warmup's bytes. The compression stage is
+            unchanged. Bytes are counted in bf16/fp16 for torch's two compression hooks and in the gradient's dtype
+            for any other. Default ``None``.
+        ddp_comm_state: the state passed to ``ddp_comm_hook`` (torch's default hooks take a process group; ``None``:
+            WORLD). Default ``None``.
         topology: how compressed momenta travel between ranks. ``"auto"`` (default): hierarchical when there are
             several nodes with the same number (> 1) of ranks each, flat otherwise (the log says why).
             ``"hierarchical"``: full-precision reduce-scatter inside each node, 1-bit exchange between nodes,
@@ -201,6 +209,8 @@ class OnebitStrategy(DDPStrategy):
         topology: TopologyMode = "auto",
         ranks_per_node: Optional[int] = None,
         overlap: Union[bool, Literal["auto"]] = "auto",
+        ddp_comm_hook: Optional[Callable[..., Any]] = None,
+        ddp_comm_state: Optional[object] = None,
     ) -> None:
         if overlap not in ("auto", True, False) or (overlap != "auto" and not isinstance(overlap, bool)):
             raise ValueError(f"overlap must be 'auto', True or False, got {overlap!r}")
@@ -224,9 +234,21 @@ class OnebitStrategy(DDPStrategy):
         self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
         self._save_index = 0
         ddp_kwargs = dict(ddp_kwargs or {})
-        for reserved in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"):
+        for reserved, argument in (
+            ("find_unused_parameters", "find_unused_parameters"), ("static_graph", "static_graph"),
+            ("gradient_as_bucket_view", "gradient_as_bucket_view"), ("bucket_cap_mb", "ddp_bucket_cap_mb"),
+            ("ddp_comm_hook", "ddp_comm_hook"), ("ddp_comm_state", "ddp_comm_state"),
+        ):
             if reserved in ddp_kwargs:
-                raise ValueError(f"pass {reserved!r} as a strategy argument, not inside ddp_kwargs")
+                raise ValueError(f"pass {reserved!r} as the strategy argument {argument}=..., not inside ddp_kwargs")
+        for unsupported, why in (
+            ("ddp_comm_wrapper", "wrap the hook yourself and pass it as ddp_comm_hook"),
+            ("model_averaging_period", "post-local SGD does not compose with the compressed exchange"),
+        ):
+            if unsupported in ddp_kwargs:
+                raise ValueError(f"OnebitStrategy does not take {unsupported!r} ({why})")
+        if ddp_comm_hook is not None and not callable(ddp_comm_hook):
+            raise ValueError(f"ddp_comm_hook must be a DDP comm hook (a callable), got {ddp_comm_hook!r}")
         ddp_kwargs.update(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -246,7 +268,9 @@ class OnebitStrategy(DDPStrategy):
             **ddp_kwargs,
         )
         self._sync_predicate = functools.partial(_gradient_allreduce_needed, weakref.ref(self))
-        self.gradient_sync = GradientSyncState(sync_predicate=self._sync_predicate)
+        self.gradient_sync = GradientSyncState(
+            sync_predicate=self._sync_predicate, averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state
+        )
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._announced_phase: Optional[StepKind] = None  # the optimizer phase last announced (describe_phase)
         self._warned_local_clipping = False
