@@ -3,7 +3,8 @@ steps.
 
 Runs ``examples/bert_finetune.py fit`` on 2 CPU processes once per config (``bert_adamw.yaml``, ``bert_onebit.yaml``,
 ``bert_zeroone.yaml``, ``bert_lamb.yaml``, which differ only in strategy, optimizer, learning rate and the onebit
-callbacks), then prints validation accuracy and F1, the bytes each rank sent, communication rounds per 100 steps and
+callbacks; ``onebit_adam_bf16_warmup`` is ``bert_onebit.yaml`` with the warmup's gradients averaged in bf16 by
+``OnebitStrategy(ddp_comm_hook=bf16_compress_hook)``), then prints validation accuracy and F1, the bytes each rank sent, communication rounds per 100 steps and
 wall time; results go to ``results/bert_parity.json``.
 ``--runs`` runs a subset and keeps the other runs already in that file (each column is one run of the example).
 Extra arguments are passed to every run (e.g. ``--trainer.max_steps 300``).
@@ -80,8 +81,18 @@ def bag_of_words_accuracy(seed: int = 0) -> float:
 CONFIGS = {
     "ddp_adamw": "bert_adamw.yaml",
     "onebit_adam": "bert_onebit.yaml",
+    "onebit_adam_bf16_warmup": "bert_onebit.yaml",
     "zeroone_adam": "bert_zeroone.yaml",
     "onebit_lamb": "bert_lamb.yaml",
+}
+#: Arguments a run adds to its config: 1-bit Adam whose warmup averages gradients with torch's bf16_compress_hook
+#: (``OnebitStrategy(ddp_comm_hook=...)``: half the warmup's bytes).
+RUN_ARGS = {
+    "onebit_adam_bf16_warmup": [
+        "--trainer.strategy", "lightning_onebit.OnebitStrategy",
+        "--trainer.strategy.ddp_comm_hook",
+        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
+    ],
 }
 
 
@@ -93,7 +104,7 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     previous = previous_results("bert_parity", args.runs, list(CONFIGS))
     with tempfile.TemporaryDirectory() as tmp:
-        fresh = {name: run_example(CONFIGS[name], extra, Path(tmp)) for name in args.runs}
+        fresh = {name: run_example(CONFIGS[name], [*RUN_ARGS.get(name, []), *extra], Path(tmp)) for name in args.runs}
     runs = merge_runs(previous, fresh, list(CONFIGS))
     results = dict(runs=runs, extra_args=extra)
     if args.bag_of_words:

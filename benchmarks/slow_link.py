@@ -467,7 +467,7 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             timed = -(-max(N, 2 * ZEROONE_CLIPPER) // ZEROONE_CLIPPER) * ZEROONE_CLIPPER
             before = dict(opt.steps_by_kind)
             phases.append(run_steps(model, opt, batches, timed, "timed", meter, wire=wire))
-            extra["timed_steps_by_kind"] = {k: n - before.get(k, 0) for k, n in opt.steps_by_kind.items()}
+            extra["timed_steps_by_kind"] = {str(k): n - before.get(k, 0) for k, n in opt.steps_by_kind.items()}
             extra["local_step_interval"] = opt.local_step_interval
         elif method == "onebit_overlap":
             from lightning_onebit import OverlapState, overlapped_exchange_hook

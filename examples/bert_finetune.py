@@ -510,7 +510,7 @@ class BertFinetuneCLI(LightningCLI):
                 overlap_fallback=strategy.overlap_fallback_reason,
                 exchange_exposed_s=round(comp.exposed_s, 3),
                 exchange_in_hooks_s=round(comp.hook_s, 3),
-                steps_by_kind=dict(optimizer.steps_by_kind),
+                steps_by_kind={str(kind): n for kind, n in optimizer.steps_by_kind.items()},
                 bytes_sent_uncompressed=comp.bytes_sent_uncompressed,
                 # steps that communicated (all but 0/1 Adam's local ones, unless a compress=False group averages its
                 # gradients on them), plus syncs forced by checkpoints
