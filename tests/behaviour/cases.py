@@ -275,6 +275,7 @@ def run_case(case_name: str, rank: int, world_size: int, workdir: str) -> dict[s
     model = BehaviourNet(case.optimizer)
     every_step = ParamBitsEveryStep()
     strategy = _strategy(case)
+    # spelled out rather than tests.lightning_models.trainer_kwargs: the record must not move when a shared helper does
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
