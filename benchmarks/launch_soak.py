@@ -11,6 +11,9 @@ warmup into the compression stage on CPU/gloo, along one of these paths:
 * ``lightning-flat``: ``Trainer(strategy=OnebitStrategy())``, 2 ranks, flat exchange, overlapped.
 * ``lightning-hierarchical``: the same on 4 ranks with ``ranks_per_node=2`` (2 simulated nodes x 2 ranks: the
   intra- and inter-node groups and their second-phase copies).
+* ``lightning-fp16``: ``lightning-flat`` with ``precision="16-mixed"`` (the rank-synced GradScaler; the exchange then
+  runs in ``step``, not overlapped): the path of the one abort at exit seen in the test suite since the clean-exit
+  work, not part of the default three.
 * ``gloo``: the control experiment: a few async collectives on the default group and two subgroups, with
   ``--destroy`` deciding whether the process group is destroyed before exiting.
 
@@ -47,13 +50,14 @@ PATHS: dict[str, tuple[int, int]] = {
     "torch-ddp": (3, 0),
     "lightning-flat": (2, 0),
     "lightning-hierarchical": (4, 2),
+    "lightning-fp16": (2, 0),
     "gloo": (2, 0),
 }
 TRAINING_PATHS = ("torch-ddp", "lightning-flat", "lightning-hierarchical")
 FREEZE_STEP, STEPS = 3, 8
 
 
-def _lightning_worker(ranks_per_node: int) -> None:
+def _lightning_worker(ranks_per_node: int, precision: str = "32-true") -> None:
     import torch
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -81,13 +85,16 @@ def _lightning_worker(ranks_per_node: int) -> None:
     global _TRAINER  # kept alive until interpreter exit, as a script's module-level trainer is
     _TRAINER = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=STEPS,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     _TRAINER.fit(Tiny(), DataLoader(data, batch_size=8))
     _TRAINER.fit_loop.epoch_loop.max_steps = 2 * STEPS  # a second fit (a new model and optimizer) on the same strategy
     _TRAINER.fit(Tiny(), DataLoader(data, batch_size=8))
-    assert _TRAINER.global_step == 2 * STEPS and strategy.overlap_state is not None
-    assert strategy.overlap_state.buckets_started > 0, "the soak is meant to exercise the overlapped exchange"
+    assert _TRAINER.global_step == 2 * STEPS
+    if precision == "32-true":
+        assert strategy.overlap_state is not None and strategy.overlap_state.buckets_started > 0, (
+            "the soak is meant to exercise the overlapped exchange"
+        )
 
 
 def _torch_ddp_train() -> None:
@@ -202,7 +209,7 @@ def main() -> None:
         elif path == "torch-ddp":
             _torch_ddp_worker()
         else:
-            _lightning_worker(args.ranks_per_node or 0)
+            _lightning_worker(args.ranks_per_node or 0, "16-mixed" if path == "lightning-fp16" else "32-true")
         return
     print(f"{args.launches} launches, round robin over {', '.join(args.paths)}", flush=True)
     rows: list[dict[str, Any]] = []
