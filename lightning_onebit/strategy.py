@@ -345,7 +345,7 @@ class OnebitStrategy(DDPStrategy):
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._default_auto_freeze_bound(trainer, optimizer)
         self._warn_if_run_ends_in_warmup(trainer, optimizer)
-        optimizer.observe_closure_loss = False  # pre_backward records every loss, micro-batches and manual steps too
+        optimizer.observe_losses_from_caller()  # pre_backward records every loss, micro-batches and manual steps too
         self._onebit_optimizer = optimizer
         self._announced_phase = None
         self.overlap_state = self._configure_overlap(trainer, optimizer)

@@ -138,9 +138,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.freeze_step: Optional[int] = None if freeze_step == "auto" else freeze_step
         self.auto_freeze = (auto_freeze or AutoFreeze()) if freeze_step == "auto" else None
         self._detector: Optional[FreezeDetector] = None  # created at the first warmup step (needs the betas)
-        #: Whether ``step(closure)`` records the closure's loss for ``freeze_step="auto"`` (:meth:`observe_loss`). The
-        #: Lightning strategy records the loss in its ``backward`` instead and turns this off.
-        self.observe_closure_loss = True
+        # whether step(closure) records the closure's loss for freeze_step="auto" (see observe_losses_from_caller)
+        self._observe_closure_loss = True
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         if topology is not None and not isinstance(topology, Topology):
             raise ValueError(
@@ -311,6 +310,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return
         self._ensure_detector().record_loss(loss)
 
+    def observe_losses_from_caller(self) -> None:
+        """Declare that the caller passes every training loss to :meth:`observe_loss` itself, so that the loss a
+        ``closure`` given to :meth:`step` returns is not recorded a second time. The Lightning strategy does this: it
+        records every loss in its ``backward`` (micro-batches and manual optimization included)."""
+        self._observe_closure_loss = False
+
     def _ensure_detector(self) -> FreezeDetector:
         if self._detector is None:
             assert self.auto_freeze is not None
@@ -394,7 +399,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if loss is not None and self.observe_closure_loss:
+            if loss is not None and self._observe_closure_loss:
                 self.observe_loss(loss)
         for group in self.param_groups:
             for p in group["params"]:
