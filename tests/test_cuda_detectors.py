@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning_onebit.comm as comm
 import lightning_onebit.optim.base as optim_base
-import lightning_onebit.optim.onebit_adam as onebit_adam_module
+import lightning_onebit.optim.functional as functional_module
 from lightning_onebit import (
     GradientSyncState,
     OnebitAdam,
@@ -677,7 +677,7 @@ def test_error_feedback_restored_from_cpu_lives_on_the_parameters_device(world_s
 def test_placement_detector_catches_r1_cpu_step_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """R1 put back (``torch.tensor(float(t - 1))`` per parameter, on the CPU): the warmup's fused AdamW gets CPU
     step tensors next to CUDA parameters, which CUDA refuses (pytorch#111123). The detector must say so."""
-    monkeypatch.setattr(onebit_adam_module, "_step_tensors",
+    monkeypatch.setattr(functional_module, "_step_tensors",
                         lambda params, value: [torch.tensor(float(value)) for _ in params])
     with fake_cuda() as placement:
         params = _fake_params()
@@ -687,5 +687,5 @@ def test_placement_detector_catches_r1_cpu_step_tensors(monkeypatch: pytest.Monk
             opt.step()
     message = str(caught.value)
     assert "_fused_adamw_" in message and "cpu" in message and "cuda" in message, message
-    assert "onebit_adam.py" in message, message  # names the library line
+    assert "functional.py" in message, message  # names the library line
     assert len(placement.errors) == 1

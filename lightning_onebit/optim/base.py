@@ -34,6 +34,7 @@ from lightning_onebit.comm import (
 )
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector, VarianceReading
+from lightning_onebit.optim.functional import adamw_step_
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.streams import stream_ops
 from lightning_onebit.topology import Topology
@@ -451,6 +452,33 @@ class CompressedOptimizer(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             self._frozen_params.discard(id(p))
         return state
+
+    def _adamw_step_(
+        self, t: int, groups: Optional[Sequence[dict[str, Any]]] = None, compression_stage: bool = False
+    ) -> None:
+        """Step ``t`` of :class:`torch.optim.AdamW` (:func:`~lightning_onebit.optim.functional.adamw_step_`) on the
+        (averaged) gradients of the parameters of ``groups`` (default all) that have one.
+
+        The Adam-based optimizers' warmup, where it records nonzero gradients of the compressed groups for the
+        dead-coordinate warning when it is on, and their ``compress=False`` groups in the compression stage
+        (``compression_stage=True``), where explicit ``exp_avg_mask`` multiply the momentum after the gradient is
+        folded in, as they multiply the averaged momentum of the compressed groups."""
+        for group in self.param_groups if groups is None else groups:
+            params, grads, exp_avgs, exp_avg_sqs, masks = [], [], [], [], []
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                state = self._moment_state(p)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                if compression_stage and group["exp_avg_mask"][i] is not None:
+                    masks.append((len(params) - 1, _mask_like(group["exp_avg_mask"], i, state["exp_avg"])))
+                if self.warn_dead_coordinates and group["compress"] and not compression_stage:
+                    self._track_nonzero(p)
+            if params:
+                adamw_step_(group, params, grads, exp_avgs, exp_avg_sqs, t, masks)
 
     def _warmup_step(self) -> Optional[StepKind]:
         raise NotImplementedError

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.optim.adamw import adamw as adamw_functional
 
-from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze
-from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _mask_like
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
+from lightning_onebit.optim.functional import adam_update_
 from lightning_onebit.topology import Topology
 
 
@@ -167,10 +165,10 @@ class OnebitAdam(CompressedOptimizer):
         )
 
     def _warmup_step(self) -> None:
-        adamw_warmup_step_(self, self._step)
+        self._adamw_step_(self._step)
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
-        adamw_warmup_step_(self, self._step, groups, compression_stage=True)
+        self._adamw_step_(self._step, groups, compression_stage=True)
 
     def _compressed_step(self) -> None:
         self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, AdamW
@@ -182,117 +180,3 @@ class OnebitAdam(CompressedOptimizer):
                 exp_avgs = [self.state[p]["exp_avg"] for p in params]
                 exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
                 adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
-
-
-def adamw_warmup_step_(
-    optimizer: CompressedOptimizer,
-    t: int,
-    groups: Optional[Sequence[dict[str, Any]]] = None,
-    compression_stage: bool = False,
-) -> None:
-    """Step ``t`` of :class:`torch.optim.AdamW` on the (averaged) gradients of ``optimizer``'s parameters (of
-    ``groups``, default all): momentum and variance updated, bias corrections ``1 - b1^t`` and ``1 - b2^t``.
-
-    Shared by the Adam-based optimizers' warmups, where it records nonzero gradients of the compressed groups for the
-    dead-coordinate warning when it is on, and by their ``compress=False`` groups in the compression stage
-    (``compression_stage=True``), where explicit ``exp_avg_mask`` multiply the momentum after the gradient is folded
-    in, as they multiply the averaged momentum of the compressed groups."""
-    for group in optimizer.param_groups if groups is None else groups:
-        params, grads, exp_avgs, exp_avg_sqs, masks = [], [], [], [], []
-        for i, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            state = optimizer._moment_state(p)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            if compression_stage and group["exp_avg_mask"][i] is not None:
-                masks.append((len(params) - 1, i))
-            if optimizer.warn_dead_coordinates and group["compress"] and not compression_stage:
-                optimizer._track_nonzero(p)
-        if not params:
-            continue
-        b1, b2 = group["betas"]
-        if not masks and group["bias_correction"] and _fused_adamw_supports(params, grads, exp_avgs, exp_avg_sqs):
-            # torch's fused AdamW kernel: one pass instead of seven foreach passes. It increments the step
-            # tensors before using them, so they start at t - 1 (one per parameter: each is incremented).
-            steps = _step_tensors(params, t - 1)
-            adamw_functional(
-                params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False, beta1=b1, beta2=b2,
-                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-            )
-            continue
-        torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
-        for k, i in masks:  # a masked coordinate keeps a zero momentum, as in the compressed groups
-            exp_avgs[k].mul_(_mask_like(group["exp_avg_mask"], i, exp_avgs[k]))
-        torch._foreach_mul_(exp_avg_sqs, b2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
-        adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t)
-
-
-def adam_update_(
-    group: dict[str, Any],
-    params: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    t: int,
-    t_v: int,
-    backend: Backend = "torch",
-) -> None:
-    """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations, with
-    ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^t_v`` (``t_v``: the number of updates ``v`` received), or neither without
-    ``bias_correction``.
-
-    Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
-    compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
-
-    ``t_v < t`` means that ``v`` was not updated by this step (it is frozen: the compression stage, or 0/1 Adam
-    between variance steps), so the torch path caches the denominator ``sqrt(v)/sqrt(bc2) + eps`` until ``v``, ``eps``
-    or ``bc2`` change (:func:`~lightning_onebit.kernels.frozen_adam_denominators`; same bits, two passes instead of
-    five, no temporary). Host synchronisations: none (every argument but the tensors is a Python number).
-    """
-    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if group["bias_correction"]:
-        bias_correction1 = 1 - b1**t
-        bias_correction2_sqrt = math.sqrt(1 - b2**t_v)
-    else:
-        bias_correction1 = bias_correction2_sqrt = 1.0
-    kernels.frozen_adam_update_(
-        params,
-        exp_avgs,
-        exp_avg_sqs,
-        decay=1 - lr * wd if wd != 0 else None,
-        bias_correction2_sqrt=bias_correction2_sqrt,
-        eps=eps,
-        step=-lr / bias_correction1,
-        backend=backend,
-        frozen=t_v < t,
-    )
-
-
-def _step_tensors(params: Sequence[torch.Tensor], value: int) -> list[torch.Tensor]:
-    """One float32 step tensor per parameter, holding ``value``, on that parameter's device.
-
-    The fused kernel reads each step through a ``float*`` on the parameters' device and refuses a CPU step next to
-    CUDA parameters, so the steps are made where the parameters live: one fill kernel per device (the steps are
-    0-dim views of it), no host-to-device copy and no synchronisation.
-    """
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(params):
-        by_device.setdefault(p.device, []).append(i)
-    steps: list[Optional[torch.Tensor]] = [None] * len(params)
-    for device, indices in by_device.items():
-        for i, step in zip(indices, torch.full((len(indices),), float(value), dtype=torch.float32, device=device)):
-            steps[i] = step
-    return steps  # type: ignore[return-value]
-
-
-def _fused_adamw_supports(*tensor_lists: Sequence[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes these tensors: dense float32/float64 on CPU or CUDA."""
-    return all(
-        t.device.type in ("cpu", "cuda") and t.dtype in (torch.float32, torch.float64) and not t.is_sparse
-        for tensors in tensor_lists
-        for t in tensors
-    )
-

@@ -13,6 +13,7 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.kernels import frozen as frozen_cache
 from lightning_onebit.optim.auto_freeze import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real, _mask_like
+from lightning_onebit.optim.functional import bias_corrections
 from lightning_onebit.topology import Topology
 
 
@@ -153,7 +154,7 @@ class OnebitLamb(CompressedOptimizer):
         t = self._step
         for group in groups:
             b1, b2 = group["betas"]
-            bc1, bc2 = _bias_corrections(group, t, t)
+            bc1, bc2 = bias_corrections(group, t, t)
             masks = group["exp_avg_mask"]
             params, indices = [], []
             for i, p in enumerate(group["params"]):
@@ -240,7 +241,7 @@ class OnebitLamb(CompressedOptimizer):
         about thirteen: the same arithmetic per element, norms summed in float64 (last-bit differences)."""
         b1, b2 = group["betas"]
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
-        bc1, bc2 = _bias_corrections(group, t, t_v)
+        bc1, bc2 = bias_corrections(group, t, t_v)
         states = [self.state[p] for p in params]
         for p, state in zip(params, states):
             if state.get("exp_avg_sq_fresh") is None:  # seeded at the first compressed step, whatever freeze_step was
@@ -465,14 +466,6 @@ def _denominator(v: torch.Tensor, bc2: float, eps: float) -> torch.Tensor:
         out.sqrt_().add_(eps)
 
     return frozen_cache.cached(v, "lamb_denominator", (float(bc2), float(eps)), into)
-
-
-def _bias_corrections(group: dict[str, Any], t: int, t_v: int) -> tuple[float, float]:
-    """``(1 - b1^t, 1 - b2^t_v)``, or ``(1, 1)`` without bias correction."""
-    if not group["bias_correction"]:
-        return 1.0, 1.0
-    b1, b2 = group["betas"]
-    return 1 - b1**t, 1 - b2**t_v
 
 
 def _trust_ratios(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], low: float, high: float

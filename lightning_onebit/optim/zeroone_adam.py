@@ -19,7 +19,7 @@ from lightning_onebit.optim.base import (
     _compressed_trainable,
     _mask_like,
 )
-from lightning_onebit.optim.onebit_adam import adam_update_, adamw_warmup_step_
+from lightning_onebit.optim.functional import adam_update_, bias_corrections, fold_gradients_, update_variances_
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.topology import Topology
 
@@ -279,13 +279,13 @@ class ZeroOneAdam(CompressedOptimizer):
     # ------------------------------------------------------------------ steps
     def _warmup_step(self) -> StepKind:
         t = self._step  # every warmup step is a variance step: t variance updates so far, as AdamW's step t
-        adamw_warmup_step_(self, t)
+        self._adamw_step_(t)
         self._advance_schedules(t)
         return StepKind.VARIANCE
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
         # every step of a compress=False group is an AdamW step: its variance has received t updates
-        adamw_warmup_step_(self, self._step, groups, compression_stage=True)
+        self._adamw_step_(self._step, groups, compression_stage=True)
 
     def _compressed_step(self) -> StepKind:
         t = self._step
@@ -313,9 +313,8 @@ class ZeroOneAdam(CompressedOptimizer):
             grads = [p.grad for p in params]
             exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
             b1, b2 = group["betas"]
-            torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
-            torch._foreach_mul_(exp_avg_sqs, b2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - b2)
+            fold_gradients_(exp_avgs, grads, b1)
+            update_variances_(exp_avg_sqs, grads, b2)
             self._keep_at_rest_(group, params, exp_avgs)
             adam_update_(group, params, exp_avgs, exp_avg_sqs, t, n, self.compression.backend)
         return StepKind.VARIANCE
@@ -384,7 +383,8 @@ class ZeroOneAdam(CompressedOptimizer):
                 torch._foreach_mul_(without, b1)
             self._keep_at_rest_(group, params, exp_avgs)
             lr, wd = group["lr"], group["weight_decay"]
-            torch._foreach_add_([self.state[p][_UPDATE] for p in params], exp_avgs, alpha=lr / _bc1(group, t))
+            bias_correction1 = bias_corrections(group, t, t)[0]
+            torch._foreach_add_([self.state[p][_UPDATE] for p in params], exp_avgs, alpha=lr / bias_correction1)
             exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
             adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
             self._lr_sum[index] += lr
@@ -454,8 +454,8 @@ class ZeroOneAdam(CompressedOptimizer):
                 torch._foreach_copy_(params, synced)
                 continue
             torch._foreach_copy_(exp_avgs, updates)
-            torch._foreach_mul_(exp_avgs, _bc1(group, t) / lr_sum)
-            bc2_sqrt = math.sqrt(_bc2(group, self.variance_updates))
+            torch._foreach_mul_(exp_avgs, bias_corrections(group, t, t)[0] / lr_sum)
+            bc2_sqrt = math.sqrt(bias_corrections(group, t, self.variance_updates)[1])
             eps = group["eps"]
             exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
             if kernels._uses_native_adam(params, exp_avgs, exp_avg_sqs, self.compression.backend):
@@ -548,11 +548,3 @@ class ZeroOneAdam(CompressedOptimizer):
             self._lr_sum = [float(x) for x in saved["lr_sum"]]
             self._decay = [float(x) for x in saved["decay"]]
             self.local_steps_since_sync = int(saved.get("local_steps_since_sync", 0))
-
-
-def _bc1(group: dict[str, Any], t: int) -> float:
-    return 1 - group["betas"][0] ** t if group["bias_correction"] else 1.0
-
-
-def _bc2(group: dict[str, Any], n: int) -> float:
-    return 1 - group["betas"][1] ** n if group["bias_correction"] else 1.0
