@@ -169,7 +169,8 @@ class GradientSyncState:
 
 
 def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: ``mean`` allreduce of the bucket when ``state.sync_predicate()``, else the local bucket as is."""
+    """DDP comm hook: when ``state.sync_predicate()``, the bucket averaged across ranks (a ``mean`` allreduce, or
+    ``state.averaging_hook``), else the local bucket as is."""
     tensor = bucket.buffer()
     if not state.sync_predicate():
         state.skipped_buckets += 1
