@@ -120,18 +120,16 @@ def decide(trace: Trace, figure: str, quantile: int, threshold: float, window: i
     return max_step, "max_step"
 
 
-def adamw_traces(path: Path) -> Iterator[tuple[str, int, Trace]]:
-    """``(task, seed, trace)`` for every AdamW run of a ``freeze_sweep.json``."""
-    runs = json.loads(path.read_text())["runs"]
+def adamw_traces(runs: dict[str, Any]) -> Iterator[tuple[str, int, Trace]]:
+    """``(task, seed, trace)`` for every AdamW run of a ``freeze_sweep.json``'s ``runs``."""
     for key, record in sorted(runs.items()):
         task, run, seed = key.split("/")
         if run == "adamw" and record.get("trace"):
             yield task, int(seed), Trace(record["trace"], record["steps"], beta2=0.999)
 
 
-def fixed_freeze_accuracy(path: Path) -> dict[tuple[str, int], list[tuple[int, float, float]]]:
-    """``{(task, seed): [(freeze step, 1-bit Adam accuracy, AdamW accuracy)]}`` from the same file."""
-    runs = json.loads(path.read_text())["runs"]
+def fixed_freeze_accuracy(runs: dict[str, Any]) -> dict[tuple[str, int], list[tuple[int, float, float]]]:
+    """``{(task, seed): [(freeze step, 1-bit Adam accuracy, AdamW accuracy)]}`` from the same ``runs``."""
     adamw = {(k.split("/")[0], int(k.split("/")[2])): r["val_acc"] for k, r in runs.items() if k.split("/")[1] == "adamw"}
     out: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
     for key, record in runs.items():
@@ -153,10 +151,10 @@ def main() -> None:
     parser.add_argument("--max-share", type=float, default=0.5, help="max_step as a share of the run")
     parser.add_argument("--curves", action="store_true", help="also print every figure at every check (W = first)")
     args = parser.parse_args()
-    path = Path(args.results)
+    runs = json.loads(Path(args.results).read_text())["runs"]
     loss_drop = None if args.loss_drop < 0 else args.loss_drop
-    fixed = fixed_freeze_accuracy(path)
-    for task, seed, trace in adamw_traces(path):
+    fixed = fixed_freeze_accuracy(runs)
+    for task, seed, trace in adamw_traces(runs):
         max_step = int(args.max_share * trace.run_steps)
         print(f"\n== {task} seed {seed}: {trace.run_steps} steps, max_step {max_step}")
         for step, acc, reference in fixed.get((task, seed), []):

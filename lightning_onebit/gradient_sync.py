@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_onebit.comm import CommunicationCounters, count_ring_allreduce
 from lightning_onebit.streams import DeviceTimings
@@ -208,8 +209,6 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
 def _wire_element_size(hook: Callable[..., Any]) -> Optional[int]:
     """Bytes per element that ``hook`` sends, where known (torch's bf16/fp16 compression hooks); ``None``: the
     gradient's."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     return 2 if hook in (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook) else None
 
 
