@@ -76,12 +76,14 @@ def _release_process_groups_at_exit() -> None:
     GIL then is ended by the interpreter, and the forced unwind through C++ calls ``std::terminate``: "terminate called
     without an active exception" (SIGABRT, exit code 134) after training had succeeded, and the launcher reports a
     failed job. Unregistered by torch and no longer referenced by the strategy or its optimizers, the strategy's
-    groups are freed here, by reference counting: no ``gc.collect()`` is needed, because none of them is held in a
+    groups, and DDP's (WORLD, which the strategy's gradient sync and every optimizer it attached also hold), are
+    freed here, by reference counting: no ``gc.collect()`` is needed, because none of them is held in a
     reference cycle (the DDP comm hook's state and the gradient predicate hold the strategy weakly,
-    :class:`~lightning_onebit.OverlapState` holds DDP weakly). WORLD's Python object itself is kept by torch until
-    finalization in any DDP program (``torch.distributed.nn`` takes it as a default argument); its threads are idle.
+    :class:`~lightning_onebit.OverlapState` holds DDP weakly). Whatever else the program holds (its own references to
+    WORLD) it keeps; those threads then live on, idle, as they would without this library.
     """
     for strategy in list(_LIVE_STRATEGIES):
+        strategy._release_ddp_group()
         strategy.destroy_process_groups()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -229,7 +231,8 @@ class OnebitStrategy(DDPStrategy):
         self._topology_group: Any = None  # the process group self.topology and the groups below were made for
         self._gather_groups: Optional[tuple[Any, Any]] = None  # the overlapped exchange's second phase (inter, intra)
         self._owned_groups: list[Any] = []  # every group this strategy made, in creation order (destroyed in it)
-        # every optimizer that was handed these groups (one per fit), to detach them all when the groups go
+        # every optimizer that was handed these groups (one per fit), to detach them all when the groups go, and
+        # from DDP's group at interpreter exit
         self._attached_optimizers: "weakref.WeakSet[CompressedOptimizer]" = weakref.WeakSet()
         self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
         self._save_index = 0
@@ -538,10 +541,18 @@ class OnebitStrategy(DDPStrategy):
             optimizer.compression.release_gather_groups()
             if optimizer.topology is not None and optimizer.topology.groups:
                 optimizer.topology = None  # its groups are about to go (this resets the optimizer's error feedback)
-        self._attached_optimizers.clear()
+        # the optimizers stay in the (weak) set: at interpreter exit they drop DDP's group too (_release_ddp_group)
         self.overlap_state = None
         self.gradient_sync.topology = None
         self._destroy_owned_groups()
+
+    def _release_ddp_group(self) -> None:
+        """Drop the strategy's and its optimizers' references to DDP's process group (WORLD), at interpreter exit
+        only: once torch has destroyed WORLD too, nothing of ours keeps its gloo backend, and with it its threads,
+        alive into the process's C++ exit. A process that goes on keeps them: a later ``fit`` uses them again."""
+        for optimizer in list(self._attached_optimizers):
+            optimizer.process_group = None
+        self.gradient_sync.process_group = None
 
     def _destroy_owned_groups(self) -> None:
         owned, self._owned_groups = self._owned_groups, []

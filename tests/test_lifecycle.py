@@ -10,7 +10,9 @@
 * The strategy destroys what it made: :meth:`OnebitStrategy.destroy_process_groups` unregisters its groups and,
   with the garbage collector off since before they were made, they are freed at once although the trainer is still
   referenced (nothing but torch's registry and the strategy held them: no reference cycle). The exit handler does the
-  same for every live strategy, then destroys WORLD.
+  same for every live strategy, drops the strategy's and its optimizers' references to DDP's group, then destroys
+  WORLD: WORLD is freed and no gloo thread is left running into the process's C++ exit (flat in 16-mixed, the path
+  of the last abort at exit; hierarchical with overlap).
 * Plain torch: after the training function returns, DDP, the optimizer and the :class:`OverlapState` are freed by
   reference counting alone (garbage collector off): the state holds DDP weakly, so the DDP <-> hook-state cycle that
   kept the groups alive until a collection, possibly during interpreter finalization, is gone. Its second-phase group
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -36,6 +39,7 @@ from torch.distributed.distributed_c10d import _world
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins import MixedPrecision
 import lightning_onebit.strategy as strategy_module
 import lightning_onebit.topology as topology_module
 from lightning_onebit import OnebitAdam, OnebitStrategy, OverlapState, Topology, overlapped_exchange_hook
@@ -161,19 +165,32 @@ def scenario_two_fits(rank: int, world_size: int, workdir: str) -> dict[str, Any
 
 
 def scenario_exit_handler(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
-    """What runs at interpreter exit, run now: every live strategy's groups destroyed and freed, then WORLD."""
+    """What runs at interpreter exit, run now: every live strategy's groups destroyed and freed, then WORLD. Flat runs
+    16-mixed (the rank-synced GradScaler; the exchange then falls back to ``step``), the path of the one abort at exit the
+    suite showed after the groups were first released; hierarchical runs 32-true with overlap."""
     with _no_garbage_collector():
-        strategy = OnebitStrategy(overlap=True, ddp_bucket_cap_mb=BUCKET_CAP_MB,
-                                      ranks_per_node=2 if world_size == 4 else None)
-        trainer = pl.Trainer(**trainer_kwargs(world_size, STEPS, strategy=strategy))
+        strategy = OnebitStrategy(overlap=True if world_size == 4 else "auto", ddp_bucket_cap_mb=BUCKET_CAP_MB,
+                                  ranks_per_node=2 if world_size == 4 else None)
+        plugins = [] if world_size == 4 else [
+            MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))]
+        trainer = pl.Trainer(**trainer_kwargs(world_size, STEPS, strategy=strategy, plugins=plugins))
         trainer.fit(Regressor(freeze_step=FREEZE), loader(rank, STEPS))
         owned = [weakref.ref(g) for g in strategy.process_groups]
         registered = len(owned)
+        world = weakref.ref(dist.group.WORLD)
         strategy_module._release_process_groups_at_exit()
         return dict(
             owned=registered, freed=sum(r() is None for r in owned), world_destroyed=not dist.is_initialized(),
-            trainer_alive=trainer is not None,
+            # the strategy and its optimizers held DDP's group (WORLD) too: released, its gloo backend is freed now,
+            # its threads joined while the interpreter is whole, not left running into the process's C++ exit
+            world_freed=world() is None, gloo_threads=_gloo_threads(), trainer_alive=trainer is not None,
         )
+
+
+def _gloo_threads() -> list[str]:
+    """Names of this process's gloo threads (``pt_gloo_runloop``, ``gloo_tcp_loop``), from /proc."""
+    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    return sorted(name for name in names if "gloo" in name)
 
 
 def _plain_ddp_training(rank: int) -> dict[str, Any]:
@@ -312,9 +329,10 @@ def test_exit_handler_destroys_and_frees_the_strategys_groups(
     topology: str, request: pytest.FixtureRequest
 ) -> None:
     session = request.getfixturevalue(f"{topology}_session")
-    owned = 1 if topology == "flat" else 4
+    owned = 0 if topology == "flat" else 4  # flat runs 16-mixed: not overlapped, so no second-phase group
     for rank, r in enumerate(scenario_results(session, "exit_handler")):
-        assert r == dict(owned=owned, freed=owned, world_destroyed=True, trainer_alive=True), f"rank {rank}: {r}"
+        assert r == dict(owned=owned, freed=owned, world_destroyed=True, world_freed=True, gloo_threads=[],
+                         trainer_alive=True), f"rank {rank}: {r}"
 
 
 def test_topology_families_are_one_split_each_where_torch_can_split(
