@@ -82,7 +82,7 @@ def overlap_scenario(rank: int, world_size: int, device: str, steps: int = 9) ->
         out["overlapped" if enabled else "in_step"] = [p.detach().cpu() for p in net.parameters()]
         if enabled:
             out["started"] = state.buckets_started
-            out["side_stream"] = opt._side_stream is not None
+            out["side_stream"] = opt.exchange.side_stream is not None
     return out
 
 

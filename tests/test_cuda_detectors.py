@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning_onebit.comm as comm
 import lightning_onebit.optim.base as optim_base
+import lightning_onebit.optim.exchange as optim_exchange
 import lightning_onebit.optim.functional as functional_module
 from lightning_onebit import (
     GradientSyncState,
@@ -230,12 +231,12 @@ def _old_progress_exchanges_(
 @contextlib.contextmanager
 def _old_schedule() -> Any:
     """Put the timing-driven ``progress_exchanges_`` back where the optimizer calls it."""
-    saved = comm.progress_exchanges_, optim_base.progress_exchanges_
-    comm.progress_exchanges_ = optim_base.progress_exchanges_ = _old_progress_exchanges_
+    saved = comm.progress_exchanges_, optim_exchange.progress_exchanges_
+    comm.progress_exchanges_ = optim_exchange.progress_exchanges_ = _old_progress_exchanges_
     try:
         yield
     finally:
-        comm.progress_exchanges_, optim_base.progress_exchanges_ = saved
+        comm.progress_exchanges_, optim_exchange.progress_exchanges_ = saved
 
 
 def scenario_order(

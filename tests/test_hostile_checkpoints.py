@@ -68,7 +68,8 @@ def _fit(rank: int, model: pl.LightningModule, overlap: Any, callbacks: list, ma
 def _snapshot(opt: CompressedOptimizer) -> dict[str, Any]:
     """This rank's error buffers and the buckets they belong to (parameters as indices in the optimizer's order)."""
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    buckets = [] if opt._buckets is None else [(b.key, [index[id(p)] for p in b.params]) for b in opt._buckets]
+    built = opt.momentum_buckets.built
+    buckets = [] if built is None else [(b.key, [index[id(p)] for p in b.params]) for b in built]
     state = opt.error_feedback_state_dict()
     return dict(
         buckets=buckets,

@@ -179,7 +179,7 @@ def scenario_cuda(rank: int, world_size: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         out[enabled] = dict(params=[p.detach().cpu() for p in net.parameters()], started=state.buckets_started,
-                            side_stream=opt._side_stream is not None)
+                            side_stream=opt.exchange.side_stream is not None)
     return out
 
 

@@ -23,20 +23,24 @@ from lightning_onebit.comm import (
     BucketLayout,
     CommunicationCounters,
     CompressedAllreduceState,
-    PendingExchange,
     agree_kernel_backend,
-    check_buckets,
-    compressed_allreduce_buckets_,
-    finish_exchanges_,
     full_precision_allreduce_,
-    progress_exchanges_,
-    start_exchange_,
 )
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector, VarianceReading
+from lightning_onebit.optim.buckets import (
+    MomentumBucket,
+    MomentumBuckets,
+    Plan,
+    carry_error_feedback_,
+    checked_plan,
+    feedback_key,
+    same_plan,
+    stream_of,
+)
+from lightning_onebit.optim.exchange import MomentumExchange
 from lightning_onebit.optim.functional import adamw_step_
 from lightning_onebit.optim.step_kind import StepKind
-from lightning_onebit.streams import stream_ops
 from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -50,29 +54,6 @@ class OnebitStage(str, enum.Enum):
 
     WARMUP = "warmup"
     COMPRESSION = "compression"
-
-
-class _Bucket:
-    """A flat, zero-padded momentum buffer; the momenta of its parameters are views into it.
-
-    ``fold_groups`` lists, per distinct ``beta1`` among its parameters' param groups, ``(1 - beta1, indices into
-    params)``: how a gradient is folded into these momenta (``m = lerp(m, g, 1 - beta1)``).
-    """
-
-    def __init__(
-        self,
-        key: int,
-        params: list[torch.Tensor],
-        layout: BucketLayout,
-        flat: torch.Tensor,
-        fold_groups: list[tuple[float, list[int]]],
-    ) -> None:
-        self.key = key
-        self.params = params
-        self.layout = layout
-        self.flat = flat
-        self.fold_groups = fold_groups
-        self.extra: dict[str, torch.Tensor] = {}  # other buffers laid out like ``flat`` (see _bucket_state_buffer)
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
@@ -133,6 +114,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
         if not isinstance(warn_dead_coordinates, bool):
             raise ValueError(f"warn_dead_coordinates must be True or False, got {warn_dead_coordinates!r}")
+        # which momenta share a bucket (packed by bucket_cap_mb, or as set_bucket_plan says) and the buckets; before
+        # the param groups are added (add_param_group invalidates the buckets)
+        self.momentum_buckets = MomentumBuckets(int(bucket_cap_mb * 2**20))
         # every param group is compressed unless it says compress=False (see _check_group)
         super().__init__(params, {**defaults, "compress": True})
         #: The last warmup step: an int, or ``None`` while ``freeze_step="auto"`` is still measuring.
@@ -141,7 +125,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._detector: Optional[FreezeDetector] = None  # created at the first warmup step (needs the betas)
         # whether step(closure) records the closure's loss for freeze_step="auto" (see observe_losses_from_caller)
         self._observe_closure_loss = True
-        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         if topology is not None and not isinstance(topology, Topology):
             raise ValueError(
                 f"topology must be a lightning_onebit.Topology (from Topology.build), got {type(topology).__name__}"
@@ -151,18 +134,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.compression = CompressedAllreduceState(process_group, kernel_backend, topology)
         self._backend_agreed = False
         self._step = 0
-        self._buckets: Optional[list[_Bucket]] = None
-        self._buckets_built_for: Any = None  # (plan, world size, trainable ids) the buckets were built for
-        # Momentum bucket plan (e.g. DDP's gradient buckets): bucket key -> parameters, in order. None: packed by size.
-        self._bucket_plan: Optional[list[tuple[int, list[torch.Tensor]]]] = None
-        self.plan_version = 0  # incremented whenever the installed bucket plan changes (set or loaded)
-        self._deferred_plan: Optional[tuple[Any]] = None  # (plan,): set_bucket_plan while exchanges were in flight
-        self._bucket_by_key: dict[int, _Bucket] = {}
-        self._bucketed_ids: set[int] = set()
-        # exchanges started during backward (the overlapped path), in start order, finished by the next step
-        self._pending: list[PendingExchange] = []
-        self._pending_by_key: dict[int, PendingExchange] = {}
-        self._side_stream: Optional[Any] = None  # CUDA: the stream the overlapped folding and compression run on
+        # the buckets' compressed exchanges: started during backward (the overlap hook) or in step
+        self.exchange = MomentumExchange(self.compression)
         self._frozen_params: set[int] = set()
         # id(param) -> factor (a 0-dim tensor on the parameter's device) its momentum is multiplied by for the
         # exchange and divided by after it; set by a subclass (1-bit LAMB's scaling coefficients), empty for 1-bit Adam
@@ -188,7 +161,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
-        self._buckets = None  # a new group changes the bucket layout
+        self.momentum_buckets.built = None  # a new group changes the bucket layout
 
     @classmethod
     def _check_group(cls, group: dict[str, Any], index: int) -> None:
@@ -361,7 +334,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if group is not self.compression.process_group:
             self.compression.process_group = group
             self.compression.reset_error_feedback()
-            self._buckets = None
+            self.momentum_buckets.built = None
             self._backend_agreed = False
 
     @property
@@ -406,10 +379,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients; use dense embeddings")
-        if self._pending:
-            # Everything this step does comes after the work the overlap hook queued on its side stream (folded
-            # momenta, compression, launches): compressed-group momenta and the kernel workspace are read from here on.
-            stream_ops().current_waits_for(self._side_stream, self._pending[0].buffer.device)
+        # Everything this step does comes after the work the overlap hook queued on its side stream (folded momenta,
+        # compression, launches): compressed-group momenta and the kernel workspace are read from here on.
+        self.exchange.join_side_stream()
         stage = self.stage
         self._step += 1
         if stage is OnebitStage.WARMUP:
@@ -422,8 +394,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             kind = self._compressed_step() or StepKind.COMPRESSED
         self.steps_by_kind[kind] += 1
         self.last_step_kind = kind
-        if self._deferred_plan is not None:
-            (plan,), self._deferred_plan = self._deferred_plan, None
+        if self.momentum_buckets.deferred_plan is not None:
+            (plan,), self.momentum_buckets.deferred_plan = self.momentum_buckets.deferred_plan, None
             self._install_plan(plan)
         return loss
 
@@ -583,10 +555,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._report_dead_coordinates()
         if not self._backend_agreed:
             self.agree_kernel_backend()
-        pending, self._pending, self._pending_by_key = self._pending, [], {}
+        started = self.exchange.take_started()
         buckets = self._ensure_buckets(carry=True)
         flats = {b.key: b.flat for b in buckets}
-        if any(flats.get(p.key) is not p.buffer for p in pending):
+        if any(flats.get(p.key) is not p.buffer for p in started):
             raise RuntimeError(
                 f"{type(self).__name__}: the momentum buckets changed while their exchange was in flight: the "
                 "trainable parameters (requires_grad, a param group's compress, a new param group) changed after "
@@ -594,34 +566,29 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "pass (in Lightning: e.g. in on_train_batch_start; a hook marked leaves_gradients_unchanged must not "
                 "change them), or turn overlap off"
             )
-        started = self.compression.timings.mark(buckets[0].flat.device) if buckets else None
-        # Fold the local gradients into the momenta of the buckets whose exchange did not start during backward.
-        # A parameter without a gradient folds a zero gradient (lerp towards 0), as the backward hook does for DDP's
-        # zero-filled bucket entries, so that both paths give the same bits.
-        in_flight = {p.key for p in pending}
-        folded = {id(q) for b in buckets if b.key in in_flight for q in b.params}
-        for group in self.param_groups:
-            grads, exp_avgs, decays = [], [], []
-            for p in _compressed_trainable(group):
-                if id(p) in folded:
-                    continue
-                m = self.state[p]["exp_avg"]
-                (decays if p.grad is None else exp_avgs).append(m)
-                if p.grad is not None:
-                    grads.append(p.grad)
-            weight = 1 - group["betas"][0]
-            if exp_avgs:
-                torch._foreach_lerp_(exp_avgs, grads, weight)
-            if decays:
-                torch._foreach_lerp_(decays, [m.new_zeros(()).expand_as(m) for m in decays], weight)
-        self._scale_for_exchange_([q for b in buckets if b.key not in in_flight for q in b.params])
-        rest = [(b.key, b.flat, b.layout) for b in buckets if b.key not in in_flight]
-        check_buckets(self.compression, rest)
-        pending += [start_exchange_(self.compression, key, flat, layout, checked=True) for key, flat, layout in rest]
-        finish_exchanges_(self.compression, pending)
-        if started is not None:
-            timings = self.compression.timings
-            timings.add(self.compression.counters, "exposed_s", started, timings.mark(buckets[0].flat.device))
+        in_flight = {p.key for p in started}
+        rest = [b for b in buckets if b.key not in in_flight]
+        with self.exchange.exposed(buckets[0].flat.device if buckets else None):
+            # Fold the local gradients into the momenta of the buckets whose exchange did not start during backward.
+            # A parameter without a gradient folds a zero gradient (lerp towards 0), as the backward hook does for
+            # DDP's zero-filled bucket entries, so that both paths give the same bits.
+            folded = {id(q) for b in buckets if b.key in in_flight for q in b.params}
+            for group in self.param_groups:
+                grads, exp_avgs, decays = [], [], []
+                for p in _compressed_trainable(group):
+                    if id(p) in folded:
+                        continue
+                    m = self.state[p]["exp_avg"]
+                    (decays if p.grad is None else exp_avgs).append(m)
+                    if p.grad is not None:
+                        grads.append(p.grad)
+                weight = 1 - group["betas"][0]
+                if exp_avgs:
+                    torch._foreach_lerp_(exp_avgs, grads, weight)
+                if decays:
+                    torch._foreach_lerp_(decays, [m.new_zeros(()).expand_as(m) for m in decays], weight)
+            self._scale_for_exchange_([q for b in rest for q in b.params])
+            self.exchange.finish_(started, rest)
         if self._exchange_scale:
             scaled = [q for b in buckets for q in b.params if id(q) in self._exchange_scale]
             torch._foreach_div_(
@@ -648,45 +615,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 [self.state[q]["exp_avg"] for q in scaled], [self._exchange_scale[id(q)] for q in scaled]
             )
 
-    @staticmethod
-    def _feedback_key(stream: str, key: int) -> Hashable:
-        """The error-feedback key of bucket ``key`` in ``stream``: each quantity an optimizer compresses (momenta,
-        gradients, accumulated updates) has error buffers of its own. The momentum stream keeps the bare bucket key
-        (what checkpoints of 1-bit Adam and 1-bit LAMB hold)."""
-        return key if stream == "momentum" else (stream, key)
-
-    @staticmethod
-    def _stream_of(feedback_key: Any) -> str:
-        return feedback_key[0] if isinstance(feedback_key, tuple) and len(feedback_key) == 2 else "momentum"
-
-    def _compressed_average_(self, stream: str, buffers: Sequence[tuple[_Bucket, torch.Tensor]]) -> None:
+    def _compressed_average_(self, stream: str, buffers: Sequence[tuple[MomentumBucket, torch.Tensor]]) -> None:
         """Replace each buffer (laid out like its bucket, e.g. from :meth:`_bucket_state_buffer`) by its
         error-compensated 1-bit average over the process group, identical on every rank; the error feedback is
-        ``stream``'s (:meth:`_feedback_key`). Buckets are pipelined (:func:`compressed_allreduce_buckets_`)."""
+        ``stream``'s (:func:`~lightning_onebit.optim.buckets.feedback_key`). Buckets are pipelined."""
         if not self._backend_agreed:
             self.agree_kernel_backend()
-        items = [(self._feedback_key(stream, bucket.key), flat, bucket.layout) for bucket, flat in buffers]
-        if not items:
-            return
-        with self.compression.timings.span(self.compression.counters, "exposed_s", items[0][1].device):
-            compressed_allreduce_buckets_(self.compression, items)
+        self.exchange.average_([(feedback_key(stream, bucket.key), flat, bucket.layout) for bucket, flat in buffers])
 
-    def _bucket_state_buffer(self, bucket: _Bucket, name: str) -> torch.Tensor:
-        """A flat buffer laid out like ``bucket``'s momenta (layout, dtype, device; padding zero) whose views become
-        each of its parameters' ``state[name]``, so that the per-parameter state is checkpointed and the buffer can
-        be exchanged as one. Created on first use from the existing ``state[name]`` values (zeros where absent)."""
-        flat = bucket.extra.get(name)
-        if flat is None:
-            flat = bucket.extra[name] = torch.zeros_like(bucket.flat)
-            offset = 0
-            for p in bucket.params:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                old = self.state[p].get(name)
-                if old is not None:
-                    view.copy_(old)
-                self.state[p][name] = view
-                offset += p.numel()
-        return flat
+    def _bucket_state_buffer(self, bucket: MomentumBucket, name: str) -> torch.Tensor:
+        """``bucket``'s flat buffer of ``state[p][name]`` (:meth:`MomentumBucket.state_buffer`)."""
+        return bucket.state_buffer(name, self.state)
 
     def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
         """The group's parameters a compressed step updates: trainable ones with a variance estimate; none in a
@@ -718,23 +657,23 @@ class CompressedOptimizer(torch.optim.Optimizer):
         must get the same answer (true for DDP's buckets, which rank 0 decides). Raises ``RuntimeError`` if the
         bucket's exchange was already started since the last step (a second backward pass before ``step``).
         """
-        if self.stage is not OnebitStage.COMPRESSION or self._buckets is None or self._deferred_plan is not None:
+        buckets = self.momentum_buckets
+        if self.stage is not OnebitStage.COMPRESSION or buckets.built is None or buckets.deferred_plan is not None:
             return False
-        if not self._pending and self._bucket_inputs()[0] != self._buckets_built_for:
+        if not self.exchange.in_flight and self._bucket_inputs()[0] != buckets.built_for:
             # The buckets no longer fit the trainable parameters (a layer frozen or unfrozen, a group's compress
             # switched): the next step rebuilds them. No bucket of this backward starts; step exchanges them all, as
             # without overlap. Read from requires_grad at the first bucket, before the step's first collective: the
             # same on every rank (the model is). Later buckets skip the check once one has started.
             return False
-        bucket = self._bucket_by_key.get(key)
+        bucket = buckets.by_key.get(key)
         if bucket is None:
             return False
         # the trainable parameters the buckets were built for (a change rebuilds them at the next step)
-        bucketed = self._bucketed_ids
-        chosen = [i for i, p in enumerate(params) if id(p) in bucketed]
+        chosen = [i for i, p in enumerate(params) if id(p) in buckets.bucketed_ids]
         if len(chosen) != len(bucket.params) or any(params[i] is not q for i, q in zip(chosen, bucket.params)):
             return False
-        if key in self._pending_by_key:
+        if self.exchange.started(key):
             raise RuntimeError(
                 f"{type(self).__name__}: gradient bucket {key} was ready twice before optimizer.step(): a second "
                 "backward pass ran while its momentum exchange from the first was in flight. The overlapped "
@@ -745,44 +684,39 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if clip_value is not None:
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
-        # Fold and compress on a side stream (CUDA), so that it overlaps the backward kernels still queued on the
-        # current one; everything the hooks enqueue goes there, in hook order.
-        ops, device = stream_ops(), bucket.flat.device
-        stream = self._side_stream = ops.side_stream(device)
-        ops.wait_for_current(stream, device)
-        with ops.use(stream), self.compression.timings.span(self.compression.counters, "hook_s", device):
+
+        def fold() -> None:
             for weight, indices in bucket.fold_groups:
                 torch._foreach_lerp_(
                     [self.state[bucket.params[i]]["exp_avg"] for i in indices], [grads[i] for i in indices], weight
                 )
             self._scale_for_exchange_(bucket.params)
-            pending = start_exchange_(self.compression, bucket.key, bucket.flat, bucket.layout)
-            self._pending.append(pending)
-            self._pending_by_key[key] = pending
-            progress_exchanges_(self.compression, self._pending)
+
+        self.exchange.start_(bucket, fold)
         return True
 
     def progress_exchanges(self) -> None:
         """Advance every exchange started during this backward to its last launch (serve it and launch its second
-        phase; :func:`~lightning_onebit.comm.progress_exchanges_`). The overlap hook calls it for a gradient bucket
-        that started no exchange, which every rank does at the same point of the bucket schedule. Harmless at any
-        time."""
-        if self._pending:
-            # on the side stream, like every other launch of the hooks: the exchanges share its kernel workspace
-            device = self._pending[0].buffer.device
-            ops = stream_ops()
-            ops.wait_for_current(self._side_stream, device)
-            with ops.use(self._side_stream), self.compression.timings.span(
-                self.compression.counters, "hook_s", device
-            ):
-                progress_exchanges_(self.compression, self._pending, keep_newest=False)
+        phase; :meth:`MomentumExchange.progress`). The overlap hook calls it for a gradient bucket that started no
+        exchange, which every rank does at the same point of the bucket schedule. Harmless at any time."""
+        self.exchange.progress()
 
     @property
     def exchanges_in_flight(self) -> int:
         """Bucket exchanges started during backward and not yet finished by :meth:`step`."""
-        return len(self._pending)
+        return self.exchange.in_flight
 
     # ------------------------------------------------------------------ buckets
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """The size a packed momentum bucket is filled to (``bucket_cap_mb``), bytes."""
+        return self.momentum_buckets.cap_bytes
+
+    @property
+    def plan_version(self) -> int:
+        """Incremented whenever the installed bucket plan changes (set or loaded)."""
+        return self.momentum_buckets.plan_version
+
     def set_bucket_plan(self, buckets: Optional[Sequence[Sequence[torch.Tensor]]]) -> bool:
         """Lay the momenta out in these buckets: bucket ``i`` holds the momenta of ``buckets[i]``'s parameters, in
         that order, in one flat buffer exchanged by one compressed allreduce (its key is ``i``).
@@ -795,68 +729,50 @@ class CompressedOptimizer(torch.optim.Optimizer):
         error feedback, which belongs to the layout).
 
         Changing the plan during the compression stage moves the momenta into the new layout and carries the error
-        feedback over coordinate by coordinate (:meth:`_carry_error_feedback_`, a collective: call it on every rank);
-        while exchanges are in flight the change waits for the end of the next :meth:`step`. Raises ``ValueError``
-        if a bucket mixes devices or dtypes or names a parameter twice.
+        feedback over coordinate by coordinate (:func:`~lightning_onebit.optim.buckets.carry_error_feedback_`, a
+        collective: call it on every rank); while exchanges are in flight the change waits for the end of the next
+        :meth:`step`. Raises ``ValueError`` if a bucket mixes devices or dtypes or names a parameter twice.
 
         Returns whether the plan changed.
         """
-        if buckets is None:
-            plan = None
-        else:
-            trainable = self._trainable_ids
-            plan, seen = [], set()
-            for key, params in enumerate(buckets):
-                kept = [p for p in params if id(p) in trainable]
-                if len({(p.device, p.dtype) for p in kept}) > 1:
-                    raise ValueError(
-                        f"set_bucket_plan: bucket {key} mixes devices or dtypes; a bucket is one flat buffer"
-                    )
-                if any(id(p) in seen for p in kept):
-                    raise ValueError(f"set_bucket_plan: bucket {key} names a parameter that an earlier bucket holds")
-                seen.update(id(p) for p in kept)
-                if kept:
-                    plan.append((key, kept))
-        if _same_plan(plan, self._deferred_plan[0] if self._deferred_plan is not None else self._bucket_plan):
+        plan = checked_plan(buckets, self._trainable_ids)
+        current = self.momentum_buckets
+        if same_plan(plan, current.deferred_plan[0] if current.deferred_plan is not None else current.plan):
             return False
-        if self._pending:
-            self._deferred_plan = (plan,)
+        if self.exchange.in_flight:
+            current.deferred_plan = (plan,)
         else:
             self._install_plan(plan)
         return True
 
-    def _install_plan(self, plan: Optional[list[tuple[int, list[torch.Tensor]]]]) -> None:
-        if _same_plan(plan, self._bucket_plan):
+    def _install_plan(self, plan: Plan) -> None:
+        buckets = self.momentum_buckets
+        if same_plan(plan, buckets.plan):
             return
-        self._bucket_plan = plan
-        self.plan_version += 1
-        if self._buckets is not None:
-            old, self._buckets = self._buckets, None
+        buckets.plan = plan
+        buckets.plan_version += 1
+        if buckets.built is not None:
+            old, buckets.built = buckets.built, None
             self._carry_error_feedback_(old, "new bucket plan" if plan is not None else "packed by bucket_cap_mb")
 
     @property
     def bucket_plan(self) -> Optional[list[list[torch.Tensor]]]:
         """The parameters of each planned momentum bucket (:meth:`set_bucket_plan`), or ``None``."""
-        return None if self._bucket_plan is None else [list(params) for _, params in self._bucket_plan]
+        plan = self.momentum_buckets.plan
+        return None if plan is None else [list(params) for _, params in plan]
 
     @property
     def _trainable_ids(self) -> set[int]:
         """The trainable parameters whose momenta are compressed (those of ``compress=False`` groups are not)."""
         return {id(p) for group in self.param_groups for p in _compressed_trainable(group)}
 
-    def _bucket_inputs(self) -> tuple[tuple[Any, int, list[int]], list[torch.Tensor]]:
-        """``(built_for, trainable)``: what the buckets are built from (the plan as ids, the world size, the ids of
-        the compressed trainable parameters; :meth:`_ensure_buckets` rebuilds when it changes) and those parameters.
-        Host-only (no device access)."""
+    def _bucket_inputs(self) -> tuple[Any, list[torch.Tensor]]:
+        """``(built_for, trainable)``: what the buckets are built from (:meth:`MomentumBuckets.inputs`; a change
+        rebuilds them) and the compressed trainable parameters. Host-only (no device access)."""
         trainable = [p for group in self.param_groups for p in _compressed_trainable(group)]
-        built_for = (
-            None if self._bucket_plan is None else [(k, [id(p) for p in ps]) for k, ps in self._bucket_plan],
-            self.compression.world_size(),
-            [id(p) for p in trainable],
-        )
-        return built_for, trainable
+        return self.momentum_buckets.inputs(trainable, self.compression.world_size()), trainable
 
-    def _ensure_buckets(self, carry: bool = False) -> list[_Bucket]:
+    def _ensure_buckets(self, carry: bool = False) -> list[MomentumBucket]:
         """Pack momenta of the compressed trainable parameters into flat padded buckets (once per layout; rebuilt
         when that set changes, e.g. a group's ``compress`` or a ``requires_grad``); momenta become views.
 
@@ -864,21 +780,17 @@ class CompressedOptimizer(torch.optim.Optimizer):
         error feedback of the parameters that stay over to the new layout (:meth:`_carry_error_feedback_`, a
         collective), so freezing one layer does not reset the error of the others. Other callers (e.g.
         :meth:`bucket_layouts`, which one rank may call alone) never start a collective here."""
+        buckets = self.momentum_buckets
         built_for, trainable = self._bucket_inputs()
-        world_size = built_for[1]
-        if self._buckets is not None and self._buckets_built_for == built_for:
-            return self._buckets
-        if carry and self._buckets is not None:
-            old, self._buckets = self._buckets, None
+        if buckets.fits(built_for):
+            return buckets.built
+        if carry and buckets.built is not None:
+            old, buckets.built = buckets.built, None
             self._carry_error_feedback_(old, "the compressed trainable parameters changed")
             # without error feedback to carry, nothing was built yet
-            return self._buckets if self._buckets is not None else self._ensure_buckets()
-        self._buckets_built_for = built_for
-        self._bucketed_ids = set(built_for[2])
-        self._bucket_by_key: dict[int, _Bucket] = {}
+            return buckets.built if buckets.built is not None else self._ensure_buckets()
         if not trainable:
-            self._buckets = []
-            return self._buckets
+            return buckets.built_empty(built_for)
         self._frozen_params = set()
         never_updated = []
         for p in trainable:
@@ -898,63 +810,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 len(never_updated),
                 never_updated[:8],
             )
-        runs: list[tuple[int, list[torch.Tensor]]] = []
-        planned: set[int] = set()
-        if self._bucket_plan is not None:
-            present = {id(p) for p in trainable}
-            for key, params in self._bucket_plan:
-                kept = [p for p in params if id(p) in present]
-                if kept:
-                    runs.append((key, kept))
-                    planned.update(id(p) for p in kept)
-        # The rest: one device and dtype per bucket, filled in parameter order up to bucket_cap_bytes.
-        next_key = max((key for key, _ in runs), default=-1) + 1
-        groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-        filled: dict[tuple[torch.device, torch.dtype], int] = {}
-        for p in trainable:
-            if id(p) in planned:
-                continue
-            m = self.state[p]["exp_avg"]
-            kind, nbytes = (m.device, m.dtype), m.numel() * m.element_size()
-            packed = groups.setdefault(kind, [[]])
-            if packed[-1] and filled[kind] + nbytes > self.bucket_cap_bytes:
-                packed.append([])
-                filled[kind] = 0
-            packed[-1].append(p)
-            filled[kind] = filled.get(kind, 0) + nbytes
-        for packed in groups.values():
-            for params in packed:
-                runs.append((next_key, params))
-                next_key += 1
-        weight_of = {id(p): 1 - group["betas"][0] for group in self.param_groups for p in _compressed_trainable(group)}
-        buckets = []
-        for key, params in runs:
-            like = self.state[params[0]]["exp_avg"]
-            layout = BucketLayout.build([p.numel() for p in params], world_size)
-            flat = torch.zeros(layout.padded_numel, dtype=like.dtype, device=like.device)
-            offset = 0
-            for p in params:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                view.copy_(self.state[p]["exp_avg"])
-                self.state[p]["exp_avg"] = view
-                offset += p.numel()
-            fold_groups: dict[float, list[int]] = {}
-            for i, p in enumerate(params):
-                fold_groups.setdefault(weight_of[id(p)], []).append(i)
-            bucket = _Bucket(key, params, layout, flat, list(fold_groups.items()))
-            buckets.append(bucket)
-            self._bucket_by_key[key] = bucket
-        self._buckets = buckets
+        fold_weight = {
+            id(p): 1 - group["betas"][0] for group in self.param_groups for p in _compressed_trainable(group)
+        }
+        built = buckets.build(built_for, trainable, self.state, fold_weight, built_for[1])
         log.info(
             "%s: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
             type(self).__name__,
             self._step,
             len(trainable),
-            len(buckets),
-            world_size,
-            " (laid out like DDP's gradient buckets)" if self._bucket_plan is not None else "",
+            len(built),
+            built_for[1],
+            " (laid out like DDP's gradient buckets)" if buckets.plan is not None else "",
         )
-        return buckets
+        return built
 
     def set_exp_avg_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
         """Set (or with ``None`` clear) the momentum mask of one parameter of this optimizer.
@@ -998,9 +867,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         }
         if self.auto_freeze is not None and self._detector is not None:
             meta["auto_freeze"] = dict(self._detector.state_dict(), reason=self._detector.reason)
-        if self._bucket_plan is not None:
+        plan = self.momentum_buckets.plan
+        if plan is not None:
             index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-            meta["bucket_plan"] = [[key, [index[id(p)] for p in params]] for key, params in self._bucket_plan]
+            meta["bucket_plan"] = [[key, [index[id(p)] for p in params]] for key, params in plan]
         state_dict[_CHECKPOINT_KEY] = meta
         return state_dict
 
@@ -1040,14 +910,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
             steps = [int(s["step"]) for s in self.state.values() if isinstance(s, dict) and "step" in s]
             step = max(steps, default=0)
         self._step = step
-        self._bucket_plan = self._deferred_plan = None
-        self.plan_version += 1
+        buckets = self.momentum_buckets
+        buckets.plan = buckets.deferred_plan = None
+        buckets.plan_version += 1
         if meta is not None and meta.get("bucket_plan"):
-            self._bucket_plan = self._plan_from_indices(meta["bucket_plan"])
+            buckets.plan = self._plan_from_indices(meta["bucket_plan"])
         self._seen_nonzero, self._seen_since = {}, None  # dead-coordinate detection restarts from the loaded step
         for state in self.state.values():
             state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
-        self._buckets = None
+        buckets.built = None
         self.last_dropped_error_norm = self.compression.reset_error_feedback()
 
     #: The algorithms whose optimizer state this one can continue from (see :meth:`_check_state_writer`);
@@ -1203,104 +1074,28 @@ class CompressedOptimizer(torch.optim.Optimizer):
         saved for other buckets than the current ones then shows as a mismatch."""
         layouts = self.bucket_layouts()
         try:
-            streams = {self._stream_of(key) for key in state["buckets"]}
+            streams = {stream_of(key) for key in state["buckets"]}
         except TypeError:
             streams = {"momentum"}
-        return {self._feedback_key(stream, key): layout for stream in sorted(streams) for key, layout in layouts.items()}
+        return {feedback_key(stream, key): layout for stream in sorted(streams) for key, layout in layouts.items()}
 
     def reset_error_feedback(self) -> float:
         """Zero the compression error buffers; returns the L2 norm that was dropped."""
         return self.compression.reset_error_feedback()
 
-    def _carry_error_feedback_(self, old_buckets: list[_Bucket], why: str) -> None:
+    def _carry_error_feedback_(self, old_buckets: list[MomentumBucket], why: str) -> None:
         """The momentum buckets were re-laid out (``old_buckets`` is the layout the error feedback belongs to): build
-        the new buckets and move every rank's error buffers into them, coordinate by coordinate, so that no error is
-        dropped (a checkpoint saved with ``overlap=False`` resumed with ``overlap=True``: the packed layout restored
-        from the sidecars, then DDP's).
-
-        Both buffers hold one value per coordinate of a bucket's flat padded buffer: the worker error the coordinates
-        this rank compresses (flat: all of them; hierarchical: its node's shard ``l`` of ``L``), the server error the
-        chunk this rank serves. A new layout moves coordinates to other chunks and shards, hence to other ranks, so
-        each stream's buffers are first gathered into whole per-coordinate vectors (``all_gather``: the server chunks
-        over the process group, flat, or over the inter- then the intra-node group, hierarchical; the worker shards
-        over the intra-node group), cut per parameter, placed at the parameter's offset in its new bucket, and this
-        rank's new shard and chunk taken. Padding holds no error (it is zero and compresses to zero). A parameter no
-        longer in any bucket drops its error (counted in the log). Transient memory: two flat copies of the bucketed
-        momenta per stream. A collective when there is error feedback (every rank has the same buffers): every rank
-        calls it at the same point, as it does the bucket plan change.
-        """
-        saved = self.compression.error_feedback_state_dict()["buckets"]
-        old_by_key = {b.key: b for b in old_buckets}
-
-        def bucket_key(fkey: Any) -> Any:
-            return fkey[1] if isinstance(fkey, tuple) else fkey
-
-        entries = sorted(
-            (
-                (fkey, entry) for fkey, entry in saved.items()
-                if bucket_key(fkey) in old_by_key
-                and tuple(entry["layout"][0]) == old_by_key[bucket_key(fkey)].layout.tensor_numels
-            ),
-            key=lambda item: (self._stream_of(item[0]), bucket_key(item[0])),
-        )
-        stale = len(saved) - len(entries)
-        self.compression.reset_error_feedback()
+        the new buckets and move every rank's error buffers into them, coordinate by coordinate
+        (:func:`~lightning_onebit.optim.buckets.carry_error_feedback_`, a collective when there is error feedback:
+        every rank calls it at the same point, as it does the bucket plan change). A parameter no longer in any
+        bucket drops its error (counted in the log)."""
         name = type(self).__name__
-        if not entries:
+        carried = carry_error_feedback_(self.compression, old_buckets, self._ensure_buckets)
+        if carried is None:
             log.info("%s: momentum buckets re-laid out at step %d (%s); no error feedback to carry over", name,
                      self._step, why)
             return
-        compression, topology = self.compression, self.compression.topology
-        per_node = compression.ranks_per_node
-        if per_node > 1:
-            nodes, local, inter = topology.num_nodes, topology.local_index, topology.inter_index
-            intra_group, inter_group = topology.intra_group, topology.inter_group
-        else:
-            nodes, local, inter = compression.world_size(), 0, compression.rank()
-            intra_group, inter_group = None, compression.process_group
-
-        from lightning_onebit.comm import _all_gather
-
-        def gather(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
-            out = part.new_empty(n * part.numel())
-            _all_gather(out, part.contiguous(), group).wait()
-            return out
-
-        # stream -> id(param) -> (worker error, server error) of the parameter's coordinates
-        carried: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for fkey, entry in entries:
-            bucket = old_by_key[bucket_key(fkey)]
-            worker, server = entry["worker_error"], entry["server_error"]
-            if per_node > 1:
-                worker = gather(worker, intra_group, per_node)
-                server = gather(gather(server, inter_group, nodes), intra_group, per_node)
-            else:
-                server = gather(server, inter_group, nodes)
-            per_param, offset = carried.setdefault(self._stream_of(fkey), {}), 0
-            for p in bucket.params:
-                per_param[id(p)] = (worker[offset : offset + p.numel()], server[offset : offset + p.numel()])
-                offset += p.numel()
-        new_buckets = self._ensure_buckets()
-        moved: set[int] = set()
-        chunk = local * nodes + inter  # the chunk this rank serves (flat: its rank)
-        for stream, per_param in carried.items():
-            for bucket in new_buckets:
-                layout = bucket.layout
-                worker = bucket.flat.new_zeros(layout.padded_numel)  # the error buffers' device and dtype
-                server = bucket.flat.new_zeros(layout.padded_numel)
-                offset = 0
-                for p in bucket.params:
-                    found = per_param.get(id(p))
-                    if found is not None:
-                        worker[offset : offset + p.numel()].copy_(found[0])
-                        server[offset : offset + p.numel()].copy_(found[1])
-                        moved.add(id(p))
-                    offset += p.numel()
-                shard, c = layout.padded_numel // per_node, layout.chunk_numel
-                buffers = compression.buffers(self._feedback_key(stream, bucket.key), layout, bucket.flat)
-                buffers.worker_error.copy_(worker[local * shard : (local + 1) * shard])
-                buffers.server_error.copy_(server[chunk * c : (chunk + 1) * c])
-        lost = {i for per_param in carried.values() for i in per_param} - moved
+        new_buckets, lost, stale = carried
         log.info(
             "%s: momentum buckets re-laid out at step %d (%s); error feedback carried over coordinate by coordinate "
             "(%d bucket(s) -> %d)%s",
@@ -1310,23 +1105,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
             len(old_buckets),
             len(new_buckets),
             "".join([
-                f"; dropped for {len(lost)} parameter(s) no longer in the buckets" if lost else "",
+                f"; dropped for {lost} parameter(s) no longer in the buckets" if lost else "",
                 f"; {stale} buffer(s) of another layout dropped" if stale else "",
             ]),
         )
-
-
-_Plan = Optional[list[tuple[int, list[torch.Tensor]]]]
-
-
-def _same_plan(a: _Plan, b: _Plan) -> bool:
-    """Whether two bucket plans are the same keys and parameters (by identity), in the same order."""
-    if a is None or b is None:
-        return a is None and b is None
-    return len(a) == len(b) and all(
-        ka == kb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb)) for (ka, pa), (kb, pb) in zip(a, b)
-    )
-
 
 
 def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:

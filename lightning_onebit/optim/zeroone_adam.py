@@ -15,10 +15,10 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import (
     DEFAULT_BUCKET_CAP_MB,
     CompressedOptimizer,
-    _Bucket,
     _compressed_trainable,
     _mask_like,
 )
+from lightning_onebit.optim.buckets import MomentumBucket, stream_of
 from lightning_onebit.optim.functional import adam_update_, bias_corrections, fold_gradients_, update_variances_
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.topology import Topology
@@ -395,12 +395,12 @@ class ZeroOneAdam(CompressedOptimizer):
             return StepKind.SYNC
         return StepKind.LOCAL
 
-    def _begin_local_steps(self, buckets: list[_Bucket]) -> None:
+    def _begin_local_steps(self, buckets: list[MomentumBucket]) -> None:
         """At the first local step: the error feedback held momentum (or gradient) errors and restarts for updates,
         the scratch gradient buffers are freed, and the (rank-identical) parameters become the first sync point."""
         # the algorithm's own reset (0/1 Adam restarts the error for updates): not measured, which would read the
         # device back in the middle of training
-        self.compression.reset_error_feedback(lambda key: self._stream_of(key) != "update", measure=False)
+        self.compression.reset_error_feedback(lambda key: stream_of(key) != "update", measure=False)
         for bucket in buckets:
             bucket.extra.pop("gradient", None)
             self._bucket_state_buffer(bucket, _UPDATE).zero_()

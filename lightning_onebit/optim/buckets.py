@@ -1,0 +1,306 @@
+"""Momentum buckets: the flat, zero-padded buffers whose views are the parameters' momenta, and their layout.
+
+A bucket is what one compressed exchange sends: one flat local tensor with a :class:`~lightning_onebit.comm.BucketLayout`
+(segment sizes, padding to a multiple of the world size). :class:`MomentumBuckets` decides which parameters share a
+bucket, either packed in parameter order up to ``bucket_cap_mb`` (one device and dtype per bucket) or as a *plan*
+says (the overlapped exchange passes DDP's gradient buckets, so that a bucket can be exchanged as soon as its
+gradients are ready), and it keeps the plan that waits while exchanges are in flight. :func:`carry_error_feedback_`
+moves the compression error of an old layout into a new one, coordinate by coordinate.
+
+Nothing here steps an optimizer: the optimizer hands in its trainable parameters and its per-parameter state (where
+the momenta live), and gets buckets back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import torch
+
+from lightning_onebit.comm import BucketLayout, CompressedAllreduceState, _all_gather
+
+log = logging.getLogger(__name__)
+
+#: A bucket plan: ``(bucket key, parameters in order)`` per bucket; ``None``: packed by size.
+Plan = Optional[list[tuple[int, list[torch.Tensor]]]]
+
+
+class MomentumBucket:
+    """A flat, zero-padded momentum buffer; the momenta of its parameters are views into it.
+
+    ``fold_groups`` lists, per distinct ``beta1`` among its parameters' param groups, ``(1 - beta1, indices into
+    params)``: how a gradient is folded into these momenta (``m = lerp(m, g, 1 - beta1)``).
+    """
+
+    def __init__(
+        self,
+        key: int,
+        params: list[torch.Tensor],
+        layout: BucketLayout,
+        flat: torch.Tensor,
+        fold_groups: list[tuple[float, list[int]]],
+    ) -> None:
+        self.key = key
+        self.params = params
+        self.layout = layout
+        self.flat = flat
+        self.fold_groups = fold_groups
+        self.extra: dict[str, torch.Tensor] = {}  # other buffers laid out like ``flat`` (see state_buffer)
+
+    def state_buffer(self, name: str, state: Any) -> torch.Tensor:
+        """A flat buffer laid out like this bucket's momenta (layout, dtype, device; padding zero) whose views become
+        each of its parameters' ``state[p][name]``, so that the per-parameter state is checkpointed and the buffer can
+        be exchanged as one. Created on first use from the existing ``state[p][name]`` values (zeros where absent)."""
+        flat = self.extra.get(name)
+        if flat is None:
+            flat = self.extra[name] = torch.zeros_like(self.flat)
+            offset = 0
+            for p in self.params:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                old = state[p].get(name)
+                if old is not None:
+                    view.copy_(old)
+                state[p][name] = view
+                offset += p.numel()
+        return flat
+
+
+def same_plan(a: Plan, b: Plan) -> bool:
+    """Whether two bucket plans are the same keys and parameters (by identity), in the same order."""
+    if a is None or b is None:
+        return a is None and b is None
+    return len(a) == len(b) and all(
+        ka == kb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb)) for (ka, pa), (kb, pb) in zip(a, b)
+    )
+
+
+def checked_plan(buckets: Optional[Sequence[Sequence[torch.Tensor]]], trainable_ids: set[int]) -> Plan:
+    """``buckets`` (parameters per bucket; ``None``: pack by size) as a plan over the parameters in
+    ``trainable_ids``: others are dropped, and so are buckets left empty (their keys stay their positions). Raises
+    ``ValueError`` if a bucket mixes devices or dtypes (a bucket is one flat buffer) or names a parameter an earlier
+    one holds."""
+    if buckets is None:
+        return None
+    plan: list[tuple[int, list[torch.Tensor]]] = []
+    seen: set[int] = set()
+    for key, params in enumerate(buckets):
+        kept = [p for p in params if id(p) in trainable_ids]
+        if len({(p.device, p.dtype) for p in kept}) > 1:
+            raise ValueError(f"set_bucket_plan: bucket {key} mixes devices or dtypes; a bucket is one flat buffer")
+        if any(id(p) in seen for p in kept):
+            raise ValueError(f"set_bucket_plan: bucket {key} names a parameter that an earlier bucket holds")
+        seen.update(id(p) for p in kept)
+        if kept:
+            plan.append((key, kept))
+    return plan
+
+
+class MomentumBuckets:
+    """Which compressed momenta share a bucket, and the buckets built for it.
+
+    Attributes:
+        cap_bytes: the size a packed bucket is filled to (``bucket_cap_mb``), bytes.
+        plan: the installed plan (:func:`checked_plan`), or ``None`` (packed by ``cap_bytes``).
+        plan_version: incremented whenever the installed plan changes (set or loaded); the overlap hook reads it to
+            hand DDP's buckets again after a checkpoint brought another plan.
+        deferred_plan: ``(plan,)`` asked for while exchanges were in flight, installed after the next step.
+        built: the buckets, or ``None`` until built (and after anything that changes them).
+        built_for: what ``built`` was made from (the plan as ids, the world size, the trainable ids): a rebuild is due
+            when it changes (:meth:`fits`).
+        by_key: ``built`` by bucket key.
+        bucketed_ids: ids of the parameters in ``built``.
+    """
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.plan: Plan = None
+        self.plan_version = 0
+        self.deferred_plan: Optional[tuple[Plan]] = None
+        self.built: Optional[list[MomentumBucket]] = None
+        self.built_for: Any = None
+        self.by_key: dict[int, MomentumBucket] = {}
+        self.bucketed_ids: set[int] = set()
+
+    def inputs(self, trainable: Sequence[torch.Tensor], world_size: int) -> Any:
+        """What buckets over ``trainable`` and ``world_size`` are built from (host-only: no device access)."""
+        return (
+            None if self.plan is None else [(k, [id(p) for p in ps]) for k, ps in self.plan],
+            world_size,
+            [id(p) for p in trainable],
+        )
+
+    def fits(self, built_for: Any) -> bool:
+        """Whether the built buckets are the ones for ``built_for`` (:meth:`inputs`)."""
+        return self.built is not None and self.built_for == built_for
+
+    def runs(self, trainable: Sequence[torch.Tensor], momentum: Callable[[torch.Tensor], torch.Tensor]) -> list[
+            tuple[int, list[torch.Tensor]]]:
+        """``(key, parameters)`` per bucket: the plan's buckets (restricted to ``trainable``), then the rest packed in
+        parameter order, one device and dtype per bucket, each up to :attr:`cap_bytes` of momentum
+        (``momentum(p)``), with keys after the plan's."""
+        runs: list[tuple[int, list[torch.Tensor]]] = []
+        planned: set[int] = set()
+        if self.plan is not None:
+            present = {id(p) for p in trainable}
+            for key, params in self.plan:
+                kept = [p for p in params if id(p) in present]
+                if kept:
+                    runs.append((key, kept))
+                    planned.update(id(p) for p in kept)
+        next_key = max((key for key, _ in runs), default=-1) + 1
+        packed_by_kind: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        filled: dict[tuple[torch.device, torch.dtype], int] = {}
+        for p in trainable:
+            if id(p) in planned:
+                continue
+            m = momentum(p)
+            kind, nbytes = (m.device, m.dtype), m.numel() * m.element_size()
+            packed = packed_by_kind.setdefault(kind, [[]])
+            if packed[-1] and filled[kind] + nbytes > self.cap_bytes:
+                packed.append([])
+                filled[kind] = 0
+            packed[-1].append(p)
+            filled[kind] = filled.get(kind, 0) + nbytes
+        for packed in packed_by_kind.values():
+            for params in packed:
+                runs.append((next_key, params))
+                next_key += 1
+        return runs
+
+    def build(self, built_for: Any, trainable: Sequence[torch.Tensor], state: Any, fold_weight: dict[int, float],
+              world_size: int) -> list[MomentumBucket]:
+        """Build the buckets for ``built_for`` (:meth:`inputs` of ``trainable``): every momentum
+        (``state[p]["exp_avg"]``, which must exist) is copied into its bucket's flat buffer and replaced by a view of
+        it; ``fold_weight[id(p)]`` is ``1 - beta1`` of ``p``'s param group."""
+        self.built_for = built_for
+        self.bucketed_ids = set(built_for[2])
+        self.by_key = {}
+        buckets = []
+        for key, params in self.runs(trainable, lambda p: state[p]["exp_avg"]):
+            like = state[params[0]]["exp_avg"]
+            layout = BucketLayout.build([p.numel() for p in params], world_size)
+            flat = torch.zeros(layout.padded_numel, dtype=like.dtype, device=like.device)
+            offset = 0
+            for p in params:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                view.copy_(state[p]["exp_avg"])
+                state[p]["exp_avg"] = view
+                offset += p.numel()
+            fold_groups: dict[float, list[int]] = {}
+            for i, p in enumerate(params):
+                fold_groups.setdefault(fold_weight[id(p)], []).append(i)
+            bucket = MomentumBucket(key, params, layout, flat, list(fold_groups.items()))
+            buckets.append(bucket)
+            self.by_key[key] = bucket
+        self.built = buckets
+        return buckets
+
+    def built_empty(self, built_for: Any) -> list[MomentumBucket]:
+        """No compressed trainable parameter: no bucket."""
+        self.built_for, self.bucketed_ids, self.by_key, self.built = built_for, set(), {}, []
+        return self.built
+
+
+def feedback_key(stream: str, key: int) -> Hashable:
+    """The error-feedback key of bucket ``key`` in ``stream``: each quantity an optimizer compresses (momenta,
+    gradients, accumulated updates) has error buffers of its own. The momentum stream keeps the bare bucket key (what
+    checkpoints of 1-bit Adam and 1-bit LAMB hold)."""
+    return key if stream == "momentum" else (stream, key)
+
+
+def stream_of(key: Any) -> str:
+    """The stream of an error-feedback key (:func:`feedback_key`)."""
+    return key[0] if isinstance(key, tuple) and len(key) == 2 else "momentum"
+
+
+def _bucket_key(key: Any) -> Any:
+    return key[1] if isinstance(key, tuple) else key
+
+
+def carry_error_feedback_(
+    compression: CompressedAllreduceState,
+    old_buckets: list[MomentumBucket],
+    build_new: Callable[[], list[MomentumBucket]],
+) -> Optional[tuple[list[MomentumBucket], int, int]]:
+    """Move every rank's error buffers from the layout of ``old_buckets`` into the buckets ``build_new()`` makes,
+    coordinate by coordinate, so that no error is dropped when the momenta are re-laid out (a checkpoint saved with
+    ``overlap=False`` resumed with ``overlap=True``: the packed layout restored from the sidecars, then DDP's).
+
+    Both buffers hold one value per coordinate of a bucket's flat padded buffer: the worker error the coordinates this
+    rank compresses (flat: all of them; hierarchical: its node's shard ``l`` of ``L``), the server error the chunk this
+    rank serves. A new layout moves coordinates to other chunks and shards, hence to other ranks, so each stream's
+    buffers are first gathered into whole per-coordinate vectors (``all_gather``: the server chunks over the process
+    group, flat, or over the inter- then the intra-node group, hierarchical; the worker shards over the intra-node
+    group), cut per parameter, placed at the parameter's offset in its new bucket, and this rank's new shard and chunk
+    taken. Padding holds no error (it is zero and compresses to zero). Transient memory: two flat copies of the
+    bucketed momenta per stream. A collective when there is error feedback (every rank has the same buffers): every
+    rank calls it at the same point.
+
+    Returns ``None`` when there was no error feedback of ``old_buckets``' layout (nothing is built then), else
+    ``(new buckets, parameters whose error was dropped because no new bucket holds them, buffers of another layout
+    dropped)``. The error feedback is reset either way before the new one is written.
+    """
+    saved = compression.error_feedback_state_dict()["buckets"]
+    old_by_key = {b.key: b for b in old_buckets}
+    entries = sorted(
+        (
+            (fkey, entry) for fkey, entry in saved.items()
+            if _bucket_key(fkey) in old_by_key
+            and tuple(entry["layout"][0]) == old_by_key[_bucket_key(fkey)].layout.tensor_numels
+        ),
+        key=lambda item: (stream_of(item[0]), _bucket_key(item[0])),
+    )
+    stale = len(saved) - len(entries)
+    compression.reset_error_feedback()
+    if not entries:
+        return None
+    topology, per_node = compression.topology, compression.ranks_per_node
+    if per_node > 1:
+        nodes, local, inter = topology.num_nodes, topology.local_index, topology.inter_index
+        intra_group, inter_group = topology.intra_group, topology.inter_group
+    else:
+        nodes, local, inter = compression.world_size(), 0, compression.rank()
+        intra_group, inter_group = None, compression.process_group
+
+    def gather(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+        out = part.new_empty(n * part.numel())
+        _all_gather(out, part.contiguous(), group).wait()
+        return out
+
+    # stream -> id(param) -> (worker error, server error) of the parameter's coordinates
+    carried: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for fkey, entry in entries:
+        bucket = old_by_key[_bucket_key(fkey)]
+        worker, server = entry["worker_error"], entry["server_error"]
+        if per_node > 1:
+            worker = gather(worker, intra_group, per_node)
+            server = gather(gather(server, inter_group, nodes), intra_group, per_node)
+        else:
+            server = gather(server, inter_group, nodes)
+        per_param, offset = carried.setdefault(stream_of(fkey), {}), 0
+        for p in bucket.params:
+            per_param[id(p)] = (worker[offset : offset + p.numel()], server[offset : offset + p.numel()])
+            offset += p.numel()
+    new_buckets = build_new()
+    moved: set[int] = set()
+    chunk = local * nodes + inter  # the chunk this rank serves (flat: its rank)
+    for stream, per_param in carried.items():
+        for bucket in new_buckets:
+            layout = bucket.layout
+            worker = bucket.flat.new_zeros(layout.padded_numel)  # the error buffers' device and dtype
+            server = bucket.flat.new_zeros(layout.padded_numel)
+            offset = 0
+            for p in bucket.params:
+                found = per_param.get(id(p))
+                if found is not None:
+                    worker[offset : offset + p.numel()].copy_(found[0])
+                    server[offset : offset + p.numel()].copy_(found[1])
+                    moved.add(id(p))
+                offset += p.numel()
+            shard, c = layout.padded_numel // per_node, layout.chunk_numel
+            buffers = compression.buffers(feedback_key(stream, bucket.key), layout, bucket.flat)
+            buffers.worker_error.copy_(worker[local * shard : (local + 1) * shard])
+            buffers.server_error.copy_(server[chunk * c : (chunk + 1) * c])
+    lost = {i for per_param in carried.values() for i in per_param} - moved
+    return new_buckets, len(lost), stale
