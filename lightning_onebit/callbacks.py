@@ -167,7 +167,7 @@ class MomentumMask(Callback):
                 )
             compressed = _compressed_ids(onebit)
             self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in compressed}
-            onebit.warn_dead_coordinates = False  # this callback masks every coordinate that warning would report
+            onebit.dead_coordinates_masked_by("MomentumMask(auto=True)")  # it masks every coordinate it would report
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Runs after the strategy moved the model to its device and after a checkpoint was restored.

@@ -73,7 +73,7 @@ class SeenProbe(pl.Callback):
         self.sizes: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        seen = getattr(trainer.strategy.onebit_optimizer, "_seen_nonzero", {})
+        seen = trainer.strategy.onebit_optimizer._dead_coordinates.seen
         self.sizes.append(sum(t.numel() for t in seen.values()))
 
 
@@ -335,7 +335,7 @@ def test_dead_coordinate_warning_single_process_and_after_a_warmup_resume() -> N
     opt = OnebitAdam([{"params": [emb.weight], "exp_avg_mask": [mask]}], freeze_step=3)
     messages = run(opt, emb, 5)
     assert len(messages) == 1 and ": 4 of 12" in messages[0] and "(steps 1..3)" in messages[0], messages
-    assert opt._seen_nonzero == {}
+    assert not opt._dead_coordinates
 
     emb2 = nn.Embedding(6, 2)
     opt2 = OnebitAdam(emb2.parameters(), freeze_step=3)

@@ -10,7 +10,8 @@
 """
 
 from lightning_onebit.optim.auto_freeze import AutoFreeze
-from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage, check_exp_avg_mask
+from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim.masks import check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam
 from lightning_onebit.optim.onebit_lamb import OnebitLamb
 from lightning_onebit.optim.step_kind import StepKind

@@ -39,6 +39,13 @@ from lightning_onebit.optim.buckets import (
     stream_of,
 )
 from lightning_onebit.optim.exchange import MomentumExchange
+from lightning_onebit.optim.masks import (
+    DeadCoordinateTracker,
+    check_exp_avg_mask,
+    describe_param,
+    mask_like,
+    normalise_masks,
+)
 from lightning_onebit.optim.functional import adamw_step_
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.topology import Topology
@@ -142,9 +149,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._exchange_scale: dict[int, torch.Tensor] = {}
         self.last_dropped_error_norm: Optional[float] = None
         self.warn_dead_coordinates = warn_dead_coordinates
-        # dead-coordinate detection (warmup only): id(param) -> bool tensor "gradient was nonzero in a tracked step"
-        self._seen_nonzero: dict[int, torch.Tensor] = {}
-        self._seen_since: Optional[int] = None  # first tracked warmup step (> 1 after a resume in warmup)
+        # dead-coordinate detection (warmup only), by id(param); its first step is > 1 after a resume in warmup
+        self._dead_coordinates = DeadCoordinateTracker()
         #: Steps this process took, by :class:`~lightning_onebit.optim.StepKind`: ``WARMUP`` and ``COMPRESSED``;
         #: :class:`~lightning_onebit.ZeroOneAdam` takes ``VARIANCE``, ``COMPRESSED``, ``LOCAL`` and ``SYNC`` steps.
         #: Not saved in checkpoints.
@@ -192,7 +198,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             if not p.is_floating_point():
                 raise ValueError(
-                    f"{cls.__name__} trains floating-point parameters only, but {_describe_param(group, index, i, p)} "
+                    f"{cls.__name__} trains floating-point parameters only, but {describe_param(group, index, i, p)} "
                     f"has dtype {p.dtype}: 1-bit momentum compression has no complex or integer form. Leave it out of "
                     "the optimizer (e.g. `[p for p in model.parameters() if p.is_floating_point()]`), or keep a "
                     "complex parameter as a real one with a trailing dimension of 2 (torch.view_as_real) and view it "
@@ -205,7 +211,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 "number is not read as a flag. compress=False keeps the group out of 1-bit compression (its gradients "
                 "are averaged in full precision every step)"
             )
-        group["exp_avg_mask"] = _normalise_masks(group.get("exp_avg_mask"), group, index)
+        group["exp_avg_mask"] = normalise_masks(group.get("exp_avg_mask"), group, index)
 
     # ------------------------------------------------------------------ read-only status
     @property
@@ -446,7 +452,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 if compression_stage and group["exp_avg_mask"][i] is not None:
-                    masks.append((len(params) - 1, _mask_like(group["exp_avg_mask"], i, state["exp_avg"])))
+                    masks.append((len(params) - 1, mask_like(group["exp_avg_mask"], i, state["exp_avg"])))
                 if self.warn_dead_coordinates and group["compress"] and not compression_stage:
                     self._track_nonzero(p)
             if params:
@@ -492,19 +498,20 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     def _track_nonzero(self, p: torch.Tensor) -> None:
         """Record which elements of ``p`` had a nonzero gradient in this warmup step (dead-coordinate detection)."""
-        if self._seen_since is None:
-            self._seen_since = self._step
-        seen = self._seen_nonzero.get(id(p))
-        if seen is None:
-            self._seen_nonzero[id(p)] = p.grad != 0
-        else:
-            seen.logical_or_(p.grad != 0)
+        self._dead_coordinates.track(id(p), p.grad, self._step)
+
+    def dead_coordinates_masked_by(self, owner: str) -> None:
+        """Declare that ``owner`` masks every dead coordinate itself (``MomentumMask(auto=True)`` does), so that this
+        optimizer neither tracks them nor warns about them (as ``warn_dead_coordinates=False``)."""
+        self.warn_dead_coordinates = False
+        self._dead_coordinates.clear()
+        log.debug("%s: dead coordinates are masked by %s", type(self).__name__, owner)
 
     def _report_dead_coordinates(self) -> None:
         """At the first compressed step (masks are in place by then): warn about trainable coordinates whose gradient
         was exactly zero in every tracked warmup step and that no mask covers; free the detection state."""
-        seen_nonzero, self._seen_nonzero = self._seen_nonzero, {}
-        since, self._seen_since = self._seen_since, None
+        tracker, self._dead_coordinates = self._dead_coordinates, DeadCoordinateTracker()
+        since = tracker.since
         if not self.warn_dead_coordinates:  # switched off during warmup (MomentumMask(auto=True) does that)
             return
         found, total = [], 0
@@ -512,16 +519,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             if not group["compress"]:  # averaged in full precision: a zero gradient stays an exact zero
                 continue
             for i, p in enumerate(group["params"]):
-                seen = seen_nonzero.get(id(p))
-                if seen is None or not p.requires_grad or seen.shape != p.shape:
+                dead = tracker.dead(id(p), p, group["exp_avg_mask"][i]) if p.requires_grad else None
+                if dead is None:
                     continue
-                dead = ~seen
-                mask = group["exp_avg_mask"][i]
-                if mask is not None:
-                    dead &= mask.to(dead.device) != 0
                 count = int(dead.sum())
                 if count:
-                    found.append(f"{_describe_param(group, g, i, p)}: {count} of {p.numel()}")
+                    found.append(f"{describe_param(group, g, i, p)}: {count} of {p.numel()}")
                     total += count
         if not found or self.compression.rank() != 0:
             return
@@ -551,7 +554,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         Buckets whose exchange started during backward (the overlap hook) were folded there and are only finished
         here. Runs the dead-coordinate report and the kernel agreement at the first compressed step.
         """
-        if self._seen_nonzero:
+        if self._dead_coordinates:
             self._report_dead_coordinates()
         if not self._backend_agreed:
             self.agree_kernel_backend()
@@ -601,7 +604,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 if p.requires_grad and masks[i] is not None:
                     m = self.state[p]["exp_avg"]
-                    m.mul_(_mask_like(masks, i, m))
+                    m.mul_(mask_like(masks, i, m))
 
     def _scale_for_exchange_(self, params: Sequence[torch.Tensor]) -> None:
         """Multiply these parameters' folded momenta by their :attr:`_exchange_scale` (if any) before compression;
@@ -836,7 +839,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for index, p in enumerate(group["params"]):
                 if p is param:
                     if mask is not None:
-                        what = f"set_exp_avg_mask: the mask for {_describe_param(group, g, index, p)}"
+                        what = f"set_exp_avg_mask: the mask for {describe_param(group, g, index, p)}"
                         mask = check_exp_avg_mask(mask, p, what)
                     group["exp_avg_mask"][index] = mask
                     return
@@ -915,7 +918,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         buckets.plan_version += 1
         if meta is not None and meta.get("bucket_plan"):
             buckets.plan = self._plan_from_indices(meta["bucket_plan"])
-        self._seen_nonzero, self._seen_since = {}, None  # dead-coordinate detection restarts from the loaded step
+        self._dead_coordinates.clear()  # dead-coordinate detection restarts from the loaded step
         for state in self.state.values():
             state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
         buckets.built = None
@@ -1123,78 +1126,3 @@ def _compressed_trainable(group: dict[str, Any]) -> list[torch.Tensor]:
 def _is_real(value: Any) -> bool:
     """A real number (int, float, numpy scalar), not a bool or a tensor."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _describe_param(group: dict[str, Any], group_index: int, index: int, param: torch.Tensor) -> str:
-    """How errors and warnings name a parameter: ``'emb.weight' (param group 0, index 3, shape (20, 8))`` when the
-    optimizer was given ``named_parameters()``, else ``parameter 3 of param group 0 (shape (20, 8))``."""
-    names = group.get("param_names")
-    if names and index < len(names):
-        return f"{names[index]!r} (param group {group_index}, index {index}, shape {tuple(param.shape)})"
-    return f"parameter {index} of param group {group_index} (shape {tuple(param.shape)})"
-
-
-def check_exp_avg_mask(mask: Any, param: torch.Tensor, what: str) -> torch.Tensor:
-    """Check a momentum mask for ``param`` and return it on the parameter's device and dtype.
-
-    A mask must be a tensor of exactly the parameter's shape, bool or floating point, with only the values 0 and 1
-    (finite). ``what`` names the mask in the ``ValueError`` (e.g. ``"exp_avg_mask[1] of param group 0"``). Used by
-    :class:`OnebitAdam` and :class:`~lightning_onebit.MomentumMask`.
-    """
-    if not isinstance(mask, torch.Tensor):
-        raise ValueError(f"{what} must be a tensor, got {type(mask).__name__}")
-    if mask.shape != param.shape:
-        raise ValueError(
-            f"{what} has shape {tuple(mask.shape)} but its parameter has shape {tuple(param.shape)}; "
-            "a mask must have exactly the parameter's shape"
-        )
-    if mask.dtype != torch.bool and not mask.is_floating_point():
-        raise ValueError(
-            f"{what} has dtype {mask.dtype}; a mask is a bool or floating-point tensor of 0s and 1s "
-            "(convert it with `mask.bool()`)"
-        )
-    if mask.device.type == "meta":
-        raise ValueError(f"{what} is on the meta device (it has no values); create it on a real device")
-    if mask.dtype != torch.bool:
-        bad = (mask != 0) & (mask != 1)  # NaN and +-inf included
-        if bool(bad.any()):
-            example = float(mask[bad].flatten()[0])
-            raise ValueError(
-                f"{what} has {int(bad.sum())} value(s) other than 0 and 1 (e.g. {example}); a momentum mask holds only "
-                "0 (frozen) and 1 (trained): it multiplies the momentum every compressed step, so 2 would grow that "
-                "momentum geometrically, a fraction would shrink it, and NaN would make the parameter NaN. Use e.g. "
-                "`(mask != 0).float()`"
-            )
-    return mask.to(device=param.device, dtype=param.dtype)
-
-
-def _normalise_masks(mask: Any, group: dict[str, Any], group_index: int) -> list[Optional[torch.Tensor]]:
-    """One mask (or None) per parameter of the group, each checked by :func:`check_exp_avg_mask`."""
-    params = group["params"]
-    if mask is None:
-        return [None] * len(params)
-    where = f"of param group {group_index}"
-    if isinstance(mask, torch.Tensor):
-        masks: list[Any] = [mask] * len(params)
-        names = [f"exp_avg_mask {where} (group-wide, for its parameter {i})" for i in range(len(params))]
-    elif isinstance(mask, (list, tuple)):
-        masks = list(mask)
-        if len(masks) != len(params):
-            raise ValueError(
-                f"exp_avg_mask {where} has {len(masks)} entries but the group has {len(params)} parameters; give one "
-                "tensor or None per parameter"
-            )
-        names = [f"exp_avg_mask[{i}] {where}" for i in range(len(params))]
-    else:
-        raise ValueError(
-            f"exp_avg_mask {where} must be a tensor, a list of tensors/None, or None; got {type(mask).__name__}"
-        )
-    return [None if m is None else check_exp_avg_mask(m, p, what) for m, p, what in zip(masks, params, names)]
-
-
-def _mask_like(masks: list[Optional[torch.Tensor]], index: int, like: torch.Tensor) -> torch.Tensor:
-    """The mask on ``like``'s device and dtype, converted once and cached in the group's mask list."""
-    mask = masks[index]
-    if mask.device != like.device or mask.dtype != like.dtype:
-        mask = masks[index] = mask.to(device=like.device, dtype=like.dtype)
-    return mask

@@ -12,7 +12,8 @@ from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
 from lightning_onebit.kernels import frozen as frozen_cache
 from lightning_onebit.optim.auto_freeze import AutoFreeze
-from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real, _mask_like
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real
+from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.functional import bias_corrections
 from lightning_onebit.topology import Topology
 
@@ -175,7 +176,7 @@ class OnebitLamb(CompressedOptimizer):
                 if compression_stage:
                     for m, k in zip(ms, chunk):
                         if masks[indices[k]] is not None:
-                            m.mul_(_mask_like(masks, indices[k], m))
+                            m.mul_(mask_like(masks, indices[k], m))
                 torch._foreach_mul_(vs, b2)
                 torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
                 # u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p)

@@ -16,9 +16,9 @@ from lightning_onebit.optim.base import (
     DEFAULT_BUCKET_CAP_MB,
     CompressedOptimizer,
     _compressed_trainable,
-    _mask_like,
 )
 from lightning_onebit.optim.buckets import MomentumBucket, stream_of
+from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.functional import adam_update_, bias_corrections, fold_gradients_, update_variances_
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.topology import Topology
@@ -482,7 +482,7 @@ class ZeroOneAdam(CompressedOptimizer):
         for p, x in zip(params, tensors):
             i = index[id(p)]
             if masks[i] is not None:
-                x.mul_(_mask_like(masks, i, x))
+                x.mul_(mask_like(masks, i, x))
             x.masked_fill_(self._zero_variance_of(p), 0)
 
     def _zero_variance_of(self, p: torch.Tensor) -> torch.Tensor:
