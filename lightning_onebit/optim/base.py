@@ -1,5 +1,12 @@
-"""The shared base of the compressed optimizers: stage and step accounting, momentum buckets and their views, the
-1-bit compressed exchange (in ``step`` or started during backward), masks, dead-coordinate detection, checkpoints.
+"""The lean base of the compressed optimizers: the step and its stage, the dispatch to a subclass's warmup and
+compressed steps, the freeze (fixed or ``"auto"``), the process group and topology, the overlap entry points and the
+checkpoint state.
+
+What it delegates, one module each: the momentum buckets and their layout (:mod:`~lightning_onebit.optim.buckets`),
+their compressed exchange (:mod:`~lightning_onebit.optim.exchange`), masks and dead coordinates
+(:mod:`~lightning_onebit.optim.masks`), param-group options (:mod:`~lightning_onebit.optim.groups`), the checkpoint
+format (:mod:`~lightning_onebit.optim.checkpoint`), the automatic freeze (:mod:`~lightning_onebit.optim.auto_freeze`)
+and the update math (:mod:`~lightning_onebit.optim.functional`).
 
 An algorithm is a subclass (:class:`~lightning_onebit.OnebitAdam`) that implements its warmup step and its
 compressed step; the compressed step calls :meth:`CompressedOptimizer._average_momenta_` to turn every rank's local
@@ -11,7 +18,6 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-import numbers
 import warnings
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
@@ -38,21 +44,21 @@ from lightning_onebit.optim.buckets import (
     same_plan,
     stream_of,
 )
-from lightning_onebit.optim.exchange import MomentumExchange
-from lightning_onebit.optim.masks import (
-    DeadCoordinateTracker,
-    check_exp_avg_mask,
-    describe_param,
-    mask_like,
-    normalise_masks,
+from lightning_onebit.optim.checkpoint import (
+    CHECKPOINT_KEY,
+    continuable_state_dict,
+    plan_as_indices,
+    plan_from_indices,
 )
+from lightning_onebit.optim.exchange import MomentumExchange
+from lightning_onebit.optim.groups import check_param_group, compressed_trainable, is_real, trainable
+from lightning_onebit.optim.masks import DeadCoordinateTracker, check_exp_avg_mask, describe_param, mask_like
 from lightning_onebit.optim.functional import adamw_step_
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
 
-_CHECKPOINT_KEY = "onebit"
 #: Default size of a compressed momentum bucket, MB (DDP's default bucket size).
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -117,7 +123,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             )
         if auto_freeze is not None and not isinstance(auto_freeze, AutoFreeze):
             raise ValueError(f"auto_freeze must be a lightning_onebit.AutoFreeze, got {type(auto_freeze).__name__}")
-        if not _is_real(bucket_cap_mb) or not bucket_cap_mb > 0:
+        if not is_real(bucket_cap_mb) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
         if not isinstance(warn_dead_coordinates, bool):
             raise ValueError(f"warn_dead_coordinates must be True or False, got {warn_dead_coordinates!r}")
@@ -171,47 +177,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @classmethod
     def _check_group(cls, group: dict[str, Any], index: int) -> None:
-        where = f" (param group {index})"
-        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if isinstance(lr, torch.Tensor):
-            raise ValueError(f"{cls.__name__} takes lr as a float, not a tensor")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
-            if not _is_real(value):
-                raise ValueError(f"{name} must be a float, got {value!r} ({type(value).__name__}){where}")
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}{where}")
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_real(b) for b in betas)):
-            raise ValueError(f"betas must be a pair of floats (b1, b2), e.g. (0.9, 0.999); got {betas!r}{where}")
-        b1, b2 = betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must each be in [0, 1), got {betas}{where}")
-        group["betas"] = (float(b1), float(b2))
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}{where}")
-        if not wd >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {wd}{where}")
-        if not isinstance(group["bias_correction"], bool):
-            raise ValueError(
-                f"bias_correction must be True or False, got {group['bias_correction']!r}{where}; a string or "
-                "number is not read as a flag"
-            )
-        for i, p in enumerate(group["params"]):
-            if not p.is_floating_point():
-                raise ValueError(
-                    f"{cls.__name__} trains floating-point parameters only, but {describe_param(group, index, i, p)} "
-                    f"has dtype {p.dtype}: 1-bit momentum compression has no complex or integer form. Leave it out of "
-                    "the optimizer (e.g. `[p for p in model.parameters() if p.is_floating_point()]`), or keep a "
-                    "complex parameter as a real one with a trailing dimension of 2 (torch.view_as_real) and view it "
-                    "as complex in forward (torch.view_as_complex)."
-                )
-        compress = group.setdefault("compress", True)
-        if not isinstance(compress, bool):
-            raise ValueError(
-                f"compress must be True or False, got {compress!r} ({type(compress).__name__}){where}; a string or "
-                "number is not read as a flag. compress=False keeps the group out of 1-bit compression (its gradients "
-                "are averaged in full precision every step)"
-            )
-        group["exp_avg_mask"] = normalise_masks(group.get("exp_avg_mask"), group, index)
+        check_param_group(group, index, cls.__name__)
 
     # ------------------------------------------------------------------ read-only status
     @property
@@ -318,7 +284,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 continue
             b2 = group["betas"][1]
             correction = 1 - b2**self._step if group["bias_correction"] else 1.0
-            variances += [(p.numel(), self.state[p].get("exp_avg_sq"), correction, b2) for p in _trainable(group)]
+            variances += [(p.numel(), self.state[p].get("exp_avg_sq"), correction, b2) for p in trainable(group)]
         params = [p for group in self.param_groups for p in group["params"]]
         device = params[0].device if params else torch.device("cpu")
         return VarianceReading(variances, self._settling_figures(), device, self.process_group)
@@ -489,7 +455,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not averaged:
             grads = []
             for group in groups:
-                for p in _trainable(group):
+                for p in trainable(group):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
                     grads.append(p.grad)
@@ -578,7 +544,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             folded = {id(q) for b in buckets if b.key in in_flight for q in b.params}
             for group in self.param_groups:
                 grads, exp_avgs, decays = [], [], []
-                for p in _compressed_trainable(group):
+                for p in compressed_trainable(group):
                     if id(p) in folded:
                         continue
                     m = self.state[p]["exp_avg"]
@@ -633,7 +599,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
         """The group's parameters a compressed step updates: trainable ones with a variance estimate; none in a
         ``compress=False`` group (:meth:`_step_uncompressed_groups_` updates those)."""
-        return [p for p in _compressed_trainable(group) if id(p) not in self._frozen_params]
+        return [p for p in compressed_trainable(group) if id(p) not in self._frozen_params]
 
     # ------------------------------------------------------------------ overlap with backward
     def start_bucket_exchange_(
@@ -767,12 +733,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
     @property
     def _trainable_ids(self) -> set[int]:
         """The trainable parameters whose momenta are compressed (those of ``compress=False`` groups are not)."""
-        return {id(p) for group in self.param_groups for p in _compressed_trainable(group)}
+        return {id(p) for group in self.param_groups for p in compressed_trainable(group)}
 
     def _bucket_inputs(self) -> tuple[Any, list[torch.Tensor]]:
         """``(built_for, trainable)``: what the buckets are built from (:meth:`MomentumBuckets.inputs`; a change
         rebuilds them) and the compressed trainable parameters. Host-only (no device access)."""
-        trainable = [p for group in self.param_groups for p in _compressed_trainable(group)]
+        trainable = [p for group in self.param_groups for p in compressed_trainable(group)]
         return self.momentum_buckets.inputs(trainable, self.compression.world_size()), trainable
 
     def _ensure_buckets(self, carry: bool = False) -> list[MomentumBucket]:
@@ -814,7 +780,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 never_updated[:8],
             )
         fold_weight = {
-            id(p): 1 - group["betas"][0] for group in self.param_groups for p in _compressed_trainable(group)
+            id(p): 1 - group["betas"][0] for group in self.param_groups for p in compressed_trainable(group)
         }
         built = buckets.build(built_for, trainable, self.state, fold_weight, built_for[1])
         log.info(
@@ -870,11 +836,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         }
         if self.auto_freeze is not None and self._detector is not None:
             meta["auto_freeze"] = dict(self._detector.state_dict(), reason=self._detector.reason)
-        plan = self.momentum_buckets.plan
-        if plan is not None:
-            index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-            meta["bucket_plan"] = [[key, [index[id(p)] for p in params]] for key, params in plan]
-        state_dict[_CHECKPOINT_KEY] = meta
+        if self.momentum_buckets.plan is not None:
+            meta["bucket_plan"] = plan_as_indices(self.momentum_buckets.plan, self._all_params())
+        state_dict[CHECKPOINT_KEY] = meta
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -889,7 +853,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         wrote it and this one, changing nothing; OnebitAdam's and ZeroOneAdam's states continue each other with a
         warning (the Adam moments and the step are carried, the other algorithm's own state is dropped)."""
         state_dict = self._check_state_writer(state_dict)
-        meta = state_dict.pop(_CHECKPOINT_KEY, None)
+        meta = state_dict.pop(CHECKPOINT_KEY, None)
         code_groups = self.param_groups
         super().load_state_dict(state_dict)
         for group, code_group in zip(self.param_groups, code_groups):
@@ -917,7 +881,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         buckets.plan = buckets.deferred_plan = None
         buckets.plan_version += 1
         if meta is not None and meta.get("bucket_plan"):
-            buckets.plan = self._plan_from_indices(meta["bucket_plan"])
+            buckets.plan = plan_from_indices(meta["bucket_plan"], self._all_params(), type(self).__name__)
         self._dead_coordinates.clear()  # dead-coordinate detection restarts from the loaded step
         for state in self.state.values():
             state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
@@ -927,6 +891,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
     #: The algorithms whose optimizer state this one can continue from (see :meth:`_check_state_writer`);
     #: ``"torch.optim"``: a torch optimizer's state dict (e.g. AdamW's: its moments and step).
     _continues_state_of: tuple[str, ...] = ("OnebitAdam", "ZeroOneAdam", "torch.optim")
+
+    def _all_params(self) -> list[torch.Tensor]:
+        """Every parameter of every param group, in order (how checkpoints index them)."""
+        return [p for group in self.param_groups for p in group["params"]]
 
     def _state_family(self) -> str:
         """The algorithm whose state this optimizer writes: the nearest class of this package in its MRO (a user's
@@ -938,72 +906,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 return cls.__name__
         return type(self).__name__
 
-    @staticmethod
-    def _state_writer(state_dict: dict[str, Any]) -> Optional[str]:
-        """Which algorithm wrote ``state_dict``: the one it records, else (checkpoints written before it was recorded)
-        what its contents show; ``"torch.optim"`` without an ``"onebit"`` entry; ``None`` when it holds no
-        per-parameter state (nothing to continue)."""
-        meta = state_dict.get(_CHECKPOINT_KEY)
-        states = [s for s in (state_dict.get("state") or {}).values() if isinstance(s, dict) and s]
-        if not isinstance(meta, dict):
-            return "torch.optim" if states else None
-        if meta.get("optimizer"):
-            return str(meta["optimizer"])
-        if "zeroone" in meta:
-            return "ZeroOneAdam"
-        if any(k.startswith("lamb_") or k in ("exp_avg_last", "exp_avg_sq_fresh") for s in states for k in s):
-            return "OnebitLamb"
-        return "OnebitAdam" if states else None
-
     def _check_state_writer(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A shallow copy of ``state_dict`` that this optimizer can load. Raises ``ValueError`` naming the optimizer
-        that wrote it and this one when it is another algorithm's that this one cannot continue from (before any step
-        and any collective: every rank reads the same checkpoint, so every rank raises). A state of another algorithm
-        this one can continue from (OnebitAdam <-> ZeroOneAdam) is kept to the Adam moments, with a warning."""
-        state_dict = dict(state_dict)
-        writer, reader = self._state_writer(state_dict), self._state_family()
-        name = type(self).__name__
-        if writer is None or writer == reader:
-            return state_dict
-        shown = "a torch.optim optimizer (e.g. AdamW)" if writer == "torch.optim" else writer
-        if writer not in self._continues_state_of:
-            if reader == "OnebitLamb":
-                why = (
-                    "1-bit LAMB needs its per-tensor trust-ratio coefficients (lamb_coeff, frozen at the end of "
-                    f"warmup, and the exchange's lamb_scaling_coeff), which {shown}'s state does not hold"
-                )
-            elif writer == "OnebitLamb":
-                why = (
-                    "that is 1-bit LAMB's state (layer-wise trust ratios, with a learning rate of another scale), not "
-                    "the state of an Adam update"
-                )
-            else:
-                why = f"{name} does not continue from {shown}'s state"
-            raise ValueError(
-                f"{name}.load_state_dict: this optimizer state was written by {shown} and is read by {name}: {why}. "
-                f"Resume with the optimizer that wrote it ({shown}); to switch optimizers, start from the checkpoint's "
-                "weights only (load its 'state_dict' into the model and fit without ckpt_path), so the new optimizer "
-                "starts fresh"
-            )
-        if writer == "torch.optim":
-            return state_dict  # e.g. AdamW: its moments and step are this optimizer's (the documented migration)
-        state = state_dict.get("state") or {}
-        dropped = sorted({k for s in state.values() if isinstance(s, dict) for k in s} - {"exp_avg", "exp_avg_sq"})
-        state_dict["state"] = {
-            key: {k: v for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")} if isinstance(s, dict) else s
-            for key, s in state.items()
-        }
-        if self.compression.rank() == 0:
-            warnings.warn(
-                f"{name}.load_state_dict: this optimizer state was written by {writer} and is read by {name}: the Adam "
-                f"moments (exp_avg, exp_avg_sq) and the step are carried over"
-                + (f", {writer}'s own per-parameter state ({', '.join(dropped)}) is dropped" if dropped else "")
-                + f", and {name} goes on with its own schedule from the step. If this was not meant, resume with "
-                f"{writer}.",
-                UserWarning,
-                stacklevel=3,
-            )
-        return state_dict
+        """A shallow copy of ``state_dict`` that this optimizer can load (:func:`~lightning_onebit.optim.checkpoint.
+        continuable_state_dict`): raises ``ValueError`` before any step and any collective when another algorithm
+        wrote it that this one cannot continue from; keeps the Adam moments of one it can, with a warning (rank 0)."""
+        return continuable_state_dict(
+            state_dict, self._state_family(), type(self).__name__, self._continues_state_of,
+            warn=self.compression.rank() == 0,
+        )
 
     def _restore_auto_freeze(self, meta: dict[str, Any], step: int) -> None:
         """freeze_step='auto' resumed: keep the step the checkpoint decided (or its fixed freeze step, if that was
@@ -1020,21 +930,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
             return
         self.freeze_step = None
         detector.reason = None
-
-    def _plan_from_indices(self, saved: Any) -> Optional[list[tuple[int, list[torch.Tensor]]]]:
-        """A saved bucket plan (keys and parameter indices) mapped to this optimizer's parameters; ``None``, logged,
-        if it does not fit (the model changed): the momenta are then packed by ``bucket_cap_mb``."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        try:
-            plan = [(int(key), [params[int(i)] for i in indices]) for key, indices in saved]
-        except (TypeError, ValueError, IndexError) as err:
-            log.warning(
-                "%s: the checkpoint's momentum bucket plan does not fit this model (%s); ignored",
-                type(self).__name__,
-                err,
-            )
-            return None
-        return plan
 
     def error_feedback_state_dict(self) -> dict[str, Any]:
         """This rank's compression error buffers (worker and server, per bucket). Each rank must save its own."""
@@ -1112,17 +1007,3 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 f"; {stale} buffer(s) of another layout dropped" if stale else "",
             ]),
         )
-
-
-def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:
-    return [p for p in group["params"] if p.requires_grad]
-
-
-def _compressed_trainable(group: dict[str, Any]) -> list[torch.Tensor]:
-    """The group's trainable parameters whose momenta the 1-bit exchange averages (none with ``compress=False``)."""
-    return _trainable(group) if group["compress"] else []
-
-
-def _is_real(value: Any) -> bool:
-    """A real number (int, float, numpy scalar), not a bool or a tensor."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

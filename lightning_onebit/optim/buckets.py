@@ -78,8 +78,8 @@ def same_plan(a: Plan, b: Plan) -> bool:
 def checked_plan(buckets: Optional[Sequence[Sequence[torch.Tensor]]], trainable_ids: set[int]) -> Plan:
     """``buckets`` (parameters per bucket; ``None``: pack by size) as a plan over the parameters in
     ``trainable_ids``: others are dropped, and so are buckets left empty (their keys stay their positions). Raises
-    ``ValueError`` if a bucket mixes devices or dtypes (a bucket is one flat buffer) or names a parameter an earlier
-    one holds."""
+    ``ValueError`` if a bucket mixes devices or dtypes (a bucket is one flat buffer) or names a parameter twice (in
+    it or in an earlier one)."""
     if buckets is None:
         return None
     plan: list[tuple[int, list[torch.Tensor]]] = []
@@ -90,6 +90,8 @@ def checked_plan(buckets: Optional[Sequence[Sequence[torch.Tensor]]], trainable_
             raise ValueError(f"set_bucket_plan: bucket {key} mixes devices or dtypes; a bucket is one flat buffer")
         if any(id(p) in seen for p in kept):
             raise ValueError(f"set_bucket_plan: bucket {key} names a parameter that an earlier bucket holds")
+        if len({id(p) for p in kept}) != len(kept):
+            raise ValueError(f"set_bucket_plan: bucket {key} names a parameter twice")
         seen.update(id(p) for p in kept)
         if kept:
             plan.append((key, kept))
@@ -137,8 +139,8 @@ class MomentumBuckets:
     def runs(self, trainable: Sequence[torch.Tensor], momentum: Callable[[torch.Tensor], torch.Tensor]) -> list[
             tuple[int, list[torch.Tensor]]]:
         """``(key, parameters)`` per bucket: the plan's buckets (restricted to ``trainable``), then the rest packed in
-        parameter order, one device and dtype per bucket, each up to :attr:`cap_bytes` of momentum
-        (``momentum(p)``), with keys after the plan's."""
+        parameter order within each device and dtype (one of them per bucket; kinds in order of first appearance),
+        each up to :attr:`cap_bytes` of momentum (``momentum(p)``), with keys after the plan's."""
         runs: list[tuple[int, list[torch.Tensor]]] = []
         planned: set[int] = set()
         if self.plan is not None:

@@ -12,9 +12,11 @@ from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
 from lightning_onebit.kernels import frozen as frozen_cache
 from lightning_onebit.optim.auto_freeze import AutoFreeze
-from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer, _is_real
-from lightning_onebit.optim.masks import mask_like
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
+from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
 from lightning_onebit.optim.functional import bias_corrections
+from lightning_onebit.optim.groups import is_real
+from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.topology import Topology
 
 
@@ -110,7 +112,7 @@ class OnebitLamb(CompressedOptimizer):
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
                             ("factor_min", factor_min), ("factor_threshold", factor_threshold),
                             ("coeff_beta", coeff_beta)):
-            if not _is_real(value) or not math.isfinite(value):
+            if not is_real(value) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0 < min_coeff <= max_coeff:
             raise ValueError(f"need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, max_coeff={max_coeff}")
@@ -369,9 +371,9 @@ class OnebitLamb(CompressedOptimizer):
         loading would cast a tensor to the parameter's dtype and lose their bits). Another algorithm's state
         (OnebitAdam, ZeroOneAdam, a torch optimizer's) raises ``ValueError`` naming it, before anything is loaded."""
         state_dict = self._check_state_writer(state_dict)  # before the coefficients are taken out (they identify it)
-        meta = state_dict.get("onebit")
+        meta = state_dict.get(CHECKPOINT_KEY)
         if isinstance(meta, dict):
-            state_dict["onebit"] = dict(meta, optimizer=self._state_family())  # checked: the base need not infer it
+            state_dict[CHECKPOINT_KEY] = dict(meta, optimizer=self._state_family())  # checked: the base need not infer it
         scalars: dict[Any, dict[str, Any]] = {}
         saved_state = {}
         for key, entry in (state_dict.get("state") or {}).items():

@@ -12,14 +12,11 @@ import torch.distributed as dist
 
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Backend
-from lightning_onebit.optim.base import (
-    DEFAULT_BUCKET_CAP_MB,
-    CompressedOptimizer,
-    _compressed_trainable,
-)
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.buckets import MomentumBucket, stream_of
-from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.functional import adam_update_, bias_corrections, fold_gradients_, update_variances_
+from lightning_onebit.optim.groups import compressed_trainable
+from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.topology import Topology
 
@@ -306,7 +303,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self._zero_variance.clear()
         n = self.variance_updates + 1
         for group in self.param_groups:
-            params = [p for p in _compressed_trainable(group) if p.grad is not None]
+            params = [p for p in compressed_trainable(group) if p.grad is not None]
             if not params:
                 continue
             states = [self._moment_state(p) for p in params]  # a parameter first seen now gets its variance here

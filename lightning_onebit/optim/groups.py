@@ -1,0 +1,73 @@
+"""Param groups of the compressed optimizers: their options, checked when a group is added, and which of their
+parameters are trained and compressed."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from lightning_onebit.optim.masks import describe_param, normalise_masks
+
+
+def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
+    """Check param group ``index`` of optimizer class ``owner`` (``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``bias_correction``, ``compress``, ``exp_avg_mask``, floating-point parameters) and normalise it in place (betas
+    as floats, ``compress`` defaulted to ``True``, one checked mask or ``None`` per parameter). Raises ``ValueError``
+    naming the option and the group."""
+    where = f" (param group {index})"
+    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if isinstance(lr, torch.Tensor):
+        raise ValueError(f"{owner} takes lr as a float, not a tensor")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
+        if not is_real(value):
+            raise ValueError(f"{name} must be a float, got {value!r} ({type(value).__name__}){where}")
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}{where}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_real(b) for b in betas)):
+        raise ValueError(f"betas must be a pair of floats (b1, b2), e.g. (0.9, 0.999); got {betas!r}{where}")
+    b1, b2 = betas
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"betas must each be in [0, 1), got {betas}{where}")
+    group["betas"] = (float(b1), float(b2))
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}{where}")
+    if not wd >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {wd}{where}")
+    if not isinstance(group["bias_correction"], bool):
+        raise ValueError(
+            f"bias_correction must be True or False, got {group['bias_correction']!r}{where}; a string or "
+            "number is not read as a flag"
+        )
+    for i, p in enumerate(group["params"]):
+        if not p.is_floating_point():
+            raise ValueError(
+                f"{owner} trains floating-point parameters only, but {describe_param(group, index, i, p)} "
+                f"has dtype {p.dtype}: 1-bit momentum compression has no complex or integer form. Leave it out of "
+                "the optimizer (e.g. `[p for p in model.parameters() if p.is_floating_point()]`), or keep a "
+                "complex parameter as a real one with a trailing dimension of 2 (torch.view_as_real) and view it "
+                "as complex in forward (torch.view_as_complex)."
+            )
+    compress = group.setdefault("compress", True)
+    if not isinstance(compress, bool):
+        raise ValueError(
+            f"compress must be True or False, got {compress!r} ({type(compress).__name__}){where}; a string or "
+            "number is not read as a flag. compress=False keeps the group out of 1-bit compression (its gradients "
+            "are averaged in full precision every step)"
+        )
+    group["exp_avg_mask"] = normalise_masks(group.get("exp_avg_mask"), group, index)
+
+
+def trainable(group: dict[str, Any]) -> list[torch.Tensor]:
+    return [p for p in group["params"] if p.requires_grad]
+
+
+def compressed_trainable(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The group's trainable parameters whose momenta the 1-bit exchange averages (none with ``compress=False``)."""
+    return trainable(group) if group["compress"] else []
+
+
+def is_real(value: Any) -> bool:
+    """A real number (int, float, numpy scalar), not a bool or a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
