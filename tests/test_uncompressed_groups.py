@@ -403,12 +403,23 @@ def test_compress_must_be_a_bool(optimizer: Any, value: Any) -> None:
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["compress"] is True
 
 
-def test_zeroone_adam_takes_the_group_option_beside_its_own_compress_argument() -> None:
+def test_zeroone_adam_takes_the_group_option_beside_its_own_exchange_argument() -> None:
     net = EmbNet()
-    opt = ZeroOneAdam(groups(net), compress="gradient")
-    assert opt.compress == "gradient" and [g["compress"] for g in opt.param_groups] == [False, True]
+    opt = ZeroOneAdam(groups(net), exchange="gradient")
+    assert opt.exchange_kind == "gradient" and [g["compress"] for g in opt.param_groups] == [False, True]
     with pytest.raises(ValueError, match=r"compress must be True or False.*\(param group 0\)"):
         ZeroOneAdam([{"params": [net.emb.weight], "compress": "momentum"}])
+
+
+def test_zeroone_adam_compress_argument_is_the_deprecated_name_of_exchange() -> None:
+    net = EmbNet()
+    with pytest.warns(FutureWarning, match=r"pass exchange='gradient'"):
+        opt = ZeroOneAdam(groups(net), compress="gradient")
+    assert opt.exchange_kind == "gradient"
+    with pytest.raises(ValueError, match=r"pass exchange only"):
+        ZeroOneAdam(groups(net), exchange="gradient", compress="momentum")
+    with pytest.raises(ValueError, match=r"exchange must be 'momentum' or 'gradient'"):
+        ZeroOneAdam(groups(net), exchange="update")
 
 
 def _single_process_run(emb_compressed: bool, steps: range, state: Any = None) -> tuple[EmbNet, OnebitAdam]:

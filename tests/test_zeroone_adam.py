@@ -225,11 +225,11 @@ def test_state_dict_between_syncs_warns_until_synchronize() -> None:
 D_VFS, D_STEPS, D_SAVE_AT = 12, 34, 22
 
 
-def _train(rank: int, steps: range, state: Any = None, compress: str = "momentum") -> dict[str, Any]:
+def _train(rank: int, steps: range, state: Any = None, exchange: str = "momentum") -> dict[str, Any]:
     net = Net()
     ddp = DDP(net, bucket_cap_mb=0.001)
     opt = ZeroOneAdam(two_groups(net, 0.01), lr=1e-2, var_freeze_step=D_VFS, var_update_scaler=3, local_step_scaler=3,
-                      local_step_clipper=4, compress=compress)
+                      local_step_clipper=4, exchange=exchange)
     sync = GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce)
     ddp.register_comm_hook(sync, switchable_allreduce_hook)
     # the second group's lr is 0 for steps 25-28, a whole sync interval
@@ -263,7 +263,7 @@ def _train(rank: int, steps: range, state: Any = None, compress: str = "momentum
 
 def scenario_ranks(rank: int, world_size: int) -> dict[str, Any]:
     out = dict(
-        full=_train(rank, range(1, D_STEPS + 1)), gradient=_train(rank, range(1, D_STEPS + 1), compress="gradient")
+        full=_train(rank, range(1, D_STEPS + 1)), gradient=_train(rank, range(1, D_STEPS + 1), exchange="gradient")
     )
     out["resumed"] = _train(rank, range(D_SAVE_AT + 1, D_STEPS + 1), state=out["full"]["saved"])
     return out
@@ -272,7 +272,7 @@ def scenario_ranks(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_replicas_identical_after_every_sync_local_steps_silent_resume_exact(world_size: int) -> None:
     results = run_distributed(scenario_ranks, world_size, timeout_s=240)
-    for variant in ("full", "gradient"):  # compress="momentum" (default) and "gradient" (DeepSpeed's form)
+    for variant in ("full", "gradient"):  # exchange="momentum" (default) and "gradient" (DeepSpeed's form)
         _check_replicas([r[variant] for r in results])
     full = [r["full"] for r in results]
     kinds = full[0]["kinds"]

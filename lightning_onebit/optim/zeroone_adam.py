@@ -48,7 +48,7 @@ class ZeroOneAdam(CompressedOptimizer):
         p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)
 
     ``m`` is the same on every rank before the fold, so in exact arithmetic this is DeepSpeed's
-    ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``, which ``compress="gradient"`` runs; only the compression
+    ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``, which ``exchange="gradient"`` runs; only the compression
     error differs, and it matters: see the README's 0/1 Adam section for the example's BERT task with either form.
 
     **Local steps** (``t > var_freeze_step``): the variance is frozen and nothing is sent. Each rank moves its own
@@ -91,7 +91,7 @@ class ZeroOneAdam(CompressedOptimizer):
     optimizer's step ``s - 1``, and its schedules counted its own steps.
 
     Memory: besides Adam's ``m`` and ``v``, the error feedback (about ``N (1 + 1/P)`` elements) and, in the
-    local-step phase, ``U`` and ``p_sync`` (``compress="gradient"`` also keeps a gradient-sized exchange buffer
+    local-step phase, ``U`` and ``p_sync`` (``exchange="gradient"`` also keeps a gradient-sized exchange buffer
     before it); after the warmup, a bool ``v == 0`` per parameter (1 byte per element) and, where the update runs
     the torch kernels (CUDA, or ``kernel_backend="torch"``), the frozen variance's denominator ``sqrt(v_hat) + eps``
     (one tensor per parameter, recomputed after each variance step).
@@ -99,8 +99,7 @@ class ZeroOneAdam(CompressedOptimizer):
     Host synchronisations: none in any step after the warmup (the step kinds and schedules are decided from Python
     numbers; the zero-variance masks and denominators stay on the device).
 
-    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`, not
-    to be confused with this constructor's ``compress``, which says what the compressed steps exchange) take an AdamW
+    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`) take an AdamW
     step at *every* step (momentum and variance updated, bias corrections of the true step ``t``), on gradients
     averaged in full precision: by DDP's allreduce on variance steps, by one ``all_reduce`` in :meth:`step` on every
     other step, local and sync steps included. They are left out of the buckets, the local-step sums and the syncs,
@@ -119,9 +118,11 @@ class ZeroOneAdam(CompressedOptimizer):
         local_step_scaler: local steps at each ``local_step_interval`` before it doubles. Default ``32678``
             (DeepSpeed's default, which keeps syncing every step in practice; its tutorial uses ``1000``).
         local_step_clipper: ``H``, the largest ``local_step_interval``, in steps. Default ``16``.
-        compress: what the compressed steps before ``var_freeze_step`` average in 1 bit: ``"momentum"`` (default,
+        exchange: what the compressed steps before ``var_freeze_step`` average in 1 bit: ``"momentum"`` (default,
             the momentum after folding in the local gradient, as 1-bit Adam) or ``"gradient"`` (the local gradient,
             DeepSpeed's form).
+        compress: the former name of ``exchange`` (deprecated: it is also the name of the param-group option that
+            keeps a group out of compression); given, it sets ``exchange`` with a ``FutureWarning``.
 
     The four schedule arguments are integers ``>= 1``, checked in the constructor.
     """
@@ -144,7 +145,8 @@ class ZeroOneAdam(CompressedOptimizer):
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
-        compress: Literal["momentum", "gradient"] = "momentum",
+        exchange: Literal["momentum", "gradient"] = "momentum",
+        compress: Optional[Literal["momentum", "gradient"]] = None,
         bias_correction: bool = True,
         amsgrad: bool = False,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
@@ -160,8 +162,21 @@ class ZeroOneAdam(CompressedOptimizer):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if compress not in ("momentum", "gradient"):
-            raise ValueError(f"compress must be 'momentum' or 'gradient', got {compress!r}")
+        if compress is not None:
+            if exchange != "momentum" and compress != exchange:
+                raise ValueError(
+                    f"ZeroOneAdam got exchange={exchange!r} and compress={compress!r}: compress is the former name of "
+                    "exchange; pass exchange only"
+                )
+            warnings.warn(
+                f"ZeroOneAdam(compress={compress!r}) is deprecated: pass exchange={compress!r} (compress is also the "
+                "name of the param-group option that keeps a group out of compression)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            exchange = compress
+        if exchange not in ("momentum", "gradient"):
+            raise ValueError(f"exchange must be 'momentum' or 'gradient', got {exchange!r}")
         if not isinstance(amsgrad, bool) or amsgrad:
             raise ValueError(
                 f"ZeroOneAdam does not support amsgrad (the variance is updated on a schedule), got {amsgrad!r}"
@@ -182,7 +197,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
-        self.compress = compress
+        self.exchange_kind = exchange  # what the compressed steps before var_freeze_step average in 1 bit
         self._replay_schedules(0)
         self.forced_syncs = 0  # syncs made by synchronize() between scheduled ones (e.g. before a checkpoint)
         # id(param) -> bool tensor of its coordinates whose variance is exactly zero (1 byte per element); valid until
@@ -259,7 +274,7 @@ class ZeroOneAdam(CompressedOptimizer):
             return StepKind.VARIANCE, (
                 f"from optimizer step {t}: variance steps (DDP gradient allreduce) every {self.var_interval} steps, "
                 f"the interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
-                f"the other steps average the {'momenta' if self.compress == 'momentum' else 'gradients'} by the "
+                f"the other steps average the {'momenta' if self.exchange_kind == 'momentum' else 'gradients'} by the "
                 "1-bit compressed allreduce"
             )
         uncompressed = (
@@ -318,8 +333,8 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _compressed_exchange_step(self, t: int) -> StepKind:
         """Local gradients reach the momentum through one 1-bit compressed exchange (of the momenta, or of the
-        gradients with ``compress="gradient"``); ``v`` unchanged."""
-        if self.compress == "momentum":
+        gradients with ``exchange="gradient"``); ``v`` unchanged."""
+        if self.exchange_kind == "momentum":
             self._average_momenta_()  # m = CompressedAllreduce(b1 m + (1 - b1) g_local), masked
         else:
             self._average_gradients_into_momenta_()
