@@ -12,16 +12,18 @@ import fnmatch
 import logging
 import statistics
 import time
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind, check_exp_avg_mask
 from lightning_onebit.strategy import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, OnebitStrategy
+
+if TYPE_CHECKING:
+    from lightning_onebit.comm import CommunicationCounters
 
 log = logging.getLogger(__name__)
 
@@ -777,8 +779,8 @@ class ReplicaCheck(Callback):
     between syncs waits for the next one). Ranks that run different kernels (see ``OnebitAdam.agree_kernel_backend``), a
     nondeterministic custom op or a corrupted rank would make them drift apart silently. Every ``every_n_steps``
     optimizer steps this callback compares a checksum of every parameter's bits across ranks
-    (:func:`~lightning_onebit.comm.assert_replicas_identical`: one pass over the parameters and an all-gather of 8
-    bytes per parameter tensor) and raises ``RuntimeError`` on every rank, naming the parameters that differ.
+    (:meth:`OnebitStrategy.assert_replicas_identical`: one pass over the parameters and an all-gather of 8 bytes per
+    parameter tensor) and raises ``RuntimeError`` on every rank, naming the parameters that differ.
 
     Args:
         every_n_steps: check after every this many optimizer steps (``>= 1``). Default ``100``.
@@ -808,5 +810,5 @@ class ReplicaCheck(Callback):
         if not self._due or not optimizer.replicas_in_sync:  # (rank-identical: the sync schedule is)
             return
         self._due = False
-        assert_replicas_identical(list(pl_module.named_parameters()), optimizer.process_group)
+        trainer.strategy.assert_replicas_identical(pl_module)
         self.checks += 1

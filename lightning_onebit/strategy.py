@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_onebit.comm import CommunicationCounters
+from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
 from lightning_onebit.gradient_sync import (
     GradientSyncState,
     OverlapFallbackReason,
@@ -304,6 +304,13 @@ class OnebitStrategy(DDPStrategy):
         if self._onebit_optimizer is not None:
             total = total + self._onebit_optimizer.communication
         return total
+
+    def assert_replicas_identical(self, module: torch.nn.Module) -> None:
+        """Compare a checksum of every parameter of ``module`` across the ranks of the optimizer's process group (a
+        collective: every rank calls it) and raise ``RuntimeError`` on every rank, naming the parameters that differ
+        (:func:`~lightning_onebit.comm.assert_replicas_identical`)."""
+        group = None if self._onebit_optimizer is None else self._onebit_optimizer.process_group
+        assert_replicas_identical(list(module.named_parameters()), group)
 
     @override
     def _register_ddp_hooks(self) -> None:
