@@ -18,7 +18,7 @@ from lightning_onebit.comm import (
     compressed_allreduce_buckets_,
     ring_allreduce_bytes,
 )
-from lightning_onebit.gradient_sync import (
+from lightning_onebit.hooks import (
     GradientSyncState,
     OverlapState,
     leaves_gradients_unchanged,

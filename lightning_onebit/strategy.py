@@ -28,7 +28,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
-from lightning_onebit.gradient_sync import (
+from lightning_onebit.hooks import (
     GradientSyncState,
     OverlapFallbackReason,
     OverlapState,
@@ -411,7 +411,7 @@ class OnebitStrategy(DDPStrategy):
 
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
         """Why the exchange cannot overlap backward in this run (``None``: it can), as an
-        :class:`~lightning_onebit.gradient_sync.OverlapFallbackReason` (a string with a ``cause``). Override to add
+        :class:`~lightning_onebit.hooks.OverlapFallbackReason` (a string with a ``cause``). Override to add
         cases (a plain string counts as cause ``"custom"``). Manual optimization comes last: ``overlap=True`` accepts
         it, so any other reason must be found first."""
         module = self.lightning_module

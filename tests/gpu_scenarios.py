@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
-from lightning_onebit.gradient_sync import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
+from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
 from tests.optim_models import EmbeddingNet, Net, rank_batch
 
 FREEZE = 3

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_onebit import CommunicationMonitor, CompressionAdvice, GradientSyncState, switchable_allreduce_hook
-from lightning_onebit import gradient_sync
+from lightning_onebit.hooks import gradient_sync
 from lightning_onebit.comm import ring_allreduce_bytes
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
@@ -96,7 +96,7 @@ class _LateWork:
 
 @contextmanager
 def slow_gradient_allreduce(delay_s: float) -> Iterator[None]:
-    """Delay the completion of the DDP gradient allreduces that ``lightning_onebit.gradient_sync`` launches."""
+    """Delay the completion of the DDP gradient allreduces that ``lightning_onebit.hooks.gradient_sync`` launches."""
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         return _LateWork(dist.all_reduce(tensor, *args, **kwargs), delay_s)

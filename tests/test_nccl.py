@@ -159,7 +159,7 @@ def long_run_scenario(rank: int, world_size: int, name: str, steps: int) -> bool
     else:
         cls = OnebitAdam if name == "onebit_adam" else OnebitLamb
         opt = cls(net.parameters(), lr=1e-3, freeze_step=50, warn_dead_coordinates=False)
-    from lightning_onebit.gradient_sync import GradientSyncState, switchable_allreduce_hook
+    from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 
     ddp.register_comm_hook(GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce),
                            switchable_allreduce_hook)

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
-from lightning_onebit.gradient_sync import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
+from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
 from tests.optim_models import EmbeddingNet
 
 FREEZE = 3

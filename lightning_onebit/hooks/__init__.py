@@ -1,0 +1,28 @@
+"""Torch-only DDP communication hooks (the layer between the optimizers and the strategy; like
+``torch.distributed.algorithms.ddp_comm_hooks``, each is a state object and a pure hook):
+
+* :mod:`~lightning_onebit.hooks.gradient_sync`: :class:`GradientSyncState` and :func:`switchable_allreduce_hook`,
+  DDP's allreduce during warmup (or the user's ``ddp_comm_hook``), nothing afterwards;
+* :mod:`~lightning_onebit.hooks.overlap`: :class:`OverlapState` and :func:`overlapped_exchange_hook`, the compressed
+  momentum exchange started during backward, and what decides whether it may (:func:`leaves_gradients_unchanged`,
+  :class:`OverlapFallbackReason`).
+"""
+
+from lightning_onebit.hooks.gradient_sync import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.hooks.overlap import (
+    OverlapFallbackReason,
+    OverlapState,
+    is_marked_read_only,
+    leaves_gradients_unchanged,
+    overlapped_exchange_hook,
+)
+
+__all__ = [
+    "GradientSyncState",
+    "OverlapFallbackReason",
+    "OverlapState",
+    "is_marked_read_only",
+    "leaves_gradients_unchanged",
+    "overlapped_exchange_hook",
+    "switchable_allreduce_hook",
+]
