@@ -1,0 +1,20 @@
+"""Lightning callbacks for the compressed optimizers: momentum masks, compression state across checkpoints, communication
+logging and advice, replica checks.
+
+Each needs the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitStrategy`) and fail at setup with a
+clear message otherwise.
+"""
+
+from lightning_onebit.callbacks.communication_monitor import CommunicationMonitor, CompressionAdvice
+from lightning_onebit.callbacks.error_feedback import ErrorFeedbackCheckpoint
+from lightning_onebit.callbacks.momentum_mask import MaskSpec, MomentumMask
+from lightning_onebit.callbacks.replica_check import ReplicaCheck
+
+__all__ = [
+    "CommunicationMonitor",
+    "CompressionAdvice",
+    "ErrorFeedbackCheckpoint",
+    "MaskSpec",
+    "MomentumMask",
+    "ReplicaCheck",
+]

@@ -1,0 +1,262 @@
+"""MomentumMask: momentum masks, explicit or detected during warmup (dead coordinates)."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Any, Callable, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_onebit.callbacks._common import _compressed_ids, _onebit_optimizer, _onebit_strategy
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage, check_exp_avg_mask
+
+log = logging.getLogger(__name__)
+
+
+MaskSpec = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+
+
+class MomentumMask(Callback):
+    """Masks momentum coordinates that must not move in the compression stage.
+
+    1-bit compression cannot send an exact zero: a coordinate whose gradient is always zero (BERT position embeddings
+    past the training sequence length, embedding rows never looked up) receives ``+-scale`` every step while its
+    variance is ~0, and its update explodes to ``scale / eps``. A mask of 0 there keeps its momentum exactly zero
+    (DeepSpeed's ``exp_avg_mask`` semantics: the mask multiplies the averaged momentum). If such coordinates should
+    train later instead (embedding rows first seen after the warmup), put their parameters in a param group with
+    ``"compress": False`` rather than masking them: that group's gradients are averaged in full precision and its
+    variance stays live (see ``OnebitAdam``).
+
+    Args:
+        masks: explicit masks, ``{name_or_glob: mask}`` where ``mask`` is a tensor of the parameter's shape or a
+            callable ``f(parameter) -> tensor``; bool or floating point, holding only 0 (masked) and 1 (trained).
+            Names are those of ``LightningModule.named_parameters()``; a glob (``"*.position_embeddings.weight"``)
+            applies to every parameter it matches. Explicit masks always come from the code, also on resume. Errors
+            at setup, before any step, naming the parameter: a pattern that matches nothing, a mask of the wrong shape
+            or dtype, values other than 0 and 1 (NaN, 2.0, 0.5: the mask multiplies the momentum every compressed
+            step), an exact name whose parameter the ``OnebitAdam`` does not hold, or a glob that matches only such
+            parameters (a glob skips the ones the optimizer does not hold).
+        auto: detect masks during warmup: coordinates whose (averaged) gradient stayed exactly zero in every warmup
+            step are masked from the first compressed step on. Costs one bool per parameter element during warmup.
+            Where an explicit mask is also given, the two are multiplied. The detected masks are saved in the
+            checkpoint and restored on resume. Only parameters the optimizer holds in compressed param groups are
+            watched (a ``compress=False`` group needs no mask: a zero gradient averages to an exact zero and its
+            variance stays live; a saved auto mask of a parameter now in such a group is not applied), and the
+            optimizer's own dead-coordinate warning (``OnebitAdam(warn_dead_coordinates=...)``) is switched off, since
+            this masks every coordinate it would report.
+        log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
+        warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
+            stay frozen for the rest of training, which may not be what you want (embedding rows not seen during
+            warmup, for instance); the warning names the remedies, among them a param group with
+            ``"compress": False`` for such parameters. ``1.0`` never warns. Default ``0.01``.
+
+    At the first compressed step (when the masks take effect) the callback logs a table of the masked coordinates per
+    parameter and the total, and :attr:`masked_coordinates` holds the counts.
+    """
+
+    def __init__(
+        self,
+        masks: Optional[Mapping[str, MaskSpec]] = None,
+        auto: bool = False,
+        log_level: int = logging.INFO,
+        warn_share: float = 0.01,
+    ) -> None:
+        if not masks and not auto:
+            raise ValueError("MomentumMask needs explicit `masks`, `auto=True`, or both")
+        if isinstance(warn_share, bool) or not isinstance(warn_share, (int, float)) or not 0 <= warn_share <= 1:
+            raise ValueError(f"MomentumMask warn_share must be a number in [0, 1], got {warn_share!r}")
+        self.warn_share = float(warn_share)
+        self.masks = dict(masks or {})
+        self.auto = auto
+        self.log_level = log_level
+        self._explicit: dict[str, torch.Tensor] = {}
+        self._seen_nonzero: dict[str, torch.Tensor] = {}
+        self._auto_masks: Optional[dict[str, torch.Tensor]] = None
+        self._restored_auto: Optional[dict[str, torch.Tensor]] = None
+        self._restored_seen: Optional[dict[str, torch.Tensor]] = None
+        self._installed = False
+
+    # -- resolution --------------------------------------------------------------------------------------------------
+    def _resolve_explicit(self, pl_module: "pl.LightningModule") -> dict[str, torch.Tensor]:
+        named = dict(pl_module.named_parameters())
+        resolved: dict[str, torch.Tensor] = {}
+        for pattern, spec in self.masks.items():
+            names = [pattern] if pattern in named else fnmatch.filter(named, pattern)
+            if not names:
+                raise ValueError(
+                    f"MomentumMask: {pattern!r} matches no parameter of {type(pl_module).__name__}; "
+                    f"parameter names look like {list(named)[:4]}"
+                )
+            for name in names:
+                param = named[name]
+                mask = spec(param) if callable(spec) else spec
+                if not isinstance(mask, torch.Tensor):
+                    raise ValueError(f"MomentumMask: the mask for {name!r} is a {type(mask).__name__}, not a tensor")
+                mask = check_exp_avg_mask(mask.detach(), param, f"MomentumMask: the mask for {name!r}")
+                resolved[name] = mask if name not in resolved else resolved[name] * mask
+        return resolved
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        _onebit_strategy(trainer, "MomentumMask")
+        self._explicit = self._resolve_explicit(pl_module)
+        self._installed = False
+        if self.auto:
+            self._seen_nonzero = {
+                name: torch.zeros_like(p, dtype=torch.bool) for name, p in pl_module.named_parameters() if p.requires_grad
+            }
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Runs after `strategy.setup` (which calls `setup_optimizers`) and before any step: the optimizer exists.
+        onebit = _onebit_optimizer(trainer, "MomentumMask")
+        held = {id(p) for group in onebit.param_groups for p in group["params"]}
+        named = dict(pl_module.named_parameters())
+        for pattern in self.masks:
+            names = [pattern] if pattern in named else fnmatch.filter(named, pattern)
+            outside = [name for name in names if id(named[name]) not in held]
+            if outside and (pattern in named or len(outside) == len(names)):
+                raise ValueError(
+                    f"MomentumMask: {pattern!r} names {outside[:4]}, which the OnebitAdam optimizer does not hold "
+                    "(configure_optimizers did not pass it), so it has no momentum to mask. Pass the parameter to "
+                    "the optimizer or remove its mask."
+                )
+        self._explicit = {name: mask for name, mask in self._explicit.items() if id(named[name]) in held}
+        if self.auto:
+            if onebit.masks_zero_variance:
+                raise ValueError(
+                    f"MomentumMask(auto=True) does not apply to {type(onebit).__name__}: it keeps every coordinate whose "
+                    "variance is still zero at rest by itself and goes on updating the variance after its first "
+                    f"{onebit.freeze_step} steps, whereas auto masks are fixed then and would freeze for good the "
+                    "embedding rows that start training later. Remove auto=True (explicit masks still apply)."
+                )
+            compressed = _compressed_ids(onebit)
+            self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in compressed}
+            onebit.dead_coordinates_masked_by("MomentumMask(auto=True)")  # it masks every coordinate it would report
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Runs after the strategy moved the model to its device and after a checkpoint was restored.
+        restored, self._restored_seen = self._restored_seen, None
+        if not self.auto or self._auto_masks is not None:
+            return
+        for name, p in pl_module.named_parameters():
+            seen = self._seen_nonzero.get(name)
+            if seen is None:
+                continue
+            seen = self._seen_nonzero[name] = seen.to(p.device)  # setup allocated it before the model was moved
+            if restored is not None and name in restored and restored[name].shape == seen.shape:
+                seen |= restored[name].to(p.device)  # the warmup steps before the checkpoint
+
+    # -- detection and installation ----------------------------------------------------------------------------------
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        onebit = _onebit_optimizer(trainer, "MomentumMask")
+        if onebit.stage is OnebitStage.WARMUP:
+            if self.auto and self._auto_masks is None:
+                for name, p in pl_module.named_parameters():
+                    seen = self._seen_nonzero.get(name)
+                    if seen is not None and p.grad is not None:
+                        seen |= p.grad != 0
+            return
+        if not self._installed:
+            self._install(onebit, pl_module)
+
+    def _install(self, onebit: CompressedOptimizer, pl_module: "pl.LightningModule") -> None:
+        named = dict(pl_module.named_parameters())
+        held = {id(p) for group in onebit.param_groups for p in group["params"]}
+        compressed = _compressed_ids(onebit)
+        if self.auto and self._auto_masks is None:
+            if self._restored_auto is not None:
+                self._auto_masks = self._restored_auto
+            elif self._seen_nonzero:
+                self._auto_masks = {name: seen.to(named[name].dtype) for name, seen in self._seen_nonzero.items()}
+            else:
+                raise RuntimeError(
+                    "MomentumMask(auto=True) has no warmup statistics: training resumed in the compression stage from "
+                    "a checkpoint without saved masks. Resume from a checkpoint written by this callback, or give "
+                    "explicit masks."
+                )
+            self._seen_nonzero = {}
+        combined = dict(self._explicit)
+        applied_auto: dict[str, torch.Tensor] = {}
+        for name, mask in (self._auto_masks or {}).items():
+            if name not in named:
+                raise ValueError(f"MomentumMask: the saved auto mask names {name!r}, which the model no longer has")
+            if id(named[name]) not in held:
+                continue  # a saved mask of a parameter this optimizer does not train: nothing to mask
+            if id(named[name]) not in compressed:
+                # saved before its group got compress=False: averaged in full precision now, it needs no mask
+                log.info("MomentumMask: the saved auto mask of %s is not applied: its param group has compress=False",
+                         name)
+                continue
+            if mask.shape != named[name].shape:
+                raise ValueError(
+                    f"MomentumMask: the saved auto mask for {name!r} has shape {tuple(mask.shape)} but the parameter "
+                    f"now has {tuple(named[name].shape)}; masks cannot be re-detected in the compression stage. "
+                    "Resume from a warmup checkpoint or give explicit masks."
+                )
+            mask = mask.to(device=named[name].device, dtype=named[name].dtype)
+            applied_auto[name] = mask
+            combined[name] = combined[name] * mask if name in combined else mask
+        # A mask of all ones changes nothing: leave it out rather than multiply by it every step.
+        combined = {name: mask for name, mask in combined.items() if not bool((mask == 1).all())}
+        for name, mask in combined.items():
+            onebit.set_exp_avg_mask(named[name], mask)
+        self._installed = True
+        report = {name: int((mask == 0).sum()) for name, mask in combined.items()}
+        self.masked_coordinates = report
+        for name, count in report.items():
+            log.log(self.log_level, "MomentumMask: %s: %d of %d coordinates masked", name, count, combined[name].numel())
+        total = sum(report.values())
+        table = "".join(
+            f"\n  {name}: {count} of {combined[name].numel()} ({count / combined[name].numel():.1%})"
+            for name, count in report.items()
+        )
+        rank_zero_info(f"MomentumMask: {total} momentum coordinates masked in {len(report)} parameter(s){table}")
+        self._warn_heavy_auto_masks(applied_auto)
+
+    def _warn_heavy_auto_masks(self, applied_auto: dict[str, torch.Tensor]) -> None:
+        """Warn about parameters of which ``auto`` masked more than ``warn_share``: those coordinates never train."""
+        heavy = []
+        for name, mask in applied_auto.items():
+            share = float((mask == 0).sum()) / max(mask.numel(), 1)
+            if share > self.warn_share:
+                heavy.append(f"{name} {share:.1%} ({int((mask == 0).sum())} of {mask.numel()})")
+        if not heavy:
+            return
+        rank_zero_warn(
+            f"MomentumMask(auto=True) masked more than {self.warn_share:.0%} of {', '.join(heavy)}: coordinates whose "
+            "gradient was exactly zero in every warmup step (in an embedding, the rows no warmup batch looked up). "
+            "They stay frozen for the rest of training, since their variance is 0 and a compressed update would "
+            "explode. If they should train: keep such a parameter out of compression by putting it in a param group "
+            "of its own with \"compress\": False (e.g. in configure_optimizers `[{\"params\": embeddings, "
+            "\"compress\": False}, {\"params\": rest}]`: its gradients are then averaged in full precision every "
+            "step, 2 (P-1)/P * 4 bytes per element for fp32, and its variance stays live), freeze later (a larger "
+            "freeze_step, or freeze_step='auto'), give explicit masks for the rows you know are unused instead of "
+            "auto=True, or use ZeroOneAdam, which goes on updating the variance. MomentumMask(warn_share=1.0) "
+            "silences this."
+        )
+
+    # -- checkpoint ----------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        masks = self._auto_masks
+        state: dict[str, Any] = {
+            "auto_masks": None if masks is None else {k: v.to(torch.bool).cpu() for k, v in masks.items()}
+        }
+        if self.auto and masks is None:
+            # saved during warmup: the detection so far, so that a resumed warmup still covers every warmup step
+            state["seen_nonzero"] = {k: v.cpu() for k, v in self._seen_nonzero.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("auto_masks")
+        self._restored_auto = None if saved is None or not self.auto else dict(saved)
+        seen = state_dict.get("seen_nonzero")
+        self._restored_seen = dict(seen) if self.auto and saved is None and seen else None
+        self._auto_masks = None
+        self._installed = False
