@@ -6,36 +6,32 @@ Each run is ``python examples/bert_finetune.py fit --config examples/configs/ber
 ``--freeze-step`` (default 30) and ``--steps`` optimizer steps (default 60), no validation, one torch thread per rank;
 the advice (``CompressionAdvice``: median of the last 20 timed warmup steps, then the median of 20 compression-stage
 steps from the 3rd) comes from the example's summary JSON. A shaped rate runs the example inside a network namespace
-whose loopback is shaped with ``tc tbf`` (the same namespace ``benchmarks/slow_link.py`` uses, deleted
-afterwards, also on errors); both ranks' traffic shares that rate. ``unshaped`` runs on the host's loopback.
-Results: ``results/advisor.json``.
+whose loopback is shaped with ``tc tbf`` (``benchmarks.netns.ShapedLoopback``, the namespace ``benchmarks.slow_link``
+uses; deleted afterwards with anything still running in it, also on errors, Ctrl-C and SIGTERM; needs root); both
+ranks' traffic shares that rate. ``unshaped`` runs on the host's loopback. Results: ``results/advisor.json``.
 
-    python benchmarks/advisor.py                                  # unshaped, 200mbit, 50mbit
-    python benchmarks/advisor.py --rates unshaped 100mbit --freeze-step 40 --steps 80
+    python -m benchmarks.advisor                                  # unshaped, 200mbit, 50mbit
+    python -m benchmarks.advisor --rates unshaped 100mbit --freeze-step 40 --steps 80
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.common import write_results  # noqa: E402
-from benchmarks.slow_link import shaped_namespace  # noqa: E402
+from benchmarks import netns
+from benchmarks.common import EXAMPLE, EXAMPLE_CONFIGS, argument_parser, write_results
 
 
 def run_example(rate: str, freeze_step: int, steps: int, workdir: str) -> dict:
     summary = Path(workdir) / f"summary_{rate}.json"
     command = [
-        sys.executable, str(ROOT / "examples" / "bert_finetune.py"), "fit",
-        "--config", str(ROOT / "examples" / "configs" / "bert_onebit.yaml"),
+        sys.executable, str(EXAMPLE), "fit",
+        "--config", str(EXAMPLE_CONFIGS / "bert_onebit.yaml"),
         "--optimizer.init_args.freeze_step", str(freeze_step), "--optimizer.init_args.auto_freeze", "null",
         "--trainer.max_steps", str(steps), "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
         "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
@@ -43,15 +39,13 @@ def run_example(rate: str, freeze_step: int, steps: int, workdir: str) -> dict:
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     with contextlib.ExitStack() as stack:
-        if rate != "unshaped":
-            netns = stack.enter_context(shaped_namespace(f"onebit_advisor_{os.getpid()}", rate, "256kb", "50ms"))
-            command = ["ip", "netns", "exec", netns, *command]
-        subprocess.run(command, check=True, cwd=workdir, env=env, timeout=1800)
+        space = None if rate == "unshaped" else stack.enter_context(netns.ShapedLoopback("advisor", rate))
+        netns.run(command, timeout=1800, inside=space, cwd=workdir, env=env)
     return json.loads(summary.read_text())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--rates", nargs="+", default=["unshaped", "200mbit", "50mbit"])
     parser.add_argument("--freeze-step", type=int, default=30)
     parser.add_argument("--steps", type=int, default=60)
@@ -59,6 +53,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < args.freeze_step + 22:
         parser.error("--steps must leave at least 22 compression-stage steps (2 settling, 20 measured)")
+    if any(rate != "unshaped" for rate in args.rates) and netns.problems():
+        parser.error(f"shaped rates: {'; '.join(netns.problems())} (--rates unshaped needs neither)")
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for rate in args.rates:

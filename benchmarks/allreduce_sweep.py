@@ -4,25 +4,21 @@ For each size: median wall time of ``torch.distributed.all_reduce`` of an fp32 b
 does) and of ``compressed_allreduce_`` of the same buffer (one bucket, error feedback on), plus the bytes each rank
 sends. Results: ``results/allreduce_sweep_P{world_size}.json``.
 
-    python benchmarks/allreduce_sweep.py                 # 1M, 3M, 10M, 30M, 100M elements
-    python benchmarks/allreduce_sweep.py --sizes 1e6 1e7
-    python benchmarks/allreduce_sweep.py --backend torch --name allreduce_sweep_P2_torch   # the pure-torch kernels
+    python -m benchmarks.allreduce_sweep                 # 1M, 3M, 10M, 30M, 100M elements
+    python -m benchmarks.allreduce_sweep --sizes 1e6 1e7
+    python -m benchmarks.allreduce_sweep --backend torch --name allreduce_sweep_P2_torch   # the pure-torch kernels
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import launch, write_results  # noqa: E402
-from lightning_onebit import BucketLayout, CompressedAllreduceState, compressed_allreduce_  # noqa: E402
+from benchmarks.common import argument_parser, launch, write_results
+from lightning_onebit import BucketLayout, CompressedAllreduceState, compressed_allreduce_
 
 
 def _sweep(rank: int, world_size: int, sizes: list[int], repeats: int, backend: str = "auto") -> list[dict]:
@@ -59,7 +55,7 @@ def _sweep(rank: int, world_size: int, sizes: list[int], repeats: int, backend: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 3e6, 1e7, 3e7, 1e8], help="elements")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)

@@ -9,38 +9,48 @@ wall time; results go to ``results/bert_parity.json``.
 ``--runs`` runs a subset and keeps the other runs already in that file (each column is one run of the example).
 Extra arguments are passed to every run (e.g. ``--trainer.max_steps 300``).
 
-    python benchmarks/bert_parity.py
-    python benchmarks/bert_parity.py --runs onebit_lamb   # rerun one, keep the others' results
-    python benchmarks/bert_parity.py --bag-of-words       # also the accuracy of a bag-of-words logistic regression
+    python -m benchmarks.bert_parity
+    python -m benchmarks.bert_parity --runs onebit_lamb   # rerun one, keep the others' results
+    python -m benchmarks.bert_parity --bag-of-words       # also the accuracy of a bag-of-words logistic regression
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.common import merge_runs, previous_results, write_results  # noqa: E402
+from benchmarks.common import (
+    EXAMPLE,
+    EXAMPLE_CONFIGS,
+    argument_parser,
+    load_example,
+    merge_runs,
+    previous_results,
+    write_results,
+)
 
 
-def run_example(config: str, extra: list[str], workdir: Path, log: Optional[Path] = None) -> dict:
-    """One run of the example; its summary. With ``log``, its output also goes to that file."""
+def run_example(config: str, extra: list[str], workdir: Path, log: Optional[Path] = None,
+                env: Optional[dict[str, str]] = None) -> dict:
+    """One run of the example (``python examples/bert_finetune.py fit --config examples/configs/CONFIG ...`` in
+    ``workdir``, with ``env`` added to the environment); its summary. With ``log``, its output also goes to that
+    file."""
     summary = workdir / f"{Path(config).stem}.json"
-    command = [sys.executable, str(ROOT / "examples" / "bert_finetune.py"), "fit", "--config",
-               str(ROOT / "examples" / "configs" / config), "--summary_json", str(summary),
-               "--trainer.enable_progress_bar", "false", *extra]
+    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(EXAMPLE_CONFIGS / config), "--summary_json",
+               str(summary), "--trainer.enable_progress_bar", "false", *extra]
+    environment = None if env is None else dict(os.environ, **env)
     print("$", " ".join(command), flush=True)
     if log is None:
-        subprocess.run(command, check=True, cwd=workdir)
+        subprocess.run(command, check=True, cwd=workdir, env=environment)
         return json.loads(summary.read_text())
     with open(log, "w") as f:  # shown as it runs and kept
-        process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=environment)
         for line in process.stdout:
             sys.stdout.write(line)
             f.write(line)
@@ -53,9 +63,8 @@ def bag_of_words_accuracy(seed: int = 0) -> float:
     """Validation accuracy of a bag-of-words logistic regression on the synthetic reviews (the task's floor)."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    from bert_finetune import _word_vocab, make_reviews
-
+    example = load_example()
+    make_reviews, _word_vocab = example.make_reviews, example._word_vocab
     train, val = make_reviews(4000, seed), make_reviews(1000, seed + 1)
     vocab = _word_vocab([t for t, _ in train])
 
@@ -97,7 +106,7 @@ RUN_ARGS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--bag-of-words", action="store_true", help="also report a bag-of-words baseline")
     parser.add_argument("--runs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                         help="configs to run (default all); the others keep their results in results/bert_parity.json")

@@ -7,23 +7,19 @@ Prints, for a BERT-like model of ``--params`` parameters on ``--world-size`` glo
     (b) an OnebitAdam compressed step (momentum update, compressed allreduce, update).
 Results go to results/compressed_step_P{world_size}_{params}.json.
 
-    python benchmarks/compressed_step.py --params 25e6 --world-size 2
+    python -m benchmarks.compressed_step --params 25e6 --world-size 2
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bert_like_shapes, launch, write_results  # noqa: E402
-from lightning_onebit import OnebitAdam, ring_allreduce_bytes  # noqa: E402
+from benchmarks.common import argument_parser, bert_like_shapes, launch, write_results
+from lightning_onebit import OnebitAdam, ring_allreduce_bytes
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -95,7 +91,7 @@ def _bench(rank: int, world_size: int, n_params: float, steps: int, bucket_cap_m
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--params", type=float, default=25e6, help="model size in parameters (default 25e6)")
     parser.add_argument("--world-size", type=int, default=2, help="number of loopback ranks (default 2)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method (default 10)")

@@ -1,11 +1,12 @@
 """Issue 26's study: replay candidate ``freeze_step="auto"`` rules on the variance traces of ``freeze_sweep.py``.
 
-Every run of ``benchmarks/freeze_sweep.py`` records a variance trace (:class:`benchmarks.freeze_sweep.VarianceTrace`):
-every 10 optimizer steps, per parameter tensor, ``mean(v)`` and ``mean(sqrt(v))`` of the raw variance, and the mean
-training loss. An AdamW run's trace is the variance a 1-bit optimizer's warmup would have had at every step (the
-warmup is that optimizer's full-precision update on averaged gradients), so a rule that reads per-tensor figures can be
-replayed on it offline: at which step would it have ended the warmup? Set against the accuracy of fixed freeze steps
-on the same task and seed, that says which rule freezes where freezing stops costing accuracy.
+Every run of ``python -m benchmarks.freeze_sweep`` records a variance trace
+(:class:`benchmarks.freeze_sweep.VarianceTrace`): every 10 optimizer steps, per parameter tensor, ``mean(v)`` and
+``mean(sqrt(v))`` of the raw variance, and the mean training loss. An AdamW run's trace is the variance a 1-bit
+optimizer's warmup would have had at every step (the warmup is that optimizer's full-precision update on averaged
+gradients), so a rule that reads per-tensor figures can be replayed on it offline: at which step would it have ended
+the warmup? Set against the accuracy of fixed freeze steps on the same task and seed, that says which rule freezes
+where freezing stops costing accuracy.
 
 Per tensor ``T``, at a check ``t`` with the record ``W`` steps before (``a = beta2^W``, ``c_t = 1 - beta2^t``):
 
@@ -26,20 +27,20 @@ and the training loss of the last window is at least ``loss_drop`` below that of
 guard); it decides at the first check from ``min_step`` on that ends ``patience`` passing checks in a row, and at
 ``max_step`` otherwise.
 
-    python benchmarks/freeze_rules.py                      # every AdamW trace in results/freeze_sweep.json
-    python benchmarks/freeze_rules.py --windows 40 60 --figures ratio horizon --curves
+    python -m benchmarks.freeze_rules                      # every AdamW trace in results/freeze_sweep.json
+    python -m benchmarks.freeze_rules --windows 40 60 --figures ratio horizon --curves
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import RESULTS_DIR, argument_parser
+
 FIGURES = ("excess", "ratio", "drift", "horizon")
 _NEGLIGIBLE_VARIANCE = 1e-8
 
@@ -141,8 +142,8 @@ def fixed_freeze_accuracy(runs: dict[str, Any]) -> dict[tuple[str, int], list[tu
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default=str(ROOT / "results" / "freeze_sweep.json"))
+    parser = argument_parser(__spec__.name, __doc__)
+    parser.add_argument("--results", default=str(RESULTS_DIR / "freeze_sweep.json"))
     parser.add_argument("--windows", type=int, nargs="+", default=[40, 60, 100], help="W, multiples of 10 (the trace's)")
     parser.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES))
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
@@ -161,7 +162,7 @@ def main() -> None:
             print(f"   fixed freeze {step}: {100 * acc:.2f} (AdamW {100 * reference:.2f}, {100 * (acc - reference):+.2f})")
         if args.curves:
             window = args.windows[0]
-            print(f"   step  loss/start  " + "  ".join(f"{f:>13}" for f in FIGURES) + f"   (median/p90, W={window})")
+            print("   step  loss/start  " + "  ".join(f"{f:>13}" for f in FIGURES) + f"   (median/p90, W={window})")
             for t in trace.steps:
                 figures = trace.figures(t, window)
                 if figures is None:

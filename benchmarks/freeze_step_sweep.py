@@ -10,25 +10,19 @@ detector's figures and its time per warmup step. Per seed, the summary compares 
 steps before the decision (the initial plateau sits at ~0.69). Runs go to ``--jobs`` processes, one thread each.
 Results: ``results/freeze_step_sweep.json``.
 
-    python benchmarks/freeze_step_sweep.py --freeze-steps 60 120 200 300 auto --seeds 0 1 2 --steps 450
+    python -m benchmarks.freeze_step_sweep --freeze-steps 60 120 200 300 auto --seeds 0 1 2 --steps 450
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import multiprocessing
-import sys
 import time
-from pathlib import Path
 from typing import Union
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.common import write_results  # noqa: E402
-from lightning_onebit import AutoFreeze, OnebitAdam  # noqa: E402
+from benchmarks.common import argument_parser, load_example, write_results
+from lightning_onebit import AutoFreeze, OnebitAdam
 
 # freeze_step="auto" as examples/configs/bert_onebit.yaml sets it (a run of 620 steps; the defaults are tied to
 # beta2 = 0.999, a 1000-step window, for runs of many thousands of steps)
@@ -36,16 +30,9 @@ AUTO_DEFAULTS = dict(window=40, check_every=10, threshold=0.5, tensor_threshold=
                      min_step=None, max_step=400)
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("bert_finetune", ROOT / "examples" / "bert_finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run(freeze_step: Union[int, str], steps: int, lr: float, seed: int, auto: dict) -> dict:
     torch.set_num_threads(1)
-    example = _example()
+    example = load_example()
     data = example.TextClassificationData(batch_size=32)
     data.setup("fit")
     torch.manual_seed(seed)
@@ -115,7 +102,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--freeze-steps", nargs="+", default=["60", "120", "200", "300", "auto"],
                         help="fixed steps and/or 'auto'")
     parser.add_argument("--steps", type=int, default=450)

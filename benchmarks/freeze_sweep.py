@@ -36,8 +36,9 @@ Runs (``--runs``, names; default all of these), with exactly these arguments on 
 Learning rates: on ``synthetic`` the configs' own (AdamW and 1-bit Adam 5e-4, LAMB 3e-3) unless ``--lr`` /
 ``--lamb-lr`` are given; on the real tasks ``-o.lr`` is ``--lr`` (default own_data's 1e-4) for the Adam runs and
 ``--lamb-lr`` (default 6x ``--lr``, the example configs' LAMB/Adam ratio 3e-3 / 5e-4; not tuned on these tasks) for the
-LAMB runs. Arguments after ``--`` go to every run. The example's processes get this checkout on ``PYTHONPATH`` (for
-``lightning_onebit`` and the trace callback).
+LAMB runs. Arguments after ``--`` go to every run. The example's processes (a script run in each run's directory) get
+the repository root on ``PYTHONPATH``, in their environment only: their callbacks load
+``benchmarks.freeze_sweep.VarianceTrace`` by class path.
 
 Each run records: the validation accuracy at the last step and the best one (and every validation), whole-run bytes
 sent (warmup + compression) and the fp32-equivalent bytes (what DDP sends), the freeze step (for ``auto``: the decided
@@ -53,12 +54,12 @@ the cores), a validation of AG News's 7,600 dev rows about 1-2 min, so a 600-ste
 its 9 runs per seed about 3.5 h; mail about 2.5 h per seed, synthetic about 0.5 h: roughly 12 h for everything on a
 quiet machine. ``--val-checks 2`` saves about an hour per AG News seed.
 
-    python benchmarks/freeze_sweep.py                                   # everything (many hours of CPU)
-    python benchmarks/freeze_sweep.py --tasks agnews --seeds 0 --skip-done   # continue the sweep
-    python benchmarks/freeze_sweep.py --runs adamw onebit_adam@auto --tasks mail
-    python benchmarks/freeze_sweep.py --summary                         # table and results/freeze_sweep.png only
+    python -m benchmarks.freeze_sweep                                   # everything (many hours of CPU)
+    python -m benchmarks.freeze_sweep --tasks agnews --seeds 0 --skip-done   # continue the sweep
+    python -m benchmarks.freeze_sweep --runs adamw onebit_adam@auto --tasks mail
+    python -m benchmarks.freeze_sweep --summary                         # table and results/freeze_sweep.png only
     # smoke run: 20 steps on a few hundred rows, to a scratch file
-    python benchmarks/freeze_sweep.py --tasks synthetic agnews --runs adamw onebit_adam@0.25 onebit_adam@auto \\
+    python -m benchmarks.freeze_sweep --tasks synthetic agnews --runs adamw onebit_adam@0.25 onebit_adam@auto \\
         --seeds 0 --steps 20 --train-rows 400 --dev-rows 200 --name scratch_freeze_sweep
 """
 
@@ -71,7 +72,6 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -79,11 +79,9 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.bert_parity import run_example  # noqa: E402
-from benchmarks.common import RESULTS_DIR, merge_runs, previous_results  # noqa: E402
-from benchmarks.own_data import DEFAULT_ARGS, SPAM_ASSASSIN_ARGS, _user_lines, spam_assassin_to_tsv  # noqa: E402
+from benchmarks.bert_parity import run_example
+from benchmarks.common import RESULTS_DIR, ROOT, argument_parser, merge_runs, previous_results
+from benchmarks.own_data import DEFAULT_ARGS, SPAM_ASSASSIN_ARGS, _user_lines, spam_assassin_to_tsv
 
 TASKS = ("synthetic", "agnews", "mail")
 DEFAULT_STEPS = {"synthetic": 620, "agnews": 600, "mail": 600}  # synthetic: the example's own 10 epochs of 62 steps
@@ -444,6 +442,12 @@ def library_version() -> str:
     return git("rev-parse", "--short", "HEAD").strip() + (" + uncommitted lightning_onebit changes" if dirty else "")
 
 
+def _example_env() -> dict[str, str]:
+    """The example's environment additions: the repository root on ``PYTHONPATH``, so that its callbacks import
+    ``benchmarks.freeze_sweep.VarianceTrace`` (the example runs as a script in the run's directory)."""
+    return dict(PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[str, Any], workdir: Path) -> dict:
     steps = settings["steps"]
     config, kind_args = run_args(name, steps, settings["lamb_lr"], settings["auto_max_share"])
@@ -457,7 +461,8 @@ def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[s
               "--trainer.check_val_every_n_epoch", "null", f"--trainer.callbacks+={callback}"]
     log = rundir / "run.log"
     started = time.perf_counter()
-    summary = run_example(config, [*common, *length, *kind_args, *settings["extra"]], rundir, log=log)
+    summary = run_example(config, [*common, *length, *kind_args, *settings["extra"]], rundir, log=log,
+                          env=_example_env())
     wall_total = time.perf_counter() - started
     extra = json.loads(trace_path.read_text())
     validations = extra.pop("validations")
@@ -521,8 +526,6 @@ def sweep(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     runs = list(dict.fromkeys(canonical_run(name) for name in args.runs or default_runs(args.fractions)))
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    # the example's subprocesses load benchmarks.freeze_sweep.VarianceTrace by class path, and lightning_onebit
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     path = RESULTS_DIR / f"{args.name}.json"
     existing = json.loads(path.read_text()) if path.exists() else {}
     planned = []
@@ -731,7 +734,7 @@ def summarise(name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--runs", nargs="+", default=None,
                         help="run names (default: adamw, onebit_adam@F for each --fractions, onebit_adam@auto, "

@@ -15,23 +15,20 @@ out for ``--ranks`` ranks (one scale per tensor and chunk), the median of ``--re
 for the torch kernels and, where cupy imports, the cupy ones, side by side. The device name and versions go with the
 figures into results/gpu_kernels.json.
 
-    python benchmarks/gpu_kernels.py
+    python -m benchmarks.gpu_kernels
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import momentum_buckets, write_results  # noqa: E402
-from lightning_onebit import BucketLayout, kernels  # noqa: E402
-from lightning_onebit.comm import simulate_compressed_allreduce_  # noqa: E402
+from benchmarks.common import argument_parser, momentum_buckets, write_results
+from lightning_onebit import BucketLayout, kernels
+from lightning_onebit.comm import simulate_compressed_allreduce_
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     for _ in range(3):  # warm: allocator, lazy module loads, cupy compilation
@@ -48,13 +45,13 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--params", type=float, default=110e6, help="BERT-like model size (default 110e6)")
     parser.add_argument("--ranks", type=int, default=8, help="ranks the bucket is laid out for (default 8)")
     parser.add_argument("--repeats", type=int, default=50, help="timed runs per kernel, median kept (default 50)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/gpu_kernels.py needs a CUDA GPU")
+        sys.exit("python -m benchmarks.gpu_kernels needs a CUDA GPU")
     device = torch.device("cuda")
     # the bucket of encoder-layer tensors with the most segments (the first one holds the word embedding alone)
     layout = BucketLayout.build(max(momentum_buckets(args.params), key=len), args.ranks)

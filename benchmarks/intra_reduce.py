@@ -13,24 +13,20 @@ of ``--repeats`` calls of the slower rank:
   gather packed blocks    ``all_gather`` of the packed 1-bit server blocks, 32x smaller, decoded locally afterwards
                           (what lightning_onebit runs)
 
-    python benchmarks/intra_reduce.py                       # 2 ranks, 1M / 6.5M (a 25 MB bucket) / 25M elements
-    python benchmarks/intra_reduce.py --world-size 4 --sizes 1e6 4e6
+    python -m benchmarks.intra_reduce                       # 2 ranks, 1M / 6.5M (a 25 MB bucket) / 25M elements
+    python -m benchmarks.intra_reduce --world-size 4 --sizes 1e6 4e6
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import launch, write_results  # noqa: E402
+from benchmarks.common import argument_parser, launch, write_results
 
 # torch 2.13 renamed these (the old names warn)
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -83,7 +79,7 @@ def _measure(rank: int, world_size: int, sizes: list[int], repeats: int) -> list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 6.5e6, 2.5e7], help="elements")
     parser.add_argument("--world-size", type=int, default=2, help="ranks of the node")
     parser.add_argument("--repeats", type=int, default=7)

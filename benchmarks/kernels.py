@@ -25,22 +25,18 @@ For one flat float32 buffer cut into BERT-like tensor segments (the momentum buc
 
 for every available CPU backend (``torch``, and ``cpu`` where the C kernels build). Results: results/kernels.json.
 
-    python benchmarks/kernels.py
+    python -m benchmarks.kernels
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bert_like_shapes, momentum_buckets, write_results  # noqa: E402
-from lightning_onebit import BucketLayout, kernels  # noqa: E402
+from benchmarks.common import argument_parser, bert_like_shapes, momentum_buckets, write_results
+from lightning_onebit import BucketLayout, kernels
 
 
 
@@ -73,7 +69,7 @@ def _lamb_update(numels: list[int], backend: str) -> Callable[[], object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--params", type=float, default=22.7e6, help="BERT-like model size (default 22.7e6)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per kernel, best kept (default 7)")
     args = parser.parse_args()

@@ -1,7 +1,8 @@
 """Launch short multi-process trainings many times and count abnormal exits (issue 12 finding 11, issue 24 part 4).
 
-Each launch is ``python -m torch.distributed.run --nproc-per-node R`` of this script in worker mode, trained through
-warmup into the compression stage on CPU/gloo, along one of these paths:
+Each launch is ``python -m torch.distributed.run --nproc-per-node R ... -m benchmarks.launch_soak --worker ...`` (this
+module in worker mode, from the repository root), trained through warmup into the compression stage on CPU/gloo,
+along one of these paths:
 
 * ``torch-ddp``: plain torch, no Lightning: ``DistributedDataParallel`` + :class:`~lightning_onebit.OnebitAdam` +
   :class:`~lightning_onebit.OverlapState` / :func:`~lightning_onebit.overlapped_exchange_hook` (several DDP buckets,
@@ -25,10 +26,10 @@ torchrun reports every rank's exit code, so an abort at interpreter exit after t
 without an active exception``, SIGABRT, exit code 134) fails the launch. Per launch: the path, the launcher's exit
 code, whether any output contains "terminate called", and the wall time. ``--name`` writes ``results/NAME.json``.
 
-    python benchmarks/launch_soak.py --launches 200 --name launch_soak   # the three training paths, round robin
-    python benchmarks/launch_soak.py --launches 20 --paths lightning-hierarchical
-    python benchmarks/launch_soak.py --launches 40 --paths gloo            # process group left alive
-    python benchmarks/launch_soak.py --launches 40 --paths gloo --destroy
+    python -m benchmarks.launch_soak --launches 200 --name launch_soak   # the three training paths, round robin
+    python -m benchmarks.launch_soak --launches 20 --paths lightning-hierarchical
+    python -m benchmarks.launch_soak --launches 40 --paths gloo            # process group left alive
+    python -m benchmarks.launch_soak --launches 40 --paths gloo --destroy
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import ROOT, argument_parser, module_command
 
-SCRIPT = Path(__file__).resolve()
 #: path -> (ranks, ranks_per_node): the training paths of the default run
 PATHS: dict[str, tuple[int, int]] = {
     "torch-ddp": (3, 0),
@@ -160,13 +160,13 @@ def _gloo_worker(destroy: bool) -> None:
 def _launch(path: str, ranks: int, ranks_per_node: int, destroy: bool, timeout: float,
             port: int) -> tuple[int, bool, float, str]:
     worker = ["--worker", "--paths", path, "--ranks-per-node", str(ranks_per_node)] + (["--destroy"] if destroy else [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)] + worker
+    cmd = module_command("torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+                         "--master-port", str(port), "-m", __spec__.name, *worker)
     # PYTHONFAULTHANDLER: an abort prints every Python thread's stack, i.e. where the process was when it died
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")
     started = time.perf_counter()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         code, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as err:
         code, output = -1, f"timed out after {timeout} s\n{err.stdout or ''}{err.stderr or ''}"
@@ -190,7 +190,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--launches", type=int, default=30, help="launches in total, shared round robin by --paths")
     parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=list(TRAINING_PATHS))
     parser.add_argument("--ranks", type=int, help="ranks per launch (default: per path, see PATHS)")

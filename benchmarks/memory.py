@@ -10,22 +10,18 @@ buckets, error-feedback buffers, communication workspaces), broken down for Oneb
 resident memory (``ru_maxrss``), and what one more steady-state OnebitAdam step allocates (torch profiler).
 Results: ``results/memory.json``.
 
-    python benchmarks/memory.py --params 25e6
+    python -m benchmarks.memory --params 25e6
 """
 
 from __future__ import annotations
 
-import argparse
 import resource
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import bert_like_shapes, launch, write_results  # noqa: E402
-from lightning_onebit import OnebitAdam  # noqa: E402
+from benchmarks.common import argument_parser, bert_like_shapes, launch, write_results
+from lightning_onebit import OnebitAdam
 
 
 def _storage_bytes(tensors, seen: set[int]) -> int:
@@ -106,7 +102,7 @@ def _run(rank: int, world_size: int, method: str, n_params: float, steps: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--params", type=float, default=25e6)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)

@@ -1,18 +1,19 @@
 """Simulated 2 nodes x 2 ranks on one host: flat vs topology-aware ("hierarchical") 1-bit compression, shaped link.
 
-For each ``--rates`` entry the script (as root) builds a two-node "cluster" out of two network namespaces joined by a
-veth pair: node k is namespace ``mn<pid>r<i>n<k>`` with the veth end ``v<k>`` at 10.77.<i>.<k+1>/24
-and ``lo`` up; both veth ends are shaped with ``tc qdisc add dev v<k> root tbf rate RATE burst 256kb latency 50ms``.
-Traffic between the two ranks of a node goes over that namespace's (unshaped) loopback; only inter-node traffic
-crosses the veth. In each namespace it runs ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 2
---node-rank k --master-addr 10.77.<i>.1 ...`` of this script in worker mode, with ``GLOO_SOCKET_IFNAME=v<k>`` and
-``OMP_NUM_THREADS=1``. Namespaces and links are removed afterwards, also on errors, Ctrl-C and SIGTERM (a SIGKILL of
-this script cannot be caught: then ``ip netns list`` shows the ``mn<pid>...`` names to delete by hand).
+For each ``--rates`` entry the benchmark (as root) builds a two-node "cluster" out of two network namespaces joined
+by a veth pair (``benchmarks.netns.VethPair``): node k is namespace ``mn<pid>r<i>n<k>`` with the veth end ``v<k>`` at
+10.77.<i>.<k+1>/24 and ``lo`` up; both veth ends are shaped with ``tc qdisc add dev v<k> root tbf rate RATE burst
+256kb latency 50ms``. Traffic between the two ranks of a node goes over that namespace's (unshaped) loopback; only
+inter-node traffic crosses the veth. In each namespace it runs ``python -m torch.distributed.run --nnodes 2
+--nproc-per-node 2 --node-rank k --master-addr 10.77.<i>.1 ... -m benchmarks.multinode --worker ...`` from the
+repository root, with ``GLOO_SOCKET_IFNAME=v<k>`` and ``OMP_NUM_THREADS=1``. Namespaces and links are removed
+afterwards, with anything still running in them, also on errors, Ctrl-C and SIGTERM (a SIGKILL of the benchmark
+cannot be caught: then ``ip netns list`` shows the ``mn<pid>...`` names to delete by hand).
 
-The workers train the BERT of benchmarks/slow_link.py (``build_model``, ``RandomBatches``, its optimizer settings and
-its command-line defaults for the model: 6 layers / hidden 384, batch 16 x seq 64 per rank) with plain
-``torch.nn.parallel.DistributedDataParallel`` (gloo, one torch thread per rank, ``broadcast_buffers=False``: BERT's
-buffers are constant position / token-type ids), per method:
+The workers train the BERT of ``benchmarks.slow_link`` (``build_model``, ``RandomBatches``, its optimizer settings,
+and its model settings with their defaults, ``slow_link.model_config``: ``--model minilm``, 6 layers / hidden 384,
+batch 16 x seq 64 per rank) with plain ``torch.nn.parallel.DistributedDataParallel`` (gloo, one torch thread per
+rank, ``broadcast_buffers=False``: BERT's buffers are constant position / token-type ids), per method:
 
   ddp_fp32             DDP's own fp32 allreduce + torch.optim.AdamW (slow_link's implementation, fused)
   onebit_flat          DDP + switchable_allreduce_hook + OnebitAdam(freeze_step=W, topology=Topology.build(...,
@@ -42,17 +43,17 @@ Bytes that cross the link per node per step (inter-node, each direction; "node k
     ``L(P-L)N/(8P) + (P-1)N/(8P)`` (all_to_all + ring all_gather); hierarchical 1-bit ``2(M-1)/M N/8``; also tabulated
     at 2, 4 and 16 nodes x 8 ranks.
 
-Results go to results/<--name>.json (default results/multinode.json); benchmarks/readme_results.py renders them.
+Results go to results/<--name>.json (default results/multinode.json); ``python -m benchmarks.readme_results``
+renders them. Run from the repository root, as root:
 
-    python benchmarks/multinode.py                                   # 200mbit and 50mbit, the full model
-    python benchmarks/multinode.py --rates 200mbit --layers 1 --hidden 64 --steps 3 --name multinode_small
-    python benchmarks/multinode.py --methods ddp_fp32 local_4proc    # without the 1-bit methods
+    python -m benchmarks.multinode                                   # 200mbit and 50mbit, the full model
+    python -m benchmarks.multinode --rates 200mbit --layers 1 --hidden 64 --steps 3 --name multinode_small
+    python -m benchmarks.multinode --methods ddp_fp32 local_4proc    # without the 1-bit methods
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -61,8 +62,6 @@ import json
 import os
 import platform
 import re
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -71,16 +70,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import netns
+from benchmarks.common import ROOT, argument_parser, module_command
 
-SCRIPT = Path(__file__).resolve()
-ROOT = SCRIPT.parent.parent
 METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "local_4proc")
 ONEBIT_MODES = {"onebit_flat": "flat", "onebit_hierarchical": "hierarchical"}
-NODES, RANKS_PER_NODE = 2, 2
+NODES, RANKS_PER_NODE = netns.VETH_NODES, 2
 MASTER_PORT = 29611
 FORMULA_NODES, FORMULA_RANKS_PER_NODE = (2, 4, 16), 8
-MODEL_FLAGS = ("layers", "hidden", "heads", "batch", "seq", "vocab", "adamw")
+MODEL_FLAGS = ("model", "layers", "hidden", "heads", "batch", "seq", "vocab", "adamw")  # slow_link.model_config's
 
 
 # ---------------------------------------------------------------------------------------------------- formulas
@@ -107,34 +105,6 @@ def formula_table(n: int) -> list[dict[str, Any]]:
         rows.append(dict(nodes=m, ranks_per_node=FORMULA_RANKS_PER_NODE, bytes=f,
                          per_parameter={k: v / n for k, v in f.items()}))
     return rows
-
-
-# ---------------------------------------------------------------------------------------------------- defaults
-def slow_link_defaults() -> dict[str, Any]:
-    """The command-line defaults of benchmarks/slow_link.py (model size, batch, AdamW implementation, ...).
-
-    slow_link builds its parser inside ``main()``; this runs ``main()`` with ``parse_args`` intercepted, so the
-    defaults are read from that parser rather than restated here."""
-    from benchmarks import slow_link
-
-    class _Captured(Exception):
-        pass
-
-    captured: dict[str, Any] = {}
-    original = argparse.ArgumentParser.parse_args
-
-    def capture(parser, args=None, namespace=None):
-        captured.update(vars(original(parser, [])))
-        raise _Captured
-
-    argparse.ArgumentParser.parse_args = capture
-    try:
-        slow_link.main()
-    except _Captured:
-        pass
-    finally:
-        argparse.ArgumentParser.parse_args = original
-    return captured
 
 
 # ---------------------------------------------------------------------------------------------------- worker side
@@ -192,7 +162,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from benchmarks.slow_link import LR, WEIGHT_DECAY, RandomBatches, build_model, make_adamw
+    from benchmarks.slow_link import LR, WEIGHT_DECAY, RandomBatches, build_model, make_adamw, model_config_of
     from lightning_onebit import GradientSyncState, OnebitAdam, Topology, switchable_allreduce_hook
 
     torch.set_num_threads(1)
@@ -201,7 +171,7 @@ def _worker(args: argparse.Namespace) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     node_rank, local_rank = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
     (sync_dir / f"pid.{rank}").write_text(str(os.getpid()))
-    cfg = {k: getattr(args, k) for k in MODEL_FLAGS}
+    cfg = model_config_of(args)
     W, U, N = args.warmup_steps, args.untimed, args.steps
     windows = Windows(sync_dir, rank, args.parent_pid, args.collective_timeout)
     out: dict[str, Any] = dict(rank=rank, node_rank=node_rank, local_rank=local_rank, world_size=world_size,
@@ -239,7 +209,7 @@ def _worker(args: argparse.Namespace) -> None:
             out["model"] = dict(params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                                 tensors=sum(1 for p in model.parameters() if p.requires_grad))
         extra: dict[str, Any] = {}
-        meter = None
+        meter: Optional[Any] = None
         if method == "local_4proc":
             opt = make_adamw(model.parameters(), cfg)
         elif method == "ddp_fp32":
@@ -250,12 +220,10 @@ def _worker(args: argparse.Namespace) -> None:
             extra["topology"] = dict(mode=str(topo.mode), num_nodes=topo.num_nodes, ranks_per_node=topo.ranks_per_node)
             model = DDP(model, broadcast_buffers=False)
             opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W, topology=topo)
-            sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
+            sync = GradientSyncState(None, sync_predicate=lambda opt=opt: opt.needs_gradient_allreduce)
             model.register_comm_hook(sync, switchable_allreduce_hook)
-
-            def meter() -> dict[str, dict[str, float]]:
-                return dict(optimizer=_counter_dict(opt.communication), hook=_counter_dict(sync.counters))
-
+            meter = lambda opt=opt, sync=sync: dict(  # noqa: E731
+                optimizer=_counter_dict(opt.communication), hook=_counter_dict(sync.counters))
             warm = steps(model, opt, batches, W)
             extra["warmup_times_s"] = warm["times_s"]
         else:  # pragma: no cover
@@ -281,127 +249,16 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
-def _sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if check and res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {res.returncode}): {res.stderr.strip()}")
-    return res
-
-
-class Cluster:
-    """Two namespaces joined by a shaped veth pair; ``close()`` ends what runs inside and removes everything."""
-
-    _open: list["Cluster"] = []
-
-    def __init__(self, index: int, rate: str, burst: str, latency: str) -> None:
-        tag = f"{os.getpid()}r{index}"
-        self.namespaces = [f"mn{tag}n{k}" for k in range(NODES)]
-        self.tmp_links = [f"mv{tag}{'ab'[k]}"[:15] for k in range(NODES)]  # root-namespace names before the move
-        self.devices = [f"v{k}" for k in range(NODES)]
-        self.addresses = [f"10.77.{index % 256}.{k + 1}" for k in range(NODES)]
-        self.rate, self.burst, self.latency = rate, burst, latency
-        self.procs: list[subprocess.Popen] = []
-        self.closed = False
-        Cluster._open.append(self)
-        try:
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-
-    def _create(self) -> None:
-        for ns in self.namespaces:
-            _sh(["ip", "netns", "add", ns])
-            for key in ("all", "default"):  # no IPv6 neighbour discovery / router solicitations on the veth
-                _sh(["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{key}.disable_ipv6=1"], check=False)
-        _sh(["ip", "link", "add", self.tmp_links[0], "type", "veth", "peer", "name", self.tmp_links[1]])
-        for k, ns in enumerate(self.namespaces):
-            _sh(["ip", "link", "set", self.tmp_links[k], "netns", ns])
-            _sh(["ip", "-n", ns, "link", "set", self.tmp_links[k], "name", self.devices[k]])
-            _sh(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", self.devices[k]])
-            _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _sh(["ip", "-n", ns, "link", "set", self.devices[k], "up"])
-            _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.devices[k], "root", "tbf",
-                 "rate", self.rate, "burst", self.burst, "latency", self.latency])
-
-    def wire(self) -> list[dict[str, int]]:
-        """Per node: the tbf qdisc's sent bytes/packets/drops and the veth's tx/rx bytes/packets."""
-        readings = []
-        for ns, dev in zip(self.namespaces, self.devices):
-            qdisc = json.loads(_sh(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev]).stdout)
-            root = next(q for q in qdisc if q.get("root"))
-            stats = json.loads(_sh(["ip", "-n", ns, "-s", "-j", "link", "show", dev]).stdout)[0]["stats64"]
-            readings.append(dict(qdisc_bytes=root["bytes"], qdisc_packets=root["packets"], qdisc_drops=root["drops"],
-                                 qdisc_overlimits=root["overlimits"], tx_bytes=stats["tx"]["bytes"],
-                                 tx_packets=stats["tx"]["packets"], rx_bytes=stats["rx"]["bytes"],
-                                 rx_packets=stats["rx"]["packets"]))
-        return readings
-
-    def launch(self, k: int, worker_args: list[str], log: Path) -> subprocess.Popen:
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=self.devices[k], OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
-        cmd = ["ip", "netns", "exec", self.namespaces[k], sys.executable, "-m", "torch.distributed.run",
-               "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--node-rank", str(k),
-               "--master-addr", self.addresses[0], "--master-port", str(MASTER_PORT),
-               str(SCRIPT), "--worker", *worker_args]
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def _pids_inside(self) -> list[int]:
-        pids = []
-        for ns in self.namespaces:
-            res = _sh(["ip", "netns", "pids", ns], check=False)
-            pids += [int(p) for p in res.stdout.split()]
-        return [p for p in pids if p != os.getpid()]
-
-    def close(self) -> None:
-        """End the launchers (SIGTERM: torchrun stops its workers), then SIGKILL anything still inside the
-        namespaces, delete them (which deletes both veth ends) and any veth end not yet moved."""
-        if self.closed:
-            return
-        self.closed = True
-        running = [p for p in self.procs if p.poll() is None]
-        for p in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for _ in range(3):  # processes of our namespaces: the launchers and the ranks they started
-            pids = self._pids_inside()
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.3)
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=5)
-        for ns in self.namespaces:
-            _sh(["ip", "netns", "del", ns], check=False)
-        for link in self.tmp_links:
-            if _sh(["ip", "link", "show", link], check=False).returncode == 0:
-                _sh(["ip", "link", "del", link], check=False)
-        with contextlib.suppress(ValueError):
-            Cluster._open.remove(self)
-
-    @classmethod
-    def close_all(cls) -> None:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
-        try:
-            for cluster in list(cls._open):
-                cluster.close()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks that remove the namespaces
+def _launch(cluster: netns.VethPair, k: int, worker_args: list[str], log: Path) -> subprocess.Popen:
+    """torchrun of the workers of node ``k`` inside its namespace, from the repository root; output to ``log``."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=cluster.devices[k], OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    cmd = module_command("torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE),
+                         "--node-rank", str(k), "--master-addr", cluster.addresses[0],
+                         "--master-port", str(MASTER_PORT), "-m", __spec__.name, "--worker", *worker_args)
+    with open(log, "wb") as f:
+        return cluster.popen(cmd, cluster.namespaces[k], env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -424,12 +281,11 @@ def run_rate(index: int, rate: str, args: argparse.Namespace) -> dict[str, Any]:
     """One launch pair on a fresh cluster shaped at ``rate``; per-rank results and the veth readings per window."""
     with tempfile.TemporaryDirectory(prefix="multinode_") as tmp:
         sync_dir = Path(tmp)
-        cluster = Cluster(index, rate, args.burst, args.latency)
-        try:
+        with netns.VethPair(index, rate, args.burst, args.latency) as cluster:
             logs = [sync_dir / f"node{k}.log" for k in range(NODES)]
             readings: dict[str, dict[str, Any]] = {}
             initial = cluster.wire()
-            procs = [cluster.launch(k, _worker_args(args, tmp), logs[k]) for k in range(NODES)]
+            procs = [_launch(cluster, k, _worker_args(args, tmp), logs[k]) for k in range(NODES)]
             started = time.monotonic()
             seen: set[str] = set()
             failure = None
@@ -463,8 +319,6 @@ def run_rate(index: int, rate: str, args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"{rate}: {failure}")
             per_rank = [json.loads((sync_dir / f"rank{r}.json").read_text()) for r in range(NODES * RANKS_PER_NODE)]
             final = cluster.wire()
-        finally:
-            cluster.close()
     return dict(per_rank=per_rank, wire=readings, wire_initial=initial, wire_final=final,
                 namespaces=cluster.namespaces, addresses=cluster.addresses)
 
@@ -588,48 +442,28 @@ def print_formulas(n_params: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- command line
-def _system_problems() -> list[str]:
-    problems = []
-    if os.geteuid() != 0:
-        problems.append("must run as root (it creates network namespaces, a veth pair and tc qdiscs)")
-    missing = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
-    if missing:
-        problems.append(f"needs the iproute2 tools (ip, tc), not found: {', '.join(missing)}")
-    return problems
-
-
 def parse_args() -> argparse.Namespace:
     argv = sys.argv[1:]
     if "--worker" not in argv and not {"-h", "--help"} & set(argv):
-        problems = _system_problems()  # before the slow imports (torch, transformers)
+        problems = netns.problems()  # before the slow imports (torch, transformers)
         if problems:
-            sys.exit(f"{SCRIPT.name}: error: {'; '.join(problems)}")
-    defaults = slow_link_defaults()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+            sys.exit(f"python -m {__spec__.name}: error: {'; '.join(problems)}")
+    from benchmarks.slow_link import add_model_arguments
+
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--rates", default="200mbit,50mbit",
                         help="comma-separated tbf rates, one cluster each, run in turn (default 200mbit,50mbit)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
                         help="subset of methods, run in this order (default all)")
-    parser.add_argument("--layers", type=int, default=defaults["layers"],
-                        help=f"BERT layers (slow_link's default {defaults['layers']})")
-    parser.add_argument("--hidden", type=int, default=defaults["hidden"],
-                        help=f"BERT hidden size (slow_link's default {defaults['hidden']})")
-    parser.add_argument("--heads", type=int, default=defaults["heads"], help="attention heads (default hidden/64)")
-    parser.add_argument("--batch", type=int, default=defaults["batch"],
-                        help=f"sequences per rank per step (slow_link's default {defaults['batch']})")
-    parser.add_argument("--seq", type=int, default=defaults["seq"],
-                        help=f"sequence length (slow_link's default {defaults['seq']})")
-    parser.add_argument("--vocab", type=int, default=defaults["vocab"], help=argparse.SUPPRESS)
-    parser.add_argument("--adamw", default=defaults["adamw"], choices=("fused", "foreach", "forloop"),
-                        help=f"AdamW of ddp_fp32 / local_4proc (slow_link's default {defaults['adamw']})")
+    add_model_arguments(parser)  # slow_link's model settings and their defaults
     parser.add_argument("--warmup-steps", type=int, default=2,
                         help="W: OnebitAdam freeze_step; its warmup steps are untimed (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per method (default 8)")
     parser.add_argument("--untimed", type=int, default=2, help="untimed steps before the timed ones (default 2)")
     parser.add_argument("--calibration-barriers", type=int, default=20,
                         help="bare barriers in the calibration window that measures a barrier's bytes (default 20)")
-    parser.add_argument("--burst", default="256kb", help="tbf burst (default 256kb)")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (default 50ms)")
+    parser.add_argument("--burst", default=netns.BURST, help=f"tbf burst (default {netns.BURST})")
+    parser.add_argument("--latency", default=netns.LATENCY, help=f"tbf latency (default {netns.LATENCY})")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per rate before the run is killed")
     parser.add_argument("--collective-timeout", type=float, default=1800, help=argparse.SUPPRESS)
     parser.add_argument("--name", default="multinode", help="results/<name>.json (default multinode)")
@@ -641,7 +475,7 @@ def parse_args() -> argparse.Namespace:
         parser.error("--warmup-steps, --steps, --untimed and --calibration-barriers must be >= 1")
     if args.worker:
         return args
-    problems = _system_problems()
+    problems = netns.problems()
     if problems:
         parser.error("; ".join(problems))
     args.rate_list = [r.strip() for r in args.rates.split(",") if r.strip()]
@@ -659,12 +493,11 @@ def main() -> None:
     import torch
 
     from benchmarks.common import write_results
+    from benchmarks.slow_link import model_config_of
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGHUP, _on_signal)
-    atexit.register(Cluster.close_all)
     started = time.perf_counter()
-    cfg = {k: getattr(args, k) for k in (*MODEL_FLAGS, "warmup_steps", "steps", "untimed", "calibration_barriers")}
+    cfg = dict(model_config_of(args),  # the --model preset's layers and vocabulary, unless given
+               **{k: getattr(args, k) for k in ("warmup_steps", "steps", "untimed", "calibration_barriers")})
     payload: dict[str, Any] = dict(
         args={k: v for k, v in vars(args).items() if k not in ("worker", "sync_dir", "parent_pid")},
         config=dict(cfg, methods=list(args.methods)),
@@ -687,7 +520,7 @@ def main() -> None:
                                           wire_initial=run["wire_initial"], wire_final=run["wire_final"])
             print_rate(rate, summary, args)
     finally:
-        Cluster.close_all()
+        netns.close_all()  # each rate's cluster is closed when its run ends; this is for an interrupted one
     n_params = payload["model"]["params"]
     payload["formulas"] = dict(this_run=formula_bytes_per_node(n_params, NODES, RANKS_PER_NODE),
                                table=formula_table(n_params))

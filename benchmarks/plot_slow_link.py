@@ -1,4 +1,4 @@
-"""Plot results/slow_link.json (from benchmarks/slow_link.py) to results/slow_link.png.
+"""Plot results/slow_link.json (from ``python -m benchmarks.slow_link``) to results/slow_link.png.
 
 Three panels:
   1. measured: median step time per method at each link rate (onebit_adam's warmup and compression stages as separate
@@ -8,13 +8,12 @@ Three panels:
      measured per-step bytes of each stage;
   3. derived: cumulative wall time of the same run at each rate, from the measured median step times.
 
-    python benchmarks/plot_slow_link.py
-    python benchmarks/plot_slow_link.py --total-steps 1000 --warmup-fraction 0.2
+    python -m benchmarks.plot_slow_link
+    python -m benchmarks.plot_slow_link --total-steps 1000 --warmup-fraction 0.2
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+from benchmarks.common import RESULTS_DIR, argument_parser  # noqa: E402
+
 BARS = (  # row key in the results, label, colour
     ("ddp_fp32", "DDP fp32 + AdamW", "tab:red"),
     ("ddp_bf16", "DDP bf16 hook + AdamW", "tab:orange"),
@@ -63,7 +63,7 @@ def _cumulative(per_step_warmup: float, per_step_steady: float, total: int, warm
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--input", type=Path, default=RESULTS_DIR / "slow_link.json")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "slow_link.png")
     parser.add_argument("--total-steps", type=int, default=1000, help="steps of the derived training run (1000)")

@@ -4,13 +4,12 @@ Each table in the README sits between ``<!-- results:NAME -->`` and ``<!-- /resu
 every NAME from its results file and rewrites the README in place. ``--check`` only compares (exit status 1 when the
 README is stale); the test suite runs that check, so a table cannot drift from the figures it claims.
 
-    python benchmarks/readme_results.py            # rewrite README.md
-    python benchmarks/readme_results.py --check    # verify only
+    python -m benchmarks.readme_results            # rewrite README.md
+    python -m benchmarks.readme_results --check    # verify only
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -18,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "results"
+from benchmarks.common import RESULTS_DIR, ROOT, argument_parser
+
+RESULTS = RESULTS_DIR
 README = ROOT / "README.md"
 MIB = 2**20
 
@@ -384,9 +384,9 @@ def _multinode_goals(data: dict[str, Any]) -> list[str]:
 
 
 def multinode_table(name: str = "multinode", with_formulas: bool = True) -> str:
-    """Simulated 2 nodes x 2 ranks (benchmarks/multinode.py): step time per link rate, bytes leaving each node per
-    step from the counters, the veth and the formula; then the formula at 2, 4 and 16 nodes x 8 ranks, and the
-    goals."""
+    """Simulated 2 nodes x 2 ranks (``python -m benchmarks.multinode``): step time per link rate, bytes leaving each
+    node per step from the counters, the veth and the formula; then the formula at 2, 4 and 16 nodes x 8 ranks, and
+    the goals."""
     data = _load(name)
     rates = list(data["rates"])
     cfg, env = data["config"], data["environment"]
@@ -455,7 +455,6 @@ _TIME_MODEL_NICS = (("100 Gbit/s", 12.5e9), ("10 Gbit/s", 1.25e9))
 
 def topology_model_table() -> str:
     """The README's time model, evaluated (pure formulas, lightning_onebit.bytes_leaving_node)."""
-    sys.path.insert(0, str(ROOT))
     from lightning_onebit import bytes_leaving_node
 
     n, per_node = _TIME_MODEL_PARAMS, 8
@@ -503,8 +502,8 @@ def advisor_table() -> str:
 
 
 def own_data_table() -> str:
-    """The new-user run (benchmarks/own_data.py): a pretrained model and TSV files, AdamW against 1-bit Adam, and 1-bit
-    Adam with the word embeddings averaged in full precision."""
+    """The new-user run (``python -m benchmarks.own_data``): a pretrained model and TSV files, AdamW against 1-bit
+    Adam, and 1-bit Adam with the word embeddings averaged in full precision."""
     data = _load("own_data")
     names = [n for n in ("adamw", "onebit_adam", "onebit_adam_full_precision_embeddings") if n in data["runs"]]
     runs = [data["runs"][n] for n in names]
@@ -585,14 +584,14 @@ def render(readme: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from the results")
     args = parser.parse_args()
     current = README.read_text()
     updated = render(current)
     if args.check:
         if updated != current:
-            print("README.md result tables are stale: run python benchmarks/readme_results.py", file=sys.stderr)
+            print("README.md result tables are stale: run python -m benchmarks.readme_results", file=sys.stderr)
             sys.exit(1)
         print("README.md result tables match results/")
         return

@@ -35,11 +35,12 @@ Compared in one run, per link rate:
   floor           one process, no communication, the same per-rank batch (the issue's compute floor; run once,
                   outside any namespace)
 
-Each link rate runs in its own network namespace whose loopback is shaped with a token bucket filter:
-``ip netns add NAME; ip netns exec NAME ip link set lo up; ip netns exec NAME tc qdisc add dev lo root tbf rate RATE
-burst 256kb latency 50ms``; the ranks run under ``ip netns exec NAME`` on 127.0.0.1 and the namespace is deleted
-afterwards (also on errors). On loopback both ranks' traffic passes the one shaped device, so RATE is the *aggregate*
-bandwidth of the 2-rank link (a 91 MB fp32 ring allreduce moves 2 x 91 MB through it: ~1.5 s at 1 Gbit/s).
+Each link rate runs in its own network namespace whose loopback is shaped with a token bucket filter
+(``benchmarks.netns.ShapedLoopback``: ``ip netns add NAME; ip netns exec NAME ip link set lo up; ip netns exec NAME tc
+qdisc add dev lo root tbf rate RATE burst 256kb latency 50ms``); the ranks run under ``ip netns exec NAME`` on
+127.0.0.1 and the namespace is deleted afterwards, with anything still running in it (also on errors, Ctrl-C and
+SIGTERM). On loopback both ranks' traffic passes the one shaped device, so RATE is the *aggregate* bandwidth of the
+2-rank link (a 91 MB fp32 ring allreduce moves 2 x 91 MB through it: ~1.5 s at 1 Gbit/s).
 
 Each method runs in its own fresh pair of rank processes (one after another in the same processes, a method was
 measured up to 2x slower than alone). Per method: ``--untimed`` steps untimed, then the median of ``--steps`` timed steps (forward + backward + optimizer
@@ -62,30 +63,31 @@ inside the DDP hooks during backward (``hook_ms_per_step``). The model info reco
 buckets (observed after its bucket rebuild) and the share of gradient elements in its LAST bucket: that bucket is
 ready only at the end of backward, so its exchange cannot hide behind backward; only the rest can.
 
-Results go to results/slow_link.json; ``python benchmarks/plot_slow_link.py`` draws results/slow_link.png.
+The model settings and their defaults (``--model``, ``--layers``, ``--hidden``, ``--heads``, ``--batch``, ``--seq``,
+``--vocab``, ``--adamw``) are those of :func:`model_config`, which ``benchmarks.multinode`` uses too.
 
-    python benchmarks/slow_link.py                                  # 1gbit and 200mbit, 6 layers / 384 hidden
-    python benchmarks/slow_link.py --model deep --rate 200mbit --name slow_link_overlap_deep \
+Results go to results/slow_link.json; ``python -m benchmarks.plot_slow_link`` draws results/slow_link.png. Run from
+the repository root (as root, for the namespaces):
+
+    python -m benchmarks.slow_link                                  # 1gbit and 200mbit, 6 layers / 384 hidden
+    python -m benchmarks.slow_link --model deep --rate 200mbit --name slow_link_overlap_deep \
         --methods ddp_powersgd onebit_adam onebit_overlap local_2proc floor
-    python benchmarks/slow_link.py --name slow_link_family \
+    python -m benchmarks.slow_link --name slow_link_family \
         --methods ddp_fp32 onebit_adam zeroone_adam onebit_lamb local_2proc floor
-    python benchmarks/slow_link.py --rate 1gbit --layers 2 --hidden 128 --steps 3
-    python benchmarks/slow_link.py --no-netns                        # plain (unshaped) loopback
+    python -m benchmarks.slow_link --rate 1gbit --layers 2 --hidden 128 --steps 3
+    python -m benchmarks.slow_link --no-netns                        # plain (unshaped) loopback
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
+import inspect
 import json
 import os
 import platform
 import re
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -94,9 +96,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import launch, write_results  # noqa: E402
-from lightning_onebit import (  # noqa: E402
+from benchmarks import netns
+from benchmarks.common import ROOT, argument_parser, launch, module_command, write_results
+from lightning_onebit import (
     CompressedOptimizer,
     GradientSyncState,
     OnebitAdam,
@@ -106,7 +108,6 @@ from lightning_onebit import (  # noqa: E402
     switchable_allreduce_hook,
 )
 
-SCRIPT = Path(__file__).resolve()
 DIST_METHODS = (
     "ddp_fp32", "ddp_bf16", "ddp_powersgd", "onebit_adam", "onebit_overlap", "onebit_lamb", "zeroone_adam", "local_2proc"
 )
@@ -120,6 +121,7 @@ PRESETS = {  # --model: layers and vocabulary rows at hidden PRESET_HIDDEN (word
     "deep": dict(layers=12, vocab=5696),  # 23.8M parameters, embeddings 10.0%: about as many parameters as minilm
 }
 PRESET_HIDDEN = 384
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "forloop")  # --adamw: torch.optim.AdamW(fused=True / foreach=True / False)
 # Step-time goals: (label, numerator row, denominator row, comparison, target, link rate, model presets or None).
 # Each is marked met / NOT met only at the link rate its issue sets it at (other rates show the value for reference),
 # and a goal with presets only on those presets unmodified (--layers / --vocab / --hidden as the preset has them).
@@ -141,6 +143,61 @@ EXPOSED_GOAL = ("exposed exchange reduction by overlap", "200mbit", ("minilm",))
 
 
 # ---------------------------------------------------------------------------------------------------- model and data
+def model_config(model: str = "minilm", layers: Optional[int] = None, hidden: int = PRESET_HIDDEN,
+                 heads: Optional[int] = None, batch: int = 16, seq: int = 64, vocab: Optional[int] = None,
+                 adamw: str = "fused") -> dict[str, Any]:
+    """The model, data and AdamW settings of a run, as :func:`build_model`, :class:`RandomBatches` and
+    :func:`make_adamw` read them: BERT ``layers`` / ``hidden`` / ``heads`` (None: hidden / 64) / ``vocab`` rows,
+    ``batch`` sequences of ``seq`` tokens per rank, the ``adamw`` implementation of the baselines. ``layers`` and
+    ``vocab`` left None come from the ``model`` preset (:data:`PRESETS`); ``model_is_preset`` tells whether the result
+    is the preset unmodified. These defaults are the command-line defaults of slow_link and multinode
+    (:data:`MODEL_DEFAULTS`, :func:`add_model_arguments`)."""
+    if model not in PRESETS:
+        raise ValueError(f"model {model!r}: expected one of {', '.join(sorted(PRESETS))}")
+    if adamw not in ADAMW_IMPLEMENTATIONS:
+        raise ValueError(f"adamw {adamw!r}: expected one of {', '.join(ADAMW_IMPLEMENTATIONS)}")
+    preset = PRESETS[model]
+    layers = preset["layers"] if layers is None else layers
+    vocab = preset["vocab"] if vocab is None else vocab
+    is_preset = layers == preset["layers"] and vocab == preset["vocab"] and hidden == PRESET_HIDDEN
+    return dict(model=model, model_is_preset=is_preset, layers=layers, hidden=hidden, heads=heads, batch=batch,
+                seq=seq, vocab=vocab, adamw=adamw)
+
+
+#: :func:`model_config`'s parameters and their defaults (the one place they are set)
+MODEL_DEFAULTS: dict[str, Any] = {
+    name: p.default for name, p in inspect.signature(model_config).parameters.items()
+}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--layers``, ``--hidden``, ``--heads``, ``--batch``, ``--seq``, ``--vocab``, ``--adamw``: the
+    parameters of :func:`model_config`, with its defaults."""
+    d = MODEL_DEFAULTS
+    parser.add_argument("--model", choices=sorted(PRESETS), default=d["model"],
+                        help="preset layers and vocabulary: minilm (6 layers, vocabulary 30522, embeddings 52%% of "
+                             "the parameters) or deep (12 layers, vocabulary 5696, embeddings 10%%); "
+                             f"default {d['model']}")
+    parser.add_argument("--layers", type=int, default=d["layers"], help="BERT layers (default: the --model preset's)")
+    parser.add_argument("--hidden", type=int, default=d["hidden"], help=f"BERT hidden size (default {d['hidden']})")
+    parser.add_argument("--heads", type=int, default=d["heads"], help="attention heads (default hidden/64)")
+    parser.add_argument("--batch", type=int, default=d["batch"],
+                        help=f"sequences per rank per step (default {d['batch']})")
+    parser.add_argument("--seq", type=int, default=d["seq"], help=f"sequence length (default {d['seq']})")
+    parser.add_argument("--vocab", type=int, default=d["vocab"], help="vocabulary size (default: the --model preset's)")
+    parser.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default=d["adamw"],
+                        help=f"torch.optim.AdamW implementation of the fp32 baselines (default {d['adamw']}, "
+                             "the fastest on CPU; torch's CPU default is forloop)")
+
+
+def model_config_of(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`model_config` of parsed :func:`add_model_arguments`; also writes the preset's ``layers`` / ``vocab``
+    into ``args`` where they were left unset (so that workers get them explicitly)."""
+    cfg = model_config(**{name: getattr(args, name) for name in MODEL_DEFAULTS})
+    args.layers, args.vocab = cfg["layers"], cfg["vocab"]
+    return cfg
+
+
 def build_model(cfg: dict) -> torch.nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -247,9 +304,7 @@ def _tc_sent_bytes() -> Optional[int]:
     """Bytes the shaped loopback of this network namespace has sent so far (None outside a shaped namespace)."""
     if not os.environ.get("SLOW_LINK_NETNS"):
         return None
-    out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
-    match = re.search(r"Sent (\d+) bytes", out)
-    return int(match.group(1)) if match else None
+    return netns.qdisc_stats("lo")["bytes"]
 
 
 def _barrier() -> None:
@@ -445,7 +500,7 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             optimizer_class = OnebitAdam if method == "onebit_adam" else OnebitLamb
             opt = optimizer_class(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=W,
                                   bucket_cap_mb=cfg["onebit_bucket_cap_mb"])
-            sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
+            sync = GradientSyncState(None, sync_predicate=lambda opt=opt: opt.needs_gradient_allreduce)
             model.register_comm_hook(sync, switchable_allreduce_hook)
             meter = _onebit_meter(opt, sync.counters)
             phases.append(run_steps(model, opt, batches, W, "warmup", meter, wire=wire))
@@ -458,7 +513,7 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             opt = ZeroOneAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, var_freeze_step=W,
                               var_update_scaler=W, local_step_scaler=1, local_step_clipper=ZEROONE_CLIPPER,
                               bucket_cap_mb=cfg["onebit_bucket_cap_mb"])
-            sync = GradientSyncState(None, sync_predicate=lambda: opt.needs_gradient_allreduce)
+            sync = GradientSyncState(None, sync_predicate=lambda opt=opt: opt.needs_gradient_allreduce)
             model.register_comm_hook(sync, switchable_allreduce_hook)
             meter = _onebit_meter(opt, sync.counters)
             phases.append(run_steps(model, opt, batches, W, "warmup", meter, wire=wire))
@@ -699,25 +754,8 @@ def _print_table(rate: str, summary: dict) -> None:
         print(f"  {g['goal']:40s}{g['value']:>8.2f}   goal {g['target']:<8s} {verdict}")
 
 
-def _sh(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-@contextlib.contextmanager
-def shaped_namespace(name: str, rate: str, burst: str, latency: str):
-    """A network namespace whose loopback is up and shaped by a tbf qdisc; deleted on exit, also on errors."""
-    _sh(["ip", "netns", "add", name])
-    try:
-        _sh(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"])
-        _sh(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-             "rate", rate, "burst", burst, "latency", latency])
-        yield name
-    finally:
-        _sh(["ip", "netns", "del", name], check=False)
-
-
 def _worker_command(args: argparse.Namespace, mode: str, out: str, methods: Optional[list[str]] = None) -> list[str]:
-    cmd = [sys.executable, str(SCRIPT), mode, "--out", out]
+    cmd = module_command(__spec__.name, mode, "--out", out)
     for flag in ("model", "layers", "hidden", "heads", "batch", "seq", "vocab", "warmup_steps", "steps", "untimed",
                  "adamw", "onebit_bucket_cap_mb"):
         value = getattr(args, flag)
@@ -727,7 +765,8 @@ def _worker_command(args: argparse.Namespace, mode: str, out: str, methods: Opti
     return cmd
 
 
-def _run_methods_apart(args: argparse.Namespace, tmp: str, rate: str, netns: Optional[str]) -> list[dict]:
+def _run_methods_apart(args: argparse.Namespace, tmp: str, rate: str,
+                       space: Optional[netns.ShapedLoopback]) -> list[dict]:
     """Each distributed method in its own pair of fresh rank processes, the per-rank results merged. In one pair of
     processes a method ran up to 2x slower after another (measured: 1-bit LAMB 1.69 s/step first, 2.55 s after
     1-bit Adam; 1-bit Adam 1.26 s first, 1.75 s after LAMB), so methods run in the same processes were not compared
@@ -735,7 +774,7 @@ def _run_methods_apart(args: argparse.Namespace, tmp: str, rate: str, netns: Opt
     merged: list[dict] = []
     for method in [m for m in args.methods if m in DIST_METHODS]:
         out = os.path.join(tmp, f"{re.sub(r'[^A-Za-z0-9]', '', rate)}_{method}.json")
-        per_rank = _run_worker(_worker_command(args, "--worker", out, [method]), out, args.timeout, netns=netns)
+        per_rank = _run_worker(_worker_command(args, "--worker", out, [method]), out, args.timeout, space)
         if not merged:
             merged = per_rank
             continue
@@ -746,74 +785,47 @@ def _run_methods_apart(args: argparse.Namespace, tmp: str, rate: str, netns: Opt
     return merged
 
 
-def _run_worker(cmd: list[str], out: str, timeout: float, netns: Optional[str] = None) -> list[dict]:
+def _run_worker(cmd: list[str], out: str, timeout: float, space: Optional[netns.ShapedLoopback] = None) -> list[dict]:
+    """Run a worker (inside ``space``, or on the host) from the repository root; its per-rank results. On a timeout
+    or an error the worker's process group (its spawned ranks too) is killed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                PYTHONUNBUFFERED="1")
-    if netns:
-        env["SLOW_LINK_NETNS"] = netns
-        cmd = ["ip", "netns", "exec", netns, *cmd]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except BaseException:
-        # the workers (and their spawned ranks) are our own process group: end exactly that group
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        proc.wait()
-        raise
-    if rc != 0:
-        raise RuntimeError(f"worker failed with exit code {rc}: {' '.join(cmd)}")
+    if space is not None:
+        env["SLOW_LINK_NETNS"] = space.name
+    netns.run(cmd, timeout=timeout, inside=space, env=env, cwd=ROOT)
     return json.loads(Path(out).read_text())
 
 
 def _config(args: argparse.Namespace) -> dict:
-    preset = PRESETS[args.model]
-    is_preset = args.layers == preset["layers"] and args.vocab == preset["vocab"] and args.hidden == PRESET_HIDDEN
-    return dict(model=args.model, model_is_preset=is_preset, layers=args.layers, hidden=args.hidden,
-                heads=args.heads, batch=args.batch, seq=args.seq, vocab=args.vocab, warmup_steps=args.warmup_steps,
-                steps=args.steps, untimed=args.untimed, adamw=args.adamw,
+    return dict(model_config_of(args), warmup_steps=args.warmup_steps, steps=args.steps, untimed=args.untimed,
                 onebit_bucket_cap_mb=args.onebit_bucket_cap_mb, methods=list(args.methods))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argument_parser(__spec__.name, __doc__)
     parser.add_argument("--rate", nargs="+", default=["1gbit", "200mbit"],
                         help="tbf rates, one namespace each, run in turn (default: 1gbit 200mbit)")
-    parser.add_argument("--model", choices=sorted(PRESETS), default="minilm",
-                        help="preset layers and vocabulary: minilm (6 layers, vocabulary 30522, embeddings 52%% of "
-                             "the parameters) or deep (12 layers, vocabulary 5696, embeddings 10%%); default minilm")
-    parser.add_argument("--layers", type=int, default=None, help="BERT layers (default: the --model preset's)")
-    parser.add_argument("--hidden", type=int, default=PRESET_HIDDEN, help="BERT hidden size (default 384)")
-    parser.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step (default 16)")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
-    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the --model preset's)")
+    add_model_arguments(parser)
     parser.add_argument("--warmup-steps", type=int, default=5,
                         help="W: OnebitAdam freeze_step and PowerSGD start_powerSGD_iter (default 5)")
     parser.add_argument("--steps", type=int, default=8, help="N: timed steps per method and stage (default 8)")
     parser.add_argument("--untimed", type=int, default=2, help="untimed steps before the timed ones (default 2)")
-    parser.add_argument("--adamw", choices=("fused", "foreach", "forloop"), default="fused",
-                        help="torch.optim.AdamW implementation of the baselines and the floor (default fused, the "
-                             "fastest on CPU; torch's CPU default is forloop)")
     parser.add_argument("--methods", nargs="+", default=[*DIST_METHODS, "floor"],
                         choices=[*DIST_METHODS, "floor"], help="subset of methods (default all)")
     parser.add_argument("--onebit-bucket-cap-mb", type=float, default=25.0,
                         help="OnebitAdam bucket_cap_mb: size of the compressed momentum buckets (default 25)")
     parser.add_argument("--no-netns", action="store_true", help="plain unshaped loopback, no namespace")
-    parser.add_argument("--burst", default="256kb", help="tbf burst (default 256kb)")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (default 50ms)")
+    parser.add_argument("--burst", default=netns.BURST, help=f"tbf burst (default {netns.BURST})")
+    parser.add_argument("--latency", default=netns.LATENCY, help=f"tbf latency (default {netns.LATENCY})")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker run before it is killed")
     parser.add_argument("--name", default="slow_link", help="results/<name>.json (default slow_link)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for key, value in PRESETS[args.model].items():  # explicit --layers / --vocab override the preset
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     if args.warmup_steps < 1 or args.steps < 1 or args.untimed < 1:
         parser.error("--warmup-steps, --steps and --untimed must be >= 1")
-    cfg = _config(args)
+    cfg = _config(args)  # explicit --layers / --vocab override the --model preset
 
     if args.worker or args.worker_floor:  # inside the namespace (or for the floor, outside): run and write results
         fn, world_size = (_bench_ranks, WORLD_SIZE) if args.worker else (_floor_rank, 1)
@@ -821,9 +833,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results))
         return
 
-    if not args.no_netns:
-        if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
-            parser.error("network namespaces need root and the ip/tc tools; use --no-netns for plain loopback")
+    if not args.no_netns and netns.problems():
+        parser.error(f"{'; '.join(netns.problems())}; use --no-netns for plain loopback")
     rates = ["loopback"] if args.no_netns else args.rate
     started = time.perf_counter()
     payload: dict[str, Any] = dict(
@@ -851,9 +862,8 @@ def main() -> None:
             if args.no_netns:
                 per_rank = _run_methods_apart(args, tmp, rate, None)
             else:
-                name = f"slowlink{os.getpid()}_{re.sub(r'[^A-Za-z0-9]', '', rate)}"
-                with shaped_namespace(name, rate, args.burst, args.latency):
-                    per_rank = _run_methods_apart(args, tmp, rate, name)
+                with netns.ShapedLoopback("slowlink", rate, args.burst, args.latency) as space:
+                    per_rank = _run_methods_apart(args, tmp, rate, space)
             # the ranks' model info carries the DDP buckets they observed; the floor's only the analytic ones
             payload["model"] = per_rank[0].get("model") or payload.get("model")
             summary = summarise(per_rank, floor, cfg, rate)

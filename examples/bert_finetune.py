@@ -86,7 +86,8 @@ def make_reviews(n: int, seed: int) -> list[tuple[str, int]]:
     No single token decides the label: every adjective occurs in both classes because negators flip a clause, and
     two-clause reviews need word order: ``A and B`` (same polarity), ``A but B`` (B decides, A is opposite),
     ``although A, B`` (B decides, A is opposite). A bag-of-words model therefore stays far from solving it
-    (``benchmarks/bert_parity.py --bag-of-words`` measures it); a small transformer learns it in a few hundred steps.
+    (``python -m benchmarks.bert_parity --bag-of-words`` measures it); a small transformer learns it in a few hundred
+    steps.
     """
     rng = random.Random(seed)
     reviews = []
