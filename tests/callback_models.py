@@ -91,7 +91,3 @@ class GrownVocabRegressor(TokenRegressor):
         grown = torch.zeros(self.emb.num_embeddings, DIM, dtype=weight.dtype)
         grown[: weight.shape[0]] = weight
         checkpoint["state_dict"]["emb.weight"] = grown
-
-
-def flat_params(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])

@@ -1,6 +1,6 @@
 """Detectors for what CPU tests cannot otherwise see of CUDA and NCCL (issue 24, part 2).
 
-Three tools, each usable in any test:
+Four tools, each usable in any test:
 
 * :class:`HostSyncCounter`: counts host synchronisations, i.e. every place where the host reads a tensor's value
   (``float(t)``, ``bool(t)``, ``t.item()``, ``t.tolist()``, ``nonzero``, boolean-mask indexing, ...). On CUDA each
@@ -16,12 +16,15 @@ Three tools, each usable in any test:
 * :class:`CollectiveRecorder`: records, per process, every collective issued through ``torch.distributed`` with its
   process group and op, so that tests can compare the merged sequence across ranks (NCCL requires that operations on
   different communicators are issued in the same order on every rank).
+* :class:`CountCollectives`: counts the outermost ``torch.distributed`` collectives a block issues, with the bytes of
+  their tensor arguments (the comm tests' count of collectives per call and their byte accounting).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -739,3 +742,47 @@ def first_divergence(sequences: Sequence[Sequence[Collective]]) -> Optional[str]
         window = ", ".join(str(c) for c in seq[max(0, at - 2) : at + 4])
         lines.append(f"  rank {rank} ({len(seq)} calls): ... {window} ...")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- collective count
+#: The ``torch.distributed`` functions a :class:`CountCollectives` counts.
+_COUNTED = (
+    "all_to_all_single", "all_to_all", "all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce",
+    "broadcast", "reduce", "reduce_scatter_tensor", "reduce_scatter", "gather", "scatter", "send", "recv", "isend",
+    "irecv", "barrier",
+)
+
+
+class CountCollectives:
+    """Replaces the collectives on the ``torch.distributed`` module by counting wrappers (outermost calls only)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int]]] = []
+        self._depth = 0
+        self._saved: dict[str, Any] = {}
+
+    def _wrap(self, name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if self._depth == 0:
+                nbytes = [a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)]
+                self.calls.append((name, nbytes))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return wrapper
+
+    def __enter__(self) -> "CountCollectives":
+        for name in _COUNTED:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self._saved[name] = fn
+                setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)

@@ -1,4 +1,5 @@
-"""Device-generic scenarios of the GPU suite (``tests/test_gpu.py``), module level so that spawned ranks can run them.
+"""Device-generic scenarios of the GPU suite (``tests/gpu/test_gpu.py``), module level so that spawned ranks can run
+them.
 
 Each takes the device as an argument: the GPU suite runs them on ``cuda``; they also run on ``cpu``, which is how their
 logic is checked on machines without a GPU.
@@ -14,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
-from tests.optim_models import EmbeddingNet, Net, rank_batch
+from tests.optim_models import EmbeddingNet, Net, rank_batch, token_batch
 
 FREEZE = 3
 
@@ -73,9 +74,7 @@ def overlap_scenario(rank: int, world_size: int, device: str, steps: int = 9) ->
         state = OverlapState(ddp, opt, enabled=enabled)
         ddp.register_comm_hook(state, overlapped_exchange_hook)
         for step in range(steps):
-            g = torch.Generator().manual_seed(1000 * rank + step)
-            x = torch.randint(0, 40, (8, 5), generator=g).to(device)
-            y = torch.randint(0, 2, (8,), generator=g).to(device)
+            x, y = (t.to(device) for t in token_batch(rank, step))
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
             opt.zero_grad()

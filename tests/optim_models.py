@@ -59,3 +59,10 @@ class EmbeddingNet(nn.Module):
         for layer in self.layers:
             h = torch.tanh(layer(h))
         return self.head(h)
+
+
+def token_batch(rank: int, step: int, vocab: int = EmbeddingNet.vocab) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at step ``step`` for :class:`EmbeddingNet` (and nets like it): 8 sequences of 5 token ids
+    below ``vocab`` and their 2-way labels, different on every rank and step."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, vocab, (8, 5), generator=g), torch.randint(0, 2, (8,), generator=g)

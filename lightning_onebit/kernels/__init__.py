@@ -252,7 +252,7 @@ def frozen_adam_update_(
     ``frozen=True`` says that ``exp_avg_sqs`` will not change before the next call (the compression stage): the torch
     path then caches the denominators (:func:`frozen_adam_denominators`, one tensor per variance while it lives) and
     updates in two passes instead of five, with the same bits. The C kernel ignores it: its one pass reads ``v``
-    where a cached denominator would be read instead, the same memory traffic (``benchmarks/kernels.py`` measures
+    where a cached denominator would be read instead, the same memory traffic (``python -m benchmarks.kernels`` measures
     both), so it keeps no cache and no extra memory.
     """
     if not len(params) == len(exp_avgs) == len(exp_avg_sqs):

@@ -1,4 +1,5 @@
-"""A minimal LightningCLI app used by tests/test_cli.py: a regression model whose optimizer comes from the config."""
+"""A minimal LightningCLI app used by tests/strategy/test_cli.py: a regression model whose optimizer comes from the
+config."""
 
 import json
 import os

@@ -2,7 +2,7 @@
 
 A one-GPU machine cannot run two NCCL ranks. torch's fake backend accepts every collective and moves no data, so this
 process runs the whole compressed path (folding, compression, serving, decoding, the overlap hook's side stream) on
-real CUDA tensors; only the received bytes are meaningless. Used by ``tests/test_gpu.py`` in a subprocess, twice:
+real CUDA tensors; only the received bytes are meaningless. Used by ``tests/gpu/test_gpu.py`` in a subprocess, twice:
 
 * ``--sync-debug``: steady steps under ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation raises;
 * under ``TORCH_CUDA_SANITIZER=1`` (set by the caller): CSAN reports unsynchronised access across streams.

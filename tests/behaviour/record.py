@@ -7,8 +7,8 @@ steps) and writes ``tests/behaviour/records.pt``: ``{"cases": {case name: [recor
 library files that differed from it, if any, under ``dirty``), the torch and lightning versions, the CPU environment
 and the case table. Each record (stored packed, :func:`tests.behaviour.cases.pack_record`) holds every parameter, the
 error-feedback buffers, the optimizer state, the step count and the per-step losses (see :mod:`tests.behaviour.cases`).
-``tests/test_behaviour_replay.py`` replays the same runs and requires every recorded tensor and value to match bit for
-bit.
+``tests/strategy/test_behaviour_replay.py`` replays the same runs and requires every recorded tensor and value to match
+bit for bit.
 
 When to rerun it: never, as long as the library's numerical behaviour is meant to stay what it is (refactors,
 performance work, reorganisation: the replay test is what shows them behaviour-preserving, and rerunning the recorder

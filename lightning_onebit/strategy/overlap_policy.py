@@ -1,0 +1,95 @@
+"""When the compressed exchange can start during backward (the overlapped DDP hook), and why not when it cannot.
+
+The overlapped hook folds each gradient bucket into the momenta as soon as backward produces it, so anything that
+changes gradients after backward (a GradScaler's unscale and skip, clipping by norm, a hook that edits ``.grad``,
+several backward passes per step) would be lost: those runs exchange in ``optimizer.step`` instead
+(``OnebitStrategy(overlap="auto")``) or are refused at setup (``overlap=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_onebit.hooks import OverlapFallbackReason, is_marked_read_only
+
+#: The hooks that run between backward and ``optimizer.step`` and may edit ``.grad``.
+GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def overlap_blocker(
+    trainer: "pl.Trainer", module: Optional[pl.LightningModule], precision: Precision, ddp_kwargs: dict[str, Any]
+) -> Optional[OverlapFallbackReason]:
+    """Why this run's exchange cannot overlap backward (``None``: it can). Manual optimization comes last:
+    ``overlap=True`` accepts it, so any other reason must be found first."""
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        return OverlapFallbackReason(
+            "grad_scaler",
+            "16-mixed: the GradScaler decides whether to skip a step only after backward, when the momenta already "
+            "hold the gradients (use bf16-mixed)",
+        )
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+        return OverlapFallbackReason(
+            "clip_by_norm",
+            "gradient clipping by norm needs the whole gradient before anything is folded (clip by value, "
+            "gradient_clip_algorithm='value', runs in the hook)",
+        )
+    if module is not None and is_overridden("configure_gradient_clipping", module, pl.LightningModule):
+        return OverlapFallbackReason(
+            "clipping_override",
+            "the LightningModule overrides configure_gradient_clipping, which changes gradients after backward",
+        )
+    hooks = gradient_hooks(trainer, module)
+    if hooks:
+        return OverlapFallbackReason(
+            "gradient_hook",
+            f"{' and '.join(hooks)} run{'s' if len(hooks) == 1 else ''} after backward, when the overlapped "
+            "exchange has already folded the gradients into the momenta, so a change of .grad there would be "
+            "lost; if the hook only reads gradients, decorate it with @lightning_onebit.leaves_gradients_unchanged",
+        )
+    if ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:
+        return OverlapFallbackReason(
+            "static_graph_accumulation",
+            "static_graph with gradient accumulation (DDP's static graph does not support no_sync)",
+        )
+    if module is not None and not module.automatic_optimization:
+        return OverlapFallbackReason(
+            "manual_optimization",
+            "manual optimization: a step may have several backward passes, and each would fold its gradients into "
+            "the momentum at once",
+        )
+    return None
+
+
+def gradient_hooks(trainer: "pl.Trainer", module: Optional[pl.LightningModule]) -> list[str]:
+    """``Class.hook`` for every :data:`GRADIENT_HOOKS` override of the LightningModule and of the user callbacks
+    that is not marked :func:`~lightning_onebit.leaves_gradients_unchanged`. Callbacks whose hook is defined by
+    Lightning or by this package (``MomentumMask`` reads gradients only) do not count; a user subclass that
+    overrides the hook does."""
+    found = []
+    owners: list[tuple[Any, type]] = [(module, pl.LightningModule)]
+    owners += [(callback, pl.Callback) for callback in getattr(trainer, "callbacks", None) or []]
+    for owner, base in owners:
+        if owner is None:
+            continue
+        for name in GRADIENT_HOOKS:
+            if not is_overridden(name, owner, base):
+                continue
+            hook = getattr(type(owner), name)
+            package = (getattr(hook, "__module__", None) or "").split(".")[0]
+            if base is pl.Callback and package in ("lightning", "pytorch_lightning", "lightning_onebit"):
+                continue
+            if not is_marked_read_only(hook):
+                found.append(f"{type(owner).__name__}.{name}")
+    return found
+
+
+def explicit_overlap_message(reason: str) -> str:
+    """The error of ``OnebitStrategy(overlap=True)`` in a run it cannot serve."""
+    return (
+        f"OnebitStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
+        "Use overlap='auto' (falls back to exchanging in optimizer.step) or overlap=False."
+    )

@@ -1,0 +1,605 @@
+"""The ``onebit_adam`` Lightning strategy: DDP whose gradient allreduce the compressed optimizer switches off after its
+warmup (1-bit Adam, 1-bit LAMB) or on chosen steps only (0/1 Adam)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import uuid
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
+from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
+from lightning_onebit.precision import RankSyncedGradScaler
+from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
+from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
+from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, explicit_overlap_message, overlap_blocker
+from lightning_onebit.strategy.teardown import _LIVE_STRATEGIES, _register_exit_handler
+from lightning_onebit.topology import Topology, TopologyMode, destroy_groups, new_gather_groups
+
+log = logging.getLogger(__name__)
+
+#: Checkpoint key under which callbacks put state that differs per rank (e.g. compression error feedback). The
+#: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint, see
+#: :mod:`lightning_onebit.sidecar`) and, on load, puts each rank's own validated sidecar back under this key.
+PER_RANK_STATE_KEY = "onebit_per_rank"
+#: Checkpoint key under which the strategy reports, on load, this rank's sidecar ``{"file": path, "reason": None or
+#: why it could not be restored}``.
+PER_RANK_STATUS_KEY = "onebit_per_rank_status"
+
+
+class OnebitStrategy(DDPStrategy):
+    """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB: DDP during warmup, compressed averaging after.
+
+    ``configure_optimizers`` must return one compressed optimizer: :class:`~lightning_onebit.OnebitAdam`,
+    :class:`~lightning_onebit.ZeroOneAdam` or :class:`~lightning_onebit.OnebitLamb`. For its first ``freeze_step``
+    steps this is ordinary DDP (gradients averaged by allreduce, a full-precision AdamW or LAMB update). From step
+    ``freeze_step + 1`` on, DDP's gradient allreduce is switched off by a communication hook, each rank's local
+    gradient enters its momentum, and the optimizer averages momenta with the 1-bit compressed allreduce (~32x fewer
+    bytes than fp32). The hook asks the optimizer before every backward (``needs_gradient_allreduce``), so 0/1 Adam's
+    variance steps get their full-precision allreduce and its local steps send nothing; the strategy syncs 0/1 Adam's
+    replicas before every checkpoint it saves and at the end of ``fit``.
+
+    The stage follows the optimizer's own step, so resuming from a checkpoint lands in the right stage.
+
+    Semantics worth knowing:
+
+    * Gradient accumulation: Lightning averages micro-batch losses, so the gradient entering the momentum is the
+      mean over micro-batches in both stages.
+    * Gradient clipping in the compression stage clips each rank's *local* gradient by its local norm (there is no
+      global gradient any more). A warning says so once.
+    * ``16-mixed``: the GradScaler's inf/NaN verdict is agreed across ranks, so an overflow on one rank skips the step
+      on all of them (a per-rank skip would deadlock the compressed collective).
+    * Combining with FSDP, DeepSpeed or other sharded strategies is not supported: this strategy *is* DDP.
+    * Process groups: the hierarchical topology's node groups and the overlapped exchange's second-phase groups are
+      made once per strategy (per process group) and reused by every later ``fit`` (:attr:`process_groups`), with
+      the strategy's ``timeout``: a stalled or dead rank makes its peers' collectives in them fail after ``timeout``,
+      with an error naming the group's ranks, as in the process group Lightning makes. At
+      interpreter exit the strategy destroys them, detaches its optimizers from them and destroys WORLD if it is
+      still initialised, so that its gloo groups are freed while the interpreter is whole: nothing needs
+      ``gc.collect()``, and a process that trained and succeeded exits 0 (a gloo group freed during interpreter
+      finalization can abort it with "terminate called without an active exception"). Nothing to do in a script;
+      in a process that goes on after training (a notebook), :meth:`destroy_process_groups` releases them earlier.
+    * Several nodes: with ``topology="auto"`` and several nodes of several ranks each (``Trainer(num_nodes=M,
+      devices=L)``), momenta are averaged in full precision inside each node and with 1 bit between nodes, so about
+      ``N/8`` bytes per node and step cross the slow link. Which ranks share a node comes from Lightning's cluster
+      environment (torchrun, SLURM, LSF, ...), gathered from every rank.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+        timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        find_unused_parameters: passed to ``DistributedDataParallel``. Default ``False``.
+        static_graph: passed to ``DistributedDataParallel``. Default ``False``.
+        gradient_as_bucket_view: passed to ``DistributedDataParallel``. Default ``False``.
+        ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce); ``None`` keeps DDP's default (25).
+        ddp_kwargs: any other ``DistributedDataParallel`` arguments (e.g. ``{"broadcast_buffers": False}``).
+        ddp_comm_hook: a DDP comm hook that averages gradients whenever the strategy averages them (the warmup, and
+            0/1 Adam's variance steps) instead of the plain fp32 ``mean`` allreduce, as Lightning's ``DDPStrategy``
+            takes it, on every device (CPU too). E.g. ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
+            bf16_compress_hook``: warmup gradients sent in bf16, half the warmup's bytes. The compression stage is
+            unchanged. Bytes are counted in bf16/fp16 for torch's two compression hooks and in the gradient's dtype
+            for any other. Default ``None``.
+        ddp_comm_state: the state passed to ``ddp_comm_hook`` (torch's default hooks take a process group; ``None``:
+            WORLD). Default ``None``.
+        topology: how compressed momenta travel between ranks. ``"auto"`` (default): hierarchical when there are
+            several nodes with the same number (> 1) of ranks each, flat otherwise (the log says why).
+            ``"hierarchical"``: full-precision reduce-scatter inside each node, 1-bit exchange between nodes,
+            all-gather inside the node; an error at setup where it is impossible (one node, one rank per node, uneven
+            nodes). ``"flat"``: every rank exchanges 1-bit momenta with every other rank.
+        ranks_per_node: treat ranks ``k K .. k K + K - 1`` as node ``k`` instead of asking the cluster environment
+            (for one host playing several nodes, e.g. tests and benchmarks). Default ``None``.
+        overlap: start the compressed momentum exchange during backward, bucket by bucket as DDP's gradient buckets
+            become ready (:class:`~lightning_onebit.OverlapState`), so that ``optimizer.step`` only finishes it;
+            same results, bit for bit, as without. ``"auto"`` (default): on wherever it is correct, else off with the
+            reason logged once (:attr:`overlap_fallback_reason`, whose ``cause`` names the case): clipping by norm
+            (it needs the whole gradient; clipping by value runs in the hook), a ``configure_gradient_clipping``
+            override, an ``on_after_backward`` or ``on_before_optimizer_step`` override of the LightningModule or of a
+            user callback (it could edit gradients the hooks already folded; one that only reads them keeps overlap
+            when marked :func:`~lightning_onebit.leaves_gradients_unchanged`; Lightning's and this package's
+            callbacks do not count), ``16-mixed`` (the GradScaler decides to skip a step only after backward),
+            ``static_graph`` with gradient accumulation, manual optimization (several backward passes per step cannot
+            be told apart in advance). ``True``: on, and any of these cases is a ``ValueError`` at setup (before any
+            collective; the optimizer's own reason after ``configure_optimizers``), except manual optimization, where
+            a second backward pass before ``step`` raises ``RuntimeError``. ``False``: off. Freezing or unfreezing
+            parameters (``requires_grad``) between steps works: that step exchanges in ``step``.
+    """
+
+    strategy_name = "onebit_adam"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        ddp_bucket_cap_mb: Optional[float] = None,
+        ddp_kwargs: Optional[dict[str, Any]] = None,
+        topology: TopologyMode = "auto",
+        ranks_per_node: Optional[int] = None,
+        overlap: Union[bool, Literal["auto"]] = "auto",
+        ddp_comm_hook: Optional[Callable[..., Any]] = None,
+        ddp_comm_state: Optional[object] = None,
+    ) -> None:
+        if overlap not in ("auto", True, False) or (overlap != "auto" and not isinstance(overlap, bool)):
+            raise ValueError(f"overlap must be 'auto', True or False, got {overlap!r}")
+        if topology not in ("auto", "flat", "hierarchical"):
+            raise ValueError(f"topology must be 'auto', 'flat' or 'hierarchical', got {topology!r}")
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node must be an integer >= 1 or None, got {ranks_per_node!r}")
+        self.topology_mode = topology
+        self.overlap = overlap
+        self.overlap_state: Optional[OverlapState] = None
+        self.overlap_fallback_reason: Optional[str] = None
+        self.ranks_per_node = ranks_per_node
+        self.topology: Optional[Topology] = None
+        self._topology_group: Any = None  # the process group self.topology and the groups below were made for
+        self._gather_groups: Optional[tuple[Any, Any]] = None  # the overlapped exchange's second phase (inter, intra)
+        self._owned_groups: list[Any] = []  # every group this strategy made, in creation order (destroyed in it)
+        # every optimizer that was handed these groups (one per fit), to detach them all when the groups go, and
+        # from DDP's group at interpreter exit
+        self._attached_optimizers: "weakref.WeakSet[CompressedOptimizer]" = weakref.WeakSet()
+        self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
+        self._save_index = 0
+        ddp_kwargs = dict(ddp_kwargs or {})
+        for reserved, argument in (
+            ("find_unused_parameters", "find_unused_parameters"), ("static_graph", "static_graph"),
+            ("gradient_as_bucket_view", "gradient_as_bucket_view"), ("bucket_cap_mb", "ddp_bucket_cap_mb"),
+            ("ddp_comm_hook", "ddp_comm_hook"), ("ddp_comm_state", "ddp_comm_state"),
+        ):
+            if reserved in ddp_kwargs:
+                raise ValueError(f"pass {reserved!r} as the strategy argument {argument}=..., not inside ddp_kwargs")
+        for unsupported, why in (
+            ("ddp_comm_wrapper", "wrap the hook yourself and pass it as ddp_comm_hook"),
+            ("model_averaging_period", "post-local SGD does not compose with the compressed exchange"),
+        ):
+            if unsupported in ddp_kwargs:
+                raise ValueError(f"OnebitStrategy does not take {unsupported!r} ({why})")
+        if ddp_comm_hook is not None and not callable(ddp_comm_hook):
+            raise ValueError(f"ddp_comm_hook must be a DDP comm hook (a callable), got {ddp_comm_hook!r}")
+        ddp_kwargs.update(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        if ddp_bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = ddp_bucket_cap_mb
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self._sync_predicate = functools.partial(_gradient_allreduce_needed, weakref.ref(self))
+        self.gradient_sync = GradientSyncState(
+            sync_predicate=self._sync_predicate, averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state
+        )
+        self._onebit_optimizer: Optional[CompressedOptimizer] = None
+        self._announced_phase: Optional[StepKind] = None  # the optimizer phase last announced (describe_phase)
+        self._warned_local_clipping = False
+
+    # ------------------------------------------------------------------ wiring
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        _LIVE_STRATEGIES.add(self)
+        _register_exit_handler()
+
+    @property
+    def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
+        """The compressed optimizer (OnebitAdam, ZeroOneAdam or OnebitLamb) this strategy drives (``None`` before
+        setup)."""
+        return self._onebit_optimizer
+
+    @property
+    def stage(self) -> OnebitStage:
+        """Stage of the next optimizer step (warmup until an optimizer is connected)."""
+        return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+
+    @property
+    def communication(self) -> CommunicationCounters:
+        """This rank's cumulative communication: warmup gradient allreduces plus compressed momentum allreduces."""
+        self.gradient_sync.settle_timings()
+        total = self.gradient_sync.counters.snapshot()
+        if self._onebit_optimizer is not None:
+            total = total + self._onebit_optimizer.communication
+        return total
+
+    def assert_replicas_identical(self, module: torch.nn.Module) -> None:
+        """Compare a checksum of every parameter of ``module`` across the ranks of the optimizer's process group (a
+        collective: every rank calls it) and raise ``RuntimeError`` on every rank, naming the parameters that differ
+        (:func:`~lightning_onebit.comm.assert_replicas_identical`)."""
+        group = None if self._onebit_optimizer is None else self._onebit_optimizer.process_group
+        assert_replicas_identical(list(module.named_parameters()), group)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers `ddp_comm_hook` only on CUDA; this hook must run on every device. DDP takes one hook,
+        # registered before the optimizer exists: it dispatches to the overlapped hook once setup_optimizers made one.
+        assert isinstance(self.model, DistributedDataParallel)
+        self.gradient_sync.process_group = self.model.process_group
+        self.model.register_comm_hook(_HookState(self), _strategy_comm_hook)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if len(optimizers) != 1 or not isinstance(optimizers[0], CompressedOptimizer):
+            names = ", ".join(type(o).__name__ for o in optimizers) or "no optimizer"
+            raise ValueError(
+                "The 'onebit_adam' strategy needs exactly one compressed optimizer (lightning_onebit.OnebitAdam, "
+                "lightning_onebit.ZeroOneAdam or lightning_onebit.OnebitLamb), but configure_optimizers returned: "
+                f"{names}. Return e.g. "
+                "`OnebitAdam(self.parameters(), lr=1e-4, freeze_step=1000)` (in LightningCLI: "
+                "`optimizer: {class_path: lightning_onebit.OnebitAdam, init_args: {lr: 1e-4, freeze_step: 1000}}`), "
+                "or use strategy='ddp' for other optimizers."
+            )
+        optimizer = optimizers[0]
+        assert isinstance(self.model, DistributedDataParallel)
+        process_group = self.model.process_group
+        optimizer.process_group = process_group
+        if self.topology is None or self._topology_group is not process_group:
+            # Once per process group: creating its node groups is a collective, and they are reused by every later
+            # fit (groups made for an earlier process group are destroyed first).
+            self._destroy_owned_groups()
+            self.topology = self.build_topology(process_group)
+            self._topology_group = process_group
+            self._owned_groups.extend(self.topology.groups)
+        optimizer.topology = self.topology
+        self._attached_optimizers.add(optimizer)
+        self.gradient_sync.topology = self.topology
+        # the overlapped hook of an earlier fit pointed the predicate at that fit's optimizer
+        self.gradient_sync.sync_predicate = self._sync_predicate
+        optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
+        self._default_auto_freeze_bound(trainer, optimizer)
+        self._warn_if_run_ends_in_warmup(trainer, optimizer)
+        optimizer.observe_losses_from_caller()  # pre_backward records every loss, micro-batches and manual steps too
+        self._onebit_optimizer = optimizer
+        self._announced_phase = None
+        self.overlap_state = self._configure_overlap(trainer, optimizer)
+
+    @staticmethod
+    def _run_length(trainer: "pl.Trainer") -> Optional[int]:
+        """The run's optimizer steps, or ``None`` when unknown: no max_steps or max_epochs (infinite), or an
+        iterable dataset without max_steps (Lightning then estimates -1)."""
+        total = trainer.estimated_stepping_batches
+        return int(total) if isinstance(total, (int, float)) and 0 < total < float("inf") else None
+
+    @classmethod
+    def _default_auto_freeze_bound(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
+        """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by 25% of the run at the latest."""
+        detector = optimizer.freeze_detector
+        if detector is None or detector.max_step is not None:
+            return
+        total = cls._run_length(trainer)
+        if total is None:
+            raise ValueError(
+                f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by 25% of the run, but the Trainer's "
+                "length is unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
+                "max_steps/max_epochs, or AutoFreeze(max_step=...)"
+            )
+        bound = detector.bound_by_run(total)
+        rank_zero_info(
+            f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest (25% of {total} steps)"
+        )
+
+    @classmethod
+    def _warn_if_run_ends_in_warmup(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
+        """Warn when the warmup cannot end before the run does (a fixed ``freeze_step``: the whole run is plain DDP)
+        or is only bounded past its end (``freeze_step='auto'``: plain DDP unless the detector decides earlier)."""
+        detector = optimizer.freeze_detector
+        last_warmup = optimizer.freeze_step if detector is None else detector.max_step
+        total = cls._run_length(trainer)
+        if last_warmup is None or total is None or last_warmup < total:
+            return
+        if detector is not None:
+            # the detector may still end the warmup before its bound: only the worst case is known at fit start
+            rank_zero_warn(
+                f"onebit_adam: freeze_step='auto' with AutoFreeze(max_step={last_warmup}), but the run has {total} "
+                "optimizer steps: that bound lies past the end of the run, so compression starts only if the "
+                "detector ends the warmup earlier (the log says when it does); if it does not, the run is plain DDP "
+                "and compression never starts. Lower AutoFreeze's max_step (without max_step, freeze_step='auto' "
+                "ends the warmup by 25% of the run) to be sure, or train longer"
+            )
+            return
+        rank_zero_warn(
+            f"onebit_adam: freeze_step={last_warmup}, but the run has {total} optimizer steps: it ends in the warmup, "
+            "so it is plain DDP and compression never starts. Lower freeze_step, or train longer"
+        )
+
+    def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
+        """Why the exchange cannot overlap backward in this run (``None``: it can), as an
+        :class:`~lightning_onebit.hooks.OverlapFallbackReason` (a string with a ``cause``;
+        :func:`~lightning_onebit.strategy.overlap_policy.overlap_blocker`). Override to add cases (a plain string
+        counts as cause ``"custom"``). Manual optimization comes last: ``overlap=True`` accepts it, so any other reason
+        must be found first."""
+        return overlap_blocker(trainer, self.lightning_module, self.precision_plugin, self._ddp_kwargs)
+
+    #: The hooks that run between backward and ``optimizer.step`` and may edit ``.grad``.
+    GRADIENT_HOOKS = GRADIENT_HOOKS
+
+    def _refuse_explicit_overlap(self, trainer: "pl.Trainer") -> None:
+        """``overlap=True`` in a run it cannot serve: raise on every rank at the start of setup, before any collective
+        (DDP's parameter broadcast, the topology, the run id). The optimizer's own reason is known only after
+        ``configure_optimizers`` (:meth:`_configure_overlap`)."""
+        if self.overlap is not True or trainer.state.fn != TrainerFn.FITTING:
+            return
+        reason = OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer))
+        if reason is not None and reason.cause != "manual_optimization":
+            raise ValueError(explicit_overlap_message(reason))
+
+    def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> Optional[OverlapState]:
+        """The overlapped hook's state, or ``None`` with the reason logged once (``overlap='auto'``)."""
+        self.overlap_fallback_reason = None
+        if self.overlap is False:
+            return None
+        reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or (
+            OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer))
+        )
+        if reason is not None and not (self.overlap is True and reason.cause == "manual_optimization"):
+            if self.overlap is True:
+                raise ValueError(explicit_overlap_message(reason))
+            self.overlap_fallback_reason = reason
+            rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}")
+            return None
+        assert isinstance(self.model, DistributedDataParallel)
+        if optimizer.bucket_cap_bytes != int(DEFAULT_BUCKET_CAP_MB * 2**20):
+            rank_zero_info(
+                f"onebit_adam: {type(optimizer).__name__}(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) "
+                "applies only to "
+                "parameters outside DDP's gradient buckets: with the overlapped exchange the momenta are laid out like "
+                "DDP's buckets (size them with the strategy's ddp_bucket_cap_mb)"
+            )
+        clip_value = trainer.gradient_clip_val if trainer.gradient_clip_val else None
+        if self._gather_groups is None:
+            # the second phase's own groups: made once per process group, like the topology's, and reused by every
+            # later fit's optimizer (OverlapState would otherwise make new ones for each)
+            self._gather_groups = new_gather_groups(self.model.process_group, self.topology, self._timeout)
+            self._owned_groups.extend(g for g in self._gather_groups if g is not None)
+        optimizer.compression.install_gather_groups(*self._gather_groups)
+        return OverlapState(self.model, optimizer, clip_value=clip_value, gradient_sync=self.gradient_sync)
+
+    # ------------------------------------------------------------------ process groups
+    @property
+    def process_groups(self) -> tuple[Any, ...]:
+        """The process groups this strategy made and owns, in creation order: the hierarchical topology's intra- and
+        inter-node groups, then the overlapped exchange's second-phase groups. Made once per process group (at the
+        first ``fit`` that needs them), reused by every later ``fit``, destroyed by :meth:`destroy_process_groups`."""
+        return tuple(self._owned_groups)
+
+    def destroy_process_groups(self) -> None:
+        """Destroy the process groups this strategy made (:attr:`process_groups`) and detach its optimizers (this
+        ``fit``'s and earlier ones' still alive) from them.
+
+        ``teardown``, which Lightning calls after every ``fit``, keeps them for the next ``fit``. This runs by itself
+        at interpreter exit; call it when done with the strategy for good in a process that goes on (e.g. a
+        notebook). A later ``fit`` makes new groups. Every rank must call it, as they are destroyed in creation order
+        (NCCL wants the same order of communicator teardown on every rank); it is not a collective on gloo.
+        """
+        for optimizer in list(self._attached_optimizers):  # this fit's and earlier fits' that are still alive
+            optimizer.compression.release_gather_groups()
+            if optimizer.topology is not None and optimizer.topology.groups:
+                optimizer.topology = None  # its groups are about to go (this resets the optimizer's error feedback)
+        # the optimizers stay in the (weak) set: at interpreter exit they drop DDP's group too (_release_ddp_group)
+        self.overlap_state = None
+        self.gradient_sync.topology = None
+        self._destroy_owned_groups()
+
+    def _release_ddp_group(self) -> None:
+        """Drop the strategy's and its optimizers' references to DDP's process group (WORLD), at interpreter exit
+        only: once torch has destroyed WORLD too, nothing of ours keeps its gloo backend, and with it its threads,
+        alive into the process's C++ exit. A process that goes on keeps them: a later ``fit`` uses them again."""
+        for optimizer in list(self._attached_optimizers):
+            optimizer.process_group = None
+        self.gradient_sync.process_group = None
+
+    def _destroy_owned_groups(self) -> None:
+        owned, self._owned_groups = self._owned_groups, []
+        self.topology, self._topology_group, self._gather_groups = None, None, None
+        destroyed = destroy_groups(owned)
+        if destroyed:
+            log.debug("onebit_adam: destroyed %d process group(s)", destroyed)
+
+    def build_topology(self, process_group: Any) -> Topology:
+        """Every rank's ``(node_rank, local_rank)`` from the cluster environment, gathered, and the process groups of
+        the chosen exchange (a collective: runs on every rank at setup). Override to place ranks differently."""
+        env = self.cluster_environment
+        assert env is not None
+        topology = Topology.build(
+            node_rank=env.node_rank(),
+            local_rank=env.local_rank(),
+            mode=self.topology_mode,
+            ranks_per_node=self.ranks_per_node,
+            group=process_group,
+            timeout=self._timeout,  # a stalled rank fails its peers' collectives in these groups too, not in 30 min
+        )
+        rank_zero_info(f"onebit_adam: {topology.mode} momentum exchange ({topology.reason})")
+        return topology
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        self._refuse_explicit_overlap(trainer)
+        super().setup(trainer)
+        run_id = [uuid.uuid4().hex if self.global_rank == 0 else None]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(run_id, src=0)
+        self._run_id, self._save_index = run_id[0], 0
+        precision = self.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+            if not isinstance(precision.scaler, RankSyncedGradScaler):
+                precision.scaler = RankSyncedGradScaler.from_scaler(precision.scaler)
+
+    # ------------------------------------------------------------------ stepping
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        onebit = self._onebit_optimizer
+        if onebit is not None:
+            self._announce_stage(onebit)
+            if onebit.stage is OnebitStage.COMPRESSION:
+                self._warn_local_clipping()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        # freeze_step="auto" waits for the training loss to leave its initial plateau (AutoFreeze.loss_drop)
+        if self._onebit_optimizer is not None:
+            self._onebit_optimizer.observe_loss(closure_loss)
+        super().pre_backward(closure_loss)
+
+    def _announce_stage(self, onebit: CompressedOptimizer) -> None:
+        phase, sentence = onebit.describe_phase()
+        if phase is not self._announced_phase:
+            rank_zero_info(f"onebit_adam: {sentence}")
+            self._announced_phase = phase
+
+    def _warn_local_clipping(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._warned_local_clipping or trainer is None or not trainer.gradient_clip_val:
+            return
+        rank_zero_warn(
+            "onebit_adam: gradient clipping in the compression stage clips each rank's local gradient by its local "
+            "norm (gradients are no longer averaged before the optimizer)."
+        )
+        self._warned_local_clipping = True
+
+    @override
+    def on_train_end(self) -> None:
+        # An optimizer with local steps (ZeroOneAdam) ends fit with every rank's replica identical.
+        if self._onebit_optimizer is not None and self._onebit_optimizer.synchronize():
+            rank_zero_info("onebit_adam: replicas synchronised at the end of fit (local steps since the last sync)")
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict, after syncing the replicas if the optimizer took local steps since its last sync
+        (:meth:`CompressedOptimizer.synchronize`, a collective: Lightning collects checkpoints on every rank), so a
+        checkpoint holds the model every rank agrees on and a resume continues exactly."""
+        onebit = self._onebit_optimizer
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if onebit is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING and onebit.synchronize():
+            log.debug("onebit_adam: replicas synchronised before saving a checkpoint")
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None
+    ) -> None:
+        # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
+        # with it the checkpoint id, is the same on every rank without a collective.
+        per_rank = checkpoint.pop(PER_RANK_STATE_KEY, None)
+        if per_rank is not None:
+            self._save_index += 1
+            meta = {
+                "checkpoint_id": f"{self._run_id}/{self._save_index}",
+                "global_step": checkpoint.get("global_step"),
+                "rank": self.global_rank,
+                "world_size": self.world_size,
+                "topology": None if self.topology is None else self.topology.describe(),
+            }
+            write_sidecar(sidecar_path(filepath, self.global_rank), meta, per_rank)
+            checkpoint[SIDECAR_RECORD_KEY] = {k: meta[k] for k in ("checkpoint_id", "global_step", "world_size")}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint and this rank's sidecar. A bad sidecar is never an exception here: its reason goes to
+        ``checkpoint[PER_RANK_STATUS_KEY]``, and the callbacks that own the state agree across ranks what to do."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        record = checkpoint.pop(SIDECAR_RECORD_KEY, None)
+        path = sidecar_path(checkpoint_path, self.global_rank)
+        if record is None:
+            reason = "the checkpoint records no per-rank files (it was saved without ErrorFeedbackCheckpoint keep)"
+            if os.path.exists(path):
+                reason += f", but {os.path.basename(path)} exists next to it and is ignored"
+            checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
+            return checkpoint
+        expected = {"checkpoint_id": record["checkpoint_id"], "rank": self.global_rank, "world_size": self.world_size}
+        if record.get("world_size") != self.world_size:
+            state, reason = None, (
+                f"the checkpoint was saved with world size {record.get('world_size')} and this run has world size "
+                f"{self.world_size} (per-rank state belongs to one rank of one world size)"
+            )
+        else:
+            state, reason = read_sidecar(path, expected)
+        checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
+        if state is not None:
+            checkpoint[PER_RANK_STATE_KEY] = state
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
+        # A link (save_last="link") does not own the sidecars of the file it points to: only that file's removal does.
+        is_link = os.path.islink(os.fspath(filepath))
+        sidecar = sidecar_path(filepath, self.global_rank)
+        super().remove_checkpoint(filepath)
+        if not is_link and os.path.exists(sidecar):
+            os.remove(sidecar)
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("onebit_adam", "popen"),
+            ("onebit_adam_spawn", "spawn"),
+            ("onebit_adam_fork", "fork"),
+            ("onebit_adam_notebook", "fork"),
+            # the same strategy, under the names users of 1-bit LAMB and 0/1 Adam look for
+            ("onebit_lamb", "popen"),
+            ("zeroone_adam", "popen"),
+        )
+        for name, start_method in entries:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"1-bit Adam / 0/1 Adam / 1-bit LAMB on DDP with start_method '{start_method}'",
+                start_method=start_method,
+            )
+
+
+#: The earlier name of :class:`OnebitStrategy` (it drives all three optimizers), kept so existing code and
+#: ``class_path: lightning_onebit.OnebitAdamStrategy`` configs go on working.
+OnebitAdamStrategy = OnebitStrategy

@@ -1,0 +1,2 @@
+"""Callback layer (``lightning_onebit/callbacks/``): MomentumMask, ErrorFeedbackCheckpoint, CommunicationMonitor and
+its compression advice."""

@@ -1,0 +1,11 @@
+"""Where things are, for tests that read the repository's files or start its scripts (one place, so that a test moved
+to another folder does not have to count ``parent``s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent  # the repository root
+ASSETS = TESTS / "assets"  # scripts the tests run in a subprocess
+EXAMPLE = ROOT / "examples" / "bert_finetune.py"  # the example (tests/tools)

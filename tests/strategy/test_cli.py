@@ -1,0 +1,72 @@
+"""LightningCLI: the strategy by name or class_path and OnebitAdam from the `optimizer:` section, on 2 CPU processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.paths import ASSETS
+
+APP = ASSETS / "cli_app.py"
+
+CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy: {strategy}
+  max_steps: 12
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+optimizer:
+  class_path: lightning_onebit.OnebitAdam
+  init_args:
+    lr: 0.01
+    freeze_step: 4
+    weight_decay: 0.01
+"""
+
+STRATEGY_BY_CLASS_PATH = """
+    class_path: lightning_onebit.OnebitStrategy
+    init_args:
+      find_unused_parameters: false"""
+# configs written before the rename keep working
+STRATEGY_BY_OLD_CLASS_PATH = STRATEGY_BY_CLASS_PATH.replace("OnebitStrategy", "OnebitAdamStrategy")
+
+
+def _run_cli(tmp_path: Path, strategy: str) -> list[dict]:
+    # Not in the run directory: LightningCLI saves the resolved config there and refuses to overwrite.
+    config = tmp_path / "onebit.yaml"
+    config.write_text(CONFIG.format(strategy=strategy))
+    env = dict(os.environ, CLI_REPORT_DIR=str(tmp_path), MASTER_ADDR="127.0.0.1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, str(APP), "fit", "--config", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["onebit_adam", STRATEGY_BY_CLASS_PATH, STRATEGY_BY_OLD_CLASS_PATH],
+    ids=["registry-name", "class_path", "old-class_path"],
+)
+def test_cli_yaml_trains_both_stages_on_two_processes(tmp_path, strategy):
+    reports = _run_cli(tmp_path, strategy)
+    for report in reports:
+        assert report["strategy"] == "OnebitStrategy"
+        assert report["optimizer"] == "OnebitAdam"
+        assert report["freeze_step"] == 4
+        assert report["step_count"] == 12
+        assert report["stage"] == "compression"
+    assert reports[0]["params"] == reports[1]["params"], "replicas diverged"

@@ -1,0 +1,218 @@
+"""Per-rank checkpoint files that cannot lie (issue 12, findings 1-5), on 2 gloo ranks.
+
+One training run writes a checkpoint with per-rank sidecars every epoch (``ErrorFeedbackCheckpoint("keep")``,
+``ModelCheckpoint(save_last="link")``). Each scenario copies its checkpoint directory, damages it the way a user or a
+failing disk would, and resumes. What used to happen is in each test's docstring; the new behaviour: every rank
+validates its own file, the ranks agree, and either every rank restores (and says so) or every rank resets (and the
+warning names the rank, the file and the reason), or under ``policy="require"`` every rank raises at once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_onebit import ErrorFeedbackCheckpoint
+from lightning_onebit.sidecar import sidecar_path
+from tests.callback_models import TokenRegressor, token_loader
+from tests.capture import capture_logs, capture_warnings
+from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.lightning_models import flat_params, trainer_kwargs
+
+WORLD_SIZE = 2
+FREEZE, BATCHES, EPOCHS, RESUME_EPOCH = 4, 3, 4, 1  # the epoch-1 checkpoint is after 2 compressed steps
+_RESET = "ErrorFeedbackCheckpoint(policy='keep'): error feedback reset on every rank because"
+
+
+def _base_dir(workdir: str) -> str:
+    return os.path.join(workdir, "base")
+
+
+def _ckpt(directory: str, epoch: int) -> str:
+    return os.path.join(directory, f"epoch={epoch}.ckpt")
+
+
+def _damage(workdir: str, name: str, how) -> str:
+    """Rank 0 copies the base checkpoints to ``workdir/name`` and damages them; every rank waits for it."""
+    directory = os.path.join(workdir, name)
+    if dist.get_rank() == 0:
+        shutil.copytree(_base_dir(workdir), directory, symlinks=True)
+        how(directory)
+    dist.barrier()
+    return directory
+
+
+def _resume(rank: int, path: str, policy: str = "keep", max_epochs: int = EPOCHS) -> dict[str, Any]:
+    model = TokenRegressor(freeze_step=FREEZE, seed=1000)  # another init: the weights must come from the checkpoint
+    callback = ErrorFeedbackCheckpoint(policy)
+    trainer = pl.Trainer(**trainer_kwargs(WORLD_SIZE, -1, max_epochs=max_epochs, callbacks=[callback]))
+    started = time.perf_counter()
+    error = None
+    with capture_logs() as logs, capture_warnings() as warned:
+        try:
+            trainer.fit(model, token_loader(rank, BATCHES), ckpt_path=path)
+        except RuntimeError as err:
+            error = str(err)
+    return dict(
+        restored=callback.restored, final=flat_params(model), losses=model.losses, logs=logs, warnings=warned,
+        error=error, seconds=time.perf_counter() - started,
+    )
+
+
+def scenario_sidecars(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # ---- the uninterrupted run, a checkpoint with sidecars at every epoch end, last.ckpt a link to the newest
+    model = TokenRegressor(freeze_step=FREEZE)
+    checkpoint = ModelCheckpoint(
+        dirpath=_base_dir(workdir), filename="{epoch}", every_n_epochs=1, save_top_k=-1, save_last="link"
+    )
+    trainer = pl.Trainer(
+        **trainer_kwargs(world_size, -1, max_epochs=EPOCHS, callbacks=[ErrorFeedbackCheckpoint("keep"), checkpoint],
+                         enable_checkpointing=True)
+    )
+    trainer.fit(model, token_loader(rank, BATCHES))
+    out["uninterrupted"] = dict(final=flat_params(model), losses=model.losses)
+    dist.barrier()
+    out["files"] = sorted(os.listdir(_base_dir(workdir)))
+    out["last_is_link"] = os.path.islink(os.path.join(_base_dir(workdir), "last.ckpt"))
+
+    base = _ckpt(_base_dir(workdir), RESUME_EPOCH)
+    out["intact"] = _resume(rank, base)
+    out["require_intact"] = _resume(rank, base, policy="require")
+
+    def delete_rank1(d: str) -> None:
+        os.remove(sidecar_path(_ckpt(d, RESUME_EPOCH), 1))
+
+    def random_rank1(d: str) -> None:
+        with open(sidecar_path(_ckpt(d, RESUME_EPOCH), 1), "wb") as f:
+            f.write(os.urandom(4096))
+
+    def truncate_rank1(d: str) -> None:
+        path = sidecar_path(_ckpt(d, RESUME_EPOCH), 1)
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+
+    def flip_payload_rank0(d: str) -> None:  # a readable file whose state bytes were altered (bit rot)
+        path = sidecar_path(_ckpt(d, RESUME_EPOCH), 0)
+        payload = torch.load(path)
+        data = bytearray(payload["state_bytes"])
+        data[len(data) // 2] ^= 0xFF
+        payload["state_bytes"] = bytes(data)
+        torch.save(payload, path)
+
+    def stale(d: str) -> None:  # the files of a later checkpoint of the same run under this checkpoint's names
+        for r in range(WORLD_SIZE):
+            shutil.copyfile(sidecar_path(_ckpt(d, RESUME_EPOCH + 1), r), sidecar_path(_ckpt(d, RESUME_EPOCH), r))
+
+    def swap(d: str) -> None:
+        a, b = (sidecar_path(_ckpt(d, RESUME_EPOCH), r) for r in range(2))
+        os.rename(a, a + ".tmp-swap")
+        os.rename(b, a)
+        os.rename(a + ".tmp-swap", b)
+
+    for name, how in (
+        ("deleted", delete_rank1), ("random", random_rank1), ("truncated", truncate_rank1),
+        ("bitrot", flip_payload_rank0), ("stale", stale), ("swapped", swap),
+    ):
+        out[name] = _resume(rank, _ckpt(_damage(workdir, name, how), RESUME_EPOCH))
+        out[f"require_{name}"] = _resume(rank, _ckpt(os.path.join(workdir, name), RESUME_EPOCH), policy="require")
+
+    # ---- last.ckpt is a link to epoch=3.ckpt: resuming through it restores the target's sidecars
+    out["via_link"] = _resume(rank, os.path.join(_base_dir(workdir), "last.ckpt"), max_epochs=EPOCHS + 1)
+    out["via_target"] = _resume(rank, _ckpt(_base_dir(workdir), EPOCHS - 1), max_epochs=EPOCHS + 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    workdir = str(tmp_path_factory.mktemp("onebit_sidecars"))
+    return run_distributed(run_scenarios, WORLD_SIZE, (("sidecars", scenario_sidecars),), workdir, timeout_s=420)
+
+
+@pytest.fixture(scope="module")
+def ranks(session: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return scenario_results(session, "sidecars")
+
+
+def _sidecar_name(epoch: int, rank: int) -> str:
+    return os.path.basename(sidecar_path(f"epoch={epoch}.ckpt", rank))
+
+
+def test_intact_sidecars_restore_on_every_rank_and_say_so(ranks: list[dict[str, Any]]) -> None:
+    resumed_from = (RESUME_EPOCH + 1) * BATCHES
+    for policy in ("intact", "require_intact"):
+        for rank, r in enumerate(ranks):
+            assert r[policy]["restored"] is True and r[policy]["error"] is None, r[policy]
+            # bitwise the uninterrupted run
+            assert torch.equal(r[policy]["final"], r["uninterrupted"]["final"])
+            assert r[policy]["losses"] == r["uninterrupted"]["losses"][resumed_from:]
+            assert not any(_RESET in w for w in r[policy]["warnings"])
+        assert any("restored on every rank (2 ranks)" in m for m in ranks[0][policy]["logs"]), ranks[0][policy]["logs"]
+
+
+def test_every_epoch_keeps_its_sidecars_and_writes_leave_no_temporary_files(ranks: list[dict[str, Any]]) -> None:
+    """Moving the last.ckpt link every epoch removes the old link; before, that removal would also have removed
+    the sidecars of the file the link pointed to (its path resolves to the target's)."""
+    expected = ["last.ckpt"]
+    for epoch in range(EPOCHS):
+        expected += [f"epoch={epoch}.ckpt"] + [_sidecar_name(epoch, r) for r in range(WORLD_SIZE)]
+    assert ranks[0]["files"] == sorted(expected)
+    assert ranks[0]["last_is_link"]
+
+
+@pytest.mark.parametrize(
+    "name, bad_rank, why",
+    [
+        # 1. used to: rank 0 logged "restored on every rank" while rank 1 silently reset (its warning was rank-zero)
+        ("deleted", 1, "the file does not exist"),
+        # 2. used to: rank 1 died with a raw unpickling / zip error naming no file, rank 0 with "Connection closed"
+        ("random", 1, "the file is unreadable"),
+        ("truncated", 1, "the file is unreadable"),
+        ("bitrot", 0, "the file is corrupt (its checksum does not match its contents)"),
+        # 3. used to: loaded silently as "restored" (a sidecar carried no identity of its checkpoint)
+        ("stale", 0, "the file belongs to another checkpoint (written at step 9"),
+        # 4. used to: warned "no per-rank file for rank 0" while the real reason was logged at info level
+        ("swapped", 0, "the file was written by rank 1 of 2, this is rank 0 of 2"),
+    ],
+)
+def test_a_bad_sidecar_resets_every_rank_with_the_rank_file_and_reason(
+    ranks: list[dict[str, Any]], name: str, bad_rank: int, why: str
+) -> None:
+    for r in ranks:
+        run = r[name]
+        assert run["error"] is None and run["restored"] is False, run
+        assert len(run["losses"]) == (EPOCHS - RESUME_EPOCH - 1) * BATCHES  # trained on
+        assert all(torch.isfinite(torch.tensor(run["losses"])))
+    (warning,) = [w for w in ranks[0][name]["warnings"] if _RESET in w]
+    assert f"rank {bad_rank} (" in warning and _sidecar_name(RESUME_EPOCH, bad_rank) in warning, warning
+    assert why in warning, warning
+    # the replicas still agree after the reset
+    assert torch.equal(ranks[0][name]["final"], ranks[1][name]["final"])
+
+
+@pytest.mark.parametrize("name", ["deleted", "random", "truncated", "bitrot", "stale", "swapped"])
+def test_require_raises_on_every_rank_naming_the_file(ranks: list[dict[str, Any]], name: str) -> None:
+    for r in ranks:
+        run = r[f"require_{name}"]
+        assert run["error"] is not None, run
+        assert run["error"].startswith("ErrorFeedbackCheckpoint(policy='require'): compression error feedback cannot")
+        assert ".onebit-rank" in run["error"] and f"epoch={RESUME_EPOCH}.ckpt" in run["error"]
+        assert run["losses"] == []  # before any training step
+        assert run["seconds"] < 60
+
+
+def test_a_checkpoint_reached_through_a_link_finds_its_targets_sidecars(ranks: list[dict[str, Any]]) -> None:
+    """5. used to: looked for ``last.ckpt.onebit-rank<r>`` next to the link, found nothing, and reset."""
+    for r in ranks:
+        assert r["via_link"]["restored"] is True, r["via_link"]["warnings"]
+        assert torch.equal(r["via_link"]["final"], r["via_target"]["final"])
+        assert r["via_link"]["losses"] == r["via_target"]["losses"]

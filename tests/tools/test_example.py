@@ -1,0 +1,222 @@
+"""The BERT example: the synthetic task, local data loading, and a short 2-process run that must learn."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.paths import EXAMPLE, ROOT
+
+CONFIG = ROOT / "examples" / "configs" / "bert_onebit.yaml"
+
+
+def test_synthetic_reviews_are_balanced_deterministic_and_not_decided_by_one_word(example):
+    reviews = example.make_reviews(2000, seed=3)
+    assert reviews == example.make_reviews(2000, seed=3)
+    assert reviews != example.make_reviews(2000, seed=4)
+    assert Counter(label for _, label in reviews) == {0: 1000, 1: 1000}
+    # Every adjective appears under both labels (negation and "but"/"although" clauses flip it).
+    by_word = {}
+    for text, label in reviews:
+        for word in text.split():
+            by_word.setdefault(word, set()).add(label)
+    for adjective in example._POSITIVE + example._NEGATIVE:
+        assert by_word[adjective] == {0, 1}, adjective
+    # The same words in another order can carry the other label.
+    assert any(t.startswith("although") for t, _ in reviews) and any(" but " in t for t, _ in reviews)
+
+
+def test_local_table_and_errors(example, tmp_path):
+    table = tmp_path / "reviews.tsv"
+    rows = [("a fine film", 1), ("a dull film", 0)] * 10
+    table.write_text("text\tlabel\n" + "".join(f"{t}\t{label}\n" for t, label in rows))
+    data = example.TextClassificationData(dataset=str(table), max_length=8, batch_size=4)
+    assert len(data.train_rows) == 18 and len(data.val_rows) == 2
+    assert data.num_labels == 2 and data.vocab_size == len(example.SPECIAL_TOKENS) + 4
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch["input_ids"].shape == (4, 8) and set(batch["labels"].tolist()) <= {0, 1}
+
+    bad = tmp_path / "bad.csv"
+    bad.write_text("sentence,y\nhello,1\n")
+    with pytest.raises(ValueError, match=r"no label column .* the columns \['sentence', 'y'\].*label_column"):
+        example.TextClassificationData(dataset=str(bad))
+    with pytest.raises(ValueError, match=r"no column 'review' \(text\); the columns are \['sentence', 'y'\]"):
+        example.TextClassificationData(dataset=str(bad), text_column="review", label_column="y")
+    with pytest.raises(ValueError, match="unknown dataset"):
+        example.TextClassificationData(dataset="no/such/thing")
+
+
+def test_sst2_directory_layout_with_its_dev_file(example, tmp_path):
+    """GLUE SST-2 as distributed: train.tsv and dev.tsv with columns sentence and label, unquoted quotes inside."""
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "".join(
+        f"{t}\t{label}\n" for t, label in [('a "fine" film', 1), ("a dull film", 0)] * 8))
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nquite fine\t1\nso dull\t0\nfine\t1\n")
+    data = example.TextClassificationData(dataset=str(tmp_path), max_length=8, batch_size=4)
+    assert len(data.train_rows) == 16 and len(data.val_rows) == 3  # dev.tsv, not a 10% cut
+    assert data.train_rows[0] == ('a "fine" film', None, 1) and data.num_labels == 2
+    data.setup("fit")
+    assert next(iter(data.val_dataloader()))["labels"].tolist() == [1, 0, 1]
+
+
+def test_pair_task_is_tokenised_as_pairs_and_a_separate_val_file(example, tmp_path):
+    rows = [("the cat sat", "a cat was sitting", 1), ("the cat sat", "dogs bark", 0)] * 6
+    train, val = tmp_path / "mrpc.csv", tmp_path / "mrpc_val.csv"
+    train.write_text("sentence1,sentence2,label\n" + "".join(f"{a},{b},{label}\n" for a, b, label in rows))
+    val.write_text("sentence1,sentence2,label\nthe dog,dogs bark,1\n")
+    data = example.TextClassificationData(dataset=str(train), val_file=str(val), max_length=12, batch_size=4)
+    assert len(data.train_rows) == 12 and data.val_rows == [("the dog", "dogs bark", 1)]
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    # the second sentence is segment 1: BERT sees a pair, not one concatenated text
+    assert (batch["token_type_ids"] == 1).any() and (batch["token_type_ids"][:, 0] == 0).all()
+
+
+def test_jsonl_with_string_labels_infers_the_classes(example, tmp_path):
+    path = tmp_path / "reviews.jsonl"
+    labels = ["positive", "negative", "neutral"]
+    path.write_text("".join(json.dumps({"text": f"review {i}", "label": labels[i % 3]}) + "\n" for i in range(30)))
+    data = example.TextClassificationData(dataset=str(path), batch_size=4)
+    assert data.label_names == ["negative", "neutral", "positive"] and data.num_labels == 3
+    assert {label for *_, label in data.train_rows + data.val_rows} == {0, 1, 2}
+    assert len(data.val_rows) == 3  # held out: 10% of the rows
+
+
+def test_pretrained_model_loads_in_train_mode_and_fine_tunes(example, tmp_path):
+    """A model saved with save_pretrained (as a downloaded one) comes back in train mode: dropout is on."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, num_labels=2)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "tiny-bert")
+    model = example.BertClassifier(model_name_or_path=str(tmp_path / "tiny-bert"), num_labels=2)
+    assert all(m.training for m in model.bert.modules())
+    batch = dict(input_ids=torch.randint(0, 50, (8, 10)), labels=torch.randint(0, 2, (8,)))
+    assert not torch.equal(model.bert(**batch).logits, model.bert(**batch).logits)  # dropout is active
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        loss = model.bert(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.isfinite(loss) and any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_cli_gives_a_pretrained_model_its_own_tokenizer(example, tmp_path, monkeypatch):
+    """--model.model_name_or_path without --data.tokenizer: the data is tokenised with the model's vocabulary, not a
+    word-level one built from the data (whose ids would index the wrong embedding rows); an explicit tokenizer wins."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "zebra", "film", "fine", "dull", "a"]
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(tmp_path / "tiny-bert")
+    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=64,
+                                             max_position_embeddings=16)).save_pretrained(tmp_path / "tiny-bert")
+    (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "a fine film\t1\na dull film\t0\n" * 8)
+    monkeypatch.chdir(tmp_path)
+
+    def data_of(*extra):
+        cli = example.BertFinetuneCLI(
+            example.BertClassifier, example.TextClassificationData, run=False,
+            args=["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.logger", "false",
+                  "--model.model_name_or_path", str(tmp_path / "tiny-bert"),
+                  "--data.dataset", str(tmp_path / "train.tsv"), *extra],
+        )
+        return cli.datamodule
+
+    data = data_of()
+    assert data.tokenizer.get_vocab() == {w: i for i, w in enumerate(vocab)}  # the model's, zebra included
+    assert data.tokenizer("a fine film")["input_ids"] == [2, 9, 7, 6, 3]
+    other = vocab[:5] + ["film", "fine", "a", "dull"]
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(other)}).save_pretrained(tmp_path / "other-tokenizer")
+    explicit = data_of("--data.tokenizer", str(tmp_path / "other-tokenizer"))
+    assert explicit.tokenizer.get_vocab() == {w: i for i, w in enumerate(other)}
+
+
+def test_uncompressed_embeddings_puts_the_word_embeddings_in_a_compress_false_group(example):
+    """--model.uncompressed_embeddings true: the CLI's optimizer (one group over model.parameters()) is split into
+    the rest and the word embeddings with compress=False, both with the configured options."""
+    from lightning_onebit import OnebitAdam
+
+    sizes = dict(vocab_size=50, num_labels=2, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                 max_position_embeddings=16)
+    model = example.BertClassifier(uncompressed_embeddings=True, **sizes)
+    embeddings = model.bert.get_input_embeddings().weight
+    optimizer = OnebitAdam(model.parameters(), lr=1e-3, weight_decay=0.01, freeze_step=5)
+    assert example.BertFinetuneCLI.configure_optimizers(model, optimizer) is optimizer
+    rest, emb = optimizer.param_groups
+    assert [rest["compress"], emb["compress"]] == [True, False]
+    assert len(emb["params"]) == 1 and emb["params"][0] is embeddings
+    assert len(rest["params"]) == len(list(model.parameters())) - 1
+    assert all(p is not embeddings for p in rest["params"])
+    assert rest["weight_decay"] == emb["weight_decay"] == 0.01 and rest["lr"] == emb["lr"] == 1e-3
+    example.BertFinetuneCLI.configure_optimizers(model, optimizer)  # called again (a second fit): unchanged
+    assert len(optimizer.param_groups) == 2
+    # the default leaves the single compressed group alone
+    plain = example.BertClassifier(**sizes)
+    optimizer = OnebitAdam(plain.parameters(), lr=1e-3, freeze_step=5)
+    example.BertFinetuneCLI.configure_optimizers(plain, optimizer)
+    assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["compress"] is True
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        optimizer = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
+        example.BertFinetuneCLI.configure_optimizers(model, optimizer, scheduler)
+
+
+def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path):
+    summary = tmp_path / "summary.json"
+    command = [
+        sys.executable, str(EXAMPLE), "fit", "--config", str(CONFIG),
+        "--trainer.max_epochs", "EPOCHS",
+        "--optimizer.init_args.freeze_step", "FREEZE", "--optimizer.init_args.auto_freeze", "null",
+        "--optimizer.init_args.lr", "0.001",
+        "--model.num_layers", "2", "--model.hidden_size", "64", "--model.intermediate_size", "256",
+        "--data.num_val", "500", "--trainer.enable_progress_bar", "false",
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary),
+    ]
+    # The tiny model leaves its initial plateau around step 90 and has settled by ~150; freezing the variance during
+    # that transition collapses training (README, "Choosing freeze_step"), so the freeze comes well after it.
+    epochs, freeze = 5, 200
+    steps = epochs * 62  # 4000 examples, 2 ranks, batch 32, drop_last
+    command = [{"EPOCHS": str(epochs), "FREEZE": str(freeze)}.get(a, a) for a in command]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["strategy"] == "OnebitStrategy" and result["optimizer"] == "OnebitAdam"
+    assert result["steps"] == steps and result["stage"] == "compression" and result["freeze_step"] == freeze
+    assert result["val_acc"] > 0.65, result  # chance is 0.5
+    warmup_per_step = result["bytes_sent_warmup"] / freeze
+    compressed_per_step = result["bytes_sent_compression"] / (steps - freeze)
+    assert 0 < compressed_per_step < warmup_per_step / 10, result
+    # the example config hits none of the overlap fallbacks: the exchange started in DDP's hooks during backward
+    assert result["overlap"] == "on" and result["overlap_fallback"] is None, result
+    assert result["exchange_in_hooks_s"] > 0, result
+    assert "bert_finetune summary" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "config, expected, absent",
+    [
+        # uncompressed_embeddings: the model option is visible to the CLI (see test_uncompressed_embeddings_puts_...)
+        ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: auto",
+                            "uncompressed_embeddings: false"], None),
+        # without MomentumMask(auto=True), which ZeroOneAdam refuses
+        ("bert_zeroone.yaml",
+         ["class_path: lightning_onebit.ZeroOneAdam", "strategy: zeroone_adam", "var_freeze_step: 176"], "MomentumMask"),
+    ],
+)
+def test_family_configs_resolve_under_their_strategy_names(tmp_path, config, expected, absent):
+    """bert_lamb.yaml and bert_zeroone.yaml (run in full by benchmarks/bert_parity.py) build their optimizer under the
+    strategy name users of that optimizer look for."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "fit", "--config", str(ROOT / "examples" / "configs" / config), "--print_config"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert all(text in proc.stdout for text in expected), proc.stdout
+    assert absent is None or absent not in proc.stdout
