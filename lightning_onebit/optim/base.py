@@ -759,7 +759,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             # without error feedback to carry, nothing was built yet
             return buckets.built if buckets.built is not None else self._ensure_buckets()
         if not trainable:
-            return buckets.built_empty(built_for)
+            return buckets.built_empty(built_for[1])
         self._frozen_params = set()
         never_updated = []
         for p in trainable:
@@ -782,7 +782,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         fold_weight = {
             id(p): 1 - group["betas"][0] for group in self.param_groups for p in compressed_trainable(group)
         }
-        built = buckets.build(built_for, trainable, self.state, fold_weight, built_for[1])
+        built = buckets.build(trainable, self.state, fold_weight, built_for[1])
         log.info(
             "%s: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
             type(self).__name__,

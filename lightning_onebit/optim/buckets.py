@@ -170,11 +170,13 @@ class MomentumBuckets:
                 next_key += 1
         return runs
 
-    def build(self, built_for: Any, trainable: Sequence[torch.Tensor], state: Any, fold_weight: dict[int, float],
+    def build(self, trainable: Sequence[torch.Tensor], state: Any, fold_weight: dict[int, float],
               world_size: int) -> list[MomentumBucket]:
-        """Build the buckets for ``built_for`` (:meth:`inputs` of ``trainable``): every momentum
-        (``state[p]["exp_avg"]``, which must exist) is copied into its bucket's flat buffer and replaced by a view of
-        it; ``fold_weight[id(p)]`` is ``1 - beta1`` of ``p``'s param group."""
+        """Build the buckets over ``trainable`` for ``world_size`` ranks: every momentum (``state[p]["exp_avg"]``,
+        which must exist) is copied into its bucket's flat buffer and replaced by a view of it;
+        ``fold_weight[id(p)]`` is ``1 - beta1`` of ``p``'s param group. Afterwards :meth:`fits` holds for
+        ``inputs(trainable, world_size)``."""
+        built_for = self.inputs(trainable, world_size)
         self.built_for = built_for
         self.bucketed_ids = set(built_for[2])
         self.by_key = {}
@@ -198,9 +200,9 @@ class MomentumBuckets:
         self.built = buckets
         return buckets
 
-    def built_empty(self, built_for: Any) -> list[MomentumBucket]:
+    def built_empty(self, world_size: int) -> list[MomentumBucket]:
         """No compressed trainable parameter: no bucket."""
-        self.built_for, self.bucketed_ids, self.by_key, self.built = built_for, set(), {}, []
+        self.built_for, self.bucketed_ids, self.by_key, self.built = self.inputs([], world_size), set(), {}, []
         return self.built
 
 

@@ -165,7 +165,7 @@ def test_build_makes_the_momenta_views_of_zero_padded_flat_buffers():
     buckets = MomentumBuckets(cap_bytes=10**6)
     built_for = buckets.inputs(params, WORLD_SIZE)
     assert not buckets.fits(built_for)  # nothing built yet
-    built = buckets.build(built_for, params, state, fold_weight, WORLD_SIZE)
+    built = buckets.build(params, state, fold_weight, WORLD_SIZE)
 
     assert buckets.built is built and buckets.fits(built_for)
     assert buckets.by_key == {b.key: b for b in built}
@@ -202,7 +202,7 @@ def test_build_makes_the_momenta_views_of_zero_padded_flat_buffers():
     buckets.plan = checked_plan([params[:1]], {id(p) for p in params})
     assert not buckets.fits(buckets.inputs(params, WORLD_SIZE))
     empty_for = buckets.inputs([], WORLD_SIZE)
-    assert buckets.built_empty(empty_for) == [] and buckets.fits(empty_for) and buckets.by_key == {}
+    assert buckets.built_empty(WORLD_SIZE) == [] and buckets.fits(empty_for) and buckets.by_key == {}
     assert buckets.bucketed_ids == set()
 
 
@@ -213,7 +213,7 @@ def test_state_buffer_lays_another_state_out_like_the_momenta():
     for p in params[::2]:  # the middle parameter has none yet: zeros
         state[p]["exp_avg_sq"] = old_sq[id(p)].clone()
     buckets = MomentumBuckets(cap_bytes=10**6)
-    (bucket,) = buckets.build(buckets.inputs(params, WORLD_SIZE), params, state, {id(p): 0.1 for p in params},
+    (bucket,) = buckets.build(params, state, {id(p): 0.1 for p in params},
                               WORLD_SIZE)
     flat = bucket.state_buffer("exp_avg_sq", state)
     assert flat.shape == bucket.flat.shape and flat.dtype == bucket.flat.dtype
@@ -267,7 +267,7 @@ def _momentum_buckets(params, rank: int) -> tuple[dict, MomentumBuckets]:
     state = _state(params, "momentum", rank)
     buckets = MomentumBuckets(EXCHANGE_CAP)
     fold_weight = {id(p): w for p, w in zip(params, FOLD_WEIGHTS)}
-    buckets.build(buckets.inputs(params, WORLD_SIZE), params, state, fold_weight, WORLD_SIZE)
+    buckets.build(params, state, fold_weight, WORLD_SIZE)
     return state, buckets
 
 
@@ -411,7 +411,7 @@ def _laid_out(grouping, params, state) -> tuple[MomentumBuckets, Any, list[int]]
 
     def build() -> list[MomentumBucket]:
         calls.append(1)
-        return buckets.build(buckets.inputs(trainable, WORLD_SIZE), trainable, state,
+        return buckets.build(trainable, state,
                              {id(p): 0.1 for p in trainable}, WORLD_SIZE)
 
     return buckets, build, calls
