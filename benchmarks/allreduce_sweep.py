@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import argument_parser, launch, write_results
-from lightning_onebit import BucketLayout, CompressedAllreduceState, compressed_allreduce_
+from lightning_onebit.comm import BucketLayout, CompressedAllreduceState, compressed_allreduce_
 
 
 def _sweep(rank: int, world_size: int, sizes: list[int], repeats: int, backend: str = "auto") -> list[dict]:

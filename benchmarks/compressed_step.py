@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import argument_parser, bert_like_shapes, launch, write_results
-from lightning_onebit import OnebitAdam, ring_allreduce_bytes
+from lightning_onebit import OnebitAdam
+from lightning_onebit.comm import ring_allreduce_bytes
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 

@@ -25,10 +25,11 @@ Runs (``--runs``, names; default all of these), with exactly these arguments on 
 * ``adamw``: ``bert_adamw.yaml``, nothing more (DDP + AdamW);
 * ``onebit_adam@F``: ``bert_onebit.yaml``, ``-o.freeze_step round(F*N) -o.auto_freeze null`` (``F`` in
   ``--fractions``);
-* ``onebit_adam@auto``: ``bert_onebit.yaml``, ``-o.freeze_step auto -o.auto_freeze null -o.auto_freeze.max_step
-  floor(M*N)`` (``M`` ``--auto-max-share``, 0.5): ``null`` drops the config's hand-set window and thresholds and only
-  ``max_step`` is set, so every other AutoFreeze field is the library's default (a dict value instead of ``null``
-  would be *merged* with the config's block);
+* ``onebit_adam@auto``: ``bert_onebit.yaml``, ``-o.freeze_step auto -o.auto_freeze null``: ``null`` drops the
+  config's hand-set window, thresholds and bound, so every AutoFreeze field is the library's default (the strategy
+  bounds the warmup at 25% of the run; the window is a third of that). With ``--auto-max-share M`` also
+  ``-o.auto_freeze.max_step floor(M*N)`` (a dict value instead of ``null`` would be *merged* with the config's
+  block);
 * ``onebit_lamb@F`` / ``onebit_lamb@auto``: ``bert_lamb.yaml``, ``-o.lr LAMB_LR`` and then as for 1-bit Adam;
 * ``lamb_uncompressed``: ``bert_lamb.yaml``, ``-o.lr LAMB_LR -o.freeze_step N+1 -o.auto_freeze null`` (never
   freezes: plain LAMB on DDP at the same lr, 1-bit LAMB's twin).
@@ -134,8 +135,9 @@ def freeze_step_of(fraction: float, steps: int) -> int:
     return max(1, round(fraction * steps))
 
 
-def auto_max_step(steps: int, share: float = 0.5) -> int:
-    """``AutoFreeze.max_step`` of the ``@auto`` runs: ``share`` of the run, rounded down (at most half by default)."""
+def auto_max_step(steps: int, share: float) -> int:
+    """``AutoFreeze.max_step`` of the ``@auto`` runs given ``--auto-max-share``: ``share`` of the run, rounded
+    down."""
     return max(1, math.floor(share * steps))
 
 
@@ -145,7 +147,8 @@ def val_interval(steps: int, checks: int) -> int:
     return next(d for d in range(max(1, steps // max(1, checks)), 0, -1) if steps % d == 0)
 
 
-def run_args(name: str, steps: int, lamb_lr: Optional[str], auto_max_share: float = 0.5) -> tuple[str, list[str]]:
+def run_args(name: str, steps: int, lamb_lr: Optional[str],
+             auto_max_share: Optional[float] = None) -> tuple[str, list[str]]:
     """``(config, arguments)`` of a run kind on top of the task's common arguments (see the module's docstring)."""
     family, freeze = parse_run(name)
     config = CONFIGS[family]
@@ -155,10 +158,10 @@ def run_args(name: str, steps: int, lamb_lr: Optional[str], auto_max_share: floa
     if family == "lamb_uncompressed":
         args += ["--optimizer.init_args.freeze_step", str(steps + 1), "--optimizer.init_args.auto_freeze", "null"]
     elif freeze == "auto":
-        # null first: the config's auto_freeze block (window, thresholds) goes, and the library's defaults apply to
-        # every field but max_step
-        args += ["--optimizer.init_args.freeze_step", "auto", "--optimizer.init_args.auto_freeze", "null",
-                 "--optimizer.init_args.auto_freeze.max_step", str(auto_max_step(steps, auto_max_share))]
+        # null: the config's auto_freeze block (window, thresholds, bound) goes, and the library's defaults apply
+        args += ["--optimizer.init_args.freeze_step", "auto", "--optimizer.init_args.auto_freeze", "null"]
+        if auto_max_share is not None:
+            args += ["--optimizer.init_args.auto_freeze.max_step", str(auto_max_step(steps, auto_max_share))]
     elif freeze is not None:
         args += ["--optimizer.init_args.freeze_step", str(freeze_step_of(float(freeze), steps)),
                  "--optimizer.init_args.auto_freeze", "null"]
@@ -745,8 +748,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None,
                         help=f"optimizer steps per run (default per task: {DEFAULT_STEPS})")
     parser.add_argument("--val-checks", type=int, default=4, help="validations per run, the last at the last step")
-    parser.add_argument("--auto-max-share", type=float, default=0.5,
-                        help="AutoFreeze max_step of the @auto runs as a share of the run (default 0.5)")
+    parser.add_argument("--auto-max-share", type=float, default=None,
+                        help="AutoFreeze max_step of the @auto runs as a share of the run (default: none given, the "
+                             "library's bound of 25%%)")
     parser.add_argument("--lr", default=None, help=f"Adam lr (default: the configs' on synthetic, {DEFAULT_LR} on the "
                                                    "real tasks)")
     parser.add_argument("--lamb-lr", default=None,
@@ -768,7 +772,7 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true", help="only print the table and draw the picture")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    if not 0 < args.auto_max_share < 1:
+    if args.auto_max_share is not None and not 0 < args.auto_max_share < 1:
         parser.error("--auto-max-share must be in (0, 1)")
     if args.summary:
         summarise(args.name)

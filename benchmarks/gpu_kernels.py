@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 
 from benchmarks.common import argument_parser, momentum_buckets, write_results
-from lightning_onebit import BucketLayout, kernels
-from lightning_onebit.comm import simulate_compressed_allreduce_
+from lightning_onebit import kernels
+from lightning_onebit.comm import BucketLayout, simulate_compressed_allreduce_
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     for _ in range(3):  # warm: allocator, lazy module loads, cupy compilation

@@ -36,7 +36,8 @@ from typing import Callable
 import torch
 
 from benchmarks.common import argument_parser, bert_like_shapes, momentum_buckets, write_results
-from lightning_onebit import BucketLayout, kernels
+from lightning_onebit import kernels
+from lightning_onebit.comm import BucketLayout
 
 
 

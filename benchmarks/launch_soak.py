@@ -5,10 +5,10 @@ module in worker mode, from the repository root), trained through warmup into th
 along one of these paths:
 
 * ``torch-ddp``: plain torch, no Lightning: ``DistributedDataParallel`` + :class:`~lightning_onebit.OnebitAdam` +
-  :class:`~lightning_onebit.OverlapState` / :func:`~lightning_onebit.overlapped_exchange_hook` (several DDP buckets,
-  the second phase in its own process group), 3 ranks, torn down the way the ``OverlapState`` docstring tells users
-  to: the training function returns (DDP, optimizer and hook state freed by reference counting) and the script calls
-  ``dist.destroy_process_group()``. No ``gc.collect()`` anywhere.
+  :class:`~lightning_onebit.hooks.OverlapState` / :func:`~lightning_onebit.hooks.overlapped_exchange_hook` (several
+  DDP buckets, the second phase in its own process group), 3 ranks, torn down the way the ``OverlapState`` docstring
+  tells users to: the training function returns (DDP, optimizer and hook state freed by reference counting) and the
+  script calls ``dist.destroy_process_group()``. No ``gc.collect()`` anywhere.
 * ``lightning-flat``: ``Trainer(strategy=OnebitStrategy())``, 2 ranks, flat exchange, overlapped.
 * ``lightning-hierarchical``: the same on 4 ranks with ``ranks_per_node=2`` (2 simulated nodes x 2 ranks: the
   intra- and inter-node groups and their second-phase copies).
@@ -103,7 +103,8 @@ def _torch_ddp_train() -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_onebit import OnebitAdam, OverlapState, overlapped_exchange_hook
+    from lightning_onebit import OnebitAdam
+    from lightning_onebit.hooks import OverlapState, overlapped_exchange_hook
 
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)

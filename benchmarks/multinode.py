@@ -83,9 +83,9 @@ MODEL_FLAGS = ("model", "layers", "hidden", "heads", "batch", "seq", "vocab", "a
 
 # ---------------------------------------------------------------------------------------------------- formulas
 def formula_bytes_per_node(n: int, nodes: int, ranks_per_node: int) -> dict[str, float]:
-    """Payload bytes leaving each node per step for N = ``n`` parameters (``lightning_onebit.bytes_leaving_node``;
+    """Payload bytes leaving each node per step for N = ``n`` parameters (``lightning_onebit.comm.bytes_leaving_node``;
     ``fp32_hierarchical``, Horovod's hierarchical fp32 allreduce, ``2(M-1)/M 4N``, for reference)."""
-    from lightning_onebit import bytes_leaving_node
+    from lightning_onebit.comm import bytes_leaving_node
 
     return dict(
         fp32_ring=bytes_leaving_node(n, nodes, ranks_per_node, "fp32_ring"),
@@ -163,7 +163,8 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks.slow_link import LR, WEIGHT_DECAY, RandomBatches, build_model, make_adamw, model_config_of
-    from lightning_onebit import GradientSyncState, OnebitAdam, Topology, switchable_allreduce_hook
+    from lightning_onebit import OnebitAdam, Topology
+    from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 
     torch.set_num_threads(1)
     sync_dir = Path(args.sync_dir)
@@ -334,7 +335,7 @@ def _delta(readings: dict, window: str, node: int, key: str) -> int:
 
 
 def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_onebit import ring_allreduce_bytes
+    from lightning_onebit.comm import ring_allreduce_bytes
 
     per_rank, wire = run["per_rank"], run["wire"]
     n_params = per_rank[0]["model"]["params"]

@@ -454,8 +454,8 @@ _TIME_MODEL_NICS = (("100 Gbit/s", 12.5e9), ("10 Gbit/s", 1.25e9))
 
 
 def topology_model_table() -> str:
-    """The README's time model, evaluated (pure formulas, lightning_onebit.bytes_leaving_node)."""
-    from lightning_onebit import bytes_leaving_node
+    """The README's time model, evaluated (pure formulas, lightning_onebit.comm.bytes_leaving_node)."""
+    from lightning_onebit.comm import bytes_leaving_node
 
     n, per_node = _TIME_MODEL_PARAMS, 8
     crossover_rows, time_rows = [], []

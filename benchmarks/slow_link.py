@@ -18,9 +18,9 @@ Compared in one run, per link rate:
   ddp_powersgd    DDP + torch's powerSGD_hook (matrix_approximation_rank=4, start_powerSGD_iter=W) + AdamW; timed
                   after its W allreduce steps. Buckets are compressed one after another (ordered_powerSGD_hook): the
                   unmodified hook can issue collectives in different orders on different ranks, which gloo rejects
-  onebit_adam     DDP + lightning_onebit.switchable_allreduce_hook + OnebitAdam(freeze_step=W); its W warmup steps
+  onebit_adam     DDP + lightning_onebit.hooks.switchable_allreduce_hook + OnebitAdam(freeze_step=W); its W warmup steps
                   and its compression-stage steps are timed separately
-  onebit_overlap  DDP + lightning_onebit.overlapped_exchange_hook (OverlapState) + OnebitAdam(freeze_step=W): the
+  onebit_overlap  DDP + lightning_onebit.hooks.overlapped_exchange_hook (OverlapState) + OnebitAdam(freeze_step=W): the
                   compressed momentum exchange of a DDP bucket starts inside backward, once the bucket's gradients
                   are ready; ``opt.step`` finishes what backward did not hide. Stages timed as for onebit_adam
   onebit_lamb     as onebit_adam, with OnebitLamb(freeze_step=W)
@@ -45,7 +45,7 @@ SIGTERM). On loopback both ranks' traffic passes the one shaped device, so RATE 
 Each method runs in its own fresh pair of rank processes (one after another in the same processes, a method was
 measured up to 2x slower than alone). Per method: ``--untimed`` steps untimed, then the median of ``--steps`` timed steps (forward + backward + optimizer
 step, after a barrier; a step's time is the slower rank's). Bytes per rank per step:
-  * ddp_fp32, ddp_bf16: analytic, ``lightning_onebit.ring_allreduce_bytes`` of the gradient at 4 / 2 bytes per
+  * ddp_fp32, ddp_bf16: analytic, ``lightning_onebit.comm.ring_allreduce_bytes`` of the gradient at 4 / 2 bytes per
     element (for bf16 also measured by counting the hook's ``dist.all_reduce`` calls);
   * ddp_powersgd: measured by counting the hook's ``dist.all_reduce`` calls (P, Q and the uncompressed 1-D tensors,
     ring-allreduce bytes), checked against the analytic sizes of P and Q;
@@ -98,15 +98,9 @@ import torch.distributed as dist
 
 from benchmarks import netns
 from benchmarks.common import ROOT, argument_parser, launch, module_command, write_results
-from lightning_onebit import (
-    CompressedOptimizer,
-    GradientSyncState,
-    OnebitAdam,
-    OnebitLamb,
-    ZeroOneAdam,
-    ring_allreduce_bytes,
-    switchable_allreduce_hook,
-)
+from lightning_onebit import CompressedOptimizer, OnebitAdam, OnebitLamb, ZeroOneAdam
+from lightning_onebit.comm import ring_allreduce_bytes
+from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 
 DIST_METHODS = (
     "ddp_fp32", "ddp_bf16", "ddp_powersgd", "onebit_adam", "onebit_overlap", "onebit_lamb", "zeroone_adam", "local_2proc"
@@ -525,7 +519,7 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             extra["timed_steps_by_kind"] = {str(k): n - before.get(k, 0) for k, n in opt.steps_by_kind.items()}
             extra["local_step_interval"] = opt.local_step_interval
         elif method == "onebit_overlap":
-            from lightning_onebit import OverlapState, overlapped_exchange_hook
+            from lightning_onebit.hooks import OverlapState, overlapped_exchange_hook
 
             model = DDP(model)
             # no bucket_cap_mb: the overlapped exchange follows DDP's gradient buckets, ready one after another

@@ -32,23 +32,19 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
 import torchmetrics
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
-from lightning_onebit import (
-    CommunicationMonitor,
-    CompressedOptimizer,
-    GradientSyncState,
-    OnebitStrategy,
-    switchable_allreduce_hook,
-)
+from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitStrategy
+from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -352,11 +348,14 @@ class BertClassifier(L.LightningModule):
         vocab_size, num_labels: linked from the data module by the CLI.
         hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings, dropout: size of the fresh
             BERT (defaults: 256, 4, 4, 1024, 64, 0.1). Ignored with ``model_name_or_path``.
-        uncompressed_embeddings: put the word embeddings in a param group of their own with ``"compress": False``
-            (``--model.uncompressed_embeddings true``): their gradients are averaged in full precision every step
-            and their variance stays live, so vocabulary rows no warmup batch looked up still train after the freeze
-            instead of being masked by ``MomentumMask(auto=True)``. Costs ``2 (P-1)/P * 4`` bytes per embedding
-            element per step (fp32). Default ``False``. Needs a compressed optimizer from the CLI (``optimizer:``).
+        word_embeddings: how a compressed optimizer exchanges the word embeddings after the freeze
+            (``--model.word_embeddings sparse_rows``). ``"compressed"`` (default): in 1 bit with the rest; rows no
+            warmup batch looked up are then masked by ``MomentumMask(auto=True)`` and never train. ``"sparse_rows"``:
+            a param group of their own with ``"compress": False, "sparse_rows": True``: averaged exactly, sending
+            only the rows the step's batches looked up, variance live, so every row trains. ``"full_precision"``:
+            ``"compress": False`` alone, a dense full-precision average (``2 (P-1)/P * 4`` bytes per element per
+            step in fp32). The latter two need a compressed optimizer from the CLI (``optimizer:``).
+        uncompressed_embeddings: deprecated: ``true`` is ``word_embeddings="full_precision"``.
     """
 
     def __init__(
@@ -370,6 +369,7 @@ class BertClassifier(L.LightningModule):
         intermediate_size: int = 1024,
         max_position_embeddings: int = 64,
         dropout: float = 0.1,
+        word_embeddings: Literal["compressed", "sparse_rows", "full_precision"] = "compressed",
         uncompressed_embeddings: bool = False,
     ) -> None:
         super().__init__()
@@ -392,7 +392,16 @@ class BertClassifier(L.LightningModule):
                 num_labels=num_labels,
             )
             self.bert = BertForSequenceClassification(config)
-        self.uncompressed_embeddings = uncompressed_embeddings
+        if uncompressed_embeddings:
+            if word_embeddings not in ("compressed", "full_precision"):
+                raise ValueError(
+                    f"uncompressed_embeddings=True (the deprecated name of word_embeddings='full_precision') "
+                    f"contradicts word_embeddings={word_embeddings!r}; give only word_embeddings"
+                )
+            rank_zero_warn("--model.uncompressed_embeddings true is deprecated: use --model.word_embeddings "
+                           "full_precision", category=FutureWarning)
+            word_embeddings = "full_precision"
+        self.word_embeddings = word_embeddings
         self.val_accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=num_labels)
         self.val_f1 = torchmetrics.F1Score(task="multiclass", num_classes=num_labels, average="macro")
 
@@ -424,27 +433,29 @@ class _CountDDPBytes(L.Callback):
             trainer.strategy.model.register_comm_hook(self.state, switchable_allreduce_hook)
 
 
-def uncompressed_embedding_groups(optimizer: CompressedOptimizer, embeddings: torch.nn.Parameter) -> None:
+def embedding_groups(optimizer: CompressedOptimizer, embeddings: torch.nn.Parameter, sparse_rows: bool) -> None:
     """Split a fresh optimizer's single param group in two: everything but ``embeddings``, then ``embeddings`` alone
-    with ``"compress": False`` (both with the group's other options). LightningCLI builds the optimizer from
-    ``model.parameters()``, one group; a LightningModule's own ``configure_optimizers`` would pass the two groups
-    directly: ``[{"params": rest}, {"params": [embeddings], "compress": False}]``."""
+    with ``"compress": False`` and ``"sparse_rows": sparse_rows`` (both with the group's other options). LightningCLI
+    builds the optimizer from ``model.parameters()``, one group; a LightningModule's own ``configure_optimizers``
+    would pass the two groups directly: ``[{"params": rest}, {"params": [embeddings], "compress": False,
+    "sparse_rows": True}]``."""
     if not isinstance(optimizer, CompressedOptimizer):
         raise ValueError(
-            f"uncompressed_embeddings needs a compressed optimizer (OnebitAdam, OnebitLamb, ZeroOneAdam), got "
-            f"{type(optimizer).__name__}"
+            f"--model.word_embeddings {'sparse_rows' if sparse_rows else 'full_precision'} needs a compressed "
+            f"optimizer (OnebitAdam, OnebitLamb, ZeroOneAdam), got {type(optimizer).__name__}"
         )
     if any(not g["compress"] and any(p is embeddings for p in g["params"]) for g in optimizer.param_groups):
         return  # already split (configure_optimizers called again)
     if len(optimizer.param_groups) != 1 or optimizer.state:
-        raise ValueError("uncompressed_embeddings splits a fresh optimizer with a single param group")
+        raise ValueError("word_embeddings: the example splits a fresh optimizer with a single param group")
     (group,) = optimizer.param_groups
     if not any(p is embeddings for p in group["params"]):
-        raise ValueError("uncompressed_embeddings: the optimizer does not hold the word embeddings")
-    options = {k: v for k, v in group.items() if k not in ("params", "param_names", "exp_avg_mask", "compress")}
+        raise ValueError("word_embeddings: the optimizer does not hold the word embeddings")
+    options = {k: v for k, v in group.items()
+               if k not in ("params", "param_names", "exp_avg_mask", "compress", "sparse_rows")}
     optimizer.param_groups.clear()
     optimizer.add_param_group({**options, "params": [p for p in group["params"] if p is not embeddings]})
-    optimizer.add_param_group({**options, "params": [embeddings], "compress": False})
+    optimizer.add_param_group({**options, "params": [embeddings], "compress": False, "sparse_rows": sparse_rows})
 
 
 def _per_100(rounds: int, steps: int) -> Optional[float]:
@@ -469,14 +480,16 @@ class BertFinetuneCLI(LightningCLI):
     @staticmethod
     def configure_optimizers(lightning_module: L.LightningModule, optimizer: Any, lr_scheduler: Any = None) -> Any:
         # LightningCLI's automatic configure_optimizers, with the word embeddings in a compress=False group if asked
-        if getattr(lightning_module, "uncompressed_embeddings", False):
+        word_embeddings = getattr(lightning_module, "word_embeddings", "compressed")
+        if word_embeddings != "compressed":
             if lr_scheduler is not None:
                 raise ValueError(
-                    "--model.uncompressed_embeddings true with an lr_scheduler is not supported by this example: the "
-                    "scheduler was built for the optimizer's single param group. Build the two groups in a "
-                    "LightningModule's configure_optimizers instead"
+                    f"--model.word_embeddings {word_embeddings} with an lr_scheduler is not supported by this "
+                    "example: the scheduler was built for the optimizer's single param group. Build the two groups "
+                    "in a LightningModule's configure_optimizers instead"
                 )
-            uncompressed_embedding_groups(optimizer, lightning_module.bert.get_input_embeddings().weight)
+            embedding_groups(optimizer, lightning_module.bert.get_input_embeddings().weight,
+                             sparse_rows=word_embeddings == "sparse_rows")
         return LightningCLI.configure_optimizers(lightning_module, optimizer, lr_scheduler)
 
     def before_fit(self) -> None:

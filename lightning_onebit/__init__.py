@@ -2,33 +2,24 @@
 
 Importing the package registers the ``onebit_adam`` strategies (``onebit_adam``, ``onebit_adam_spawn``,
 ``onebit_adam_fork``, ``onebit_adam_notebook``) with Lightning's ``StrategyRegistry``.
+
+The top level holds what a Lightning user needs: the strategy, the optimizers, the callbacks and :class:`Topology`.
+The lower layers have their own namespaces: the compressed collective and its accounting in
+:mod:`lightning_onebit.comm`, the DDP communication hooks in :mod:`lightning_onebit.hooks`, the loss scaler in
+:mod:`lightning_onebit.strategy.precision`. Their names that used to be re-exported here still resolve, with a
+``FutureWarning``, until 0.3.
 """
+
+import importlib
+import warnings
+from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, ErrorFeedbackCheckpoint, MomentumMask, ReplicaCheck
-from lightning_onebit.comm import (
-    BucketLayout,
-    CommunicationCounters,
-    CompressedAllreduceState,
-    agree_kernel_backend,
-    assert_replicas_identical,
-    bytes_leaving_node,
-    compressed_allreduce_,
-    compressed_allreduce_buckets_,
-    ring_allreduce_bytes,
-)
-from lightning_onebit.hooks import (
-    GradientSyncState,
-    OverlapState,
-    leaves_gradients_unchanged,
-    overlapped_exchange_hook,
-    switchable_allreduce_hook,
-)
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
-from lightning_onebit.precision import RankSyncedGradScaler
 from lightning_onebit.strategy import OnebitAdamStrategy, OnebitStrategy
-from lightning_onebit.topology import Topology
 
 __version__ = "0.1.0"
 
@@ -37,32 +28,60 @@ if "onebit_adam" not in StrategyRegistry:
 
 __all__ = [
     "AutoFreeze",
-    "BucketLayout",
-    "CommunicationCounters",
     "CommunicationMonitor",
-    "CompressionAdvice",
-    "CompressedAllreduceState",
     "CompressedOptimizer",
+    "CompressionAdvice",
     "ErrorFeedbackCheckpoint",
-    "GradientSyncState",
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
-    "OnebitStrategy",
     "OnebitLamb",
     "OnebitStage",
-    "OverlapState",
-    "RankSyncedGradScaler",
+    "OnebitStrategy",
     "ReplicaCheck",
     "Topology",
     "ZeroOneAdam",
-    "agree_kernel_backend",
-    "assert_replicas_identical",
-    "bytes_leaving_node",
-    "compressed_allreduce_",
-    "compressed_allreduce_buckets_",
-    "leaves_gradients_unchanged",
-    "overlapped_exchange_hook",
-    "ring_allreduce_bytes",
-    "switchable_allreduce_hook",
+    "__version__",
 ]
+
+#: Names the top level used to re-export, and the module each is imported from now. They still resolve here, with a
+#: ``FutureWarning``, for one release (removed in 0.3). Imported on access, not at package import.
+_MOVED = {
+    # the compressed collective and its accounting
+    "BucketLayout": "lightning_onebit.comm",
+    "CommunicationCounters": "lightning_onebit.comm",
+    "CompressedAllreduceState": "lightning_onebit.comm",
+    "agree_kernel_backend": "lightning_onebit.comm",
+    "assert_replicas_identical": "lightning_onebit.comm",
+    "bytes_leaving_node": "lightning_onebit.comm",
+    "compressed_allreduce_": "lightning_onebit.comm",
+    "compressed_allreduce_buckets_": "lightning_onebit.comm",
+    "ring_allreduce_bytes": "lightning_onebit.comm",
+    # the DDP communication hooks
+    "GradientSyncState": "lightning_onebit.hooks",
+    "OverlapState": "lightning_onebit.hooks",
+    "leaves_gradients_unchanged": "lightning_onebit.hooks",
+    "overlapped_exchange_hook": "lightning_onebit.hooks",
+    "switchable_allreduce_hook": "lightning_onebit.hooks",
+    # the strategy's loss scaler
+    "RankSyncedGradScaler": "lightning_onebit.strategy.precision",
+}
+_REMOVED_IN = "0.3"
+
+
+def __getattr__(name: str) -> Any:
+    """A moved name (:data:`_MOVED`), from its new module, with a ``FutureWarning`` that names it (PEP 562)."""
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{__name__}.{name} moved to {module}.{name}; import it from there. The top-level name will be removed in"
+        f" {_REMOVED_IN}.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

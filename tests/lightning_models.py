@@ -9,7 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from lightning_onebit import OnebitAdam, leaves_gradients_unchanged
+from lightning_onebit import OnebitAdam
+from lightning_onebit.hooks import leaves_gradients_unchanged
 
 N_IN = 6
 HIDDEN = 8

@@ -19,7 +19,7 @@ from lightning_onebit.optim import CompressedOptimizer, StepKind
 from lightning_onebit.strategy import OnebitStrategy
 
 if TYPE_CHECKING:
-    from lightning_onebit.comm import CommunicationCounters
+    from lightning_onebit.comm.accounting import CommunicationCounters
 
 @dataclasses.dataclass
 class CompressionAdvice:

@@ -22,10 +22,10 @@ class ErrorFeedbackCheckpoint(Callback):
     * ``"reset"`` (default, DeepSpeed's behaviour): they restart from zero after a load; the norm that was dropped
       (rank 0's buffers at save time) is logged. The 1-bit Adam paper reports that occasional resets do not hurt.
     * ``"keep"``: every rank saves its own buffers in a sidecar file next to the checkpoint
-      (``<checkpoint>.onebit-rank<r>``, see :mod:`lightning_onebit.sidecar`). On resume each rank validates its own
-      file: missing, unreadable, corrupt (checksum), stale or foreign (another checkpoint's or another rank's file),
-      or mismatched (world size, topology, bucket layout). The ranks then agree with one small collective: if every
-      rank can restore, all do, and the resumed run continues bitwise as an uninterrupted one would; if any rank
+      (``<checkpoint>.onebit-rank<r>``, see :mod:`lightning_onebit.strategy.sidecar`). On resume each rank validates
+      its own file: missing, unreadable, corrupt (checksum), stale or foreign (another checkpoint's or another rank's
+      file), or mismatched (world size, topology, bucket layout). The ranks then agree with one small collective: if
+      every rank can restore, all do, and the resumed run continues bitwise as an uninterrupted one would; if any rank
       cannot, **every** rank resets, and a warning names each such rank, its file and the reason. A bad file never
       stops training under ``keep``.
     * ``"require"``: as ``keep``, but if any rank cannot restore, every rank raises ``RuntimeError`` naming the

@@ -28,8 +28,9 @@ class MomentumMask(Callback):
     variance is ~0, and its update explodes to ``scale / eps``. A mask of 0 there keeps its momentum exactly zero
     (DeepSpeed's ``exp_avg_mask`` semantics: the mask multiplies the averaged momentum). If such coordinates should
     train later instead (embedding rows first seen after the warmup), put their parameters in a param group with
-    ``"compress": False`` rather than masking them: that group's gradients are averaged in full precision and its
-    variance stays live (see ``OnebitAdam``).
+    ``"compress": False`` (for an embedding table with ``"sparse_rows": True`` too, which sends only the rows a step
+    looked up) rather than masking them: that group's gradients are averaged exactly and its variance stays live (see
+    ``OnebitAdam``).
 
     Args:
         masks: explicit masks, ``{name_or_glob: mask}`` where ``mask`` is a tensor of the parameter's shape or a
@@ -52,7 +53,7 @@ class MomentumMask(Callback):
         warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
             stay frozen for the rest of training, which may not be what you want (embedding rows not seen during
             warmup, for instance); the warning names the remedies, among them a param group with
-            ``"compress": False`` for such parameters. ``1.0`` never warns. Default ``0.01``.
+            ``"compress": False, "sparse_rows": True`` for an embedding table. ``1.0`` never warns. Default ``0.01``.
 
     At the first compressed step (when the masks take effect) the callback logs a table of the masked coordinates per
     parameter and the total, and :attr:`masked_coordinates` holds the counts.
@@ -234,9 +235,10 @@ class MomentumMask(Callback):
             "gradient was exactly zero in every warmup step (in an embedding, the rows no warmup batch looked up). "
             "They stay frozen for the rest of training, since their variance is 0 and a compressed update would "
             "explode. If they should train: keep such a parameter out of compression by putting it in a param group "
-            "of its own with \"compress\": False (e.g. in configure_optimizers `[{\"params\": embeddings, "
-            "\"compress\": False}, {\"params\": rest}]`: its gradients are then averaged in full precision every "
-            "step, 2 (P-1)/P * 4 bytes per element for fp32, and its variance stays live), freeze later (a larger "
+            "of its own with \"compress\": False, and for an embedding table also \"sparse_rows\": True (e.g. in "
+            "configure_optimizers `[{\"params\": [embeddings], \"compress\": False, \"sparse_rows\": True}, "
+            "{\"params\": rest}]`: its gradients are then averaged exactly every step, sending only the rows the "
+            "step looked up, and its variance stays live), freeze later (a larger "
             "freeze_step, or freeze_step='auto'), give explicit masks for the rows you know are unused instead of "
             "auto=True, or use ZeroOneAdam, which goes on updating the variance. MomentumMask(warn_share=1.0) "
             "silences this."

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_onebit.comm import CommunicationCounters, count_ring_allreduce
+from lightning_onebit.comm.accounting import CommunicationCounters, count_ring_allreduce
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.streams import DeviceTimings
-from lightning_onebit.topology import Topology
 
 _Mark = Union[float, "torch.cuda.Event"]  # host seconds, or a CUDA event
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import CommunicationCounters
+from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.hooks.gradient_sync import GradientSyncState, switchable_allreduce_hook
 
 if TYPE_CHECKING:

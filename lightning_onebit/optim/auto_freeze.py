@@ -57,8 +57,12 @@ class AutoFreeze:
 
     Args:
         window: ``W``, the distance in optimizer steps between the two variance snapshots compared. Default ``None``:
-            ``round(1 / (1 - beta2))`` of the first param group (1000 for 0.999), the time constant of the variance's
-            moving average. Shorter runs want a shorter window (the example uses 40).
+            a third of ``max_step``, rounded down to a multiple of 4 (at least 4), and at most the time constant of
+            the variance's moving average, ``round(1 / (1 - beta2))`` of the first param group (1000 for 0.999). So
+            the window follows the run: under the Lightning strategy's default bound (25% of the run) it is 1/12 of
+            the run, and the earliest decision (a full window, then ``patience`` passing checks ``W / 4`` apart) comes
+            at about 15% of the run; a 600-step run compares windows of 48 steps. Set while the bound is unknown
+            (outside Lightning without ``max_step``) it is fixed at the first step.
         check_every: optimizer steps between checks; the window must be a multiple of it. Default ``None``: ``W / 4``
             (rounded so that it divides ``W``).
         threshold: the largest backtest excess ``e`` on the coordinate sample: how far the last window's gradient
@@ -157,13 +161,12 @@ class FreezeDetector:
     def __init__(self, config: AutoFreeze, beta2: float, owner: str = "the optimizer") -> None:
         self.config = config
         self.owner = owner
-        self.window = config.window or max(1, round(1 / (1 - beta2)))
-        every = config.check_every or max(1, self.window // 4)
-        while self.window % every:  # the largest divisor of the window not above W / 4
-            every -= 1
-        self.check_every = every
-        self.min_step = config.min_step or self.window
+        self.time_constant = max(1, round(1 / (1 - beta2)))  # of the variance's moving average, in steps
         self.max_step = config.max_step
+        # the schedule (window, check interval, first decision step): set once the bound is known (see _schedule)
+        self.window: Optional[int] = None
+        self.check_every: Optional[int] = None
+        self.min_step: Optional[int] = None
         self.streak = 0
         self.seconds = 0.0  # wall time spent measuring and agreeing (this process)
         self.last: Optional[dict[str, Any]] = None  # figures of the latest comparison
@@ -177,8 +180,24 @@ class FreezeDetector:
         # loss's device (a CPU tensor here would make every later micro-batch copy its loss to the CPU: a host sync)
         self._loss_carry: Optional[float] = None
         self._loss_count = 0
-        self._loss_intervals: collections.deque[tuple[float, int]] = collections.deque(maxlen=self.window // every)
+        self._loss_intervals: collections.deque[tuple[float, int]] = collections.deque()
         self._initial_loss: Optional[float] = None
+        if config.window is not None or config.max_step is not None:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        """Fix the window, the check interval and the first decision step, from the settings and the bound."""
+        config = self.config
+        if config.window is not None:
+            window = config.window
+        else:
+            window = min(self.time_constant, max(4, self.max_step // 3 // 4 * 4))
+        every = config.check_every or max(1, window // 4)
+        while window % every:  # the largest divisor of the window not above W / 4
+            every -= 1
+        self.window, self.check_every = window, every
+        self.min_step = config.min_step or window
+        self._loss_intervals = collections.deque(self._loss_intervals, maxlen=window // every)
 
     # ------------------------------------------------------------------ the loss
     def record_loss(self, loss: Union[torch.Tensor, float]) -> None:
@@ -239,6 +258,8 @@ class FreezeDetector:
         start of every fit; outside it ``max_step`` must be set."""
         if self.max_step is None:
             self.max_step = max(1, int(0.25 * run_steps))
+        if self.window is None:
+            self._schedule()
         return self.max_step
 
     def observe(self, t: int, read: Callable[[], VarianceReading]) -> Optional[int]:
@@ -250,6 +271,8 @@ class FreezeDetector:
                 f"{self.owner}(freeze_step='auto') needs AutoFreeze(max_step=...) outside the Lightning "
                 "strategy (which defaults it to 25% of the run): the latest step at which to end the warmup"
             )
+        if self.window is None:
+            self._schedule()
         started = time.perf_counter()
         decided = None
         if t % self.check_every == 0:
@@ -317,6 +340,10 @@ class FreezeDetector:
         """The rule in one sentence, for the warmup announcement."""
         config = self.config
         loss = "" if config.loss_drop is None else f", the training loss {config.loss_drop:g} below its start"
+        if self.window is None:
+            return (f"gradients of the last window at most {config.threshold:g} above the sqrt(v) of a window before"
+                    f"{loss}, for {config.patience} checks in a row (the window, a third of max_step, is set when "
+                    "the run's length is known)")
         return (
             f"gradients of the last {self.window} steps at most {config.threshold:g} above the sqrt(v) of a window "
             f"before (sample; "

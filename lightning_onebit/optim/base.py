@@ -25,13 +25,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
-from lightning_onebit.comm import (
-    BucketLayout,
-    CommunicationCounters,
-    CompressedAllreduceState,
-    agree_kernel_backend,
-    full_precision_allreduce_,
-)
+from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.agreement import agree_kernel_backend
+from lightning_onebit.comm.full_precision import full_precision_allreduce_, sparse_rows_allreduce_
+from lightning_onebit.comm.layout import BucketLayout
+from lightning_onebit.comm.state import CompressedAllreduceState
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector, VarianceReading
 from lightning_onebit.optim.buckets import (
@@ -55,7 +54,6 @@ from lightning_onebit.optim.groups import check_param_group, compressed_trainabl
 from lightning_onebit.optim.masks import DeadCoordinateTracker, check_exp_avg_mask, describe_param, mask_like
 from lightning_onebit.optim.functional import adamw_step_
 from lightning_onebit.optim.step_kind import StepKind
-from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +442,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         ``averaged``: DDP's allreduce already did, e.g. 0/1 Adam's variance steps) and take their warmup update.
 
         One ``all_reduce`` per (device, dtype) over all their trainable parameters' gradients
-        (:func:`~lightning_onebit.comm.full_precision_allreduce_`). A parameter without a gradient on this rank
+        (:func:`~lightning_onebit.comm.full_precision_allreduce_`), and for groups with ``sparse_rows=True`` two
+        ``all_gather`` of their nonzero rows (:func:`~lightning_onebit.comm.sparse_rows_allreduce_`). A parameter without a gradient on this rank
         contributes a zero gradient (written into its ``.grad``), as in the compressed groups, so that every rank
         sends the same buffer; after the step ``.grad`` holds the averaged gradient. Since the momentum is identical on
         every rank before the gradient is folded in, averaging the gradient is averaging the momentum exactly.
@@ -453,13 +452,14 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if not groups:
             return
         if not averaged:
-            grads = []
+            dense, sparse = [], []
             for group in groups:
                 for p in trainable(group):
                     if p.grad is None:
                         p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    grads.append(p.grad)
-            full_precision_allreduce_(self.compression, grads)
+                    (sparse if group["sparse_rows"] else dense).append(p.grad)
+            full_precision_allreduce_(self.compression, dense)
+            sparse_rows_allreduce_(self.compression, sparse)
         self._full_precision_update_(groups)
 
     def _track_nonzero(self, p: torch.Tensor) -> None:

@@ -18,7 +18,9 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
-from lightning_onebit.comm import BucketLayout, CompressedAllreduceState, _all_gather
+from lightning_onebit.comm.exchange import _all_gather
+from lightning_onebit.comm.layout import BucketLayout
+from lightning_onebit.comm.state import CompressedAllreduceState
 
 log = logging.getLogger(__name__)
 

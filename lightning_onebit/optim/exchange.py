@@ -17,9 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from lightning_onebit.comm import (
-    BucketLayout,
-    CompressedAllreduceState,
+from lightning_onebit.comm.exchange import (
     PendingExchange,
     check_buckets,
     compressed_allreduce_buckets_,
@@ -27,6 +25,8 @@ from lightning_onebit.comm import (
     progress_exchanges_,
     start_exchange_,
 )
+from lightning_onebit.comm.layout import BucketLayout
+from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.optim.buckets import MomentumBucket
 from lightning_onebit.streams import stream_ops
 

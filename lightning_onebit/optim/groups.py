@@ -13,8 +13,9 @@ from lightning_onebit.optim.masks import describe_param, normalise_masks
 
 def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
     """Check param group ``index`` of optimizer class ``owner`` (``lr``, ``betas``, ``eps``, ``weight_decay``,
-    ``bias_correction``, ``compress``, ``exp_avg_mask``, floating-point parameters) and normalise it in place (betas
-    as floats, ``compress`` defaulted to ``True``, one checked mask or ``None`` per parameter). Raises ``ValueError``
+    ``bias_correction``, ``compress``, ``sparse_rows``, ``exp_avg_mask``, floating-point parameters) and normalise it
+    in place (betas as floats, ``compress`` defaulted to ``True``, ``sparse_rows`` to ``False``, one checked mask or
+    ``None`` per parameter). Raises ``ValueError``
     naming the option and the group."""
     where = f" (param group {index})"
     lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -55,6 +56,18 @@ def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
             f"compress must be True or False, got {compress!r} ({type(compress).__name__}){where}; a string or "
             "number is not read as a flag. compress=False keeps the group out of 1-bit compression (its gradients "
             "are averaged in full precision every step)"
+        )
+    sparse_rows = group.setdefault("sparse_rows", False)
+    if not isinstance(sparse_rows, bool):
+        raise ValueError(
+            f"sparse_rows must be True or False, got {sparse_rows!r} ({type(sparse_rows).__name__}){where}; a string "
+            "or number is not read as a flag"
+        )
+    if sparse_rows and compress:
+        raise ValueError(
+            f"sparse_rows=True applies to a group with compress=False{where}: such a group's gradients are averaged "
+            "exactly every step, and sparse_rows sends only their nonzero rows (embedding tables). Give the group "
+            '"compress": False as well, e.g. {"params": [embedding.weight], "compress": False, "sparse_rows": True}'
         )
     group["exp_avg_mask"] = normalise_masks(group.get("exp_avg_mask"), group, index)
 

@@ -7,11 +7,11 @@ from typing import Any, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.functional import adam_update_
-from lightning_onebit.topology import Topology
 
 
 class OnebitAdam(CompressedOptimizer):
@@ -39,7 +39,7 @@ class OnebitAdam(CompressedOptimizer):
     Momenta of all trainable parameters are packed, at the first compressed step, into flat buckets of about
     ``bucket_cap_mb`` MB, or as :meth:`set_bucket_plan` says (the overlapped exchange lays them out like DDP's
     gradient buckets); each bucket costs two collectives per step however many parameters it holds. With
-    :class:`~lightning_onebit.OverlapState` a bucket's exchange starts during backward
+    :class:`~lightning_onebit.hooks.OverlapState` a bucket's exchange starts during backward
     (:meth:`start_bucket_exchange_`) and :meth:`step` finishes it, with the same bits. A parameter
     without a gradient on a rank in a compressed step contributes a zero gradient to that rank's momentum (the
     momentum is global, so the parameter still moves). A parameter that never had a gradient during warmup has no
@@ -127,6 +127,21 @@ class OnebitAdam(CompressedOptimizer):
     averages to an exact zero, and the variance is live); explicit ``exp_avg_mask`` still multiply their momentum in
     the compression stage. ``compress`` comes from the code, not from a checkpoint: a group may be switched in or out
     of compression when a run resumes. Anything but a bool is a ``ValueError`` naming the group.
+
+    Param-group option ``sparse_rows`` (a bool, default ``False``; only with ``compress=False``): the group's gradients
+    are averaged as rows (slices along the first dimension) instead of dense tensors: each rank sends only the rows
+    holding a nonzero (:func:`~lightning_onebit.comm.sparse_rows_allreduce_`: two ``all_gather`` and one host
+    synchronisation per device and dtype per step). The result is the same exact average and the same update; what
+    changes is the bytes. For an embedding table, whose gradient in one step has only the rows of the tokens the batch
+    looked up, that is a few percent of the dense bytes and often fewer than 1-bit compression of the whole table
+    would send, while every row keeps training with a live variance, also rows first looked up after the freeze::
+
+        OnebitAdam([{"params": rest}, {"params": [model.embeddings.word_embeddings.weight], "compress": False,
+                     "sparse_rows": True}], lr=1e-4, freeze_step="auto")
+
+    Every rank receives every other rank's rows, so the saving shrinks as ranks are added: it pays while the rows the
+    ranks touch in a step are fewer than about ``2 / P`` of the table (``P`` ranks) against full precision, and about
+    ``1 / (16 P)`` against 1 bit. ``sparse_rows=True`` with ``compress=True`` is a ``ValueError``.
     """
 
     def __init__(

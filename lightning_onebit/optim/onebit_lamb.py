@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.kernels import frozen as frozen_cache
 from lightning_onebit.optim.auto_freeze import AutoFreeze
@@ -17,7 +18,6 @@ from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
 from lightning_onebit.optim.functional import bias_corrections
 from lightning_onebit.optim.groups import is_real
 from lightning_onebit.optim.masks import mask_like
-from lightning_onebit.topology import Topology
 
 
 class OnebitLamb(CompressedOptimizer):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.buckets import MomentumBucket, stream_of
@@ -18,7 +19,6 @@ from lightning_onebit.optim.functional import adam_update_, bias_corrections, fo
 from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.step_kind import StepKind
-from lightning_onebit.topology import Topology
 
 log = logging.getLogger(__name__)
 

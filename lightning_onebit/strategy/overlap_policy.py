@@ -48,7 +48,8 @@ def overlap_blocker(
             "gradient_hook",
             f"{' and '.join(hooks)} run{'s' if len(hooks) == 1 else ''} after backward, when the overlapped "
             "exchange has already folded the gradients into the momenta, so a change of .grad there would be "
-            "lost; if the hook only reads gradients, decorate it with @lightning_onebit.leaves_gradients_unchanged",
+            "lost; if the hook only reads gradients, decorate it with "
+            "@lightning_onebit.hooks.leaves_gradients_unchanged",
         )
     if ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:
         return OverlapFallbackReason(
@@ -66,7 +67,7 @@ def overlap_blocker(
 
 def gradient_hooks(trainer: "pl.Trainer", module: Optional[pl.LightningModule]) -> list[str]:
     """``Class.hook`` for every :data:`GRADIENT_HOOKS` override of the LightningModule and of the user callbacks
-    that is not marked :func:`~lightning_onebit.leaves_gradients_unchanged`. Callbacks whose hook is defined by
+    that is not marked :func:`~lightning_onebit.hooks.leaves_gradients_unchanged`. Callbacks whose hook is defined by
     Lightning or by this package (``MomentumMask`` reads gradients only) do not count; a user subclass that
     overrides the hook does."""
     found = []

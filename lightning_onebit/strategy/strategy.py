@@ -25,22 +25,23 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_onebit.comm import CommunicationCounters, assert_replicas_identical
+from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.agreement import assert_replicas_identical
+from lightning_onebit.comm.topology import Topology, TopologyMode, destroy_groups, new_gather_groups
 from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
-from lightning_onebit.precision import RankSyncedGradScaler
-from lightning_onebit.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
+from lightning_onebit.strategy.precision import RankSyncedGradScaler
+from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
 from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
 from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, explicit_overlap_message, overlap_blocker
 from lightning_onebit.strategy.teardown import _LIVE_STRATEGIES, _register_exit_handler
-from lightning_onebit.topology import Topology, TopologyMode, destroy_groups, new_gather_groups
 
 log = logging.getLogger(__name__)
 
 #: Checkpoint key under which callbacks put state that differs per rank (e.g. compression error feedback). The
 #: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint, see
-#: :mod:`lightning_onebit.sidecar`) and, on load, puts each rank's own validated sidecar back under this key.
+#: :mod:`lightning_onebit.strategy.sidecar`) and, on load, puts each rank's own validated sidecar back under this key.
 PER_RANK_STATE_KEY = "onebit_per_rank"
 #: Checkpoint key under which the strategy reports, on load, this rank's sidecar ``{"file": path, "reason": None or
 #: why it could not be restored}``.
@@ -108,13 +109,13 @@ class OnebitStrategy(DDPStrategy):
         ranks_per_node: treat ranks ``k K .. k K + K - 1`` as node ``k`` instead of asking the cluster environment
             (for one host playing several nodes, e.g. tests and benchmarks). Default ``None``.
         overlap: start the compressed momentum exchange during backward, bucket by bucket as DDP's gradient buckets
-            become ready (:class:`~lightning_onebit.OverlapState`), so that ``optimizer.step`` only finishes it;
+            become ready (:class:`~lightning_onebit.hooks.OverlapState`), so that ``optimizer.step`` only finishes it;
             same results, bit for bit, as without. ``"auto"`` (default): on wherever it is correct, else off with the
             reason logged once (:attr:`overlap_fallback_reason`, whose ``cause`` names the case): clipping by norm
             (it needs the whole gradient; clipping by value runs in the hook), a ``configure_gradient_clipping``
             override, an ``on_after_backward`` or ``on_before_optimizer_step`` override of the LightningModule or of a
             user callback (it could edit gradients the hooks already folded; one that only reads them keeps overlap
-            when marked :func:`~lightning_onebit.leaves_gradients_unchanged`; Lightning's and this package's
+            when marked :func:`~lightning_onebit.hooks.leaves_gradients_unchanged`; Lightning's and this package's
             callbacks do not count), ``16-mixed`` (the GradScaler decides to skip a step only after backward),
             ``static_graph`` with gradient accumulation, manual optimization (several backward passes per step cannot
             be told apart in advance). ``True``: on, and any of these cases is a ``ValueError`` at setup (before any

@@ -37,8 +37,8 @@ def _release_process_groups_at_exit() -> None:
     groups, and DDP's (WORLD, which the strategy's gradient sync and every optimizer it attached also hold), are
     freed here, by reference counting: no ``gc.collect()`` is needed, because none of them is held in a
     reference cycle (the DDP comm hook's state and the gradient predicate hold the strategy weakly,
-    :class:`~lightning_onebit.OverlapState` holds DDP weakly). Whatever else the program holds (its own references to
-    WORLD) it keeps; those threads then live on, idle, as they would without this library.
+    :class:`~lightning_onebit.hooks.OverlapState` holds DDP weakly). Whatever else the program holds (its own references
+    to WORLD) it keeps; those threads then live on, idle, as they would without this library.
     """
     for strategy in list(_LIVE_STRATEGIES):
         strategy._release_ddp_group()

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_onebit import CommunicationMonitor, CompressionAdvice, GradientSyncState, switchable_allreduce_hook
-from lightning_onebit.hooks import gradient_sync
+from lightning_onebit import CommunicationMonitor, CompressionAdvice
 from lightning_onebit.comm import ring_allreduce_bytes
+from lightning_onebit.hooks import GradientSyncState, gradient_sync, switchable_allreduce_hook
 from tests.capture import capture_logs
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs

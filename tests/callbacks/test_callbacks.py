@@ -25,16 +25,9 @@ import lightning.pytorch as pl
 import lightning_onebit  # noqa: F401  (registers the strategies)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning_onebit import (
-    BucketLayout,
-    CommunicationMonitor,
-    ErrorFeedbackCheckpoint,
-    MomentumMask,
-    OnebitAdam,
-    OnebitStrategy,
-    ring_allreduce_bytes,
-)
-from lightning_onebit.sidecar import sidecar_path
+from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, OnebitAdam, OnebitStrategy
+from lightning_onebit.comm import BucketLayout, ring_allreduce_bytes
+from lightning_onebit.strategy.sidecar import sidecar_path
 from tests.callback_models import (
     BATCH,
     DIM,

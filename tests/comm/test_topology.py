@@ -20,8 +20,8 @@ from lightning_onebit.comm import (
     compressed_allreduce_buckets_,
     replica_checksums,
 )
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.optim import OnebitAdam
-from lightning_onebit.topology import Topology
 from tests.detectors import CountCollectives
 from tests.distributed import run_distributed
 from tests.reference import reference_hierarchical

@@ -37,21 +37,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning_onebit.comm as comm
+import lightning_onebit.comm.exchange as comm_exchange
 import lightning_onebit.optim.base as optim_base
 import lightning_onebit.optim.exchange as optim_exchange
 import lightning_onebit.optim.functional as functional_module
-from lightning_onebit import (
-    GradientSyncState,
-    OnebitAdam,
-    OnebitLamb,
-    OverlapState,
-    Topology,
-    ZeroOneAdam,
-    overlapped_exchange_hook,
-    switchable_allreduce_hook,
-)
+from lightning_onebit import OnebitAdam, OnebitLamb, Topology, ZeroOneAdam
+from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
 from lightning_onebit import kernels
-from lightning_onebit.precision import RankSyncedGradScaler
+from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from tests.detectors import (
     AllowedSync,
     Collective,
@@ -212,26 +205,26 @@ def _old_progress_exchanges_(
     if not state.has_gather_groups or not pending:
         return
     started = time.perf_counter()
-    last = comm._NODE_GATHER if pending[0].hierarchical else comm._GATHER
-    for phase in range(comm._ALL_TO_ALL, last):
+    last = comm_exchange._NODE_GATHER if pending[0].hierarchical else comm_exchange._GATHER
+    for phase in range(comm_exchange._ALL_TO_ALL, last):
         for p in pending:
             if p.phase > phase:
                 continue
             if p.phase < phase or not p.work.is_completed():
                 break
-            comm._advance(state, p)
+            comm_exchange._advance(state, p)
     state.counters.time_s += time.perf_counter() - started
 
 
 @contextlib.contextmanager
 def _old_schedule() -> Any:
     """Put the timing-driven ``progress_exchanges_`` back where the optimizer calls it."""
-    saved = comm.progress_exchanges_, optim_exchange.progress_exchanges_
-    comm.progress_exchanges_ = optim_exchange.progress_exchanges_ = _old_progress_exchanges_
+    saved = comm_exchange.progress_exchanges_, optim_exchange.progress_exchanges_
+    comm_exchange.progress_exchanges_ = optim_exchange.progress_exchanges_ = _old_progress_exchanges_
     try:
         yield
     finally:
-        comm.progress_exchanges_, optim_exchange.progress_exchanges_ = saved
+        comm_exchange.progress_exchanges_, optim_exchange.progress_exchanges_ = saved
 
 
 def scenario_order(

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_onebit import OnebitAdam, OnebitLamb, ZeroOneAdam, OverlapState, overlapped_exchange_hook
+from lightning_onebit import OnebitAdam, OnebitLamb, ZeroOneAdam
+from lightning_onebit.hooks import OverlapState, overlapped_exchange_hook
 from lightning_onebit.comm import (
     BucketLayout,
     CompressedAllreduceState,

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_onebit import OnebitAdam, OverlapState, Topology, overlapped_exchange_hook
+from lightning_onebit import OnebitAdam, Topology
+from lightning_onebit.hooks import OverlapState, overlapped_exchange_hook
 from tests.distributed import run_distributed
 from tests.optim_models import token_batch
 

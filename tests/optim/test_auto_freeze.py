@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_onebit import AutoFreeze, GradientSyncState, OnebitAdam, OnebitLamb, switchable_allreduce_hook
+from lightning_onebit import AutoFreeze, OnebitAdam, OnebitLamb
+from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from tests.distributed import run_distributed
 
 GROWS_UNTIL = 60  # the gradient scale grows 10% per step until this step, then stays constant
@@ -281,6 +282,29 @@ def test_lightning_defaults_the_bound_logs_and_announces_the_decided_step(tmp_pa
     assert "ends the warmup at step 10 at the latest (25% of 40 steps)" in text
     assert "until the variance settles (freeze_step='auto'" in text
     assert "freeze_step='auto' decided 10: max_step 10 reached" in text
+
+
+@pytest.mark.parametrize(
+    "max_step, beta2, window, check_every",
+    [(150, 0.999, 48, 12), (300, 0.999, 100, 25), (30, 0.999, 8, 2), (5, 0.999, 4, 1), (6000, 0.999, 1000, 250),
+     (400, 0.9, 10, 2)],
+)
+def test_the_default_window_is_a_third_of_the_bound_at_most_the_variance_time_constant(
+    max_step: int, beta2: float, window: int, check_every: int
+) -> None:
+    """The window follows the run: a third of max_step (a multiple of 4, at least 4), at most 1 / (1 - beta2)."""
+    from lightning_onebit.optim.auto_freeze import FreezeDetector
+
+    given = FreezeDetector(AutoFreeze(max_step=max_step), beta2)
+    assert (given.window, given.check_every, given.min_step) == (window, check_every, window)
+    # without max_step the schedule waits for the bound the Lightning strategy derives from the run's length
+    waiting = FreezeDetector(AutoFreeze(), beta2)
+    assert waiting.window is None and "set when the run's length is known" in waiting.rule()
+    assert waiting.bound_by_run(4 * max_step) == max_step
+    assert (waiting.window, waiting.check_every, waiting.min_step) == (window, check_every, window)
+    assert f"gradients of the last {window} steps" in waiting.rule()
+    # a window given explicitly is kept whatever the bound
+    assert FreezeDetector(AutoFreeze(window=20, max_step=max_step), beta2).window == 20
 
 
 def test_resume_with_other_measured_parameters_measures_afresh() -> None:

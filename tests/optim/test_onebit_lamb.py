@@ -21,14 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning.pytorch as pl
-from lightning_onebit import (
-    GradientSyncState,
-    OnebitLamb,
-    OverlapState,
-    ReplicaCheck,
-    overlapped_exchange_hook,
-    switchable_allreduce_hook,
-)
+from lightning_onebit import OnebitLamb, ReplicaCheck
+from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
 from tests.optim_models import Net, rank_batch, two_groups

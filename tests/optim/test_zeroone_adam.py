@@ -23,7 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning.pytorch as pl
-from lightning_onebit import GradientSyncState, ReplicaCheck, ZeroOneAdam, switchable_allreduce_hook
+from lightning_onebit import ReplicaCheck, ZeroOneAdam
+from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
 from tests.optim_models import Net, rank_batch, two_groups

@@ -41,9 +41,10 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning.pytorch as pl
 from lightning.pytorch.plugins import MixedPrecision
 import lightning_onebit.strategy as strategy_module
-import lightning_onebit.topology as topology_module
-from lightning_onebit import OnebitAdam, OnebitStrategy, OverlapState, Topology, overlapped_exchange_hook
-from lightning_onebit.topology import new_gather_groups, split_group_supported
+import lightning_onebit.comm.topology as topology_module
+from lightning_onebit import OnebitAdam, OnebitStrategy, Topology
+from lightning_onebit.hooks import OverlapState, overlapped_exchange_hook
+from lightning_onebit.comm.topology import new_gather_groups, split_group_supported
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
 

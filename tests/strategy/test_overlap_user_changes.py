@@ -26,8 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning.pytorch as pl
-from lightning_onebit import MomentumMask, OnebitAdam, OnebitStrategy, leaves_gradients_unchanged
-from lightning_onebit.hooks import OverlapFallbackReason
+from lightning_onebit import MomentumMask, OnebitAdam, OnebitStrategy
+from lightning_onebit.hooks import OverlapFallbackReason, leaves_gradients_unchanged
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import N_IN, Regressor, flat_params
 from tests.strategy.test_overlap_lightning import _FALLBACK_LOG, FREEZE, STEPS, _fit

@@ -28,9 +28,9 @@ from torch import nn
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_onebit import ErrorFeedbackCheckpoint, OnebitAdam, OnebitStrategy, OnebitLamb, ZeroOneAdam
-from lightning_onebit import sidecar
+from lightning_onebit.strategy import sidecar
 from lightning_onebit.optim.base import CompressedOptimizer
-from lightning_onebit.sidecar import read_sidecar, sidecar_path, write_sidecar
+from lightning_onebit.strategy.sidecar import read_sidecar, sidecar_path, write_sidecar
 from tests.capture import capture_logs, capture_warnings
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_onebit import ErrorFeedbackCheckpoint
-from lightning_onebit.sidecar import sidecar_path
+from lightning_onebit.strategy.sidecar import sidecar_path
 from tests.callback_models import TokenRegressor, token_loader
 from tests.capture import capture_logs, capture_warnings
 from tests.distributed import run_distributed, run_scenarios, scenario_results

@@ -24,7 +24,8 @@ import lightning_onebit  # noqa: F401  (registers the strategies)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_onebit import OnebitStrategy, RankSyncedGradScaler
+from lightning_onebit import OnebitStrategy
+from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import (
     ManualRegressor,

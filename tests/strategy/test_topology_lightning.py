@@ -35,15 +35,14 @@ from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElastic
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
 from lightning_onebit import (
-    BucketLayout,
     CommunicationMonitor,
     ErrorFeedbackCheckpoint,
     OnebitAdam,
     OnebitStrategy,
     ReplicaCheck,
     Topology,
-    ring_allreduce_bytes,
 )
+from lightning_onebit.comm import BucketLayout, ring_allreduce_bytes
 from tests.capture import capture_warnings
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, flat_params, held_out_loss, loader, trainer_kwargs

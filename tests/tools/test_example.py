@@ -138,19 +138,22 @@ def test_cli_gives_a_pretrained_model_its_own_tokenizer(example, tmp_path, monke
     assert explicit.tokenizer.get_vocab() == {w: i for i, w in enumerate(other)}
 
 
-def test_uncompressed_embeddings_puts_the_word_embeddings_in_a_compress_false_group(example):
-    """--model.uncompressed_embeddings true: the CLI's optimizer (one group over model.parameters()) is split into
-    the rest and the word embeddings with compress=False, both with the configured options."""
+@pytest.mark.parametrize("word_embeddings, sparse_rows", [("sparse_rows", True), ("full_precision", False)])
+def test_word_embeddings_option_puts_them_in_a_compress_false_group(example, word_embeddings, sparse_rows):
+    """--model.word_embeddings sparse_rows / full_precision: the CLI's optimizer (one group over model.parameters())
+    is split into the rest and the word embeddings with compress=False (and sparse_rows as asked), both with the
+    configured options."""
     from lightning_onebit import OnebitAdam
 
     sizes = dict(vocab_size=50, num_labels=2, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
                  max_position_embeddings=16)
-    model = example.BertClassifier(uncompressed_embeddings=True, **sizes)
+    model = example.BertClassifier(word_embeddings=word_embeddings, **sizes)
     embeddings = model.bert.get_input_embeddings().weight
     optimizer = OnebitAdam(model.parameters(), lr=1e-3, weight_decay=0.01, freeze_step=5)
     assert example.BertFinetuneCLI.configure_optimizers(model, optimizer) is optimizer
     rest, emb = optimizer.param_groups
     assert [rest["compress"], emb["compress"]] == [True, False]
+    assert [rest["sparse_rows"], emb["sparse_rows"]] == [False, sparse_rows]
     assert len(emb["params"]) == 1 and emb["params"][0] is embeddings
     assert len(rest["params"]) == len(list(model.parameters())) - 1
     assert all(p is not embeddings for p in rest["params"])
@@ -166,6 +169,16 @@ def test_uncompressed_embeddings_puts_the_word_embeddings_in_a_compress_false_gr
         optimizer = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=5)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
         example.BertFinetuneCLI.configure_optimizers(model, optimizer, scheduler)
+
+
+def test_uncompressed_embeddings_is_the_deprecated_name_of_full_precision(example):
+    sizes = dict(vocab_size=50, num_labels=2, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                 max_position_embeddings=16)
+    with pytest.warns(FutureWarning, match="--model.word_embeddings full_precision"):
+        model = example.BertClassifier(uncompressed_embeddings=True, **sizes)
+    assert model.word_embeddings == "full_precision"
+    with pytest.raises(ValueError, match="contradicts word_embeddings='sparse_rows'"):
+        example.BertClassifier(uncompressed_embeddings=True, word_embeddings="sparse_rows", **sizes)
 
 
 def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path):
@@ -202,9 +215,9 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
 @pytest.mark.parametrize(
     "config, expected, absent",
     [
-        # uncompressed_embeddings: the model option is visible to the CLI (see test_uncompressed_embeddings_puts_...)
+        # word_embeddings: the model option is visible to the CLI (see test_word_embeddings_option_puts_...)
         ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: auto",
-                            "uncompressed_embeddings: false"], None),
+                            "word_embeddings: compressed"], None),
         # without MomentumMask(auto=True), which ZeroOneAdam refuses
         ("bert_zeroone.yaml",
          ["class_path: lightning_onebit.ZeroOneAdam", "strategy: zeroone_adam", "var_freeze_step: 176"], "MomentumMask"),

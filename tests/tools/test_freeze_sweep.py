@@ -38,18 +38,20 @@ def test_fixed_fractions_give_integer_freeze_steps_and_drop_the_config_auto_free
 
 
 @pytest.mark.parametrize("steps", [600, 601, 620, 20])
-def test_auto_passes_only_max_step_at_most_half_the_run(steps):
+def test_auto_passes_no_setting_unless_a_bound_share_is_given(steps):
     for family in ("onebit_adam", "onebit_lamb"):
         _, args = fs.run_args(f"{family}@auto", steps, lamb_lr=None)
         flags = _flags(args)
         assert flags.pop("--optimizer.init_args.freeze_step") == ["auto"]
-        # the config's block is dropped first, so that every field but max_step is the library's default
-        position = args.index
-        assert position("--optimizer.init_args.auto_freeze") < position("--optimizer.init_args.auto_freeze.max_step")
+        # the config's block is dropped, so that every AutoFreeze field is the library's default
         assert flags.pop("--optimizer.init_args.auto_freeze") == ["null"]
+        assert flags == {}  # no window, check_every, thresholds, patience, loss_drop, min_step, max_step, lr
+        _, args = fs.run_args(f"{family}@auto", steps, lamb_lr=None, auto_max_share=0.5)
+        flags = _flags(args)
+        position = args.index  # the block is dropped first, then max_step set
+        assert position("--optimizer.init_args.auto_freeze") < position("--optimizer.init_args.auto_freeze.max_step")
         (max_step,) = flags.pop("--optimizer.init_args.auto_freeze.max_step")
-        assert flags == {}  # no window, check_every, thresholds, patience, loss_drop, min_step, lr
-        assert 1 <= int(max_step) <= steps / 2 and int(max_step) == steps // 2
+        assert int(max_step) == steps // 2
 
 
 def test_lamb_twin_never_freezes_and_shares_the_lr():
@@ -117,6 +119,10 @@ def test_the_example_parser_reads_auto_as_the_library_defaults(optimizer_parser,
     _, args = fs.run_args(f"{family}@auto", 600, lamb_lr="6e-4")
     init = optimizer_parser.parse_args(["--config", str(path), *args]).optimizer.init_args
     assert init.freeze_step == "auto"
+    assert init.auto_freeze is None  # OnebitAdam then builds AutoFreeze(): the library's defaults
+
+    _, args = fs.run_args(f"{family}@auto", 600, lamb_lr="6e-4", auto_max_share=0.5)
+    init = optimizer_parser.parse_args(["--config", str(path), *args]).optimizer.init_args
     assert vars(init.auto_freeze) == dataclasses.asdict(AutoFreeze(max_step=300))
 
     _, args = fs.run_args(f"{family}@0.25", 600, lamb_lr="6e-4")

@@ -1,0 +1,102 @@
+"""What keeps replicas bit-identical across ranks: agreeing on the kernel backend every rank runs
+(:func:`agree_kernel_backend`), and checking that the replicas did stay identical (:func:`replica_checksums`,
+:func:`assert_replicas_identical`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit import kernels
+from lightning_onebit.comm.exchange import _all_gather
+from lightning_onebit.kernels import Backend
+
+log = logging.getLogger(__name__)
+
+
+def agree_kernel_backend(backend: Backend = "auto", group: Optional[dist.ProcessGroup] = None) -> str:
+    """The kernel backend every rank of ``group`` will run, agreed with one ``all_gather_object``.
+
+    Replicas stay bit-identical only if every rank computes the same bits, and the fused C Adam update rounds
+    differently from torch's in the last bit (the compression kernels agree bit for bit). ``"auto"`` resolves per
+    process (a node without a C compiler, or ``LIGHTNING_ONEBIT_NATIVE=0`` on one rank, lacks the C kernels), so:
+
+    * ``"auto"`` stays ``"auto"`` when every rank has the same backends available (each then resolves identically
+      for identical tensors), and becomes ``"torch"`` otherwise, with a warning that names the ranks;
+    * an explicit backend that some rank lacks raises ``RuntimeError`` on every rank, naming them;
+    * ranks that asked for different backends raise ``ValueError`` on every rank.
+
+    A collective: every rank of ``group`` must call it. Without an initialised process group it returns ``backend``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return backend
+    requested = kernels.effective_backend(backend)
+    mine = (requested, kernels.available_backends())
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if len({r for r, _ in everyone}) != 1:
+        asked = {rank: r for rank, (r, _) in enumerate(everyone)}
+        raise ValueError(f"ranks asked for different kernel backends {asked}; pass the same kernel_backend everywhere")
+    if requested != "auto":
+        lacking = [rank for rank, (_, available) in enumerate(everyone) if requested not in available]
+        if lacking:
+            raise RuntimeError(
+                f"kernel_backend={requested!r} is not available on rank(s) {lacking} (see their logs: no C compiler, "
+                "LIGHTNING_ONEBIT_NATIVE=0, or no cupy); use kernel_backend='auto' or 'torch'"
+            )
+        return requested
+    if len({available for _, available in everyone}) == 1:
+        return "auto"
+    by_rank = {rank: list(available) for rank, (_, available) in enumerate(everyone)}
+    log.warning(
+        "lightning_onebit: ranks have different kernel backends available %s; every rank runs the torch kernels so "
+        "that replicas compute identical bits (install a C compiler on every node, and cupy on every GPU node, to "
+        "use the fused kernels)",
+        by_rank,
+    )
+    return "torch"
+
+
+def replica_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One int64 per tensor: the sum of its raw bit patterns, which differs if any element's bits differ (a cheap
+    test of bitwise equality between replicas; one pass over the parameters)."""
+    sums = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        words = flat.view(bits).to(torch.int64)
+        # weight by position modulo a prime so that swapped elements do not cancel
+        weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64).remainder_(1_000_003)
+        sums.append((words * weights).sum())
+    return torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
+
+
+def assert_replicas_identical(
+    named_tensors: Sequence[tuple[str, torch.Tensor]], group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Raise ``RuntimeError`` on every rank if any tensor differs in any bit between the ranks of ``group``.
+
+    Compares :func:`replica_checksums` with one ``all_gather`` of ``8 x len(named_tensors)`` bytes per rank; the
+    message names the first tensors that differ and the ranks that disagree with rank 0. A collective: every rank
+    must call it with the same tensors in the same order.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    names = [name for name, _ in named_tensors]
+    mine = replica_checksums([t for _, t in named_tensors])
+    device = named_tensors[0][1].device if named_tensors and dist.get_backend(group) == "nccl" else torch.device("cpu")
+    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
+    _all_gather(everyone, mine.to(device), group).wait()
+    everyone = everyone.cpu().view(-1, mine.numel())
+    differs = (everyone != everyone[0]).any(dim=0)
+    if bool(differs.any()):
+        bad = [names[i] for i in differs.nonzero().flatten().tolist()]
+        ranks = [r for r in range(everyone.shape[0]) if bool((everyone[r] != everyone[0]).any())]
+        raise RuntimeError(
+            f"replicas diverged: {len(bad)} tensor(s) differ between ranks (first: {bad[:5]}); ranks {ranks} differ "
+            "from rank 0. Every rank must run the same kernels on the same inputs (see agree_kernel_backend)."
+        )

@@ -1,0 +1,128 @@
+"""The package's top level: what it exports, and the lower-level names that left it (still resolved, with a
+``FutureWarning`` naming their new module, until 0.3)."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import lightning_onebit
+from tests.paths import ROOT
+
+KEPT = {
+    "AutoFreeze",
+    "CommunicationMonitor",
+    "CompressedOptimizer",
+    "CompressionAdvice",
+    "ErrorFeedbackCheckpoint",
+    "MomentumMask",
+    "OnebitAdam",
+    "OnebitAdamStrategy",
+    "OnebitLamb",
+    "OnebitStage",
+    "OnebitStrategy",
+    "ReplicaCheck",
+    "Topology",
+    "ZeroOneAdam",
+    "__version__",
+}
+
+MOVED = {
+    "BucketLayout": "lightning_onebit.comm",
+    "CommunicationCounters": "lightning_onebit.comm",
+    "CompressedAllreduceState": "lightning_onebit.comm",
+    "agree_kernel_backend": "lightning_onebit.comm",
+    "assert_replicas_identical": "lightning_onebit.comm",
+    "bytes_leaving_node": "lightning_onebit.comm",
+    "compressed_allreduce_": "lightning_onebit.comm",
+    "compressed_allreduce_buckets_": "lightning_onebit.comm",
+    "ring_allreduce_bytes": "lightning_onebit.comm",
+    "GradientSyncState": "lightning_onebit.hooks",
+    "OverlapState": "lightning_onebit.hooks",
+    "leaves_gradients_unchanged": "lightning_onebit.hooks",
+    "overlapped_exchange_hook": "lightning_onebit.hooks",
+    "switchable_allreduce_hook": "lightning_onebit.hooks",
+    "RankSyncedGradScaler": "lightning_onebit.strategy.precision",
+}
+
+
+def test_the_top_level_exports_exactly_the_kept_names() -> None:
+    assert set(lightning_onebit.__all__) == KEPT
+    assert len(lightning_onebit.__all__) == len(KEPT)  # no name listed twice
+    assert set(dir(lightning_onebit)) == KEPT
+    for name in KEPT:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a kept name resolves without any warning
+            assert getattr(lightning_onebit, name) is not None
+
+
+def test_no_moved_name_is_exported_or_bound_at_the_top_level() -> None:
+    assert not set(MOVED) & set(lightning_onebit.__all__)
+    # not imported eagerly: the module's namespace does not hold them (access goes through __getattr__)
+    assert not set(MOVED) & set(vars(lightning_onebit))
+
+
+def test_star_import_brings_only_the_kept_names() -> None:
+    namespace: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec("from lightning_onebit import *", namespace)
+    assert set(namespace) - {"__builtins__"} == KEPT
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_a_moved_name_still_resolves_with_a_future_warning_naming_its_new_path(name: str) -> None:
+    new_home = MOVED[name]
+    with pytest.warns(FutureWarning) as record:
+        obj = getattr(lightning_onebit, name)
+    assert obj is getattr(importlib.import_module(new_home), name)
+    messages = [str(w.message) for w in record if issubclass(w.category, FutureWarning)]
+    assert messages == [
+        f"lightning_onebit.{name} moved to {new_home}.{name}; import it from there. "
+        "The top-level name will be removed in 0.3."
+    ]
+    assert record[0].filename == __file__  # the warning points at the caller, not at the package
+
+
+@pytest.mark.parametrize("name", ["compressed_allreduce_", "OverlapState", "RankSyncedGradScaler"])
+def test_a_from_import_of_a_moved_name_warns_and_gives_the_same_object(name: str) -> None:
+    namespace: dict = {}
+    with pytest.warns(FutureWarning, match=f"moved to {MOVED[name]}.{name};"):
+        exec(f"from lightning_onebit import {name}", namespace)
+    assert namespace[name] is getattr(importlib.import_module(MOVED[name]), name)
+
+
+def test_an_unknown_attribute_raises_attribute_error() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="'lightning_onebit' has no attribute 'no_such_name'"):
+            lightning_onebit.no_such_name  # noqa: B018
+        assert not hasattr(lightning_onebit, "precision_plugin")
+        with pytest.raises(ImportError):
+            exec("from lightning_onebit import no_such_name", {})
+
+
+def test_the_internal_strategy_modules_moved_without_shims() -> None:
+    from lightning_onebit.strategy import precision, sidecar
+
+    assert precision.RankSyncedGradScaler.__module__ == "lightning_onebit.strategy.precision"
+    assert sidecar.sidecar_path.__module__ == "lightning_onebit.strategy.sidecar"
+    for old in ("lightning_onebit.precision", "lightning_onebit.sidecar"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+
+
+def test_importing_the_package_emits_no_future_warning() -> None:
+    """In a fresh interpreter, where nothing is imported yet: the package's own imports use the new paths."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-c", "import lightning_onebit"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
