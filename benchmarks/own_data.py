@@ -2,7 +2,7 @@
 
 Fine-tunes on 2 CPU processes, same seed, data and steps, with ``bert_adamw.yaml`` (DDP + AdamW), with
 ``bert_onebit.yaml`` (1-bit Adam), and with ``bert_onebit.yaml`` and the word embeddings exchanged in full precision
-(``--model.uncompressed_embeddings true``, the remedy ``MomentumMask`` names for embedding rows no warmup batch looked
+(``--model.word_embeddings full_precision``, the remedy ``MomentumMask`` names for embedding rows no warmup batch looked
 up). Writes the validation accuracy of each, the masked-coordinate report of ``MomentumMask(auto=True)`` and the
 advisor's estimate next to the measured compression-stage step to ``results/own_data.json``; ``--runs`` reruns a
 subset and keeps the others. It downloads nothing: point it at a model directory and a data directory.
@@ -98,8 +98,8 @@ RUNS = {
     "onebit_adam": ("bert_onebit.yaml", ONEBIT_ARGS),
     # MomentumMask's remedy for the vocabulary rows no warmup batch looked up: the word embeddings averaged in full
     # precision every step (a compress=False group), so those rows keep training
-    "onebit_adam_full_precision_embeddings": ("bert_onebit.yaml", [*ONEBIT_ARGS, "--model.uncompressed_embeddings",
-                                                                   "true"]),
+    "onebit_adam_full_precision_embeddings": ("bert_onebit.yaml", [*ONEBIT_ARGS, "--model.word_embeddings",
+                                                                   "full_precision"]),
     "adamw": ("bert_adamw.yaml", []),
 }
 

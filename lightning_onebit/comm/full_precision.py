@@ -60,9 +60,9 @@ def sparse_rows_allreduce_(state: CompressedAllreduceState, tensors: Sequence[to
     A row is a slice along the first dimension (a 0-d or 1-d tensor's rows are its elements). Per (device, dtype),
     over all the tensors of that kind at once:
 
-    1. each rank finds the rows of each tensor holding a nonzero (``nonzero()``: one host synchronisation);
+    1. each rank counts the rows of each tensor holding a nonzero;
     2. one ``all_gather`` of the row counts (an int64 per tensor), so that every rank sizes the payload alike: per
-       tensor, the largest count of any rank, ``w``;
+       tensor, the largest count of any rank, ``w`` (read on the host: the one host synchronisation of the call);
     3. one ``all_gather`` of every rank's payload, as bytes: per tensor, ``w`` row indices (int64) and ``w`` rows in
        the tensor's dtype, padded with row 0 and zeros (adding a zero changes nothing);
     4. every rank zeroes each tensor, adds the ranks' rows in rank order (one ``index_add_`` per rank: within it no
@@ -92,20 +92,21 @@ def sparse_rows_allreduce_(state: CompressedAllreduceState, tensors: Sequence[to
     for (device, dtype), same_kind in by_kind.items():
         started = state.timings.mark(device)
         rows = [t.reshape(t.shape[0] if t.dim() else 1, -1) for t in same_kind]
-        touched = [r.ne(0).any(dim=1).nonzero().squeeze(1) for r in rows]
-        counts = torch.tensor([len(i) for i in touched], dtype=torch.int64, device=device)
+        nonzero = [r.ne(0).any(dim=1) for r in rows]
+        counts = torch.stack([m.sum() for m in nonzero]).to(torch.int64)
         gathered_counts = torch.empty(world_size * len(rows), dtype=torch.int64, device=device)
         with _naming_the_group("all_gather of the touched-row counts (sparse_rows groups)", group):
             _all_gather(gathered_counts, counts, group).wait()
+        # the step's one host synchronisation (per device and dtype): the payload's size
         widths = gathered_counts.view(world_size, -1).amax(dim=0).tolist()
         # this rank's payload: per tensor, `width` indices then `width` rows, padded with index 0 and zero rows
         parts = []
-        for r, index, width in zip(rows, touched, widths):
-            padded_index = torch.zeros(width, dtype=torch.int64, device=device)
-            padded_index[: len(index)] = index
-            padded_rows = torch.zeros(width, r.shape[1], dtype=dtype, device=device)
-            padded_rows[: len(index)] = r[index]
-            parts += [padded_index.view(torch.uint8), padded_rows.view(-1).view(torch.uint8)]
+        for r, m, count, width in zip(rows, nonzero, counts, widths):
+            index = torch.nonzero_static(m, size=width, fill_value=0).view(-1)  # no sync: the size is given
+            valid = torch.arange(width, device=device) < count
+            picked = torch.where(valid.unsqueeze(1), r.index_select(0, index), torch.zeros((), dtype=dtype,
+                                                                                             device=device))
+            parts += [index.view(torch.uint8), picked.reshape(-1).view(torch.uint8)]
         payload = torch.cat(parts)
         gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=device)
         with _naming_the_group("all_gather of the touched rows (sparse_rows groups)", group):

@@ -2,7 +2,7 @@
 
 On 2 and 3 gloo ranks, with tensors of several shapes and dtypes where each rank touches different rows (one rank
 none of some tensor, every rank none of another): every rank ends with the same bits, and those are the ranks' tensors
-summed in rank order and divided by the world size; the bytes counted are the two all-gathers' (counts, then indices
+summed in rank order and divided by the world size; one host synchronisation per dtype; the bytes counted are the two all-gathers' (counts, then indices
 and rows padded to the most rows any rank sent), far fewer than the dense allreduce of the same tensors.
 """
 
@@ -19,6 +19,7 @@ from lightning_onebit.comm import (
     ring_allreduce_bytes,
     sparse_rows_allreduce_,
 )
+from tests.detectors import count_host_syncs
 from tests.distributed import run_distributed
 from tests.tensors import same_bits, seed_of
 
@@ -45,14 +46,16 @@ def local_tensors(rank: int) -> list[torch.Tensor]:
 def _scenario(rank: int, world_size: int) -> dict[str, Any]:
     state = CompressedAllreduceState(None, "torch")
     tensors = local_tensors(rank)
-    sparse_rows_allreduce_(state, tensors)
+    with count_host_syncs() as syncs:
+        sparse_rows_allreduce_(state, tensors)
     dense_state = CompressedAllreduceState(None, "torch")
     full_precision_allreduce_(dense_state, local_tensors(rank))
     counters = state.counters
     return dict(result=tensors, bytes_sent=counters.bytes_sent, bytes_received=counters.bytes_received,
                 bytes_uncompressed=counters.bytes_sent_uncompressed, inter=counters.bytes_sent_inter_node,
                 fp32=counters.bytes_fp32_equivalent, collectives=counters.collectives, calls=counters.calls,
-                dense_bytes=dense_state.counters.bytes_sent, dense_fp32=dense_state.counters.bytes_fp32_equivalent)
+                dense_bytes=dense_state.counters.bytes_sent, dense_fp32=dense_state.counters.bytes_fp32_equivalent,
+                syncs=[(e.what, e.where) for e in syncs.events])
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -92,6 +95,14 @@ def test_bytes_are_the_two_all_gathers_padded_to_the_most_rows_any_rank_sent(ses
         # what DDP would send: the same fp32 ring allreduce figure the dense path counts, per kind
         assert out["fp32"] == out["dense_fp32"] == sum(ring_allreduce_bytes(n, 4, world_size) for n in numel_of.values())
         assert out["bytes_sent"] < out["dense_bytes"] / 2
+
+
+def test_one_host_synchronisation_per_kind_sizes_the_payload(session) -> None:
+    """On CUDA each host read waits for the GPU: one per device and dtype (the gathered counts), none per tensor."""
+    _, ranks = session
+    for out in ranks:
+        assert len(out["syncs"]) == 2, out["syncs"]  # fp32 and bf16
+        assert all(what == "tolist" and "comm/full_precision.py" in where for what, where in out["syncs"])
 
 
 def test_one_process_leaves_the_tensors_exactly_as_they_are() -> None:
