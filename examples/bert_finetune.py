@@ -349,12 +349,14 @@ class BertClassifier(L.LightningModule):
         hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings, dropout: size of the fresh
             BERT (defaults: 256, 4, 4, 1024, 64, 0.1). Ignored with ``model_name_or_path``.
         word_embeddings: how a compressed optimizer exchanges the word embeddings after the freeze
-            (``--model.word_embeddings sparse_rows``). ``"compressed"`` (default): in 1 bit with the rest; rows no
-            warmup batch looked up are then masked by ``MomentumMask(auto=True)`` and never train. ``"sparse_rows"``:
-            a param group of their own with ``"compress": False, "sparse_rows": True``: averaged exactly, sending
-            only the rows the step's batches looked up, variance live, so every row trains. ``"full_precision"``:
-            ``"compress": False`` alone, a dense full-precision average (``2 (P-1)/P * 4`` bytes per element per
-            step in fp32). The latter two need a compressed optimizer from the CLI (``optimizer:``).
+            (``--model.word_embeddings compressed``). ``"sparse_rows"`` (default): a param group of their own with
+            ``"compress": False, "sparse_rows": True``: averaged exactly, sending only the rows the step's batches
+            looked up (for a pretrained vocabulary, fewer bytes than 1 bit for the whole table), with a live
+            variance, so rows no warmup batch looked up train when they appear. ``"compressed"``: in 1 bit with the
+            rest; ``MomentumMask(auto=True)`` then freezes the rows no warmup batch looked up (AG News, MiniLM,
+            seed 0, freeze at step 150 of 600: 88.7% against 90.2% with ``sparse_rows``). ``"full_precision"``: ``"compress": False``
+            alone, a dense average (``2 (P-1)/P * 4`` bytes per element per step in fp32). An optimizer that does not
+            compress (AdamW) averages every gradient exactly through DDP, so the choice changes nothing there.
         uncompressed_embeddings: deprecated: ``true`` is ``word_embeddings="full_precision"``.
     """
 
@@ -369,7 +371,7 @@ class BertClassifier(L.LightningModule):
         intermediate_size: int = 1024,
         max_position_embeddings: int = 64,
         dropout: float = 0.1,
-        word_embeddings: Literal["compressed", "sparse_rows", "full_precision"] = "compressed",
+        word_embeddings: Literal["compressed", "sparse_rows", "full_precision"] = "sparse_rows",
         uncompressed_embeddings: bool = False,
     ) -> None:
         super().__init__()
@@ -393,7 +395,7 @@ class BertClassifier(L.LightningModule):
             )
             self.bert = BertForSequenceClassification(config)
         if uncompressed_embeddings:
-            if word_embeddings not in ("compressed", "full_precision"):
+            if word_embeddings == "compressed":
                 raise ValueError(
                     f"uncompressed_embeddings=True (the deprecated name of word_embeddings='full_precision') "
                     f"contradicts word_embeddings={word_embeddings!r}; give only word_embeddings"
@@ -433,17 +435,14 @@ class _CountDDPBytes(L.Callback):
             trainer.strategy.model.register_comm_hook(self.state, switchable_allreduce_hook)
 
 
-def embedding_groups(optimizer: CompressedOptimizer, embeddings: torch.nn.Parameter, sparse_rows: bool) -> None:
-    """Split a fresh optimizer's single param group in two: everything but ``embeddings``, then ``embeddings`` alone
-    with ``"compress": False`` and ``"sparse_rows": sparse_rows`` (both with the group's other options). LightningCLI
-    builds the optimizer from ``model.parameters()``, one group; a LightningModule's own ``configure_optimizers``
-    would pass the two groups directly: ``[{"params": rest}, {"params": [embeddings], "compress": False,
-    "sparse_rows": True}]``."""
+def embedding_groups(optimizer: Any, embeddings: torch.nn.Parameter, sparse_rows: bool) -> None:
+    """Split a fresh compressed optimizer's single param group in two: everything but ``embeddings``, then
+    ``embeddings`` alone with ``"compress": False`` and ``"sparse_rows": sparse_rows`` (both with the group's other
+    options). LightningCLI builds the optimizer from ``model.parameters()``, one group; a LightningModule's own
+    ``configure_optimizers`` would pass the two groups directly: ``[{"params": rest}, {"params": [embeddings],
+    "compress": False, "sparse_rows": True}]``. Any other optimizer is left as it is: it compresses nothing."""
     if not isinstance(optimizer, CompressedOptimizer):
-        raise ValueError(
-            f"--model.word_embeddings {'sparse_rows' if sparse_rows else 'full_precision'} needs a compressed "
-            f"optimizer (OnebitAdam, OnebitLamb, ZeroOneAdam), got {type(optimizer).__name__}"
-        )
+        return
     if any(not g["compress"] and any(p is embeddings for p in g["params"]) for g in optimizer.param_groups):
         return  # already split (configure_optimizers called again)
     if len(optimizer.param_groups) != 1 or optimizer.state:
@@ -481,12 +480,13 @@ class BertFinetuneCLI(LightningCLI):
     def configure_optimizers(lightning_module: L.LightningModule, optimizer: Any, lr_scheduler: Any = None) -> Any:
         # LightningCLI's automatic configure_optimizers, with the word embeddings in a compress=False group if asked
         word_embeddings = getattr(lightning_module, "word_embeddings", "compressed")
-        if word_embeddings != "compressed":
+        if word_embeddings != "compressed" and isinstance(optimizer, CompressedOptimizer):
             if lr_scheduler is not None:
                 raise ValueError(
                     f"--model.word_embeddings {word_embeddings} with an lr_scheduler is not supported by this "
-                    "example: the scheduler was built for the optimizer's single param group. Build the two groups "
-                    "in a LightningModule's configure_optimizers instead"
+                    "example: the scheduler was built for the optimizer's single param group. Pass "
+                    "--model.word_embeddings compressed, or build the two groups in a LightningModule's "
+                    "configure_optimizers"
                 )
             embedding_groups(optimizer, lightning_module.bert.get_input_embeddings().weight,
                              sparse_rows=word_embeddings == "sparse_rows")

@@ -160,11 +160,15 @@ def test_word_embeddings_option_puts_them_in_a_compress_false_group(example, wor
     assert rest["weight_decay"] == emb["weight_decay"] == 0.01 and rest["lr"] == emb["lr"] == 1e-3
     example.BertFinetuneCLI.configure_optimizers(model, optimizer)  # called again (a second fit): unchanged
     assert len(optimizer.param_groups) == 2
-    # the default leaves the single compressed group alone
-    plain = example.BertClassifier(**sizes)
+    # "compressed" leaves the single compressed group alone; an optimizer that compresses nothing is left alone
+    plain = example.BertClassifier(word_embeddings="compressed", **sizes)
     optimizer = OnebitAdam(plain.parameters(), lr=1e-3, freeze_step=5)
     example.BertFinetuneCLI.configure_optimizers(plain, optimizer)
     assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["compress"] is True
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    example.BertFinetuneCLI.configure_optimizers(model, adamw)
+    assert len(adamw.param_groups) == 1
+    assert example.BertClassifier(**sizes).word_embeddings == "sparse_rows"  # the default
     with pytest.raises(ValueError, match="lr_scheduler"):
         optimizer = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=5)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0)
@@ -177,8 +181,8 @@ def test_uncompressed_embeddings_is_the_deprecated_name_of_full_precision(exampl
     with pytest.warns(FutureWarning, match="--model.word_embeddings full_precision"):
         model = example.BertClassifier(uncompressed_embeddings=True, **sizes)
     assert model.word_embeddings == "full_precision"
-    with pytest.raises(ValueError, match="contradicts word_embeddings='sparse_rows'"):
-        example.BertClassifier(uncompressed_embeddings=True, word_embeddings="sparse_rows", **sizes)
+    with pytest.raises(ValueError, match="contradicts word_embeddings='compressed'"):
+        example.BertClassifier(uncompressed_embeddings=True, word_embeddings="compressed", **sizes)
 
 
 def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path):
@@ -217,7 +221,7 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     [
         # word_embeddings: the model option is visible to the CLI (see test_word_embeddings_option_puts_...)
         ("bert_lamb.yaml", ["class_path: lightning_onebit.OnebitLamb", "strategy: onebit_lamb", "freeze_step: auto",
-                            "word_embeddings: compressed"], None),
+                            "word_embeddings: sparse_rows"], None),
         # without MomentumMask(auto=True), which ZeroOneAdam refuses
         ("bert_zeroone.yaml",
          ["class_path: lightning_onebit.ZeroOneAdam", "strategy: zeroone_adam", "var_freeze_step: 176"], "MomentumMask"),
