@@ -354,8 +354,8 @@ class BertClassifier(L.LightningModule):
             looked up (for a pretrained vocabulary, fewer bytes than 1 bit for the whole table), with a live
             variance, so rows no warmup batch looked up train when they appear. ``"compressed"``: in 1 bit with the
             rest; ``MomentumMask(auto=True)`` then freezes the rows no warmup batch looked up (AG News, MiniLM,
-            seed 0, freeze at step 150 of 600: 88.7% against 90.2% with ``sparse_rows``). ``"full_precision"``: ``"compress": False``
-            alone, a dense average (``2 (P-1)/P * 4`` bytes per element per step in fp32). An optimizer that does not
+            seed 0, freeze at step 150 of 600: 88.7% against 90.2% with ``sparse_rows``). ``"full_precision"``:
+            ``"compress": False`` alone, a dense average (``2 (P-1)/P * 4`` bytes per element per step in fp32). An optimizer that does not
             compress (AdamW) averages every gradient exactly through DDP, so the choice changes nothing there.
         uncompressed_embeddings: deprecated: ``true`` is ``word_embeddings="full_precision"``.
     """
