@@ -2,17 +2,25 @@
 optimizer switches off after its warmup (1-bit Adam, 1-bit LAMB) or on chosen steps only (0/1 Adam).
 
 * :mod:`~lightning_onebit.strategy.strategy`: :class:`OnebitStrategy` (alias ``OnebitAdamStrategy``);
+* :mod:`~lightning_onebit.strategy.arguments`: the strategy's options and DDP arguments, checked;
 * :mod:`~lightning_onebit.strategy.overlap_policy`: when the exchange may start during backward;
 * :mod:`~lightning_onebit.strategy.comm_hook`: the DDP hook the strategy registers;
+* :mod:`~lightning_onebit.strategy.process_groups`: the topology and the process groups the strategy owns;
+* :mod:`~lightning_onebit.strategy.auto_freeze`: the warmup against the run's length;
+* :mod:`~lightning_onebit.strategy.stage_log`: the stage announcements and the local-clipping warning;
+* :mod:`~lightning_onebit.strategy.checkpoint`: per-rank state in checkpoints, in the sidecar files of
+  :mod:`~lightning_onebit.strategy.sidecar`;
 * :mod:`~lightning_onebit.strategy.teardown`: process groups released at interpreter exit.
 """
 
-from lightning_onebit.strategy.strategy import (
-    PER_RANK_STATE_KEY,
-    PER_RANK_STATUS_KEY,
-    OnebitAdamStrategy,
-    OnebitStrategy,
-)
-from lightning_onebit.strategy.teardown import _release_process_groups_at_exit  # noqa: F401  (called by the tests)
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY
+from lightning_onebit.strategy.strategy import OnebitAdamStrategy, OnebitStrategy
+from lightning_onebit.strategy.teardown import _release_process_groups_at_exit
 
-__all__ = ["PER_RANK_STATE_KEY", "PER_RANK_STATUS_KEY", "OnebitAdamStrategy", "OnebitStrategy"]
+__all__ = [
+    "PER_RANK_STATE_KEY",
+    "PER_RANK_STATUS_KEY",
+    "OnebitAdamStrategy",
+    "OnebitStrategy",
+    "_release_process_groups_at_exit",  # re-exported for the tests, which call it as the interpreter's exit would
+]

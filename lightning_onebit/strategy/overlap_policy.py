@@ -8,13 +8,16 @@ several backward passes per step) would be lost: those runs exchange in ``optimi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_onebit.hooks import OverlapFallbackReason, is_marked_read_only
+from lightning_onebit.optim import CompressedOptimizer
+from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
 
 #: The hooks that run between backward and ``optimizer.step`` and may edit ``.grad``.
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
@@ -94,3 +97,29 @@ def explicit_overlap_message(reason: str) -> str:
         f"OnebitStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
         "Use overlap='auto' (falls back to exchanging in optimizer.step) or overlap=False."
     )
+
+
+def overlap_fallback(
+    overlap: Union[bool, Literal["auto"]], reason: Optional[OverlapFallbackReason]
+) -> Optional[OverlapFallbackReason]:
+    """What ``OnebitStrategy(overlap=...)`` does about ``reason`` (``None``: nothing stops the overlap): the reason to
+    exchange in ``optimizer.step`` instead, logged (``overlap="auto"``), or ``None`` to overlap. ``overlap=True``
+    raises ``ValueError`` instead, except for manual optimization (a second backward pass before ``step`` raises)."""
+    if reason is None or (overlap is True and reason.cause == "manual_optimization"):
+        return None
+    if overlap is True:
+        raise ValueError(explicit_overlap_message(reason))
+    rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}")
+    return reason
+
+
+def note_bucket_cap(optimizer: CompressedOptimizer) -> None:
+    """Say that the optimizer's own ``bucket_cap_mb``, when not the default, lays out only the momenta outside DDP's
+    gradient buckets once the exchange overlaps backward."""
+    if optimizer.bucket_cap_bytes != int(DEFAULT_BUCKET_CAP_MB * 2**20):
+        rank_zero_info(
+            f"onebit_adam: {type(optimizer).__name__}(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) "
+            "applies only to "
+            "parameters outside DDP's gradient buckets: with the overlapped exchange the momenta are laid out like "
+            "DDP's buckets (size them with the strategy's ddp_bucket_cap_mb)"
+        )

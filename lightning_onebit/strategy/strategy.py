@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import uuid
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -18,7 +17,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -27,25 +26,24 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.agreement import assert_replicas_identical
-from lightning_onebit.comm.topology import Topology, TopologyMode, destroy_groups, new_gather_groups
+from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
-from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind
-from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
-from lightning_onebit.strategy.precision import RankSyncedGradScaler
-from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.strategy.arguments import check_options, ddp_kwargs_for, the_compressed_optimizer
+from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, run_length, warn_if_run_ends_in_warmup
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
+from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
-from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, explicit_overlap_message, overlap_blocker
+from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, note_bucket_cap, overlap_blocker, overlap_fallback
+from lightning_onebit.strategy.precision import RankSyncedGradScaler
+from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology
+from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.teardown import _LIVE_STRATEGIES, _register_exit_handler
 
 log = logging.getLogger(__name__)
 
-#: Checkpoint key under which callbacks put state that differs per rank (e.g. compression error feedback). The
-#: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint, see
-#: :mod:`lightning_onebit.strategy.sidecar`) and, on load, puts each rank's own validated sidecar back under this key.
-PER_RANK_STATE_KEY = "onebit_per_rank"
-#: Checkpoint key under which the strategy reports, on load, this rank's sidecar ``{"file": path, "reason": None or
-#: why it could not be restored}``.
-PER_RANK_STATUS_KEY = "onebit_per_rank_status"
+# the checkpoint keys live in strategy.checkpoint; they are re-exported here, where they were defined before
+__all__ = ["PER_RANK_STATE_KEY", "PER_RANK_STATUS_KEY", "OnebitAdamStrategy", "OnebitStrategy"]
 
 
 class OnebitStrategy(DDPStrategy):
@@ -147,51 +145,20 @@ class OnebitStrategy(DDPStrategy):
         ddp_comm_hook: Optional[Callable[..., Any]] = None,
         ddp_comm_state: Optional[object] = None,
     ) -> None:
-        if overlap not in ("auto", True, False) or (overlap != "auto" and not isinstance(overlap, bool)):
-            raise ValueError(f"overlap must be 'auto', True or False, got {overlap!r}")
-        if topology not in ("auto", "flat", "hierarchical"):
-            raise ValueError(f"topology must be 'auto', 'flat' or 'hierarchical', got {topology!r}")
-        if ranks_per_node is not None and (
-            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
-        ):
-            raise ValueError(f"ranks_per_node must be an integer >= 1 or None, got {ranks_per_node!r}")
+        check_options(overlap, topology, ranks_per_node)
         self.topology_mode = topology
         self.overlap = overlap
         self.overlap_state: Optional[OverlapState] = None
         self.overlap_fallback_reason: Optional[str] = None
         self.ranks_per_node = ranks_per_node
-        self.topology: Optional[Topology] = None
-        self._topology_group: Any = None  # the process group self.topology and the groups below were made for
-        self._gather_groups: Optional[tuple[Any, Any]] = None  # the overlapped exchange's second phase (inter, intra)
-        self._owned_groups: list[Any] = []  # every group this strategy made, in creation order (destroyed in it)
-        # every optimizer that was handed these groups (one per fit), to detach them all when the groups go, and
-        # from DDP's group at interpreter exit
-        self._attached_optimizers: "weakref.WeakSet[CompressedOptimizer]" = weakref.WeakSet()
+        self._groups = OwnedProcessGroups()  # the topology and every process group this strategy made
         self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
         self._save_index = 0
-        ddp_kwargs = dict(ddp_kwargs or {})
-        for reserved, argument in (
-            ("find_unused_parameters", "find_unused_parameters"), ("static_graph", "static_graph"),
-            ("gradient_as_bucket_view", "gradient_as_bucket_view"), ("bucket_cap_mb", "ddp_bucket_cap_mb"),
-            ("ddp_comm_hook", "ddp_comm_hook"), ("ddp_comm_state", "ddp_comm_state"),
-        ):
-            if reserved in ddp_kwargs:
-                raise ValueError(f"pass {reserved!r} as the strategy argument {argument}=..., not inside ddp_kwargs")
-        for unsupported, why in (
-            ("ddp_comm_wrapper", "wrap the hook yourself and pass it as ddp_comm_hook"),
-            ("model_averaging_period", "post-local SGD does not compose with the compressed exchange"),
-        ):
-            if unsupported in ddp_kwargs:
-                raise ValueError(f"OnebitStrategy does not take {unsupported!r} ({why})")
-        if ddp_comm_hook is not None and not callable(ddp_comm_hook):
-            raise ValueError(f"ddp_comm_hook must be a DDP comm hook (a callable), got {ddp_comm_hook!r}")
-        ddp_kwargs.update(
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
+        ddp_kwargs = ddp_kwargs_for(
+            ddp_kwargs, find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view, ddp_bucket_cap_mb=ddp_bucket_cap_mb,
+            ddp_comm_hook=ddp_comm_hook,
         )
-        if ddp_bucket_cap_mb is not None:
-            ddp_kwargs["bucket_cap_mb"] = ddp_bucket_cap_mb
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -208,8 +175,7 @@ class OnebitStrategy(DDPStrategy):
             sync_predicate=self._sync_predicate, averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state
         )
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._announced_phase: Optional[StepKind] = None  # the optimizer phase last announced (describe_phase)
-        self._warned_local_clipping = False
+        self._stage_log = StageLog()
 
     # ------------------------------------------------------------------ wiring
     @override
@@ -217,6 +183,16 @@ class OnebitStrategy(DDPStrategy):
         super().setup_distributed()
         _LIVE_STRATEGIES.add(self)
         _register_exit_handler()
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        self._refuse_explicit_overlap(trainer)
+        super().setup(trainer)
+        self._run_id, self._save_index = agree_run_id(self.global_rank), 0
+        precision = self.precision_plugin
+        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+            if not isinstance(precision.scaler, RankSyncedGradScaler):
+                precision.scaler = RankSyncedGradScaler.from_scaler(precision.scaler)
 
     @property
     def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
@@ -228,6 +204,12 @@ class OnebitStrategy(DDPStrategy):
     def stage(self) -> OnebitStage:
         """Stage of the next optimizer step (warmup until an optimizer is connected)."""
         return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+
+    @property
+    def topology(self) -> Optional[Topology]:
+        """How compressed momenta travel between ranks (``None`` until the first ``fit`` sets up its optimizer, and
+        after :meth:`destroy_process_groups`)."""
+        return self._groups.topology
 
     @property
     def communication(self) -> CommunicationCounters:
@@ -258,30 +240,10 @@ class OnebitStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        if len(optimizers) != 1 or not isinstance(optimizers[0], CompressedOptimizer):
-            names = ", ".join(type(o).__name__ for o in optimizers) or "no optimizer"
-            raise ValueError(
-                "The 'onebit_adam' strategy needs exactly one compressed optimizer (lightning_onebit.OnebitAdam, "
-                "lightning_onebit.ZeroOneAdam or lightning_onebit.OnebitLamb), but configure_optimizers returned: "
-                f"{names}. Return e.g. "
-                "`OnebitAdam(self.parameters(), lr=1e-4, freeze_step=1000)` (in LightningCLI: "
-                "`optimizer: {class_path: lightning_onebit.OnebitAdam, init_args: {lr: 1e-4, freeze_step: 1000}}`), "
-                "or use strategy='ddp' for other optimizers."
-            )
-        optimizer = optimizers[0]
+        optimizer = the_compressed_optimizer(self.optimizers)
         assert isinstance(self.model, DistributedDataParallel)
         process_group = self.model.process_group
-        optimizer.process_group = process_group
-        if self.topology is None or self._topology_group is not process_group:
-            # Once per process group: creating its node groups is a collective, and they are reused by every later
-            # fit (groups made for an earlier process group are destroyed first).
-            self._destroy_owned_groups()
-            self.topology = self.build_topology(process_group)
-            self._topology_group = process_group
-            self._owned_groups.extend(self.topology.groups)
-        optimizer.topology = self.topology
-        self._attached_optimizers.add(optimizer)
+        self._groups.attach(optimizer, process_group, self.build_topology)
         self.gradient_sync.topology = self.topology
         # the overlapped hook of an earlier fit pointed the predicate at that fit's optimizer
         self.gradient_sync.sync_predicate = self._sync_predicate
@@ -290,58 +252,21 @@ class OnebitStrategy(DDPStrategy):
         self._warn_if_run_ends_in_warmup(trainer, optimizer)
         optimizer.observe_losses_from_caller()  # pre_backward records every loss, micro-batches and manual steps too
         self._onebit_optimizer = optimizer
-        self._announced_phase = None
+        self._stage_log.new_fit()
         self.overlap_state = self._configure_overlap(trainer, optimizer)
 
-    @staticmethod
-    def _run_length(trainer: "pl.Trainer") -> Optional[int]:
-        """The run's optimizer steps, or ``None`` when unknown: no max_steps or max_epochs (infinite), or an
-        iterable dataset without max_steps (Lightning then estimates -1)."""
-        total = trainer.estimated_stepping_batches
-        return int(total) if isinstance(total, (int, float)) and 0 < total < float("inf") else None
+    # freeze_step="auto" bounded by the run's length, and the warning about a run that would end in the warmup
+    _run_length = staticmethod(run_length)
 
     @classmethod
     def _default_auto_freeze_bound(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by 25% of the run at the latest."""
-        detector = optimizer.freeze_detector
-        if detector is None or detector.max_step is not None:
-            return
-        total = cls._run_length(trainer)
-        if total is None:
-            raise ValueError(
-                f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by 25% of the run, but the Trainer's "
-                "length is unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
-                "max_steps/max_epochs, or AutoFreeze(max_step=...)"
-            )
-        bound = detector.bound_by_run(total)
-        rank_zero_info(
-            f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest (25% of {total} steps)"
-        )
+        default_auto_freeze_bound(trainer, optimizer, cls._run_length)
 
     @classmethod
     def _warn_if_run_ends_in_warmup(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        """Warn when the warmup cannot end before the run does (a fixed ``freeze_step``: the whole run is plain DDP)
-        or is only bounded past its end (``freeze_step='auto'``: plain DDP unless the detector decides earlier)."""
-        detector = optimizer.freeze_detector
-        last_warmup = optimizer.freeze_step if detector is None else detector.max_step
-        total = cls._run_length(trainer)
-        if last_warmup is None or total is None or last_warmup < total:
-            return
-        if detector is not None:
-            # the detector may still end the warmup before its bound: only the worst case is known at fit start
-            rank_zero_warn(
-                f"onebit_adam: freeze_step='auto' with AutoFreeze(max_step={last_warmup}), but the run has {total} "
-                "optimizer steps: that bound lies past the end of the run, so compression starts only if the "
-                "detector ends the warmup earlier (the log says when it does); if it does not, the run is plain DDP "
-                "and compression never starts. Lower AutoFreeze's max_step (without max_step, freeze_step='auto' "
-                "ends the warmup by 25% of the run) to be sure, or train longer"
-            )
-            return
-        rank_zero_warn(
-            f"onebit_adam: freeze_step={last_warmup}, but the run has {total} optimizer steps: it ends in the warmup, "
-            "so it is plain DDP and compression never starts. Lower freeze_step, or train longer"
-        )
+        warn_if_run_ends_in_warmup(trainer, optimizer, cls._run_length)
 
+    # ------------------------------------------------------------------ overlap
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
         """Why the exchange cannot overlap backward in this run (``None``: it can), as an
         :class:`~lightning_onebit.hooks.OverlapFallbackReason` (a string with a ``cause``;
@@ -357,11 +282,8 @@ class OnebitStrategy(DDPStrategy):
         """``overlap=True`` in a run it cannot serve: raise on every rank at the start of setup, before any collective
         (DDP's parameter broadcast, the topology, the run id). The optimizer's own reason is known only after
         ``configure_optimizers`` (:meth:`_configure_overlap`)."""
-        if self.overlap is not True or trainer.state.fn != TrainerFn.FITTING:
-            return
-        reason = OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer))
-        if reason is not None and reason.cause != "manual_optimization":
-            raise ValueError(explicit_overlap_message(reason))
+        if self.overlap is True and trainer.state.fn == TrainerFn.FITTING:
+            overlap_fallback(True, OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer)))
 
     def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> Optional[OverlapState]:
         """The overlapped hook's state, or ``None`` with the reason logged once (``overlap='auto'``)."""
@@ -371,27 +293,14 @@ class OnebitStrategy(DDPStrategy):
         reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or (
             OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer))
         )
-        if reason is not None and not (self.overlap is True and reason.cause == "manual_optimization"):
-            if self.overlap is True:
-                raise ValueError(explicit_overlap_message(reason))
-            self.overlap_fallback_reason = reason
-            rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}")
+        self.overlap_fallback_reason = overlap_fallback(self.overlap, reason)
+        if self.overlap_fallback_reason is not None:
             return None
         assert isinstance(self.model, DistributedDataParallel)
-        if optimizer.bucket_cap_bytes != int(DEFAULT_BUCKET_CAP_MB * 2**20):
-            rank_zero_info(
-                f"onebit_adam: {type(optimizer).__name__}(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) "
-                "applies only to "
-                "parameters outside DDP's gradient buckets: with the overlapped exchange the momenta are laid out like "
-                "DDP's buckets (size them with the strategy's ddp_bucket_cap_mb)"
-            )
+        note_bucket_cap(optimizer)
         clip_value = trainer.gradient_clip_val if trainer.gradient_clip_val else None
-        if self._gather_groups is None:
-            # the second phase's own groups: made once per process group, like the topology's, and reused by every
-            # later fit's optimizer (OverlapState would otherwise make new ones for each)
-            self._gather_groups = new_gather_groups(self.model.process_group, self.topology, self._timeout)
-            self._owned_groups.extend(g for g in self._gather_groups if g is not None)
-        optimizer.compression.install_gather_groups(*self._gather_groups)
+        gather_groups = self._groups.gather_groups(self.model.process_group, self._timeout)
+        optimizer.compression.install_gather_groups(*gather_groups)
         return OverlapState(self.model, optimizer, clip_value=clip_value, gradient_sync=self.gradient_sync)
 
     # ------------------------------------------------------------------ process groups
@@ -400,7 +309,7 @@ class OnebitStrategy(DDPStrategy):
         """The process groups this strategy made and owns, in creation order: the hierarchical topology's intra- and
         inter-node groups, then the overlapped exchange's second-phase groups. Made once per process group (at the
         first ``fit`` that needs them), reused by every later ``fit``, destroyed by :meth:`destroy_process_groups`."""
-        return tuple(self._owned_groups)
+        return self._groups.groups
 
     def destroy_process_groups(self) -> None:
         """Destroy the process groups this strategy made (:attr:`process_groups`) and detach its optimizers (this
@@ -411,58 +320,24 @@ class OnebitStrategy(DDPStrategy):
         notebook). A later ``fit`` makes new groups. Every rank must call it, as they are destroyed in creation order
         (NCCL wants the same order of communicator teardown on every rank); it is not a collective on gloo.
         """
-        for optimizer in list(self._attached_optimizers):  # this fit's and earlier fits' that are still alive
-            optimizer.compression.release_gather_groups()
-            if optimizer.topology is not None and optimizer.topology.groups:
-                optimizer.topology = None  # its groups are about to go (this resets the optimizer's error feedback)
-        # the optimizers stay in the (weak) set: at interpreter exit they drop DDP's group too (_release_ddp_group)
+        self._groups.detach_optimizers()
         self.overlap_state = None
         self.gradient_sync.topology = None
-        self._destroy_owned_groups()
+        self._groups.destroy()
 
     def _release_ddp_group(self) -> None:
         """Drop the strategy's and its optimizers' references to DDP's process group (WORLD), at interpreter exit
         only: once torch has destroyed WORLD too, nothing of ours keeps its gloo backend, and with it its threads,
         alive into the process's C++ exit. A process that goes on keeps them: a later ``fit`` uses them again."""
-        for optimizer in list(self._attached_optimizers):
-            optimizer.process_group = None
+        self._groups.release_ddp_group()
         self.gradient_sync.process_group = None
-
-    def _destroy_owned_groups(self) -> None:
-        owned, self._owned_groups = self._owned_groups, []
-        self.topology, self._topology_group, self._gather_groups = None, None, None
-        destroyed = destroy_groups(owned)
-        if destroyed:
-            log.debug("onebit_adam: destroyed %d process group(s)", destroyed)
 
     def build_topology(self, process_group: Any) -> Topology:
         """Every rank's ``(node_rank, local_rank)`` from the cluster environment, gathered, and the process groups of
         the chosen exchange (a collective: runs on every rank at setup). Override to place ranks differently."""
         env = self.cluster_environment
         assert env is not None
-        topology = Topology.build(
-            node_rank=env.node_rank(),
-            local_rank=env.local_rank(),
-            mode=self.topology_mode,
-            ranks_per_node=self.ranks_per_node,
-            group=process_group,
-            timeout=self._timeout,  # a stalled rank fails its peers' collectives in these groups too, not in 30 min
-        )
-        rank_zero_info(f"onebit_adam: {topology.mode} momentum exchange ({topology.reason})")
-        return topology
-
-    @override
-    def setup(self, trainer: "pl.Trainer") -> None:
-        self._refuse_explicit_overlap(trainer)
-        super().setup(trainer)
-        run_id = [uuid.uuid4().hex if self.global_rank == 0 else None]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(run_id, src=0)
-        self._run_id, self._save_index = run_id[0], 0
-        precision = self.precision_plugin
-        if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-            if not isinstance(precision.scaler, RankSyncedGradScaler):
-                precision.scaler = RankSyncedGradScaler.from_scaler(precision.scaler)
+        return build_topology(env, self.topology_mode, self.ranks_per_node, process_group, self._timeout)
 
     # ------------------------------------------------------------------ stepping
     @override
@@ -473,11 +348,8 @@ class OnebitStrategy(DDPStrategy):
         model: Optional[Union["pl.LightningModule", Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        onebit = self._onebit_optimizer
-        if onebit is not None:
-            self._announce_stage(onebit)
-            if onebit.stage is OnebitStage.COMPRESSION:
-                self._warn_local_clipping()
+        if self._onebit_optimizer is not None:
+            self._stage_log.before_step(self._onebit_optimizer, self.lightning_module)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
@@ -486,22 +358,6 @@ class OnebitStrategy(DDPStrategy):
         if self._onebit_optimizer is not None:
             self._onebit_optimizer.observe_loss(closure_loss)
         super().pre_backward(closure_loss)
-
-    def _announce_stage(self, onebit: CompressedOptimizer) -> None:
-        phase, sentence = onebit.describe_phase()
-        if phase is not self._announced_phase:
-            rank_zero_info(f"onebit_adam: {sentence}")
-            self._announced_phase = phase
-
-    def _warn_local_clipping(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._warned_local_clipping or trainer is None or not trainer.gradient_clip_val:
-            return
-        rank_zero_warn(
-            "onebit_adam: gradient clipping in the compression stage clips each rank's local gradient by its local "
-            "norm (gradients are no longer averaged before the optimizer)."
-        )
-        self._warned_local_clipping = True
 
     @override
     def on_train_end(self) -> None:
@@ -528,18 +384,9 @@ class OnebitStrategy(DDPStrategy):
     ) -> None:
         # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
         # with it the checkpoint id, is the same on every rank without a collective.
-        per_rank = checkpoint.pop(PER_RANK_STATE_KEY, None)
-        if per_rank is not None:
-            self._save_index += 1
-            meta = {
-                "checkpoint_id": f"{self._run_id}/{self._save_index}",
-                "global_step": checkpoint.get("global_step"),
-                "rank": self.global_rank,
-                "world_size": self.world_size,
-                "topology": None if self.topology is None else self.topology.describe(),
-            }
-            write_sidecar(sidecar_path(filepath, self.global_rank), meta, per_rank)
-            checkpoint[SIDECAR_RECORD_KEY] = {k: meta[k] for k in ("checkpoint_id", "global_step", "world_size")}
+        self._save_index = save_per_rank_state(
+            checkpoint, filepath, self._run_id, self._save_index, self.global_rank, self.world_size, self.topology
+        )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -549,49 +396,23 @@ class OnebitStrategy(DDPStrategy):
         """Load the checkpoint and this rank's sidecar. A bad sidecar is never an exception here: its reason goes to
         ``checkpoint[PER_RANK_STATUS_KEY]``, and the callbacks that own the state agree across ranks what to do."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        record = checkpoint.pop(SIDECAR_RECORD_KEY, None)
-        path = sidecar_path(checkpoint_path, self.global_rank)
-        if record is None:
-            reason = "the checkpoint records no per-rank files (it was saved without ErrorFeedbackCheckpoint keep)"
-            if os.path.exists(path):
-                reason += f", but {os.path.basename(path)} exists next to it and is ignored"
-            checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
-            return checkpoint
-        expected = {"checkpoint_id": record["checkpoint_id"], "rank": self.global_rank, "world_size": self.world_size}
-        if record.get("world_size") != self.world_size:
-            state, reason = None, (
-                f"the checkpoint was saved with world size {record.get('world_size')} and this run has world size "
-                f"{self.world_size} (per-rank state belongs to one rank of one world size)"
-            )
-        else:
-            state, reason = read_sidecar(path, expected)
-        checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
-        if state is not None:
-            checkpoint[PER_RANK_STATE_KEY] = state
+        restore_per_rank_state(checkpoint, checkpoint_path, self.global_rank, self.world_size)
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
-        # A link (save_last="link") does not own the sidecars of the file it points to: only that file's removal does.
-        is_link = os.path.islink(os.fspath(filepath))
-        sidecar = sidecar_path(filepath, self.global_rank)
+        sidecar = owned_sidecar(filepath, self.global_rank)  # before the file goes (a link owns no sidecar)
         super().remove_checkpoint(filepath)
-        if not is_link and os.path.exists(sidecar):
-            os.remove(sidecar)
+        remove_sidecar(sidecar)
 
     # ------------------------------------------------------------------ registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (
-            ("onebit_adam", "popen"),
-            ("onebit_adam_spawn", "spawn"),
-            ("onebit_adam_fork", "fork"),
-            ("onebit_adam_notebook", "fork"),
-            # the same strategy, under the names users of 1-bit LAMB and 0/1 Adam look for
-            ("onebit_lamb", "popen"),
-            ("zeroone_adam", "popen"),
-        )
+        entries = (("onebit_adam", "popen"), ("onebit_adam_spawn", "spawn"), ("onebit_adam_fork", "fork"),
+                   ("onebit_adam_notebook", "fork"),
+                   # the same strategy, under the names users of 1-bit LAMB and 0/1 Adam look for
+                   ("onebit_lamb", "popen"), ("zeroone_adam", "popen"))
         for name, start_method in entries:
             strategy_registry.register(
                 name,

@@ -1,0 +1,68 @@
+"""The warmup against the run's length, at the start of every ``fit``: ``freeze_step="auto"`` without
+``AutoFreeze(max_step=...)`` bounded by 25% of the run, and a warning when the warmup cannot end before the run does.
+(The rule of ``freeze_step="auto"`` itself is :mod:`lightning_onebit.optim.auto_freeze`.)"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_onebit.optim import CompressedOptimizer
+
+RunLength = Callable[["pl.Trainer"], Optional[int]]
+
+
+def run_length(trainer: "pl.Trainer") -> Optional[int]:
+    """The run's optimizer steps, or ``None`` when unknown: no max_steps or max_epochs (infinite), or an
+    iterable dataset without max_steps (Lightning then estimates -1)."""
+    total = trainer.estimated_stepping_batches
+    return int(total) if isinstance(total, (int, float)) and 0 < total < float("inf") else None
+
+
+def default_auto_freeze_bound(
+    trainer: "pl.Trainer", optimizer: CompressedOptimizer, length: RunLength = run_length
+) -> None:
+    """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by 25% of the run at the latest
+    (``length``: the run's length, asked only then)."""
+    detector = optimizer.freeze_detector
+    if detector is None or detector.max_step is not None:
+        return
+    total = length(trainer)
+    if total is None:
+        raise ValueError(
+            f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by 25% of the run, but the Trainer's "
+            "length is unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
+            "max_steps/max_epochs, or AutoFreeze(max_step=...)"
+        )
+    bound = detector.bound_by_run(total)
+    rank_zero_info(
+        f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest (25% of {total} steps)"
+    )
+
+
+def warn_if_run_ends_in_warmup(
+    trainer: "pl.Trainer", optimizer: CompressedOptimizer, length: RunLength = run_length
+) -> None:
+    """Warn when the warmup cannot end before the run does (a fixed ``freeze_step``: the whole run is plain DDP)
+    or is only bounded past its end (``freeze_step='auto'``: plain DDP unless the detector decides earlier)."""
+    detector = optimizer.freeze_detector
+    last_warmup = optimizer.freeze_step if detector is None else detector.max_step
+    total = length(trainer)
+    if last_warmup is None or total is None or last_warmup < total:
+        return
+    if detector is not None:
+        # the detector may still end the warmup before its bound: only the worst case is known at fit start
+        rank_zero_warn(
+            f"onebit_adam: freeze_step='auto' with AutoFreeze(max_step={last_warmup}), but the run has {total} "
+            "optimizer steps: that bound lies past the end of the run, so compression starts only if the "
+            "detector ends the warmup earlier (the log says when it does); if it does not, the run is plain DDP "
+            "and compression never starts. Lower AutoFreeze's max_step (without max_step, freeze_step='auto' "
+            "ends the warmup by 25% of the run) to be sure, or train longer"
+        )
+        return
+    rank_zero_warn(
+        f"onebit_adam: freeze_step={last_warmup}, but the run has {total} optimizer steps: it ends in the warmup, "
+        "so it is plain DDP and compression never starts. Lower freeze_step, or train longer"
+    )

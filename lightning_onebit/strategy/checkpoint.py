@@ -1,0 +1,104 @@
+"""The strategy's side of checkpoints: per-rank state (e.g. compression error feedback) saved to, restored from and
+removed with one sidecar file per rank (the file format is :mod:`lightning_onebit.strategy.sidecar`), and the run id
+that tells this run's checkpoints from another's.
+
+Lightning writes only rank 0's checkpoint under DDP, so callbacks put what differs per rank under
+:data:`PER_RANK_STATE_KEY`; every rank writes its own part next to the checkpoint, and the main checkpoint records
+which sidecars belong to it. A bad sidecar is never an exception on load: its reason goes to
+:data:`PER_RANK_STATUS_KEY`, and the callbacks that own the state agree across ranks what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Optional, Union
+
+import torch
+
+from lightning_onebit.comm.topology import Topology
+from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
+
+#: Checkpoint key under which callbacks put state that differs per rank (e.g. compression error feedback). The
+#: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint, see
+#: :mod:`lightning_onebit.strategy.sidecar`) and, on load, puts each rank's own validated sidecar back under this key.
+PER_RANK_STATE_KEY = "onebit_per_rank"
+#: Checkpoint key under which the strategy reports, on load, this rank's sidecar ``{"file": path, "reason": None or
+#: why it could not be restored}``.
+PER_RANK_STATUS_KEY = "onebit_per_rank_status"
+
+
+def agree_run_id(global_rank: int) -> str:
+    """Rank 0's fresh run id, broadcast to every rank (a collective when the default process group exists): it
+    identifies this run's checkpoints in their per-rank files."""
+    run_id = [uuid.uuid4().hex if global_rank == 0 else None]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(run_id, src=0)
+    return run_id[0]
+
+
+def save_per_rank_state(
+    checkpoint: dict[str, Any],
+    filepath: Union[str, "os.PathLike[str]"],
+    run_id: str,
+    save_index: int,
+    rank: int,
+    world_size: int,
+    topology: Optional[Topology],
+) -> int:
+    """Move ``checkpoint[PER_RANK_STATE_KEY]``, if any, to this rank's sidecar of ``filepath``, and record in the
+    checkpoint which sidecars belong to it. Returns the save index: one more than ``save_index`` when there was
+    per-rank state (every rank saves every checkpoint, so it is the same on every rank without a collective)."""
+    per_rank = checkpoint.pop(PER_RANK_STATE_KEY, None)
+    if per_rank is None:
+        return save_index
+    save_index += 1
+    meta = {
+        "checkpoint_id": f"{run_id}/{save_index}",
+        "global_step": checkpoint.get("global_step"),
+        "rank": rank,
+        "world_size": world_size,
+        "topology": None if topology is None else topology.describe(),
+    }
+    write_sidecar(sidecar_path(filepath, rank), meta, per_rank)
+    checkpoint[SIDECAR_RECORD_KEY] = {k: meta[k] for k in ("checkpoint_id", "global_step", "world_size")}
+    return save_index
+
+
+def restore_per_rank_state(
+    checkpoint: dict[str, Any], checkpoint_path: Union[str, "os.PathLike[str]"], rank: int, world_size: int
+) -> None:
+    """Put this rank's validated sidecar of ``checkpoint_path`` under ``checkpoint[PER_RANK_STATE_KEY]`` and its
+    status under ``checkpoint[PER_RANK_STATUS_KEY]``, with the reason when it cannot be restored (never raises)."""
+    record = checkpoint.pop(SIDECAR_RECORD_KEY, None)
+    path = sidecar_path(checkpoint_path, rank)
+    if record is None:
+        reason = "the checkpoint records no per-rank files (it was saved without ErrorFeedbackCheckpoint keep)"
+        if os.path.exists(path):
+            reason += f", but {os.path.basename(path)} exists next to it and is ignored"
+        checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
+        return
+    expected = {"checkpoint_id": record["checkpoint_id"], "rank": rank, "world_size": world_size}
+    if record.get("world_size") != world_size:
+        state, reason = None, (
+            f"the checkpoint was saved with world size {record.get('world_size')} and this run has world size "
+            f"{world_size} (per-rank state belongs to one rank of one world size)"
+        )
+    else:
+        state, reason = read_sidecar(path, expected)
+    checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
+    if state is not None:
+        checkpoint[PER_RANK_STATE_KEY] = state
+
+
+def owned_sidecar(filepath: Union[str, "os.PathLike[str]"], rank: int) -> Optional[str]:
+    """This rank's sidecar of the checkpoint at ``filepath``, to remove with it; ``None`` for a link
+    (``save_last="link"``), which does not own the sidecars of the file it points to: only that file's removal does.
+    Call it before the checkpoint is removed."""
+    return None if os.path.islink(os.fspath(filepath)) else sidecar_path(filepath, rank)
+
+
+def remove_sidecar(path: Optional[str]) -> None:
+    """Remove the sidecar :func:`owned_sidecar` named, if there is one."""
+    if path is not None and os.path.exists(path):
+        os.remove(path)
