@@ -7,25 +7,43 @@ says (the overlapped exchange passes DDP's gradient buckets, so that a bucket ca
 gradients are ready), and it keeps the plan that waits while exchanges are in flight. :func:`carry_error_feedback_`
 moves the compression error of an old layout into a new one, coordinate by coordinate.
 
-Nothing here steps an optimizer: the optimizer hands in its trainable parameters and its per-parameter state (where
-the momenta live), and gets buckets back.
+Nothing here steps an optimizer: the optimizer hands in a :class:`BucketSource` (its param groups and per-parameter
+state, where the momenta live) and gets buckets back.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 
 from lightning_onebit.comm.exchange import _all_gather
 from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
+from lightning_onebit.optim.groups import compressed_trainable
 
 log = logging.getLogger(__name__)
 
 #: A bucket plan: ``(bucket key, parameters in order)`` per bucket; ``None``: packed by size.
 Plan = Optional[list[tuple[int, list[torch.Tensor]]]]
+
+
+class BucketSource(NamedTuple):
+    """What an optimizer's buckets are built from, taken when they are used (``load_state_dict`` replaces the
+    optimizer's groups and state, so they are not kept): its param groups and per-parameter state (where the momenta
+    live), its compression state (the world size, and the error feedback a re-layout carries over), and its class name
+    and global step (for the log and the errors)."""
+
+    groups: Sequence[dict[str, Any]]
+    state: Any
+    compression: CompressedAllreduceState
+    name: str
+    step: int
+
+    def trainable(self) -> list[torch.Tensor]:
+        """The compressed trainable parameters, in order (those of ``compress=False`` groups are not compressed)."""
+        return [p for group in self.groups for p in compressed_trainable(group)]
 
 
 class MomentumBucket:
@@ -114,6 +132,9 @@ class MomentumBuckets:
             when it changes (:meth:`fits`).
         by_key: ``built`` by bucket key.
         bucketed_ids: ids of the parameters in ``built``.
+        frozen: ids of the compressed trainable parameters that had no variance estimate when ``built`` was made
+            (never updated in warmup): the compression stage leaves them frozen; a warmup step that gives one a
+            variance takes it out.
     """
 
     def __init__(self, cap_bytes: int) -> None:
@@ -125,6 +146,7 @@ class MomentumBuckets:
         self.built_for: Any = None
         self.by_key: dict[int, MomentumBucket] = {}
         self.bucketed_ids: set[int] = set()
+        self.frozen: set[int] = set()
 
     def inputs(self, trainable: Sequence[torch.Tensor], world_size: int) -> Any:
         """What buckets over ``trainable`` and ``world_size`` are built from (host-only: no device access)."""
@@ -206,6 +228,143 @@ class MomentumBuckets:
         """No compressed trainable parameter: no bucket."""
         self.built_for, self.bucketed_ids, self.by_key, self.built = self.inputs([], world_size), set(), {}, []
         return self.built
+
+    # ------------------------------------------------------------------ the plan
+    def planned_params(self) -> Optional[list[list[torch.Tensor]]]:
+        """The parameters of each bucket of the installed plan, or ``None`` (packed by ``cap_bytes``)."""
+        return None if self.plan is None else [list(params) for _, params in self.plan]
+
+    def request_plan(
+        self,
+        buckets: Optional[Sequence[Sequence[torch.Tensor]]],
+        source: BucketSource,
+        *,
+        defer: bool,
+        install: Callable[[Plan], None],
+    ) -> bool:
+        """The optimizer's ``set_bucket_plan``: lay the momenta out in these buckets. Bucket ``i`` holds the momenta of
+        ``buckets[i]``'s parameters, in that order, in one flat buffer exchanged by one compressed allreduce (its key
+        is ``i``).
+
+        The overlap hook passes DDP's gradient buckets (after DDP rebuilt them), so that a gradient bucket can be
+        folded and exchanged as soon as it is ready. Parameters that are not among ``source``'s compressed trainable
+        ones (not trained, or in ``compress=False`` groups) are skipped (:func:`checked_plan`, which raises
+        ``ValueError`` if a bucket mixes devices or dtypes or names a parameter twice); trainable compressed
+        parameters no bucket names are packed by ``cap_bytes`` after them. ``None`` returns to packing everything by
+        ``cap_bytes``. The plan is saved in the optimizer's ``state_dict``, so a resumed run keeps its layout (and its
+        error feedback, which belongs to the layout).
+
+        Nothing happens if the plan is the one installed, or waiting. Otherwise, while exchanges are in flight
+        (``defer``), it waits in :attr:`deferred_plan` for the end of the next step; else ``install`` installs it now
+        (the optimizer's ``_install_plan``, which calls :meth:`install_plan_`): during the compression stage that
+        moves the momenta into the new layout and carries the error feedback over coordinate by coordinate
+        (:func:`carry_error_feedback_`, a collective: every rank calls it). Returns whether the plan changed."""
+        plan = checked_plan(buckets, {id(p) for p in source.trainable()})
+        if same_plan(plan, self.deferred_plan[0] if self.deferred_plan is not None else self.plan):
+            return False
+        if defer:
+            self.deferred_plan = (plan,)
+        else:
+            install(plan)
+        return True
+
+    def install_plan_(self, plan: Plan, source: BucketSource) -> None:
+        """Install ``plan`` (unless it is installed already); buckets already built are re-laid out at once, with
+        their error feedback carried over (:meth:`relayout_`, a collective when there is error feedback)."""
+        if same_plan(plan, self.plan):
+            return
+        self.plan = plan
+        self.plan_version += 1
+        if self.built is not None:
+            old, self.built = self.built, None
+            self.relayout_(old, source, "new bucket plan" if plan is not None else "packed by bucket_cap_mb")
+
+    def load_plan(self, plan: Plan) -> None:
+        """Install a plan read from a checkpoint (``None``: packed by ``cap_bytes``), dropping a waiting one; the
+        buckets are rebuilt at their next use, without error feedback to carry (a load resets it)."""
+        self.plan, self.deferred_plan = plan, None
+        self.plan_version += 1
+        self.built = None
+
+    # ------------------------------------------------------------------ the buckets
+    def ensure(self, source: BucketSource, carry: bool = False) -> list[MomentumBucket]:
+        """Pack momenta of the compressed trainable parameters into flat padded buckets (once per layout; rebuilt
+        when that set changes, e.g. a group's ``compress`` or a ``requires_grad``); momenta become views.
+
+        ``carry=True`` (the step's exchange paths, which every rank runs at the same step): a rebuild carries the
+        error feedback of the parameters that stay over to the new layout (:meth:`relayout_`, a collective), so
+        freezing one layer does not reset the error of the others. Other callers (e.g. the optimizer's
+        ``bucket_layouts``, which one rank may call alone) never start a collective here."""
+        trainable = source.trainable()
+        built_for = self.inputs(trainable, source.compression.world_size())
+        if self.fits(built_for):
+            return self.built
+        if carry and self.built is not None:
+            old, self.built = self.built, None
+            self.relayout_(old, source, "the compressed trainable parameters changed")
+            # without error feedback to carry, nothing was built yet
+            return self.built if self.built is not None else self.ensure(source)
+        if not trainable:
+            return self.built_empty(built_for[1])
+        self.frozen = set()
+        never_updated = []
+        for p in trainable:
+            state = source.state[p]
+            if "exp_avg_sq" not in state:
+                # No variance estimate: frozen. It gets no exp_avg_sq, so it is recognised again whenever the
+                # buckets are rebuilt (after load_state_dict, a process-group change).
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                self.frozen.add(id(p))
+                never_updated.append(tuple(p.shape))
+        if never_updated:
+            log.warning(
+                "%s: %d parameter(s) had no gradient during warmup (shapes %s); without a variance estimate "
+                "they stay frozen in the compression stage. Mask or exclude them, or lengthen warmup.",
+                source.name,
+                len(never_updated),
+                never_updated[:8],
+            )
+        fold_weight = {
+            id(p): 1 - group["betas"][0] for group in source.groups for p in compressed_trainable(group)
+        }
+        built = self.build(trainable, source.state, fold_weight, built_for[1])
+        log.info(
+            "%s: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
+            source.name,
+            source.step,
+            len(trainable),
+            len(built),
+            built_for[1],
+            " (laid out like DDP's gradient buckets)" if self.plan is not None else "",
+        )
+        return built
+
+    def relayout_(self, old_buckets: list[MomentumBucket], source: BucketSource, why: str) -> None:
+        """The momentum buckets were re-laid out (``old_buckets`` is the layout the error feedback belongs to): build
+        the new buckets and move every rank's error buffers into them, coordinate by coordinate
+        (:func:`carry_error_feedback_`, a collective when there is error feedback: every rank calls it at the same
+        point, as it does the bucket plan change). A parameter no longer in any bucket drops its error (counted in
+        the log)."""
+        carried = carry_error_feedback_(source.compression, old_buckets, lambda: self.ensure(source))
+        if carried is None:
+            log.info("%s: momentum buckets re-laid out at step %d (%s); no error feedback to carry over", source.name,
+                     source.step, why)
+            return
+        new_buckets, lost, stale = carried
+        log.info(
+            "%s: momentum buckets re-laid out at step %d (%s); error feedback carried over coordinate by coordinate "
+            "(%d bucket(s) -> %d)%s",
+            source.name,
+            source.step,
+            why,
+            len(old_buckets),
+            len(new_buckets),
+            "".join([
+                f"; dropped for {lost} parameter(s) no longer in the buckets" if lost else "",
+                f"; {stale} buffer(s) of another layout dropped" if stale else "",
+            ]),
+        )
 
 
 def feedback_key(stream: str, key: int) -> Hashable:

@@ -1,9 +1,11 @@
 """What a compressed optimizer's checkpoint holds beyond torch's optimizer state, and whose state another can
 continue from.
 
-``state_dict()["onebit"]`` (:data:`CHECKPOINT_KEY`) records the global step, the freeze step, the algorithm that
-wrote it (``"optimizer"``), the state of ``freeze_step="auto"`` and the momentum bucket plan as parameter indices.
-Error feedback is per rank and saved apart (:meth:`CompressedOptimizer.error_feedback_state_dict`).
+``state_dict()["onebit"]`` (:data:`CHECKPOINT_KEY`, written by :func:`onebit_state_dict`) records the global step,
+the freeze step, the algorithm that wrote it (``"optimizer"``), the state of ``freeze_step="auto"`` and the momentum
+bucket plan as parameter indices; loading reads them back (:func:`loaded_step`, :func:`restored_freeze_step`,
+:func:`plan_from_indices`). Error feedback is per rank and saved apart
+(:meth:`CompressedOptimizer.error_feedback_state_dict`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,95 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_onebit.optim.auto_freeze import FreezeDetector
 from lightning_onebit.optim.buckets import Plan
 
 log = logging.getLogger(__name__)
 
 #: The entry of an optimizer state dict that holds what torch's does not.
 CHECKPOINT_KEY = "onebit"
+
+
+def onebit_state_dict(
+    state_dict: dict[str, Any],
+    *,
+    step: int,
+    freeze_step: Optional[int],
+    family: str,
+    detector: Optional[FreezeDetector],
+    plan: Plan,
+    params: Sequence[torch.Tensor],
+) -> dict[str, Any]:
+    """Torch's optimizer ``state_dict`` with :data:`CHECKPOINT_KEY` added: the global ``step``, the ``freeze_step``
+    (``"auto"`` while undecided), the state ``family`` that wrote it (:func:`state_family`), the ``detector``'s
+    state and reason (``freeze_step="auto"``; ``None``: nothing to save) and the bucket ``plan`` as indices into
+    ``params`` (if any). Masks and the groups' ``compress`` are taken out: they come from the code."""
+    for group in state_dict["param_groups"]:
+        group.pop("exp_avg_mask", None)
+        group.pop("compress", None)
+    meta: dict[str, Any] = {"step": step, "freeze_step": freeze_step or "auto", "optimizer": family}
+    if detector is not None:
+        meta["auto_freeze"] = dict(detector.state_dict(), reason=detector.reason)
+    if plan is not None:
+        meta["bucket_plan"] = plan_as_indices(plan, params)
+    state_dict[CHECKPOINT_KEY] = meta
+    return state_dict
+
+
+def keep_code_options_(groups: Sequence[dict[str, Any]], code_groups: Sequence[dict[str, Any]]) -> None:
+    """After torch loaded a state dict into ``groups``: the options it lacks (e.g. ``bias_correction``, absent from a
+    ``torch.optim.AdamW`` state dict) come from the code's groups ``code_groups``, and so do the masks and
+    ``compress`` always (a group may be switched in or out of compression between runs)."""
+    for group, code_group in zip(groups, code_groups):
+        for key, value in code_group.items():
+            group.setdefault(key, value)
+        group["exp_avg_mask"] = code_group["exp_avg_mask"]
+        group["compress"] = code_group["compress"]
+
+
+def loaded_step(meta: Optional[dict[str, Any]], state: Any) -> int:
+    """The global step a loaded state dict was saved at: the one ``meta`` (its :data:`CHECKPOINT_KEY`) records, else
+    (a torch optimizer's, e.g. AdamW's) the largest per-parameter ``step`` of the loaded ``state`` (0 if none)."""
+    if meta is not None:
+        return int(meta["step"])
+    steps = [int(s["step"]) for s in state.values() if isinstance(s, dict) and "step" in s]
+    return max(steps, default=0)
+
+
+def restored_freeze_step(
+    meta: dict[str, Any], step: int, freeze_step: Optional[int], detector: Optional[FreezeDetector], name: str
+) -> Optional[int]:
+    """The freeze step the optimizer ``name`` goes on with after loading ``meta``, saved at ``step``.
+
+    An integer ``freeze_step`` (``detector`` ``None``) is the code's, logged when the checkpoint's differs. With
+    ``freeze_step="auto"`` (``detector``: the optimizer's, loaded with the saved measurements): the step the
+    checkpoint decided (or its fixed freeze step, if that was already reached), else ``None``, and the detector goes
+    on measuring from the saved snapshots."""
+    if detector is None:
+        if meta.get("freeze_step", freeze_step) != freeze_step:
+            log.info("%s: checkpoint used freeze_step=%s; continuing with freeze_step=%s from the code", name,
+                     meta["freeze_step"], freeze_step)
+        return freeze_step
+    saved, measured = meta.get("freeze_step"), meta.get("auto_freeze") or {}
+    detector.load_state_dict(measured)
+    if isinstance(saved, int) and saved <= step:
+        detector.reason = measured.get("reason") or "checkpoint"
+        detector.load_state_dict(dict(measured, snapshots={}))  # nothing more to measure
+        log.info("%s: freeze_step='auto' resumed with the step the checkpoint decided: %d", name, saved)
+        return saved
+    detector.reason = None
+    return None
+
+
+def state_family(cls: type, base: type) -> str:
+    """The algorithm whose state an optimizer of class ``cls`` writes: the nearest class of this package in its MRO
+    below ``base`` (``CompressedOptimizer``; a user's subclass of OnebitAdam writes OnebitAdam's state)."""
+    for klass in cls.__mro__:
+        if klass is base:
+            break
+        if klass.__module__.startswith("lightning_onebit.optim."):
+            return klass.__name__
+    return cls.__name__
 
 
 def state_writer(state_dict: dict[str, Any]) -> Optional[str]:

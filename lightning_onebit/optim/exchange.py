@@ -7,13 +7,14 @@ stream when it runs during backward (CUDA), keeps the exchanges in flight in sta
 every rank reaches in the same order (the launch order is a function of the bucket schedule, the same on every rank),
 and finishes them all at the optimizer's step. It times what it does: ``hook_s`` (work during backward) and
 ``exposed_s`` (the step's own exchange time), in the compression state's counters, with CUDA events on the stream
-that does the work.
+that does the work. It also checks, saves and restores the exchange's per-rank error feedback against the current
+buckets.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 
@@ -27,7 +28,8 @@ from lightning_onebit.comm.exchange import (
 )
 from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
-from lightning_onebit.optim.buckets import MomentumBucket
+from lightning_onebit.optim.buckets import BucketSource, MomentumBucket, MomentumBuckets, feedback_key, stream_of
+from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.streams import stream_ops
 
 
@@ -68,6 +70,75 @@ class MomentumExchange:
             self._pending_by_key[bucket.key] = pending
             progress_exchanges_(self.compression, self._pending)
 
+    def start_bucket_(
+        self,
+        buckets: MomentumBuckets,
+        source: BucketSource,
+        key: int,
+        params: Sequence[torch.Tensor],
+        gradients: Sequence[torch.Tensor],
+        clip_value: Optional[float],
+        scales: dict[int, torch.Tensor],
+    ) -> bool:
+        """The optimizer's ``start_bucket_exchange_`` in the compression stage: fold one gradient bucket's local
+        gradients into the momenta of momentum bucket ``key`` and start its exchange (:meth:`start_`), during backward.
+
+        For a DDP communication hook (:func:`~lightning_onebit.overlapped_exchange_hook`): ``key`` is the momentum
+        bucket (see the optimizer's ``set_bucket_plan``), ``params`` and ``gradients`` the gradient bucket's
+        parameters and their gradients, in order (``GradBucket.parameters()`` and ``gradients()``). Parameters the
+        optimizer does not train, and those of ``compress=False`` groups (their local gradients stay in ``.grad`` for
+        the step to average in full precision), are skipped: they are in none of ``buckets``. ``clip_value`` (``None``:
+        no clipping): first clamp the gradients to ``[-clip_value, clip_value]`` in place (clipping by value,
+        elementwise, so it can happen per bucket). The folded momenta are multiplied by their ``scales``
+        (:func:`scale_momenta_`). The next step then only folds the other buckets, finishes every
+        exchange, decodes and applies (:meth:`finish_step_`), with the same bits as without the hook.
+
+        Returns ``False``, doing nothing, where it cannot start: before the first compressed step built the buckets,
+        while a plan waits for the end of the step, when the trainable parameters changed since the buckets were built
+        (``requires_grad`` switched: then for every bucket of this backward, and the next step rebuilds them and
+        exchanges everything), or when bucket ``key`` does not hold exactly these parameters (the plan changed). Every
+        rank must get the same answer (true for DDP's buckets, which rank 0 decides). Raises ``RuntimeError`` if the
+        bucket's exchange was already started since the last step (a second backward pass before ``step``).
+        """
+        if buckets.built is None or buckets.deferred_plan is not None:
+            return False
+        if not self.in_flight and (
+            buckets.inputs(source.trainable(), self.compression.world_size()) != buckets.built_for
+        ):
+            # The buckets no longer fit the trainable parameters (a layer frozen or unfrozen, a group's compress
+            # switched): the next step rebuilds them. No bucket of this backward starts; step exchanges them all, as
+            # without overlap. Read from requires_grad at the first bucket, before the step's first collective: the
+            # same on every rank (the model is). Later buckets skip the check once one has started.
+            return False
+        bucket = buckets.by_key.get(key)
+        if bucket is None:
+            return False
+        # the trainable parameters the buckets were built for (a change rebuilds them at the next step)
+        chosen = [i for i, p in enumerate(params) if id(p) in buckets.bucketed_ids]
+        if len(chosen) != len(bucket.params) or any(params[i] is not q for i, q in zip(chosen, bucket.params)):
+            return False
+        if self.started(key):
+            raise RuntimeError(
+                f"{source.name}: gradient bucket {key} was ready twice before optimizer.step(): a second "
+                "backward pass ran while its momentum exchange from the first was in flight. The overlapped "
+                "exchange folds each backward's gradients into the momentum at once, so it needs exactly one backward "
+                "pass (with gradient sync) per step: use no_sync() for the other micro-batches, or turn overlap off"
+            )
+        grads = [gradients[i] for i in chosen]
+        if clip_value is not None:
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)
+
+        def fold() -> None:
+            for weight, indices in bucket.fold_groups:
+                torch._foreach_lerp_(
+                    [source.state[bucket.params[i]]["exp_avg"] for i in indices], [grads[i] for i in indices], weight
+                )
+            scale_momenta_(source.state, bucket.params, scales)
+
+        self.start_(bucket, fold)
+        return True
+
     def progress(self) -> None:
         """Advance every exchange in flight to its last launch (serve it and launch its second phase;
         :func:`~lightning_onebit.comm.progress_exchanges_`), on the side stream like every other launch during
@@ -100,12 +171,94 @@ class MomentumExchange:
         ]
         finish_exchanges_(self.compression, pending)
 
+    def finish_step_(
+        self,
+        started: Sequence[PendingExchange],
+        buckets: Sequence[MomentumBucket],
+        source: BucketSource,
+        scales: dict[int, torch.Tensor],
+    ) -> None:
+        """The step's part of the exchange of ``buckets`` (all of them, built for ``source``): fold the local gradients
+        into the momenta of the buckets whose exchange did not start during backward (``started``, from
+        :meth:`take_started`), multiply those momenta by their ``scales`` (:func:`scale_momenta_`), finish every
+        exchange (:meth:`finish_`; this much is timed as ``exposed_s``), and divide every averaged momentum by its
+        scale again. Raises ``RuntimeError`` if a started exchange's bucket is no longer among
+        ``buckets`` (they were rebuilt)."""
+        flats = {b.key: b.flat for b in buckets}
+        if any(flats.get(p.key) is not p.buffer for p in started):
+            raise RuntimeError(
+                f"{source.name}: the momentum buckets changed while their exchange was in flight: the "
+                "trainable parameters (requires_grad, a param group's compress, a new param group) changed after "
+                "backward had started exchanging them and before optimizer.step(). Change them before the forward "
+                "pass (in Lightning: e.g. in on_train_batch_start; a hook marked leaves_gradients_unchanged must not "
+                "change them), or turn overlap off"
+            )
+        in_flight = {p.key for p in started}
+        rest = [b for b in buckets if b.key not in in_flight]
+        with self.exposed(buckets[0].flat.device if buckets else None):
+            # Fold the local gradients into the momenta of the buckets whose exchange did not start during backward.
+            # A parameter without a gradient folds a zero gradient (lerp towards 0), as the backward hook does for
+            # DDP's zero-filled bucket entries, so that both paths give the same bits.
+            folded = {id(q) for b in buckets if b.key in in_flight for q in b.params}
+            for group in source.groups:
+                grads, exp_avgs, decays = [], [], []
+                for p in compressed_trainable(group):
+                    if id(p) in folded:
+                        continue
+                    m = source.state[p]["exp_avg"]
+                    (decays if p.grad is None else exp_avgs).append(m)
+                    if p.grad is not None:
+                        grads.append(p.grad)
+                weight = 1 - group["betas"][0]
+                if exp_avgs:
+                    torch._foreach_lerp_(exp_avgs, grads, weight)
+                if decays:
+                    torch._foreach_lerp_(decays, [m.new_zeros(()).expand_as(m) for m in decays], weight)
+            scale_momenta_(source.state, [q for b in rest for q in b.params], scales)
+            self.finish_(started, rest)
+        if scales:
+            scaled = [q for b in buckets for q in b.params if id(q) in scales]
+            torch._foreach_div_([source.state[q]["exp_avg"] for q in scaled], [scales[id(q)] for q in scaled])
+
     def average_(self, items: Sequence[tuple[Any, torch.Tensor, BucketLayout]]) -> None:
         """Replace each ``(error-feedback key, flat, layout)`` buffer by its error-compensated 1-bit average, in the
         step, buckets pipelined (:func:`~lightning_onebit.comm.compressed_allreduce_buckets_`)."""
         if items:
             with self._timed("exposed_s", items[0][1].device):
                 compressed_allreduce_buckets_(self.compression, items)
+
+    # ------------------------------------------------------------------ error feedback
+    def feedback_mismatch(self, state: Any, built: Callable[[], list[MomentumBucket]]) -> Optional[str]:
+        """Why ``state`` (the compression state's ``error_feedback_state_dict()``, possibly of another rank or run)
+        cannot be restored here, or ``None`` if it can: the world size, the topology, the layouts of the buckets
+        ``built()`` returns (called only where ``state`` holds buffers: it may build them) and the buffers' sizes and
+        values. Changes nothing and does not communicate."""
+        if not isinstance(state, dict):
+            return f"the saved error feedback is a {type(state).__name__}, not a dict"
+        if state.get("world_size") != self.compression.world_size():
+            return (
+                f"error feedback was saved with world size {state.get('world_size')}, "
+                f"the current world size is {self.compression.world_size()}"
+            )
+        if not state.get("buckets"):
+            return None  # nothing had been compressed: the saved error feedback is all zero
+        return self.compression.error_feedback_mismatch(state, _feedback_layouts(state, built))
+
+    def load_feedback_(self, state: dict[str, Any], built: Callable[[], list[MomentumBucket]]) -> None:
+        """Restore the error buffers of ``state`` into the buckets ``built()`` returns. Raises ``ValueError`` with
+        the reason of :meth:`feedback_mismatch` (changing nothing) if they do not fit."""
+        reason = self.feedback_mismatch(state, built)
+        if reason is not None:
+            raise ValueError(reason)
+        if not state.get("buckets"):
+            # Nothing had been compressed (one rank, or saved before the first compressed step): the saved error
+            # feedback is all zero. Building the layouts here would also be wrong during warmup.
+            self.compression.reset_error_feedback()
+            return
+        layouts = _feedback_layouts(state, built)
+        flats = {b.key: b.flat for b in built()}
+        like = {key: flats[key[1] if isinstance(key, tuple) else key] for key in layouts}
+        self.compression.load_error_feedback_state_dict(state, layouts, like)
 
     @contextlib.contextmanager
     def exposed(self, device: Optional[torch.device]) -> Iterator[None]:
@@ -119,3 +272,27 @@ class MomentumExchange:
 
     def _timed(self, field: str, device: torch.device) -> Any:
         return self.compression.timings.span(self.compression.counters, field, device)
+
+
+def _feedback_layouts(state: dict[str, Any], built: Callable[[], list[MomentumBucket]]) -> dict[Hashable, BucketLayout]:
+    """Error-feedback key -> bucket layout, for every bucket of ``built()`` in every stream the saved ``state`` holds:
+    a stream saved for other buckets than the current ones then shows as a mismatch."""
+    layouts = {b.key: b.layout for b in built()}
+    try:
+        streams = {stream_of(key) for key in state["buckets"]}
+    except TypeError:
+        streams = {"momentum"}
+    return {feedback_key(stream, key): layout for stream in sorted(streams) for key, layout in layouts.items()}
+
+
+def scale_momenta_(state: Any, params: Sequence[torch.Tensor], scales: dict[int, torch.Tensor]) -> None:
+    """Multiply the folded momenta ``state[p]["exp_avg"]`` of those ``params`` that have a factor in ``scales`` (by
+    ``id(param)``: a 0-dim tensor on the parameter's device) by it, before they are compressed;
+    :meth:`MomentumExchange.finish_step_` divides the average by it again. 1-bit LAMB gives every tensor a similar
+    magnitude inside a bucket this way (one sign per element, scales per segment); empty ``scales`` (1-bit Adam)
+    change nothing."""
+    if not scales:
+        return
+    scaled = [q for q in params if id(q) in scales]
+    if scaled:
+        torch._foreach_mul_([state[q]["exp_avg"] for q in scaled], [scales[id(q)] for q in scaled])

@@ -50,19 +50,10 @@ def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
                 "complex parameter as a real one with a trailing dimension of 2 (torch.view_as_real) and view it "
                 "as complex in forward (torch.view_as_complex)."
             )
-    compress = group.setdefault("compress", True)
-    if not isinstance(compress, bool):
-        raise ValueError(
-            f"compress must be True or False, got {compress!r} ({type(compress).__name__}){where}; a string or "
-            "number is not read as a flag. compress=False keeps the group out of 1-bit compression (its gradients "
-            "are averaged in full precision every step)"
-        )
-    sparse_rows = group.setdefault("sparse_rows", False)
-    if not isinstance(sparse_rows, bool):
-        raise ValueError(
-            f"sparse_rows must be True or False, got {sparse_rows!r} ({type(sparse_rows).__name__}){where}; a string "
-            "or number is not read as a flag"
-        )
+    compress = _flag(group, "compress", True, where, "compress=False keeps the group out of 1-bit compression (its "
+                     "gradients are averaged in full precision every step)")
+    sparse_rows = _flag(group, "sparse_rows", False, where, "sparse_rows=True (with compress=False) averages the "
+                        "group by sending only its nonzero rows")
     if sparse_rows and compress:
         raise ValueError(
             f"sparse_rows=True applies to a group with compress=False{where}: such a group's gradients are averaged "
@@ -70,6 +61,17 @@ def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
             '"compress": False as well, e.g. {"params": [embedding.weight], "compress": False, "sparse_rows": True}'
         )
     group["exp_avg_mask"] = normalise_masks(group.get("exp_avg_mask"), group, index)
+
+
+def _flag(group: dict[str, Any], name: str, default: bool, where: str, meaning: str) -> bool:
+    """The group's bool option ``name`` (set to ``default`` when absent); anything but a bool is a ``ValueError``."""
+    value = group.setdefault(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{name} must be True or False, got {value!r} ({type(value).__name__}){where}; a string or number is not "
+            f"read as a flag. {meaning}"
+        )
+    return value
 
 
 def trainable(group: dict[str, Any]) -> list[torch.Tensor]:

@@ -4,13 +4,14 @@ A momentum mask (param-group option ``exp_avg_mask``, DeepSpeed's semantics) hol
 1 where it trains; it multiplies the averaged momentum every compressed step. Dead coordinates are those whose
 gradient stayed exactly zero in every warmup step: their variance is zero, and 1-bit compression cannot send zero, so
 from the first compressed step they would receive ``+-scale`` momentum and their updates explode unless masked.
-:class:`DeadCoordinateTracker` finds them; the optimizer warns about the ones no mask covers, and
-:class:`~lightning_onebit.MomentumMask` (``auto=True``) turns them into masks.
+:class:`DeadCoordinateTracker` finds them; the optimizer warns about the ones no mask covers
+(:func:`report_dead_coordinates`), and :class:`~lightning_onebit.MomentumMask` (``auto=True``) turns them into masks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional
+import warnings
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
@@ -129,3 +130,83 @@ def mask_like(masks: list[Optional[torch.Tensor]], index: int, like: torch.Tenso
     if mask.device != like.device or mask.dtype != like.dtype:
         mask = masks[index] = mask.to(device=like.device, dtype=like.dtype)
     return mask
+
+
+def apply_momentum_masks_(groups: Sequence[dict[str, Any]], state: Any) -> None:
+    """Multiply the (averaged) momentum ``state[p]["exp_avg"]`` of every trainable parameter of the compressed param
+    groups by its mask, where it has one. ``compress=False`` groups are masked in their own update, after their
+    gradient is folded in."""
+    for group in groups:
+        if not group["compress"]:
+            continue
+        masks = group["exp_avg_mask"]
+        for i, p in enumerate(group["params"]):
+            if p.requires_grad and masks[i] is not None:
+                m = state[p]["exp_avg"]
+                m.mul_(mask_like(masks, i, m))
+
+def set_exp_avg_mask(
+    groups: Sequence[dict[str, Any]], param: torch.Tensor, mask: Optional[torch.Tensor], owner: str
+) -> None:
+    """Set (or with ``None`` clear) the momentum mask of ``param`` in the param groups ``groups`` of the optimizer
+    class ``owner``: the mask is checked (:func:`check_exp_avg_mask`) and converted to the parameter's dtype and
+    device. Raises ``ValueError`` naming the parameter if the mask is invalid or no group holds ``param``."""
+    for g, group in enumerate(groups):
+        for index, p in enumerate(group["params"]):
+            if p is param:
+                if mask is not None:
+                    what = f"set_exp_avg_mask: the mask for {describe_param(group, g, index, p)}"
+                    mask = check_exp_avg_mask(mask, p, what)
+                group["exp_avg_mask"][index] = mask
+                return
+    shape = tuple(param.shape) if isinstance(param, torch.Tensor) else type(param).__name__
+    raise ValueError(
+        f"set_exp_avg_mask: the parameter of shape {shape} is not managed by this optimizer (it is in none of its "
+        f"{len(groups)} param group(s)); pass it to {owner} (or add_param_group) or drop its mask"
+    )
+
+
+def report_dead_coordinates(
+    tracker: DeadCoordinateTracker,
+    groups: Sequence[dict[str, Any]],
+    owner: str,
+    step: int,
+    rank: Callable[[], int],
+) -> None:
+    """At the first compressed step of the optimizer class ``owner`` (masks are in place by then, ``step`` is its
+    global step): warn on rank 0 (``rank()``) about trainable coordinates of the compressed param groups whose gradient
+    was exactly zero in every warmup step ``tracker`` tracked (by ``id(param)``) and that no mask covers.
+
+    Called from the optimizer's ``_average_momenta_``: ``stacklevel=4`` points the warning at the caller of ``step``.
+    """
+    since = tracker.since
+    found, total = [], 0
+    for g, group in enumerate(groups):
+        if not group["compress"]:  # averaged in full precision: a zero gradient stays an exact zero
+            continue
+        for i, p in enumerate(group["params"]):
+            dead = tracker.dead(id(p), p, group["exp_avg_mask"][i]) if p.requires_grad else None
+            if dead is None:
+                continue
+            count = int(dead.sum())
+            if count:
+                found.append(f"{describe_param(group, g, i, p)}: {count} of {p.numel()}")
+                total += count
+    if not found or rank() != 0:
+        return
+    tracked = f"steps {since}..{step - 1}" if since is not None else "warmup"
+    if since is not None and since > 1:
+        tracked += f"; steps before {since} ran before a resume and were not observed"
+    more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+    warnings.warn(
+        f"{owner}: {total} coordinate(s) in {len(found)} parameter(s) had an exactly-zero gradient "
+        f"in every warmup step ({tracked}) and are not masked: {'; '.join(found[:8])}{more}. 1-bit compression "
+        "cannot send zero, so from this compressed step on they can receive +-scale momentum with a ~0 variance, "
+        "and their updates then explode (to about lr * scale / eps per step). Fix: add `MomentumMask(auto=True)` "
+        f"to the Trainer's callbacks (without Lightning: an exp_avg_mask with 0 there), which freezes them, or, if "
+        "they should train (embedding rows first seen later), put such parameters in a param group with "
+        "`\"compress\": False` (their gradients are then averaged in full precision and their variance stays "
+        f"live); {owner}(warn_dead_coordinates=False) silences this.",
+        UserWarning,
+        stacklevel=4,
+    )

@@ -1,0 +1,37 @@
+"""The sentence the strategy logs when a 1-bit Adam or 1-bit LAMB run enters a phase (warmup, then the compression
+stage); :class:`~lightning_onebit.ZeroOneAdam` describes its own phases."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from lightning_onebit.optim.auto_freeze import FreezeDetector
+from lightning_onebit.optim.step_kind import StepKind
+
+
+def phase_sentence(
+    name: str,
+    warmup: bool,
+    step: int,
+    freeze_step: Optional[int],
+    detector: Optional[FreezeDetector],
+    rule: Callable[[], str],
+    uncompressed: bool,
+) -> tuple[StepKind, str]:
+    """``(phase, sentence)`` for the next step of the optimizer class ``name`` after ``step`` steps: in ``warmup``
+    until ``freeze_step`` (``None``: ``freeze_step="auto"`` still measuring, by ``rule()``, its detector's rule), else
+    in the compression stage (``detector``: the one that decided the freeze step, if any; ``uncompressed``: whether
+    some param groups have ``compress=False``)."""
+    if warmup:
+        until = (
+            f"optimizer step {freeze_step}"
+            if freeze_step is not None
+            else "the variance settles (freeze_step='auto': " + rule() + ")"
+        )
+        return StepKind.WARMUP, f"warmup (DDP gradient allreduce, full-precision {name} update) until {until}"
+    decided = "" if detector is None else f" (freeze_step='auto' decided {freeze_step}: " + detector.describe() + ")"
+    groups = "; param groups with compress=False: gradients averaged in full precision, variance live"
+    return StepKind.COMPRESSED, (
+        f"compression stage from optimizer step {step + 1}: DDP gradient allreduce off, momenta averaged by "
+        f"the 1-bit compressed allreduce, variance frozen{decided}{groups if uncompressed else ''}"
+    )
