@@ -115,6 +115,19 @@ class CommunicationCounters:
             setattr(self, f.name, f.default)
 
 
+def count_ring_bytes(
+    counters: CommunicationCounters, sent: int, world_size: int, rank: int, topology: Optional[Topology]
+) -> None:
+    """Count ``sent`` bytes of a ring collective (each rank sends to ``(rank + 1) % P`` and receives as much):
+    intra-node when the topology puts that neighbour on this rank's node, else (or without a topology) inter-node."""
+    counters.bytes_sent += sent
+    counters.bytes_received += sent
+    if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
+        counters.bytes_sent_intra_node += sent
+    else:
+        counters.bytes_sent_inter_node += sent
+
+
 def count_ring_allreduce(
     counters: CommunicationCounters,
     tensor: torch.Tensor,
@@ -130,12 +143,7 @@ def count_ring_allreduce(
     rank's node, else (or without a topology) inter-node. ``bytes_fp32_equivalent`` counts the same data in fp32."""
     size = tensor.element_size() if element_size is None else element_size
     sent = ring_allreduce_bytes(tensor.numel(), size, world_size)
-    counters.bytes_sent += sent
-    counters.bytes_received += sent
-    if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
-        counters.bytes_sent_intra_node += sent
-    else:
-        counters.bytes_sent_inter_node += sent
+    count_ring_bytes(counters, sent, world_size, rank, topology)
     counters.bytes_fp32_equivalent += ring_allreduce_bytes(tensor.numel(), 4, world_size)
     counters.collectives += 1
     counters.calls += 1

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm.accounting import count_ring_allreduce, ring_allreduce_bytes
+from lightning_onebit.comm.accounting import count_ring_allreduce, count_ring_bytes, ring_allreduce_bytes
 from lightning_onebit.comm.errors import _naming_the_group
 from lightning_onebit.comm.exchange import _all_gather
 from lightning_onebit.comm.state import CompressedAllreduceState
@@ -33,9 +33,7 @@ def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence
     world_size = state.world_size()
     if world_size == 1 or not tensors:
         return
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    by_kind = _by_device_and_dtype(tensors)
     rank, topology, counters = state.rank(), state.topology, state.counters
     for (device, _), same_kind in by_kind.items():
         started = state.timings.mark(device)
@@ -85,9 +83,7 @@ def sparse_rows_allreduce_(state: CompressedAllreduceState, tensors: Sequence[to
     world_size = state.world_size()
     if world_size == 1 or not tensors:
         return
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    by_kind = _by_device_and_dtype(tensors)
     group, rank, counters = state.process_group, state.rank(), state.counters
     for (device, dtype), same_kind in by_kind.items():
         started = state.timings.mark(device)
@@ -123,14 +119,19 @@ def sparse_rows_allreduce_(state: CompressedAllreduceState, tensors: Sequence[to
             t.copy_(total.view_as(t)).div_(world_size)
             offset += index_bytes + row_bytes
         sent = (world_size - 1) * (counts.numel() * counts.element_size() + payload.numel())
-        counters.bytes_sent += sent
-        counters.bytes_received += sent
-        if state.topology is not None and state.topology.same_node(rank, (rank + 1) % world_size):
-            counters.bytes_sent_intra_node += sent
-        else:
-            counters.bytes_sent_inter_node += sent
+        count_ring_bytes(counters, sent, world_size, rank, state.topology)
         counters.bytes_sent_uncompressed += sent
         counters.bytes_fp32_equivalent += ring_allreduce_bytes(sum(t.numel() for t in same_kind), 4, world_size)
         counters.collectives += 2
         counters.calls += 1
         state.timings.add(counters, "time_s", started, state.timings.mark(device))
+
+
+def _by_device_and_dtype(
+    tensors: Sequence[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """The tensors grouped by (device, dtype), each group in the given order: one collective per group."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    return by_kind
