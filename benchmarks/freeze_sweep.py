@@ -27,7 +27,7 @@ Runs (``--runs``, names; default all of these), with exactly these arguments on 
   ``--fractions``);
 * ``onebit_adam@auto``: ``bert_onebit.yaml``, ``-o.freeze_step auto -o.auto_freeze null``: ``null`` drops the
   config's hand-set window, thresholds and bound, so every AutoFreeze field is the library's default (the strategy
-  bounds the warmup at 25% of the run; the window is a third of that). With ``--auto-max-share M`` also
+  bounds the warmup at half the run; the window is a sixth of that). With ``--auto-max-share M`` also
   ``-o.auto_freeze.max_step floor(M*N)`` (a dict value instead of ``null`` would be *merged* with the config's
   block);
 * ``onebit_lamb@F`` / ``onebit_lamb@auto``: ``bert_lamb.yaml``, ``-o.lr LAMB_LR`` and then as for 1-bit Adam;
@@ -704,7 +704,7 @@ def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
         adamw = [r["val_acc"] for (t, name, _), r in runs.items() if t == task and name == "adamw"]
         ax.set_title(f"{task}" + (f", {steps} steps" if steps else "")
                      + (f"; AdamW {statistics.fmean(adamw):.2%} (mean of {len(adamw)})" if adamw else "")
-                     + "; grey: within 0.5 point; dotted: 25% of the run", fontsize=10)
+                     + "; grey: within 0.5 point; dotted: 25% of the run (the bytes reference)", fontsize=10)
         ax.set_xlabel("freeze step")
         ax.set_ylabel("accuracy - reference\n(points, same seed)", fontsize=9)
         if steps:
@@ -750,7 +750,7 @@ def main() -> None:
     parser.add_argument("--val-checks", type=int, default=4, help="validations per run, the last at the last step")
     parser.add_argument("--auto-max-share", type=float, default=None,
                         help="AutoFreeze max_step of the @auto runs as a share of the run (default: none given, the "
-                             "library's bound of 25%%)")
+                             "library's bound of 50%%)")
     parser.add_argument("--lr", default=None, help=f"Adam lr (default: the configs' on synthetic, {DEFAULT_LR} on the "
                                                    "real tasks)")
     parser.add_argument("--lamb-lr", default=None,

@@ -47,7 +47,7 @@ DEFAULT_ARGS = [
 # the columns of spam_assassin_to_tsv's tables (other data: detected, or named after --)
 SPAM_ASSASSIN_ARGS = ["--data.text_column", "subject", "--data.text_pair_column", "body"]
 # the example's auto_freeze.max_step (400) is past the end of this 320-step run (the strategy warns): bound the
-# warmup by 25% of the run instead, as freeze_step='auto' does without max_step
+# warmup by 25% of the run instead (the recorded results/own_data*.json runs used this bound)
 ONEBIT_ARGS = ["--optimizer.init_args.auto_freeze.max_step", "80"]
 
 

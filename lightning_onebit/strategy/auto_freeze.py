@@ -1,5 +1,5 @@
 """The warmup against the run's length, at the start of every ``fit``: ``freeze_step="auto"`` without
-``AutoFreeze(max_step=...)`` bounded by 25% of the run, and a warning when the warmup cannot end before the run does.
+``AutoFreeze(max_step=...)`` bounded by half the run, and a warning when the warmup cannot end before the run does.
 (The rule of ``freeze_step="auto"`` itself is :mod:`lightning_onebit.optim.auto_freeze`.)"""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.optim import CompressedOptimizer
+from lightning_onebit.optim.auto_freeze import DEFAULT_BOUND_SHARE
 
 RunLength = Callable[["pl.Trainer"], Optional[int]]
 
@@ -24,7 +25,7 @@ def run_length(trainer: "pl.Trainer") -> Optional[int]:
 def default_auto_freeze_bound(
     trainer: "pl.Trainer", optimizer: CompressedOptimizer, length: RunLength = run_length
 ) -> None:
-    """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by 25% of the run at the latest
+    """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by half the run at the latest
     (``length``: the run's length, asked only then)."""
     detector = optimizer.freeze_detector
     if detector is None or detector.max_step is not None:
@@ -32,13 +33,13 @@ def default_auto_freeze_bound(
     total = length(trainer)
     if total is None:
         raise ValueError(
-            f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by 25% of the run, but the Trainer's "
+            f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by {DEFAULT_BOUND_SHARE:.0%} of the run, but the Trainer's "
             "length is unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
             "max_steps/max_epochs, or AutoFreeze(max_step=...)"
         )
     bound = detector.bound_by_run(total)
     rank_zero_info(
-        f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest (25% of {total} steps)"
+        f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest ({DEFAULT_BOUND_SHARE:.0%} of {total} steps)"
     )
 
 
@@ -59,7 +60,7 @@ def warn_if_run_ends_in_warmup(
             "optimizer steps: that bound lies past the end of the run, so compression starts only if the "
             "detector ends the warmup earlier (the log says when it does); if it does not, the run is plain DDP "
             "and compression never starts. Lower AutoFreeze's max_step (without max_step, freeze_step='auto' "
-            "ends the warmup by 25% of the run) to be sure, or train longer"
+            f"ends the warmup by {DEFAULT_BOUND_SHARE:.0%} of the run) to be sure, or train longer"
         )
         return
     rank_zero_warn(

@@ -246,7 +246,7 @@ def _lightning_auto(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
 
     class AutoRegressor(Regressor):
         def configure_optimizers(self) -> Any:
-            # a short window, so that checks run within the 10 steps; a threshold nothing meets: max_step decides
+            # a short window, so that checks run within the 20 steps; a threshold nothing meets: max_step decides
             return OnebitAdam(self.parameters(), lr=self.lr, freeze_step="auto", warn_dead_coordinates=False,
                               auto_freeze=AutoFreeze(window=4, check_every=2, threshold=1e-12))
 
@@ -272,27 +272,27 @@ def _lightning_auto(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
 def test_lightning_defaults_the_bound_logs_and_announces_the_decided_step(tmp_path: Any) -> None:
     results = run_distributed(_lightning_auto, 2, str(tmp_path), timeout_s=240)
     for r in results:
-        # 40 steps: max_step defaults to 25% of them
-        assert r["max_step"] == 10 and r["freeze_step"] == 10 and r["reason"] == "max_step"
+        # 40 steps: max_step defaults to half of them
+        assert r["max_step"] == 20 and r["freeze_step"] == 20 and r["reason"] == "max_step"
         # the strategy fed the training loss to the detector (its pre_backward), so the loss guard had figures
-        assert r["last"]["step"] == 10 and 0 < r["last"]["loss_ratio"] < float("inf")
-        assert r["metrics"]["onebit/freeze_step"] == 10.0 and r["progress_bar"]["freeze"] == 10.0
+        assert r["last"]["step"] == 20 and 0 < r["last"]["loss_ratio"] < float("inf")
+        assert r["metrics"]["onebit/freeze_step"] == 20.0 and r["progress_bar"]["freeze"] == 20.0
     assert torch.equal(results[0]["final"], results[1]["final"])
     text = "\n".join(results[0]["messages"])
-    assert "ends the warmup at step 10 at the latest (25% of 40 steps)" in text
+    assert "ends the warmup at step 20 at the latest (50% of 40 steps)" in text
     assert "until the variance settles (freeze_step='auto'" in text
-    assert "freeze_step='auto' decided 10: max_step 10 reached" in text
+    assert "freeze_step='auto' decided 20: max_step 20 reached" in text
 
 
 @pytest.mark.parametrize(
     "max_step, beta2, window, check_every",
-    [(150, 0.999, 48, 12), (300, 0.999, 100, 25), (30, 0.999, 8, 2), (5, 0.999, 4, 1), (6000, 0.999, 1000, 250),
+    [(150, 0.999, 24, 6), (300, 0.999, 48, 12), (30, 0.999, 4, 1), (5, 0.999, 4, 1), (6000, 0.999, 1000, 250),
      (400, 0.9, 10, 2)],
 )
-def test_the_default_window_is_a_third_of_the_bound_at_most_the_variance_time_constant(
+def test_the_default_window_is_a_sixth_of_the_bound_at_most_the_variance_time_constant(
     max_step: int, beta2: float, window: int, check_every: int
 ) -> None:
-    """The window follows the run: a third of max_step (a multiple of 4, at least 4), at most 1 / (1 - beta2)."""
+    """The window follows the run: a sixth of max_step (a multiple of 4, at least 4), at most 1 / (1 - beta2)."""
     from lightning_onebit.optim.auto_freeze import FreezeDetector
 
     given = FreezeDetector(AutoFreeze(max_step=max_step), beta2)
@@ -300,7 +300,7 @@ def test_the_default_window_is_a_third_of_the_bound_at_most_the_variance_time_co
     # without max_step the schedule waits for the bound the Lightning strategy derives from the run's length
     waiting = FreezeDetector(AutoFreeze(), beta2)
     assert waiting.window is None and "set when the run's length is known" in waiting.rule()
-    assert waiting.bound_by_run(4 * max_step) == max_step
+    assert waiting.bound_by_run(2 * max_step) == max_step
     assert (waiting.window, waiting.check_every, waiting.min_step) == (window, check_every, window)
     assert f"gradients of the last {window} steps" in waiting.rule()
     # a window given explicitly is kept whatever the bound
@@ -365,7 +365,7 @@ def test_a_run_that_would_end_in_the_warmup_is_warned_about(freeze_step: Any, ma
 
 @pytest.mark.parametrize("total", [-1, float("inf")])
 def test_the_default_bound_refuses_a_run_of_unknown_length(total: float) -> None:
-    """25% of an unknown length (no max_steps/max_epochs, or an iterable dataset without max_steps, which Lightning
+    """Half of an unknown length (no max_steps/max_epochs, or an iterable dataset without max_steps, which Lightning
     estimates as -1) is an error naming the fixes, not a bound of step 1."""
     from types import SimpleNamespace
 
