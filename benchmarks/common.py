@@ -4,7 +4,7 @@ module, BERT-like parameter shapes and the results files.
 Every benchmark runs from the repository root as ``python -m benchmarks.NAME`` (``lightning_onebit`` installed, e.g.
 ``pip install -e .``); a benchmark that starts copies of itself starts them the same way, with the repository root as
 working directory (:func:`module_command`). torch is imported where it is needed, so that the light benchmarks
-(``readme_results``, ``freeze_rules``) import this module cheaply.
+(``result_tables``, ``freeze_rules``) import this module cheaply.
 """
 
 from __future__ import annotations

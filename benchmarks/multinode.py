@@ -43,7 +43,7 @@ Bytes that cross the link per node per step (inter-node, each direction; "node k
     ``L(P-L)N/(8P) + (P-1)N/(8P)`` (all_to_all + ring all_gather); hierarchical 1-bit ``2(M-1)/M N/8``; also tabulated
     at 2, 4 and 16 nodes x 8 ranks.
 
-Results go to results/<--name>.json (default results/multinode.json); ``python -m benchmarks.readme_results``
+Results go to results/<--name>.json (default results/multinode.json); ``python -m benchmarks.result_tables``
 renders them. Run from the repository root, as root:
 
     python -m benchmarks.multinode                                   # 200mbit and 50mbit, the full model

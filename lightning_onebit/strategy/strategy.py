@@ -84,8 +84,10 @@ class OnebitStrategy(DDPStrategy):
       environment (torchrun, SLURM, LSF, ...), gathered from every rank.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
-        timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        precision_plugin, process_group_backend, timeout, start_method: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
         find_unused_parameters: passed to ``DistributedDataParallel``. Default ``False``.
         static_graph: passed to ``DistributedDataParallel``. Default ``False``.
         gradient_as_bucket_view: passed to ``DistributedDataParallel``. Default ``False``.

@@ -1,11 +1,12 @@
-"""Regenerate the result tables of README.md from the benchmark outputs in results/.
+"""Regenerate the result tables of the documentation (``docs/**/*.md``) and README.md from the benchmark outputs in
+results/.
 
-Each table in the README sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``; this script renders
-every NAME from its results file and rewrites the README in place. ``--check`` only compares (exit status 1 when the
-README is stale); the test suite runs that check, so a table cannot drift from the figures it claims.
+Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in one of those pages; this script
+renders every NAME from its results file and rewrites the pages in place. ``--check`` only compares (exit status 1 when
+a page is stale); the test suite runs that check, so a table cannot drift from the figures it claims.
 
-    python -m benchmarks.readme_results            # rewrite README.md
-    python -m benchmarks.readme_results --check    # verify only
+    python -m benchmarks.result_tables            # rewrite the pages
+    python -m benchmarks.result_tables --check    # verify only
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from benchmarks.common import RESULTS_DIR, ROOT, argument_parser
 
 RESULTS = RESULTS_DIR
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def pages() -> list[Path]:
+    """The pages that may hold result blocks: README.md and the documentation's Markdown sources."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
 MIB = 2**20
 
 
@@ -543,6 +550,39 @@ def own_data_table() -> str:
     return text
 
 
+def headline_figures() -> str:
+    """The README's three figures: whole-run bytes on the example, accuracy and bytes on a real fine-tuning task, and
+    step time on a slow link."""
+    parity = _load("bert_parity")["runs"]
+    ddp, bf16_warmup, fp32_warmup = parity["ddp_adamw"], parity["onebit_adam_bf16_warmup"], parity["onebit_adam"]
+    lines = [
+        f"- **The example** (a fresh 4-layer BERT, {ddp['steps']} steps, 2 ranks): 1-bit Adam reaches "
+        f"{bf16_warmup['val_acc']:.1%} (AdamW-DDP {ddp['val_acc']:.1%}) with **"
+        f"{ddp['bytes_sent'] / bf16_warmup['bytes_sent']:.1f}x fewer bytes over the whole run**, warmup gradients "
+        f"averaged in bf16 ({ddp['bytes_sent'] / fp32_warmup['bytes_sent']:.1f}x and {fp32_warmup['val_acc']:.1%} "
+        "with an fp32 warmup)."
+    ]
+    real = _load("freeze_sweep_sparse_rows")["runs"].get("agnews/onebit_adam@0.25/0")
+    reference = _load("freeze_sweep")["runs"].get("agnews/adamw/0")
+    if real is not None and reference is not None:
+        lines.append(
+            f"- **Real fine-tuning** (pretrained MiniLM on AG News, {real['settings']['steps']} steps, 2 ranks, seed "
+            f"0), 1-bit Adam with the word embeddings as a sparse-row group: {real['val_acc']:.2%} against "
+            f"AdamW-DDP's {reference['val_acc']:.2%}, **{reference['bytes_sent'] / real['bytes_sent']:.2f}x fewer "
+            "bytes** over the whole run.")
+    link = _load("slow_link")
+    rows = link["rates"].get("200mbit", {}).get("rows", {})
+    if "ddp_fp32" in rows and "onebit_adam:compression" in rows:
+        onebit, fp32 = rows["onebit_adam:compression"]["step_s"], rows["ddp_fp32"]["step_s"]
+        bf16 = rows.get("ddp_bf16", {}).get("step_s")
+        lines.append(
+            f"- **On a 200 Mbit/s link** (a {link['config']['layers']}-layer BERT of "
+            f"{link['model']['params'] / 1e6:.1f}M parameters, 2 ranks): a compression-stage step takes "
+            f"{onebit:.2f} s against {fp32:.2f} s for DDP in fp32 (**{fp32 / onebit:.1f}x faster**)"
+            + (f" and {bf16:.2f} s for DDP with bf16 gradients" if bf16 else "") + ".")
+    return "\n".join(lines)
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "kernels": kernels_table,
     "bytes": bytes_table,
@@ -562,41 +602,53 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "topology_model": topology_model_table,
     "advisor": advisor_table,
     "own_data": own_data_table,
+    "headline": headline_figures,
 }
 
 
-# Sections whose results files are not measured yet: the README has no block for them until one of the files exists.
+# Sections whose results files are not measured yet: no page has a block for them until one of the files exists.
 AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS}
 
 
-def render(readme: str) -> str:
-    """``readme`` with every marked section replaced by its rendering from results/."""
+def _block(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
+
+
+def render(texts: dict[str, str]) -> dict[str, str]:
+    """``texts`` (page name -> Markdown) with every marked block replaced by its rendering from results/. Every
+    section must have a block in at least one page (unless it awaits results)."""
+    texts = dict(texts)
     for name, build in SECTIONS.items():
-        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
-        if not pattern.search(readme):
+        pattern = _block(name)
+        holders = [page for page, text in texts.items() if pattern.search(text)]
+        if not holders:
             awaiting = AWAITING_RESULTS.get(name, ())
             if awaiting and not any((RESULTS / f"{n}.json").exists() for n in awaiting):
                 continue  # nothing measured yet, nothing to render
-            raise SystemExit(f"README.md has no <!-- results:{name} --> ... <!-- /results:{name} --> block")
+            raise SystemExit(f"no page has a <!-- results:{name} --> ... <!-- /results:{name} --> block")
         body = build()
-        readme = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), readme)
-    return readme
+        for page in holders:
+            texts[page] = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), texts[page])
+    return texts
 
 
 def main() -> None:
     parser = argument_parser(__spec__.name, __doc__)
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from the results")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from the results")
     args = parser.parse_args()
-    current = README.read_text()
+    current = {str(path.relative_to(ROOT)): path.read_text() for path in pages()}
     updated = render(current)
+    stale = [page for page in current if updated[page] != current[page]]
     if args.check:
-        if updated != current:
-            print("README.md result tables are stale: run python -m benchmarks.readme_results", file=sys.stderr)
+        if stale:
+            print(f"stale result tables in {', '.join(stale)}: run python -m benchmarks.result_tables",
+                  file=sys.stderr)
             sys.exit(1)
-        print("README.md result tables match results/")
+        print("result tables match results/")
         return
-    README.write_text(updated)
-    print("README.md result tables regenerated from results/")
+    for page in stale:
+        (ROOT / page).write_text(updated[page])
+    print(f"result tables regenerated from results/ ({len(stale)} page(s) changed)")
 
 
 if __name__ == "__main__":
