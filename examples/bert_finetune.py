@@ -19,8 +19,10 @@ generated here (see :func:`make_reviews`). Real models and data plug in through 
     # GLUE SST-2 TSVs; columns are detected (text, sentence, sentence1/sentence2, ..., label) or named explicitly
     python examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml --data.dataset SST-2/
 
-Validation accuracy and macro F1 (torchmetrics) are logged every validation run; at the end rank 0 prints them with
-a communication summary (bytes sent by this rank in each stage), and writes it as JSON with ``--summary_json``.
+Validation accuracy and macro F1 (torchmetrics) are logged every validation run; at the end rank 0 prints a short
+table (accuracy, F1, bytes this rank sent against DDP's fp32 allreduce, the freeze step, steps, wall time, where the
+logs are) and writes the full summary as JSON with ``--summary_json``. The DDP baseline (``bert_adamw.yaml``) is counted
+by the same ``CommunicationMonitor`` as the 1-bit runs, which the example adds when the config lists none.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ import lightning as L
 import torch
 import torchmetrics
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
 from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitStrategy
-from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.comm import CommunicationCounters
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -423,18 +425,6 @@ class BertClassifier(L.LightningModule):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-class _CountDDPBytes(L.Callback):
-    """For strategies other than onebit_adam: count DDP's gradient allreduce bytes with an always-averaging hook."""
-
-    def __init__(self) -> None:
-        self.state = GradientSyncState()
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if isinstance(trainer.strategy.model, DistributedDataParallel):
-            self.state.process_group = trainer.strategy.model.process_group
-            trainer.strategy.model.register_comm_hook(self.state, switchable_allreduce_hook)
-
-
 def embedding_groups(optimizer: Any, embeddings: torch.nn.Parameter, sparse_rows: bool) -> None:
     """Split a fresh compressed optimizer's single param group in two: everything but ``embeddings``, then
     ``embeddings`` alone with ``"compress": False`` and ``"sparse_rows": sparse_rows`` (both with the group's other
@@ -459,6 +449,81 @@ def embedding_groups(optimizer: Any, embeddings: torch.nn.Parameter, sparse_rows
 
 def _per_100(rounds: int, steps: int) -> Optional[float]:
     return round(100.0 * rounds / steps, 1) if steps else None
+
+
+def _monitor(trainer: L.Trainer) -> Optional[CommunicationMonitor]:
+    return next((c for c in trainer.callbacks if isinstance(c, CommunicationMonitor)), None)
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _bytes_row(sent: Optional[int], fp32: Optional[int]) -> str:
+    if sent is None or fp32 is None:
+        return "not counted (see the log)"  # e.g. DDP had a communication hook of its own: the monitor warned
+    if not sent:
+        return "0 B"
+    ratio = fp32 / sent
+    if abs(ratio - 1) < 0.005:
+        return f"{_bytes(sent)} (= DDP fp32)"
+    against = f"{ratio:.2f}x fewer than" if ratio > 1 else f"{1 / ratio:.2f}x more than"
+    return f"{_bytes(sent)} (DDP fp32: {_bytes(fp32)}; {against} DDP fp32)"
+
+
+def freeze_note(optimizer: CompressedOptimizer) -> str:
+    """How the warmup ended, in a few words: a fixed ``freeze_step``, or what ``freeze_step='auto'`` decided on."""
+    if optimizer.auto_freeze is None:
+        return "fixed"
+    if optimizer.freeze_step is None:
+        return "auto: not decided"
+    reason = optimizer.freeze_detector.reason
+    if reason == "settled":
+        return "auto: the gradients settled"
+    if reason == "max_step":
+        return f"auto: bound reached (max_step {optimizer.freeze_detector.max_step})"
+    return "auto: decided before the resume"  # a resumed run does not know its detector's reason
+
+
+def summary_table(
+    summary: dict[str, Any],
+    freeze: Optional[str] = None,
+    log_dir: Optional[str] = None,
+    checkpoint_dir: Optional[str] = None,
+    summary_json: Optional[str] = None,
+) -> str:
+    """The end-of-fit summary as a short aligned table. Long values (``advice``, ``steps_by_kind``, the figures of
+    ``auto_freeze``) are left to the JSON (``--summary_json``).
+
+    Args:
+        summary: what ``--summary_json`` writes.
+        freeze: how the warmup ended (:func:`freeze_note`); ``None`` without a compressed optimizer.
+        log_dir, checkpoint_dir, summary_json: where the logs, the checkpoints and the JSON summary are; rows left
+            out when ``None``.
+    """
+    rows = [("run", f"{summary['strategy']}, {summary['optimizer']}")]
+    if "val_acc" in summary:
+        rows.append(("accuracy", f"{100 * summary['val_acc']:.2f} %"))
+    if "val_f1" in summary:
+        rows.append(("F1 (macro)", f"{100 * summary['val_f1']:.2f} %"))
+    rows.append(("bytes sent (rank 0)", _bytes_row(summary.get("bytes_sent"), summary.get("bytes_fp32_equivalent"))))
+    if freeze is not None:
+        step = summary.get("freeze_step")
+        if step is None or summary.get("stage") == "warmup":
+            when = "not reached, the run ended in the warmup" if step is None else f"{step:,}, not reached"
+        else:
+            when = f"{step:,}"
+        rows.append(("freeze step", f"{when} ({freeze})"))
+    rows.append(("steps", f"{summary['steps']:,}"))
+    wall_s = summary["wall_s"]
+    rows.append(("wall time", f"{wall_s:.1f} s" + (f" ({wall_s / 60:.1f} min)" if wall_s >= 60 else "")))
+    rows += [(label, path) for label, path in
+             (("logs", log_dir), ("checkpoints", checkpoint_dir), ("summary JSON", summary_json)) if path]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
 
 
 class BertFinetuneCLI(LightningCLI):
@@ -494,9 +559,9 @@ class BertFinetuneCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._started = time.perf_counter()
-        if not isinstance(self.trainer.strategy, OnebitStrategy):
-            self._ddp_counter = _CountDDPBytes()
-            self.trainer.callbacks.append(self._ddp_counter)
+        # the DDP baseline is counted by the monitor that counts the 1-bit runs (bert_adamw.yaml lists no callbacks)
+        if isinstance(self.trainer.strategy, DDPStrategy) and _monitor(self.trainer) is None:
+            self.trainer.callbacks.append(CommunicationMonitor(prog_bar=False, advise=False))
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -537,21 +602,33 @@ class BertFinetuneCLI(LightningCLI):
                     trainer.global_step,
                 ),
             )
-            monitors = [c for c in trainer.callbacks if isinstance(c, CommunicationMonitor)]
-            if monitors and monitors[0].advice is not None:  # "will compression help?", and the measured answer
-                summary["advice"] = dataclasses.asdict(monitors[0].advice)
+            monitor = _monitor(trainer)
+            if monitor is not None and monitor.advice is not None:  # "will compression help?", and the measured answer
+                summary["advice"] = dataclasses.asdict(monitor.advice)
         else:
-            counters = self._ddp_counter.state.counters
+            monitor = _monitor(trainer)
+            # DDP: the monitor's count (None: DDP had a comm hook of its own); a single process sends nothing
+            counters = monitor.communication if monitor is not None else (
+                CommunicationCounters() if trainer.world_size == 1 else None
+            )
             summary.update(
-                bytes_sent=counters.bytes_sent,
-                bytes_fp32_equivalent=counters.bytes_fp32_equivalent,
+                bytes_sent=None if counters is None else counters.bytes_sent,
+                bytes_fp32_equivalent=None if counters is None else counters.bytes_fp32_equivalent,
                 rounds_per_100_steps=_per_100(trainer.global_step, trainer.global_step),  # DDP: one every step
             )
+        log_dir = trainer.log_dir  # a broadcast from rank 0: every rank asks
         if trainer.global_rank != 0:
             return
-        lines = [f"{k:>24s}: {v:,}" if isinstance(v, int) else f"{k:>24s}: {v}" for k, v in summary.items()]
-        print("\n== bert_finetune summary (rank 0) ==\n" + "\n".join(lines), flush=True)
         summary_json = self.config[self.subcommand].get("summary_json")
+        checkpoint = trainer.checkpoint_callback
+        table = summary_table(
+            summary,
+            freeze=freeze_note(strategy.onebit_optimizer) if isinstance(strategy, OnebitStrategy) else None,
+            log_dir=log_dir,
+            checkpoint_dir=getattr(checkpoint, "dirpath", None),
+            summary_json=summary_json,
+        )
+        print("\n== bert_finetune summary (rank 0) ==\n" + table, flush=True)
         if summary_json:
             Path(summary_json).write_text(json.dumps(summary, indent=2))
 

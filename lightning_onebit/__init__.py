@@ -20,11 +20,13 @@ from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, 
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
 from lightning_onebit.strategy import OnebitAdamStrategy, OnebitStrategy
+from lightning_onebit.strategy.pytorch_lightning_guard import guard_pytorch_lightning
 
 __version__ = "0.1.0"
 
 if "onebit_adam" not in StrategyRegistry:
     OnebitStrategy.register_strategies(StrategyRegistry)
+guard_pytorch_lightning()  # pytorch_lightning.Trainer(strategy="onebit_adam") says to use lightning.pytorch
 
 __all__ = [
     "AutoFreeze",

@@ -8,4 +8,5 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent  # the repository root
 ASSETS = TESTS / "assets"  # scripts the tests run in a subprocess
-EXAMPLE = ROOT / "examples" / "bert_finetune.py"  # the example (tests/tools)
+EXAMPLE = ROOT / "examples" / "bert_finetune.py"  # the BERT example (tests/tools)
+MINIMAL_EXAMPLE = ROOT / "examples" / "minimal.py"  # the minimal example (tests/tools)

@@ -116,6 +116,13 @@ def test_the_internal_strategy_modules_moved_without_shims() -> None:
             importlib.import_module(old)
 
 
+def test_the_topology_shim_is_gone() -> None:
+    """``lightning_onebit.topology`` was a shim for :mod:`lightning_onebit.comm.topology`; it was removed."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lightning_onebit.topology")
+    assert lightning_onebit.Topology is importlib.import_module("lightning_onebit.comm.topology").Topology
+
+
 def test_importing_the_package_emits_no_future_warning() -> None:
     """In a fresh interpreter, where nothing is imported yet: the package's own imports use the new paths."""
     proc = subprocess.run(

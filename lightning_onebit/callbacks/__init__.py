@@ -1,11 +1,13 @@
 """Lightning callbacks for the compressed optimizers: momentum masks, compression state across checkpoints, communication
 logging and advice, replica checks.
 
-Each needs the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitStrategy`) and fail at setup with a
-clear message otherwise.
+Each needs the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitStrategy`) and fails at setup with a
+clear message otherwise, except :class:`CommunicationMonitor`, which also counts plain DDP (``strategy="ddp"``), the
+baseline to compare with.
 """
 
-from lightning_onebit.callbacks.communication_monitor import CommunicationMonitor, CompressionAdvice
+from lightning_onebit.callbacks.advice import CompressionAdvice
+from lightning_onebit.callbacks.communication_monitor import CommunicationMonitor
 from lightning_onebit.callbacks.error_feedback import ErrorFeedbackCheckpoint
 from lightning_onebit.callbacks.momentum_mask import MaskSpec, MomentumMask
 from lightning_onebit.callbacks.replica_check import ReplicaCheck

@@ -1,120 +1,28 @@
-"""CommunicationMonitor: bytes and time of the gradient sync and the compressed exchange, and CompressionAdvice,
-its answer to "will compression help on this link?"."""
+"""CommunicationMonitor: bytes and time of the gradient sync and the compressed exchange (and of plain DDP's gradient
+allreduce, the baseline), and at the freeze its :class:`~lightning_onebit.callbacks.advice.CompressionAdvice`."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Optional
+import weakref
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
+from lightning_onebit.callbacks.advice import CompressionAdvice
+from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.topology import Topology
+from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
 from lightning_onebit.strategy import OnebitStrategy
-
-if TYPE_CHECKING:
-    from lightning_onebit.comm.accounting import CommunicationCounters
-
-@dataclasses.dataclass
-class CompressionAdvice:
-    """Whether the compression stage should make steps faster, from what the warmup measured (``CommunicationMonitor``).
-
-    The model: a warmup step of ``step_s`` seconds waited ``exposed_s`` for DDP's gradient allreduce after backward
-    had nothing left to compute (the allreduce of the last gradient bucket and whatever of the earlier ones was still
-    on the link). In the compression stage that wait goes, and the momentum exchange, ``compressed_bytes /
-    warmup_bytes`` of the allreduce's bytes, takes its place: after backward in full (``span_s``, the time the link
-    was in use, scaled by the bytes ratio) without overlap, or the part backward cannot hide (``exposed_s``, scaled)
-    with overlap::
-
-        expected_step_s = step_s - exposed_s + (exposed_s if overlap else span_s) * compressed_bytes / warmup_bytes
-
-    It leaves out the compression kernels and the cheaper frozen-variance update (both a few percent of a step in
-    this project's CPU measurements) and assumes the link, not the collective's fixed costs, is what takes the time.
-
-    Attributes:
-        warmup_steps: warmup steps measured (the last ones, at most ``CommunicationMonitor(advise_steps=...)``).
-        step_s: median warmup step time, seconds (the slowest rank's).
-        exposed_s: median time per warmup step spent waiting for the gradient allreduce after backward, seconds (the
-            least-waiting rank's: the rank with the most compute sets the pace once the wait is gone).
-        span_s: median time per warmup step from the first gradient bucket's launch to the completion of the last
-            allreduce, seconds: an upper bound on the link's busy time.
-        warmup_bytes: bytes this rank sent per warmup step (the largest over ranks).
-        compressed_bytes: bytes sent in the first compression-stage step (the largest over ranks).
-        overlap: whether the compression stage overlaps the exchange with backward.
-        expected_step_s: the estimate above, seconds.
-        measured_step_s: median compression-stage step time of the slowest rank, seconds, once measured (``None``
-            before).
-        measured_steps: compression-stage steps in that median.
-    """
-
-    warmup_steps: int
-    step_s: float
-    exposed_s: float
-    span_s: float
-    warmup_bytes: float
-    compressed_bytes: float
-    overlap: bool
-    expected_step_s: float = dataclasses.field(init=False)
-    measured_step_s: Optional[float] = None
-    measured_steps: int = 0
-
-    #: below this share of a step saved, the advice says compression cannot help
-    NEGLIGIBLE_SAVING = 0.05
-
-    def __post_init__(self) -> None:
-        ratio = self.compressed_bytes / self.warmup_bytes if self.warmup_bytes else 1.0
-        on_link = self.exposed_s if self.overlap else self.span_s
-        self.expected_step_s = max(0.0, self.step_s - self.exposed_s + on_link * ratio)
-
-    @property
-    def helps(self) -> bool:
-        """Whether the expected step is at least :attr:`NEGLIGIBLE_SAVING` (5%) shorter than the warmup step."""
-        return self.step_s - self.expected_step_s >= self.NEGLIGIBLE_SAVING * self.step_s
-
-    def message(self) -> str:
-        """The estimate in words, saying plainly when compression cannot make steps faster."""
-        fewer = f"{self.warmup_bytes / self.compressed_bytes:.1f}x fewer" if self.compressed_bytes else "no"
-        share = self.exposed_s / self.step_s if self.step_s else 0.0
-        text = (
-            f"gradient allreduce exposed {_seconds(self.exposed_s)} of a {_seconds(self.step_s)} step ({share:.0%}, "
-            f"median of the last {self.warmup_steps} warmup steps); the compression stage sends "
-            f"{_bytes(self.compressed_bytes)} per step instead of {_bytes(self.warmup_bytes)} ({fewer} bytes)"
-        )
-        if self.helps:
-            return f"{text}: expect about {_seconds(self.expected_step_s)} per step " \
-                   f"({self.step_s / self.expected_step_s:.2f}x faster)"
-        return (
-            f"{text}: expect about {_seconds(self.expected_step_s)} per step. The link is fast enough here that "
-            "compression cannot make steps noticeably faster: plain DDP (strategy='ddp') would train about as fast, "
-            "and 1-bit compression only saves bytes"
-        )
-
-    def measured_message(self) -> str:
-        """The measured compression-stage step next to the estimate."""
-        assert self.measured_step_s is not None
-        return (
-            f"compression-stage step measured {_seconds(self.measured_step_s)} (median of {self.measured_steps} "
-            f"steps, slowest rank) against {_seconds(self.expected_step_s)} estimated and "
-            f"{_seconds(self.step_s)} in warmup ({self.step_s / self.measured_step_s:.2f}x)"
-        )
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def _bytes(value: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= size:
-            return f"{value / size:.1f} {unit}"
-    return f"{value:.0f} B"
-
 
 class CommunicationMonitor(Callback):
     """Logs this rank's communication every optimizer step to the Trainer's logger, and says whether compression pays.
@@ -145,6 +53,17 @@ class CommunicationMonitor(Callback):
 
     Warmup steps count DDP's gradient allreduce. The progress bar shows short names that fit a terminal: ``stage``
     (``comm/stage``), ``1bit_x`` (``comm/compression_ratio``) and ``freeze`` (``onebit/freeze_step``).
+
+    **Plain DDP, the baseline.** Under ``Trainer(strategy="ddp")`` (Lightning's ``DDPStrategy``) the callback registers
+    a DDP communication hook at the start of training that runs DDP's usual ``mean`` allreduce and counts it as the
+    ``onebit_adam`` strategy counts its warmup (:class:`~lightning_onebit.hooks.GradientSyncState`: a ring allreduce
+    in the gradients' dtype, nodes from the cluster environment; one small ``all_gather_object`` per ``fit`` to learn
+    them). It logs the same bytes and time metrics as in the warmup (``comm/bytes_*``, ``comm/time_ms``,
+    ``comm/exposed_ms``, ``comm/compression_ratio``, 1 in fp32), so the two runs plot side by side; ``comm/stage``,
+    ``comm/hook_ms``, ``comm/bytes_sent_uncompressed``, the progress bar and the advice, which are about the
+    compression stage, are left out. DDP takes one communication hook: when the run already has one (e.g.
+    ``DDPStrategy(ddp_comm_hook=...)`` on CUDA), the callback warns once and counts nothing (:attr:`communication` is
+    ``None``). Any other strategy is refused at setup.
 
     **Will compression help?** With ``advise=True``, the callback times the warmup steps (wall time between optimizer
     steps) and the gradient allreduce's exposed time, and at the first compression-stage step logs
@@ -189,13 +108,34 @@ class CommunicationMonitor(Callback):
         self._compressed: list[float] = []
         self._advice_done = False
         self._optimizer_note: Optional[str] = None  # what the advice adds about steps it does not time
+        self._strategy: Optional[Union[OnebitStrategy, DDPStrategy]] = None  # the fit's, from on_train_start
+        # strategy="ddp": the counting hook's state, and the DDP wrapper it is registered on (a new one every fit)
+        self._ddp_sync: Optional[GradientSyncState] = None
+        self._ddp_hooked: Optional[weakref.ref[DistributedDataParallel]] = None
+        self._warned_foreign_hook = False
+
+    @property
+    def communication(self) -> Optional[CommunicationCounters]:
+        """This rank's communication counted since the start of the current (or last) ``fit``'s training: the
+        ``onebit_adam`` strategy's counters (warmup allreduces and compressed exchanges) or, under
+        ``strategy="ddp"``, the counting hook's. ``None`` before training starts, and under ``strategy="ddp"`` when
+        the run had a communication hook of its own (nothing counted)."""
+        if self._strategy is None or self._start is None:
+            return None
+        now = self._counters_now(self._strategy)
+        return None if now is None else now - self._start
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            _onebit_strategy(trainer, "CommunicationMonitor")
+            _monitored_strategy(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        strategy = _onebit_strategy(trainer, "CommunicationMonitor")
+        strategy = self._strategy = _monitored_strategy(trainer)
+        if not isinstance(strategy, OnebitStrategy):
+            self._start_counting_ddp(strategy)
+            self._start = self._last = self._counters_now(strategy)
+            self._last_step = trainer.global_step
+            return
         self._start = self._last = strategy.communication
         self._last_step = trainer.global_step
         self._last_span = strategy.gradient_sync.span_s
@@ -213,6 +153,9 @@ class CommunicationMonitor(Callback):
         if trainer.global_step == self._last_step:  # accumulating: no optimizer step yet
             return
         self._last_step = trainer.global_step
+        if not isinstance(trainer.strategy, OnebitStrategy):
+            self._log_ddp_step(pl_module)
+            return
         now_s = time.perf_counter()
         step_s = None if self._last_time is None else now_s - self._last_time
         self._last_time = now_s
@@ -253,6 +196,68 @@ class CommunicationMonitor(Callback):
                 self._other_step(trainer, strategy, optimizer)
             else:
                 self._advise(trainer, strategy, compressed, step, step_s, span_s)
+
+    # -- strategy="ddp": the baseline ----------------------------------------------------------------------------------
+    def _start_counting_ddp(self, strategy: DDPStrategy) -> None:
+        """Register the counting hook on this fit's DDP wrapper (Lightning wraps the module anew in every ``fit``),
+        unless the run already has a communication hook of its own: DDP takes only one."""
+        ddp = strategy.model
+        if not isinstance(ddp, DistributedDataParallel):  # not wrapped (one process): nothing is sent
+            self._ddp_sync, self._ddp_hooked = GradientSyncState(), None
+            return
+        if self._ddp_hooked is not None and self._ddp_hooked() is ddp:
+            return  # this wrapper has the counting hook already
+        # hooks registered with register_comm_hook are listed in _comm_hooks; a built-in (C++) one is not, and
+        # shows up as the RuntimeError below
+        foreign = bool(getattr(ddp, "_comm_hooks", None))
+        state = None
+        if not foreign:
+            env = strategy.cluster_environment
+            assert env is not None  # set by the Trainer before setup
+            # a flat plan creates no process group: it only gathers every rank's node, to split intra/inter bytes
+            topology = Topology.build(env.node_rank(), env.local_rank(), mode="flat", group=ddp.process_group)
+            state = GradientSyncState(process_group=ddp.process_group, topology=topology)
+            try:
+                ddp.register_comm_hook(state, switchable_allreduce_hook)
+            except RuntimeError:  # "register_comm_hook or register_builtin_comm_hook can only be called once"
+                foreign, state = True, None
+        self._ddp_sync, self._ddp_hooked = state, weakref.ref(ddp)
+        if foreign and not self._warned_foreign_hook:
+            self._warned_foreign_hook = True
+            rank_zero_warn(
+                "CommunicationMonitor: this DDP run already has a communication hook (e.g. DDPStrategy(ddp_comm_hook="
+                "...)) and DDP takes only one, so the monitor cannot add its counting hook: DDP's gradient bytes are "
+                "neither counted nor logged in this run (training is unaffected)"
+            )
+
+    def _counters_now(self, strategy: Union[OnebitStrategy, DDPStrategy]) -> Optional[CommunicationCounters]:
+        """This rank's cumulative counters now (``None``: plain DDP with a hook of the user's, nothing counted)."""
+        if isinstance(strategy, OnebitStrategy):
+            return strategy.communication
+        if self._ddp_sync is None:
+            return None
+        self._ddp_sync.settle_timings()
+        return self._ddp_sync.counters.snapshot()
+
+    def _log_ddp_step(self, pl_module: "pl.LightningModule") -> None:
+        """Log one plain-DDP optimizer step under the warmup's metric names."""
+        assert self._strategy is not None
+        now = self._counters_now(self._strategy)
+        if now is None or self._last is None or self._start is None:
+            return
+        step, self._last = now - self._last, now
+        metrics = {
+            "comm/bytes_sent": float(step.bytes_sent),
+            "comm/bytes_received": float(step.bytes_received),
+            "comm/bytes_sent_intra_node": float(step.bytes_sent_intra_node),
+            "comm/bytes_sent_inter_node": float(step.bytes_sent_inter_node),
+            "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
+            "comm/bytes_sent_total": float((now - self._start).bytes_sent),
+            "comm/time_ms": 1000.0 * step.time_s,
+            "comm/exposed_ms": 1000.0 * step.exposed_s,
+            "comm/compression_ratio": step.bytes_fp32_equivalent / step.bytes_sent if step.bytes_sent else 0.0,
+        }
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     # -- will compression help? --------------------------------------------------------------------------------------
     def _advise(
@@ -346,6 +351,18 @@ class CommunicationMonitor(Callback):
                 f"began before a 1-bit step after the estimate's first {self.SETTLING_STEPS} could be timed"
                 f"{self._note}"
             )
+
+
+def _monitored_strategy(trainer: "pl.Trainer") -> Union[OnebitStrategy, DDPStrategy]:
+    """The Trainer's strategy when the monitor can count it (``onebit_adam``, or plain DDP), else a clear error."""
+    strategy = trainer.strategy
+    if isinstance(strategy, (OnebitStrategy, DDPStrategy)):
+        return strategy
+    raise ValueError(
+        "CommunicationMonitor needs the 'onebit_adam' strategy (lightning_onebit.OnebitStrategy) or plain DDP "
+        f"(strategy='ddp', the baseline to compare with), but the Trainer uses {type(strategy).__name__}. Pass "
+        "Trainer(strategy='onebit_adam') or Trainer(strategy='ddp'), or remove the callback."
+    )
 
 
 def _log_once(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:

@@ -15,6 +15,8 @@ on, and the accounting of what it sends. It knows nothing of optimizers, DDP or 
   check that they are (:func:`assert_replicas_identical`);
 * :mod:`~lightning_onebit.comm.topology`: :class:`~lightning_onebit.comm.topology.Topology`, which ranks share a
   node, and the process groups of the hierarchical exchange;
+* :mod:`~lightning_onebit.comm.groups`: making process groups (one ``split_group`` per family where the backend can
+  split), their timeouts and their destruction;
 * :mod:`~lightning_onebit.comm.accounting`: :class:`CommunicationCounters` and the byte formulas;
 * :mod:`~lightning_onebit.comm.errors`: :class:`CollectiveFailedError`, a failed collective named with its group.
 

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from lightning_onebit.comm.topology import group_timeout
+from lightning_onebit.comm.groups import group_timeout
 
 
 class CollectiveFailedError(RuntimeError):

@@ -102,7 +102,7 @@ class CompressedAllreduceState:
         """
         if not (dist.is_available() and dist.is_initialized()):
             return
-        from lightning_onebit.comm.topology import new_gather_groups
+        from lightning_onebit.comm.groups import new_gather_groups
 
         self.install_gather_groups(*new_gather_groups(self.process_group, self.topology))
 

@@ -9,7 +9,7 @@
   a reconstructed fresh variance for the trust factor, and 1-bit compressed momentum averaging.
 """
 
-from lightning_onebit.optim.auto_freeze import AutoFreeze
+from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage
 from lightning_onebit.optim.masks import check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam

@@ -36,104 +36,24 @@ import collections
 import dataclasses
 import logging
 import math
-import numbers
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+# AutoFreeze and its defaults are defined in auto_freeze_config; imported here too, where callers import them from
+from lightning_onebit.optim.auto_freeze_config import (
+    _WINDOW_SHARE_OF_BOUND,
+    DEFAULT_BOUND_SHARE,
+    AutoFreeze,
+    _is_number,
+)
+from lightning_onebit.optim.auto_freeze_figures import _agree_max, _draw_sample, _excesses, _read_on_host
+
+__all__ = ["DEFAULT_BOUND_SHARE", "AutoFreeze", "FreezeDetector", "VarianceReading"]
+
 log = logging.getLogger(__name__)
-
-# A tensor whose variance per element is below this fraction of the median tensor's carries numerical noise only
-# (e.g. attention key biases, whose gradient is zero in exact arithmetic): its relative figures are left out.
-_NEGLIGIBLE_VARIANCE = 1e-8
-
-#: Without ``AutoFreeze(max_step=...)`` the Lightning strategy bounds the warmup by this share of the run. Half: on
-#: the synthetic example from scratch the gradients still grow after the loss leaves its plateau at about 13% of the
-#: run, and a warmup ended at 25% of it left 1-bit LAMB at chance; the rule itself decides well before the bound on
-#: the real fine-tuning tasks (``benchmarks.freeze_rules`` replays it on recorded runs).
-DEFAULT_BOUND_SHARE = 0.5
-#: The default window is this fraction of ``max_step``: 1/12 of the run under the default bound.
-_WINDOW_SHARE_OF_BOUND = 6
-
-
-@dataclasses.dataclass
-class AutoFreeze:
-    """How ``freeze_step="auto"`` decides the end of the warmup (see :mod:`lightning_onebit.optim.auto_freeze` for the
-    rule). Every field is optional.
-
-    Args:
-        window: ``W``, the distance in optimizer steps between the two variance snapshots compared. Default ``None``:
-            a sixth of ``max_step``, rounded down to a multiple of 4 (at least 4), and at most the time constant of
-            the variance's moving average, ``round(1 / (1 - beta2))`` of the first param group (1000 for 0.999). So
-            the window follows the run: under the Lightning strategy's default bound (half the run) it is 1/12 of
-            the run, and the earliest decision (a full window, then ``patience`` passing checks ``W / 4`` apart) comes
-            at about 12.5% of the run; a 600-step run compares windows of 48 steps. Set while the bound is unknown
-            (outside Lightning without ``max_step``) it is fixed at the first step.
-        check_every: optimizer steps between checks; the window must be a multiple of it. Default ``None``: ``W / 4``
-            (rounded so that it divides ``W``).
-        threshold: the largest backtest excess ``e`` on the coordinate sample: how far the last window's gradient
-            RMS may exceed the ``sqrt(v_hat)`` of a window ago (``0.3``: by 30% on average, so steps with that frozen
-            variance would have been at most about 30% larger than Adam's). Also bounds LAMB's trust-ratio change.
-            Default ``0.3``.
-        tensor_threshold: the same bound for every tensor's ``e_T`` (catches a small tensor still growing, which the
-            sample may hardly contain). Default ``1.0``.
-        loss_drop: the mean training loss over the last window must be at least this fraction below its mean over the
-            first ``check_every`` steps (every rank's, when ranks differ). Needs the loss: the Lightning strategy passes
-            it; without Lightning call ``optimizer.observe_loss(loss)`` every step or pass ``step(closure)``. ``None``
-            switches the guard off (a model on an initial loss plateau may then be frozen there). Default ``0.1``.
-        patience: consecutive passing checks needed. Default ``3``.
-        min_step: never end the warmup before this step. Default ``None``: the first full window (``W``).
-        max_step: end the warmup at this step at the latest. Default ``None``: under the Lightning strategy half of
-            ``trainer.estimated_stepping_batches``; without it a number is required (checked at the first step).
-        sample_size: coordinates in the fixed random sample (the same on every rank). Default ``2**20``.
-        seed: seed of the sample. Default ``0``.
-
-    Cost while measuring: ``W / check_every + 1`` snapshots of ``sample_size + number of tensors`` float64 values
-    (about 40 MiB with the defaults), one pass over the variance per check, the losses summed on their device (read
-    once per check), and one ``all_reduce`` of 5 floats per check (from the first full window on). All of it is freed
-    when the warmup ends.
-    """
-
-    window: Optional[int] = None
-    check_every: Optional[int] = None
-    threshold: float = 0.3
-    tensor_threshold: float = 1.0
-    loss_drop: Optional[float] = 0.1
-    patience: int = 3
-    min_step: Optional[int] = None
-    max_step: Optional[int] = None
-    sample_size: int = 2**20
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("window", "check_every", "min_step", "max_step"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"AutoFreeze {name} must be an integer >= 1 or None, got {value!r}")
-        for name in ("patience", "sample_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AutoFreeze {name} must be an integer >= 1, got {value!r}")
-        for name in ("threshold", "tensor_threshold"):
-            value = getattr(self, name)
-            if not _is_number(value) or not 0 < value < math.inf:
-                raise ValueError(f"AutoFreeze {name} must be a number > 0, got {value!r}")
-        if self.loss_drop is not None and (not _is_number(self.loss_drop) or not 0 <= self.loss_drop < 1):
-            raise ValueError(
-                f"AutoFreeze loss_drop must be a fraction in [0, 1) or None (no loss guard), got {self.loss_drop!r}"
-            )
-        if self.window is not None and self.check_every is not None and self.window % self.check_every:
-            raise ValueError(
-                f"AutoFreeze window ({self.window}) must be a multiple of check_every ({self.check_every})"
-            )
-        if self.min_step is not None and self.max_step is not None and self.min_step > self.max_step:
-            raise ValueError(f"AutoFreeze min_step ({self.min_step}) is after max_step ({self.max_step})")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,86 +356,3 @@ class FreezeDetector:
         self._initial_loss = losses.get("initial")
         if self.last is not None and "sample_excess" not in self.last:  # measured by the older rule: compare afresh
             self.last, self.streak, self._snapshots = None, 0, {}
-
-
-def _draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, torch.Tensor]]:
-    """``size`` distinct coordinates drawn uniformly over all tensors (all if there are fewer), the same on every
-    rank: ``(tensor index, flat indices)`` pairs, in tensor order."""
-    total = sum(numels)
-    generator = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(total, generator=generator)[:size].sort().values if total > size else torch.arange(total)
-    out, start = [], 0
-    for i, n in enumerate(numels):
-        lo, hi = torch.searchsorted(chosen, torch.tensor([start, start + n])).tolist()
-        if hi > lo:
-            out.append((i, chosen[lo:hi] - start))
-        start += n
-    return out
-
-
-def _read_on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each (1-D float64) tensor's values in CPU memory, with one copy per device: a device's tensors are concatenated
-    there and copied at once (the one host synchronisation), then split on the CPU."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    out: list[torch.Tensor] = [torch.zeros(0)] * len(tensors)
-    for device, indices in by_device.items():
-        joined = torch.cat([tensors[i] for i in indices]).cpu()
-        for i, piece in zip(indices, joined.split([tensors[i].numel() for i in indices])):
-            out[i] = piece
-    return out
-
-
-def _window_moment(v_new: torch.Tensor, v_old: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """``E = (v_t - a v_{t-W}) / (1 - a)``: the (exponentially weighted) mean squared gradient of the window."""
-    return (v_new - decay * v_old).div_(1 - decay).clamp_min_(0)
-
-
-def _excesses(
-    old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...], decays: list[tuple[float, float]],
-    sample_counts: torch.Tensor,
-) -> list[float]:
-    """``[e, e_T, coeff]``: the sample's excess, the largest tensor excess, the largest relative change of the extra
-    figures (0 without them). ``decays``: ``(beta2^W, bias correction now)`` per tensor; ``sample_counts``: the
-    sample's coordinates in each tensor (they lie tensor by tensor)."""
-    (sample_old, sums_old, extra_old), (sample_new, sums_new, extra_new) = old, new
-    decay = torch.tensor([d for d, _ in decays], dtype=torch.float64)
-    # the bias correction a window ago: 1 - b2^(t-W) = 1 - (1 - c_t) / b2^W (1 without bias correction)
-    correction = 1 - (1 - torch.tensor([c for _, c in decays], dtype=torch.float64)) / decay
-    # per tensor
-    moment = _window_moment(sums_new, sums_old, decay)
-    frozen = sums_old / correction
-    live = frozen > 0
-    if live.any():
-        live &= frozen >= _NEGLIGIBLE_VARIANCE * frozen[live].median()
-    ratio = torch.where(live, moment / frozen.clamp_min(1e-300), torch.zeros_like(frozen))
-    tensor = float((ratio.sqrt() - 1).clamp_min(0).max()) if ratio.numel() else 0.0
-    # the sample: its coordinates lie tensor by tensor, in the order of _draw_sample
-    if sample_new.numel():
-        if bool((decay == decay[0]).all() and (correction == correction[0]).all()):
-            # one beta2 and one step for every tensor (the usual case): scalars, not a per-coordinate expansion
-            d, c = decay[0], correction[0]
-        else:
-            d, c = decay.repeat_interleave(sample_counts), correction.repeat_interleave(sample_counts)
-        root_frozen = (sample_old / c).sqrt_()
-        excess = _window_moment(sample_new, sample_old, d).sqrt_().sub_(root_frozen).clamp_min_(0)
-        base = float(root_frozen.sum())
-        sample = float(excess.sum()) / base if base > 0 else (1.0 if float(excess.sum()) > 0 else 0.0)
-    else:
-        sample = 0.0
-    coeff = 0.0
-    if extra_old.numel() == extra_new.numel() > 0:
-        change = (extra_new - extra_old).abs() / extra_old.clamp_min(1e-300)
-        coeff = float(torch.where(extra_old > 0, change, (extra_new > 0).double()).max())
-    return [sample, tensor, coeff]
-
-
-def _agree_max(values: list[float], group: Any, device: torch.device) -> list[float]:
-    """Every rank's figures replaced by their maximum over the group (one all_reduce of a few floats, on the
-    parameters' device: NCCL takes CUDA tensors only)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()

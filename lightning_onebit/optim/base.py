@@ -1,15 +1,17 @@
 """The lean base of the compressed optimizers: the step and its stage, the dispatch to a subclass's warmup and
 compressed steps, the freeze step, and the public entry points of what it delegates.
 
-What it delegates, one module each: the momentum buckets, their plan and their layout
-(:mod:`~lightning_onebit.optim.buckets`), their compressed exchange and its error feedback
-(:mod:`~lightning_onebit.optim.exchange`), masks and dead coordinates (:mod:`~lightning_onebit.optim.masks`),
+What it delegates, one module each: the momentum buckets and their layout (:mod:`~lightning_onebit.optim.buckets`),
+their plan (:mod:`~lightning_onebit.optim.bucket_plan`), their compressed exchange and its error feedback
+(:mod:`~lightning_onebit.optim.exchange`; carried over to a new layout by
+:mod:`~lightning_onebit.optim.error_feedback`), masks and dead coordinates (:mod:`~lightning_onebit.optim.masks`),
 param-group options (:mod:`~lightning_onebit.optim.groups`), the full-precision average of ``compress=False`` groups
 (:mod:`~lightning_onebit.optim.uncompressed`), the checkpoint format (:mod:`~lightning_onebit.optim.checkpoint`), the
 phase sentences (:mod:`~lightning_onebit.optim.phase`) and the update math (:mod:`~lightning_onebit.optim.functional`).
-Two mixins give it the process group and topology (:mod:`~lightning_onebit.optim.process_group`)
-and the measuring side of ``freeze_step="auto"`` (:mod:`~lightning_onebit.optim.freeze`; the rule is
-:mod:`~lightning_onebit.optim.auto_freeze`'s).
+Three mixins give it the process group and topology (:mod:`~lightning_onebit.optim.process_group`), the measuring side
+of ``freeze_step="auto"`` (:mod:`~lightning_onebit.optim.freeze`; the rule is
+:mod:`~lightning_onebit.optim.auto_freeze`'s), and the parts its subclasses' steps are made of
+(:mod:`~lightning_onebit.optim.step_parts`).
 
 An algorithm is a subclass (:class:`~lightning_onebit.OnebitAdam`) that implements its warmup step and its
 compressed step; the compressed step calls :meth:`CompressedOptimizer._average_momenta_` to turn every rank's local
@@ -32,8 +34,9 @@ from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
-from lightning_onebit.optim.auto_freeze import AutoFreeze
-from lightning_onebit.optim.buckets import BucketSource, MomentumBucket, MomentumBuckets, Plan, feedback_key
+from lightning_onebit.optim.auto_freeze_config import AutoFreeze
+from lightning_onebit.optim.bucket_plan import Plan
+from lightning_onebit.optim.buckets import BucketSource, MomentumBucket, MomentumBuckets
 from lightning_onebit.optim.checkpoint import (
     CHECKPOINT_KEY,
     continuable_state_dict,
@@ -46,19 +49,12 @@ from lightning_onebit.optim.checkpoint import (
 )
 from lightning_onebit.optim.exchange import MomentumExchange
 from lightning_onebit.optim.freeze import AutoFreezeMixin, check_freeze_options
-from lightning_onebit.optim.groups import check_param_group, compressed_trainable, is_real
-from lightning_onebit.optim.masks import (
-    DeadCoordinateTracker,
-    apply_momentum_masks_,
-    mask_like,
-    report_dead_coordinates,
-    set_exp_avg_mask,
-)
-from lightning_onebit.optim.functional import adamw_step_
+from lightning_onebit.optim.groups import check_param_group, is_real
+from lightning_onebit.optim.masks import DeadCoordinateTracker, set_exp_avg_mask
 from lightning_onebit.optim.phase import phase_sentence
 from lightning_onebit.optim.process_group import ProcessGroupMixin
 from lightning_onebit.optim.step_kind import StepKind
-from lightning_onebit.optim.uncompressed import average_gradients_
+from lightning_onebit.optim.step_parts import StepPartsMixin
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +68,7 @@ class OnebitStage(str, enum.Enum):
     COMPRESSION = "compression"
 
 
-class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, torch.optim.Optimizer):
+class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, torch.optim.Optimizer):
     """Base of the optimizers that average 1-bit compressed momenta after a full-precision warmup.
 
     It owns what they share: the global step and the stage (:attr:`stage`, :attr:`needs_gradient_allreduce`), the
@@ -262,44 +258,6 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, torch.optim.Optimi
             self._install_plan(plan)
         return loss
 
-    def _moment_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """``p``'s state with ``exp_avg`` and ``exp_avg_sq`` (zeros when new), for a warmup step where ``p`` has a
-        gradient; from then on ``p`` has a variance estimate and is no longer frozen."""
-        state = self.state[p]
-        if "exp_avg_sq" not in state:
-            if "exp_avg" not in state:  # else: a zero momentum view into a bucket built early
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            self.momentum_buckets.frozen.discard(id(p))
-        return state
-
-    def _adamw_step_(
-        self, t: int, groups: Optional[Sequence[dict[str, Any]]] = None, compression_stage: bool = False
-    ) -> None:
-        """Step ``t`` of :class:`torch.optim.AdamW` (:func:`~lightning_onebit.optim.functional.adamw_step_`) on the
-        (averaged) gradients of the parameters of ``groups`` (default all) that have one.
-
-        The Adam-based optimizers' warmup, where it records nonzero gradients of the compressed groups for the
-        dead-coordinate warning when it is on, and their ``compress=False`` groups in the compression stage
-        (``compression_stage=True``), where explicit ``exp_avg_mask`` multiply the momentum after the gradient is
-        folded in, as they multiply the averaged momentum of the compressed groups."""
-        for group in self.param_groups if groups is None else groups:
-            params, grads, exp_avgs, exp_avg_sqs, masks = [], [], [], [], []
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                state = self._moment_state(p)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                if compression_stage and group["exp_avg_mask"][i] is not None:
-                    masks.append((len(params) - 1, mask_like(group["exp_avg_mask"], i, state["exp_avg"])))
-                if self.warn_dead_coordinates and group["compress"] and not compression_stage:
-                    self._track_nonzero(p)
-            if params:
-                adamw_step_(group, params, grads, exp_avgs, exp_avg_sqs, t, masks)
-
     def _warmup_step(self) -> Optional[StepKind]:
         raise NotImplementedError
 
@@ -311,69 +269,12 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, torch.optim.Optimi
         explicit ``exp_avg_mask`` applied to the momentum: what ``compress=False`` groups take."""
         raise NotImplementedError
 
-    def _uncompressed_groups(self) -> list[dict[str, Any]]:
-        """The param groups with ``compress=False``."""
-        return [group for group in self.param_groups if not group["compress"]]
-
-    def _step_uncompressed_groups_(self, averaged: bool = False) -> None:
-        """Compression stage: average the gradients of the ``compress=False`` groups in full precision (unless
-        ``averaged``: DDP's allreduce already did, e.g. 0/1 Adam's variance steps;
-        :func:`~lightning_onebit.optim.uncompressed.average_gradients_`) and take their warmup update."""
-        groups = self._uncompressed_groups()
-        if not groups:
-            return
-        if not averaged:
-            average_gradients_(self.compression, groups)
-        self._full_precision_update_(groups)
-
-    def _track_nonzero(self, p: torch.Tensor) -> None:
-        """Record which elements of ``p`` had a nonzero gradient in this warmup step (dead-coordinate detection)."""
-        self._dead_coordinates.track(id(p), p.grad, self._step)
-
     def dead_coordinates_masked_by(self, owner: str) -> None:
         """Declare that ``owner`` masks every dead coordinate itself (``MomentumMask(auto=True)`` does), so that this
         optimizer neither tracks them nor warns about them (as ``warn_dead_coordinates=False``)."""
         self.warn_dead_coordinates = False
         self._dead_coordinates.clear()
         log.debug("%s: dead coordinates are masked by %s", type(self).__name__, owner)
-
-    def _average_momenta_(self) -> None:
-        """Fold each rank's local gradient into its momentum (``m = lerp(m, g, 1 - beta1)``), replace the momenta by
-        their 1-bit compressed average over the process group (identical on every rank), and apply the masks; for
-        the compressed param groups only (``compress=False`` groups: :meth:`_step_uncompressed_groups_`).
-
-        Buckets whose exchange started during backward (the overlap hook) were folded there and are only finished
-        here (:meth:`MomentumExchange.finish_step_`). Runs the dead-coordinate report and the kernel agreement at the
-        first compressed step.
-        """
-        if self._dead_coordinates:  # the first compressed step: the detection state is freed either way
-            tracker, self._dead_coordinates = self._dead_coordinates, DeadCoordinateTracker()
-            if self.warn_dead_coordinates:  # it may be switched off during warmup (MomentumMask(auto=True) does)
-                name, rank = type(self).__name__, self.compression.rank
-                report_dead_coordinates(tracker, self.param_groups, name, self._step, rank)
-        if not self._backend_agreed:
-            self.agree_kernel_backend()
-        started = self.exchange.take_started()
-        buckets = self._ensure_buckets(carry=True)
-        self.exchange.finish_step_(started, buckets, self._bucket_source(), self._exchange_scale)
-        apply_momentum_masks_(self.param_groups, self.state)
-
-    def _compressed_average_(self, stream: str, buffers: Sequence[tuple[MomentumBucket, torch.Tensor]]) -> None:
-        """Replace each buffer (laid out like its bucket, e.g. from :meth:`_bucket_state_buffer`) by its
-        error-compensated 1-bit average over the process group, identical on every rank; the error feedback is
-        ``stream``'s (:func:`~lightning_onebit.optim.buckets.feedback_key`). Buckets are pipelined."""
-        if not self._backend_agreed:
-            self.agree_kernel_backend()
-        self.exchange.average_([(feedback_key(stream, bucket.key), flat, bucket.layout) for bucket, flat in buffers])
-
-    def _bucket_state_buffer(self, bucket: MomentumBucket, name: str) -> torch.Tensor:
-        """``bucket``'s flat buffer of ``state[p][name]`` (:meth:`MomentumBucket.state_buffer`)."""
-        return bucket.state_buffer(name, self.state)
-
-    def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
-        """The group's parameters a compressed step updates: trainable ones with a variance estimate; none in a
-        ``compress=False`` group (:meth:`_step_uncompressed_groups_` updates those)."""
-        return [p for p in compressed_trainable(group) if id(p) not in self.momentum_buckets.frozen]
 
     # ------------------------------------------------------------------ overlap with backward
     def start_bucket_exchange_(

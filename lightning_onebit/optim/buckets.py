@@ -4,8 +4,9 @@ A bucket is what one compressed exchange sends: one flat local tensor with a :cl
 (segment sizes, padding to a multiple of the world size). :class:`MomentumBuckets` decides which parameters share a
 bucket, either packed in parameter order up to ``bucket_cap_mb`` (one device and dtype per bucket) or as a *plan*
 says (the overlapped exchange passes DDP's gradient buckets, so that a bucket can be exchanged as soon as its
-gradients are ready), and it keeps the plan that waits while exchanges are in flight. :func:`carry_error_feedback_`
-moves the compression error of an old layout into a new one, coordinate by coordinate.
+gradients are ready; checked by :mod:`~lightning_onebit.optim.bucket_plan`), and it keeps the plan that waits while
+exchanges are in flight. A re-layout carries the compression error over to the new buckets
+(:mod:`~lightning_onebit.optim.error_feedback`).
 
 Nothing here steps an optimizer: the optimizer hands in a :class:`BucketSource` (its param groups and per-parameter
 state, where the momenta live) and gets buckets back.
@@ -14,19 +15,31 @@ state, where the momenta live) and gets buckets back.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from lightning_onebit.comm.exchange import _all_gather
 from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
+# the plan and the error-feedback keys are defined in bucket_plan and error_feedback; imported here too, where callers
+# import them from
+from lightning_onebit.optim.bucket_plan import Plan, checked_plan, same_plan
+from lightning_onebit.optim.error_feedback import carry_error_feedback_, feedback_key, stream_of
 from lightning_onebit.optim.groups import compressed_trainable
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "BucketSource",
+    "MomentumBucket",
+    "MomentumBuckets",
+    "Plan",
+    "carry_error_feedback_",
+    "checked_plan",
+    "feedback_key",
+    "same_plan",
+    "stream_of",
+]
 
-#: A bucket plan: ``(bucket key, parameters in order)`` per bucket; ``None``: packed by size.
-Plan = Optional[list[tuple[int, list[torch.Tensor]]]]
+log = logging.getLogger(__name__)
 
 
 class BucketSource(NamedTuple):
@@ -84,38 +97,6 @@ class MomentumBucket:
                 state[p][name] = view
                 offset += p.numel()
         return flat
-
-
-def same_plan(a: Plan, b: Plan) -> bool:
-    """Whether two bucket plans are the same keys and parameters (by identity), in the same order."""
-    if a is None or b is None:
-        return a is None and b is None
-    return len(a) == len(b) and all(
-        ka == kb and len(pa) == len(pb) and all(x is y for x, y in zip(pa, pb)) for (ka, pa), (kb, pb) in zip(a, b)
-    )
-
-
-def checked_plan(buckets: Optional[Sequence[Sequence[torch.Tensor]]], trainable_ids: set[int]) -> Plan:
-    """``buckets`` (parameters per bucket; ``None``: pack by size) as a plan over the parameters in
-    ``trainable_ids``: others are dropped, and so are buckets left empty (their keys stay their positions). Raises
-    ``ValueError`` if a bucket mixes devices or dtypes (a bucket is one flat buffer) or names a parameter twice (in
-    it or in an earlier one)."""
-    if buckets is None:
-        return None
-    plan: list[tuple[int, list[torch.Tensor]]] = []
-    seen: set[int] = set()
-    for key, params in enumerate(buckets):
-        kept = [p for p in params if id(p) in trainable_ids]
-        if len({(p.device, p.dtype) for p in kept}) > 1:
-            raise ValueError(f"set_bucket_plan: bucket {key} mixes devices or dtypes; a bucket is one flat buffer")
-        if any(id(p) in seen for p in kept):
-            raise ValueError(f"set_bucket_plan: bucket {key} names a parameter that an earlier bucket holds")
-        if len({id(p) for p in kept}) != len(kept):
-            raise ValueError(f"set_bucket_plan: bucket {key} names a parameter twice")
-        seen.update(id(p) for p in kept)
-        if kept:
-            plan.append((key, kept))
-    return plan
 
 
 class MomentumBuckets:
@@ -365,107 +346,3 @@ class MomentumBuckets:
                 f"; {stale} buffer(s) of another layout dropped" if stale else "",
             ]),
         )
-
-
-def feedback_key(stream: str, key: int) -> Hashable:
-    """The error-feedback key of bucket ``key`` in ``stream``: each quantity an optimizer compresses (momenta,
-    gradients, accumulated updates) has error buffers of its own. The momentum stream keeps the bare bucket key (what
-    checkpoints of 1-bit Adam and 1-bit LAMB hold)."""
-    return key if stream == "momentum" else (stream, key)
-
-
-def stream_of(key: Any) -> str:
-    """The stream of an error-feedback key (:func:`feedback_key`)."""
-    return key[0] if isinstance(key, tuple) and len(key) == 2 else "momentum"
-
-
-def _bucket_key(key: Any) -> Any:
-    return key[1] if isinstance(key, tuple) else key
-
-
-def carry_error_feedback_(
-    compression: CompressedAllreduceState,
-    old_buckets: list[MomentumBucket],
-    build_new: Callable[[], list[MomentumBucket]],
-) -> Optional[tuple[list[MomentumBucket], int, int]]:
-    """Move every rank's error buffers from the layout of ``old_buckets`` into the buckets ``build_new()`` makes,
-    coordinate by coordinate, so that no error is dropped when the momenta are re-laid out (a checkpoint saved with
-    ``overlap=False`` resumed with ``overlap=True``: the packed layout restored from the sidecars, then DDP's).
-
-    Both buffers hold one value per coordinate of a bucket's flat padded buffer: the worker error the coordinates this
-    rank compresses (flat: all of them; hierarchical: its node's shard ``l`` of ``L``), the server error the chunk this
-    rank serves. A new layout moves coordinates to other chunks and shards, hence to other ranks, so each stream's
-    buffers are first gathered into whole per-coordinate vectors (``all_gather``: the server chunks over the process
-    group, flat, or over the inter- then the intra-node group, hierarchical; the worker shards over the intra-node
-    group), cut per parameter, placed at the parameter's offset in its new bucket, and this rank's new shard and chunk
-    taken. Padding holds no error (it is zero and compresses to zero). Transient memory: two flat copies of the
-    bucketed momenta per stream. A collective when there is error feedback (every rank has the same buffers): every
-    rank calls it at the same point.
-
-    Returns ``None`` when there was no error feedback of ``old_buckets``' layout (nothing is built then), else
-    ``(new buckets, parameters whose error was dropped because no new bucket holds them, buffers of another layout
-    dropped)``. The error feedback is reset either way before the new one is written.
-    """
-    saved = compression.error_feedback_state_dict()["buckets"]
-    old_by_key = {b.key: b for b in old_buckets}
-    entries = sorted(
-        (
-            (fkey, entry) for fkey, entry in saved.items()
-            if _bucket_key(fkey) in old_by_key
-            and tuple(entry["layout"][0]) == old_by_key[_bucket_key(fkey)].layout.tensor_numels
-        ),
-        key=lambda item: (stream_of(item[0]), _bucket_key(item[0])),
-    )
-    stale = len(saved) - len(entries)
-    compression.reset_error_feedback()
-    if not entries:
-        return None
-    topology, per_node = compression.topology, compression.ranks_per_node
-    if per_node > 1:
-        nodes, local, inter = topology.num_nodes, topology.local_index, topology.inter_index
-        intra_group, inter_group = topology.intra_group, topology.inter_group
-    else:
-        nodes, local, inter = compression.world_size(), 0, compression.rank()
-        intra_group, inter_group = None, compression.process_group
-
-    def gather(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
-        out = part.new_empty(n * part.numel())
-        _all_gather(out, part.contiguous(), group).wait()
-        return out
-
-    # stream -> id(param) -> (worker error, server error) of the parameter's coordinates
-    carried: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for fkey, entry in entries:
-        bucket = old_by_key[_bucket_key(fkey)]
-        worker, server = entry["worker_error"], entry["server_error"]
-        if per_node > 1:
-            worker = gather(worker, intra_group, per_node)
-            server = gather(gather(server, inter_group, nodes), intra_group, per_node)
-        else:
-            server = gather(server, inter_group, nodes)
-        per_param, offset = carried.setdefault(stream_of(fkey), {}), 0
-        for p in bucket.params:
-            per_param[id(p)] = (worker[offset : offset + p.numel()], server[offset : offset + p.numel()])
-            offset += p.numel()
-    new_buckets = build_new()
-    moved: set[int] = set()
-    chunk = local * nodes + inter  # the chunk this rank serves (flat: its rank)
-    for stream, per_param in carried.items():
-        for bucket in new_buckets:
-            layout = bucket.layout
-            worker = bucket.flat.new_zeros(layout.padded_numel)  # the error buffers' device and dtype
-            server = bucket.flat.new_zeros(layout.padded_numel)
-            offset = 0
-            for p in bucket.params:
-                found = per_param.get(id(p))
-                if found is not None:
-                    worker[offset : offset + p.numel()].copy_(found[0])
-                    server[offset : offset + p.numel()].copy_(found[1])
-                    moved.add(id(p))
-                offset += p.numel()
-            shard, c = layout.padded_numel // per_node, layout.chunk_numel
-            buffers = compression.buffers(feedback_key(stream, bucket.key), layout, bucket.flat)
-            buffers.worker_error.copy_(worker[local * shard : (local + 1) * shard])
-            buffers.server_error.copy_(server[chunk * c : (chunk + 1) * c])
-    lost = {i for per_param in carried.values() for i in per_param} - moved
-    return new_buckets, len(lost), stale

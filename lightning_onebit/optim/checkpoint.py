@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_onebit.optim.auto_freeze import FreezeDetector
-from lightning_onebit.optim.buckets import Plan
+from lightning_onebit.optim.bucket_plan import Plan
 
 log = logging.getLogger(__name__)
 

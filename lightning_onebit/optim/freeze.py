@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm.state import CompressedAllreduceState
-from lightning_onebit.optim.auto_freeze import AutoFreeze, FreezeDetector, VarianceReading
+from lightning_onebit.optim.auto_freeze import FreezeDetector, VarianceReading
+from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.groups import trainable
 
 log = logging.getLogger(__name__)

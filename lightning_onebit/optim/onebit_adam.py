@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
-from lightning_onebit.optim.auto_freeze import AutoFreeze
+from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.functional import adam_update_
 

@@ -1,4 +1,5 @@
-"""1-bit LAMB (arXiv 2104.06069) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``."""
+"""1-bit LAMB (arXiv 2104.06069) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``; its per-tensor math
+is :mod:`~lightning_onebit.optim.lamb_math`'s."""
 
 from __future__ import annotations
 
@@ -11,12 +12,23 @@ import torch.distributed as dist
 from lightning_onebit import kernels
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
-from lightning_onebit.kernels import frozen as frozen_cache
-from lightning_onebit.optim.auto_freeze import AutoFreeze
+from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
 from lightning_onebit.optim.functional import bias_corrections
 from lightning_onebit.optim.groups import is_real
+from lightning_onebit.optim.lamb_math import (
+    _SCALAR_STATE,
+    _as_scalar,
+    _chunks,
+    _denominator,
+    _lamb_figures_,
+    _py_max,
+    _py_min,
+    _root_eps,
+    _scalar,
+    _trust_ratios,
+)
 from lightning_onebit.optim.masks import mask_like
 
 
@@ -71,10 +83,13 @@ class OnebitLamb(CompressedOptimizer):
     per element per step in fp32, as DDP for that group; for embeddings, small or sparse groups.
 
     Args:
-        params, lr, betas, eps, weight_decay, freeze_step, auto_freeze, bias_correction, bucket_cap_mb,
-            process_group, kernel_backend, topology, warn_dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`
-            (``weight_decay`` is added to the update before the trust ratio, as in LAMB; ``freeze_step="auto"`` also
-            waits for every tensor's trust-ratio EMA to settle).
+        params, lr, betas, eps: as for :class:`~lightning_onebit.OnebitAdam`.
+        weight_decay: as for :class:`~lightning_onebit.OnebitAdam`, but added to the update before the trust ratio,
+            as in LAMB.
+        freeze_step, auto_freeze: as for :class:`~lightning_onebit.OnebitAdam`; ``freeze_step="auto"`` also waits
+            for every tensor's trust-ratio EMA to settle.
+        bias_correction, bucket_cap_mb, process_group: as for :class:`~lightning_onebit.OnebitAdam`.
+        kernel_backend, topology, warn_dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`.
         max_coeff: upper clip of the warmup trust ratio ``r``. Default ``10.0``.
         min_coeff: lower clip of ``r``, ``> 0``. Default ``0.01``.
         coeff_beta: EMA rate of the trust ratio, in ``[0, 1)``. Default ``0.9``.
@@ -260,7 +275,7 @@ class OnebitLamb(CompressedOptimizer):
             figures = kernels.lamb_prepare_(ms, scratch, fresh, roots, denominators, params, (b1, b2), eps, bc1, wd)
             factor, u0_norm, u_norm = figures[:, 0], figures[:, 1].sqrt(), figures[:, 2].sqrt()
         else:
-            factor, u0_norm, u_norm = self._lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1)
+            factor, u0_norm, u_norm = _lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1)
         if wd:
             rho = torch.where(u_norm > 0, _py_min(1.0, u0_norm / u_norm), 1.0)
             factor = rho * factor + (1 - rho)
@@ -275,40 +290,6 @@ class OnebitLamb(CompressedOptimizer):
         else:
             # p - lr coeff factor u: addcmul with a device-side step (see _lamb_step_ for its bits)
             torch._foreach_addcmul_(params, scratch, step.unbind(0))
-
-    @staticmethod
-    def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: list[torch.Tensor],
-                       roots: list[torch.Tensor], denominators: list[torch.Tensor], params: list[torch.Tensor],
-                       group: dict[str, Any], bc1: float) -> tuple[torch.Tensor, Optional[torch.Tensor],
-                                                                   Optional[torch.Tensor]]:
-        """The torch ops of the update's first part (any device, no host synchronisation): the fresh variance
-        updated, ``u`` written into ``scratch``; returns per tensor the largest ratio and, with weight decay, the
-        norms of ``u0`` and ``u`` (float64 device vectors; ``None`` without weight decay)."""
-        (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
-        # g_rec = (m - b1 m_last) / (1 - b1), in place: (b1 m_last - m) / -(1 - b1) is the same number, bit for bit
-        torch._foreach_mul_(scratch, b1)
-        torch._foreach_sub_(scratch, ms)
-        torch._foreach_div_(scratch, -(1 - b1))
-        torch._foreach_mul_(fresh, b2)
-        torch._foreach_addcmul_(fresh, scratch, scratch, value=1 - b2)
-        # factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))
-        for s, v_fresh in zip(scratch, fresh):
-            torch.sqrt(v_fresh, out=s)
-        torch._foreach_add_(scratch, eps)
-        for s, root in zip(scratch, roots):
-            torch.div(root, s, out=s)
-        factor = torch.stack(torch._foreach_max(scratch)).double()
-        # u0 = (m / bc1) / (sqrt(v / bc2) + eps);  u = u0 + wd p  (with bc2 = 1 the denominators are the roots)
-        for s, m in zip(scratch, ms):
-            torch.div(m, bc1, out=s)
-        torch._foreach_div_(scratch, denominators)
-        if not wd:
-            return factor, None, None
-        u0_norm = torch.stack(torch._foreach_norm(scratch)).double()
-        # u0 + wd * p: addcmul multiplies p by wd (rounded) and then adds, as the two ops did
-        torch._foreach_addcmul_(scratch, params, [_one(p) for p in params], value=wd)
-        u_norm = torch.stack(torch._foreach_norm(scratch)).double()
-        return factor, u0_norm, u_norm
 
     def _remember_momenta(self, missing_only: bool = False) -> None:
         """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
@@ -392,90 +373,3 @@ class OnebitLamb(CompressedOptimizer):
                 for name, value in values.items():
                     self.state[p][name] = _as_scalar(value, p.device)
         self._exchange_scale = {}  # re-read from the loaded state at the next compressed step
-
-
-# per-parameter state held as 0-dim float64 tensors on the parameter's device
-_SCALAR_STATE = ("lamb_coeff", "lamb_last_factor", "lamb_scaling_coeff")
-# the warmup's multi-tensor ops run over at most this many elements at a time (their temporaries: u, denominators)
-_CHUNK_NUMEL = 2**24
-
-
-def _scalar(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-dim float64 tensor on ``device``, filled there (no host-to-device copy)."""
-    return torch.full((), value, dtype=torch.float64, device=device)
-
-
-def _one(p: torch.Tensor) -> torch.Tensor:
-    return torch.ones((), dtype=p.dtype, device=p.device)
-
-
-def _as_scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A loaded coefficient (a Python number from an older checkpoint, or a tensor) as a 0-dim float64 tensor."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, dtype=torch.float64).reshape(()).clone()
-    return _scalar(float(value), device)
-
-
-def _py_max(a: Any, b: Any) -> torch.Tensor:
-    """Python's ``max(a, b)`` elementwise (``a`` unless ``b > a``: NaN handled as Python does)."""
-    return torch.where(b > a, b, a)
-
-
-def _py_min(a: Any, b: Any) -> torch.Tensor:
-    """Python's ``min(a, b)`` elementwise (``a`` unless ``b < a``)."""
-    return torch.where(b < a, b, a)
-
-
-def _by_device(params: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
-    out: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(params):
-        out.setdefault(p.device, []).append(i)
-    return out
-
-
-def _chunks(params: Sequence[torch.Tensor], limit: Optional[int] = _CHUNK_NUMEL) -> list[list[int]]:
-    """Indices into ``params``, by device, in runs of at most ``limit`` elements (a larger tensor alone; ``None``:
-    one run per device)."""
-    out = []
-    for indices in _by_device(params).values():
-        chunk, size = [], 0
-        for i in indices:
-            n = params[i].numel()
-            if chunk and limit is not None and size + n > limit:
-                out.append(chunk)
-                chunk, size = [], 0
-            chunk.append(i)
-            size += n
-        if chunk:
-            out.append(chunk)
-    return out
-
-
-def _root_eps(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """The frozen variance's ``sqrt(v) + eps`` (the ops of ``v.sqrt() + eps``), cached while ``v`` and ``eps`` stay."""
-
-    def into(x: torch.Tensor, out: torch.Tensor) -> None:
-        torch.sqrt(x, out=out)
-        out.add_(eps)
-
-    return frozen_cache.cached(v, "lamb_root_eps", (float(eps),), into)
-
-
-def _denominator(v: torch.Tensor, bc2: float, eps: float) -> torch.Tensor:
-    """The frozen variance's ``sqrt(v / bc2) + eps`` (the ops of ``(v / bc2).sqrt_().add_(eps)``), cached."""
-
-    def into(x: torch.Tensor, out: torch.Tensor) -> None:
-        torch.div(x, bc2, out=out)
-        out.sqrt_().add_(eps)
-
-    return frozen_cache.cached(v, "lamb_denominator", (float(bc2), float(eps)), into)
-
-
-def _trust_ratios(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], low: float, high: float
-                  ) -> torch.Tensor:
-    """LAMB's ``clip(||p|| / ||u||, low, high)`` per tensor, 1 where either norm is 0: a float64 vector on the
-    parameters' device (norms in float32, as ``float(p.float().norm())`` read them, then the Python arithmetic)."""
-    p_norms = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).double()
-    u_norms = torch.stack(torch._foreach_norm([u.float() for u in updates])).double()
-    ratios = _py_min(_py_max(p_norms / u_norms, low), high)
-    return torch.where((p_norms == 0) | (u_norms == 0), 1.0, ratios)

@@ -1,33 +1,28 @@
-"""0/1 Adam (arXiv 2202.06009) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``."""
+"""0/1 Adam (arXiv 2202.06009) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``: its arguments, its
+variance and compressed steps, and what it reports. The schedules and their checkpoint state are
+:mod:`~lightning_onebit.optim.zeroone_schedule`'s, the local steps and syncs
+:mod:`~lightning_onebit.optim.zeroone_local_steps`'."""
 
 from __future__ import annotations
 
-import logging
-import math
 import warnings
 from typing import Any, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from lightning_onebit import kernels
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
-from lightning_onebit.optim.buckets import MomentumBucket, stream_of
-from lightning_onebit.optim.functional import adam_update_, bias_corrections, fold_gradients_, update_variances_
+from lightning_onebit.optim.functional import adam_update_, fold_gradients_, update_variances_
 from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.step_kind import StepKind
-
-log = logging.getLogger(__name__)
-
-_SYNC_STATE = "zeroone"  # key of the schedule and sync state inside the optimizer state dict's "onebit" entry
-_UPDATE = "update_since_sync"  # per-parameter state: sum of lr/bc1 * m over the local steps since the last sync
-_SYNCED = "synced_param"  # per-parameter state: the parameter at the last sync (identical on every rank)
+from lightning_onebit.optim.zeroone_local_steps import LocalStepsMixin
+from lightning_onebit.optim.zeroone_schedule import ZeroOneScheduleMixin
 
 
-class ZeroOneAdam(CompressedOptimizer):
+class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
     r"""0/1 Adam: Adam whose variance is updated on ever rarer steps, with 1-bit compressed communication in
     between, then local steps whose accumulated update is synchronised ever more rarely.
 
@@ -108,8 +103,9 @@ class ZeroOneAdam(CompressedOptimizer):
     embeddings.
 
     Args:
-        params, lr, betas, eps, weight_decay, bias_correction, amsgrad, bucket_cap_mb, process_group,
-            kernel_backend, topology: as for :class:`~lightning_onebit.OnebitAdam`.
+        params, lr, betas, eps, weight_decay: as for :class:`~lightning_onebit.OnebitAdam`.
+        bias_correction, amsgrad, bucket_cap_mb: as for :class:`~lightning_onebit.OnebitAdam`.
+        process_group, kernel_backend, topology: as for :class:`~lightning_onebit.OnebitAdam`.
         var_freeze_step: the last step that may update the variance; local steps start after it. Default
             ``100000`` (DeepSpeed's). The paper freezes at the end of the learning-rate warmup (12500 of 125000 steps
             for BERT-Large).
@@ -204,52 +200,7 @@ class ZeroOneAdam(CompressedOptimizer):
         # the variance next changes
         self._zero_variance: dict[int, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ schedules
-    def _replay_schedules(self, steps: int) -> None:
-        """Set the schedules to their state after ``steps`` steps. They depend only on the step and the four
-        schedule arguments, so a resumed run recomputes them instead of trusting (or resetting) saved counters."""
-        self.var_interval, self._var_counter, self.variance_updates = 1, 0, 0
-        self.local_step_interval, self._local_step_counter = 1, 0
-        for t in range(1, steps + 1):
-            self._advance_schedules(t)
-        # the local-step phase's sums since the last sync: None until it begins (or after a load that lacks them)
-        self._lr_sum: Optional[list[float]] = None
-        self._decay: Optional[list[float]] = None
-        self.local_steps_since_sync = 0
-
-    def is_variance_step(self, t: int) -> bool:
-        """Whether step ``t`` (the next one is ``step_count + 1``) updates the variance with averaged gradients,
-        given the current ``var_interval`` (exact for the next step)."""
-        return t <= self.var_freeze_step and t % self.var_interval == 0
-
-    def _advance_schedules(self, t: int) -> None:
-        """The schedule counters after step ``t``: variance steps double ``var_interval`` every
-        ``var_update_scaler`` of them; local steps double ``local_step_interval`` every ``local_step_scaler`` of
-        them, up to ``local_step_clipper``."""
-        if t <= self.var_freeze_step:
-            if t % self.var_interval == 0:
-                self.variance_updates += 1
-                self._var_counter += 1
-                if self._var_counter == self.var_update_scaler:
-                    self._var_counter = 0
-                    self.var_interval *= 2
-        else:
-            self._local_step_counter += 1
-            if self._local_step_counter == self.local_step_scaler:
-                self._local_step_counter = 0
-                self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
-
     # ------------------------------------------------------------------ status
-    @property
-    def next_step_kind(self) -> StepKind:
-        """``VARIANCE`` (the warmup's steps and every ``var_interval``-th step up to ``var_freeze_step``: gradients
-        averaged in full precision), ``COMPRESSED`` (the other steps until then), then ``LOCAL``, or ``SYNC`` every
-        ``local_step_interval``-th step. Exact: the schedules depend only on the step."""
-        t = self._step + 1
-        if t > self.var_freeze_step:
-            return StepKind.SYNC if t % self.local_step_interval == 0 else StepKind.LOCAL
-        return StepKind.VARIANCE if self.is_variance_step(t) else StepKind.COMPRESSED
-
     @property
     def advisor_note(self) -> str:
         return (
@@ -257,11 +208,6 @@ class ZeroOneAdam(CompressedOptimizer):
             f"var_interval-th step up to var_freeze_step={self.var_freeze_step}, cost about a warmup step, and "
             "its local steps after that send nothing but a 1-bit sync every local_step_interval steps)"
         )
-
-    @property
-    def replicas_in_sync(self) -> bool:
-        """False after a local step, until the next sync."""
-        return self.local_steps_since_sync == 0
 
     def describe_phase(self) -> tuple[StepKind, str]:
         t = self._step + 1
@@ -374,118 +320,6 @@ class ZeroOneAdam(CompressedOptimizer):
                 exp_avgs = [self.state[p]["exp_avg"] for p in params]
                 torch._foreach_lerp_(exp_avgs, [averaged[id(p)] for p in params], 1 - group["betas"][0])
 
-    def _local_step(self, t: int) -> StepKind:
-        """A step on this rank's own gradient with no communication; a sync after it when the schedule says so."""
-        buckets = self._ensure_buckets(carry=True)
-        if self._lr_sum is None:
-            self._begin_local_steps(buckets)
-        for bucket in buckets:
-            self._bucket_state_buffer(bucket, _UPDATE)
-        for index, group in enumerate(self.param_groups):
-            params = self._updated_params(group)
-            if not params:
-                continue
-            exp_avgs = [self.state[p]["exp_avg"] for p in params]
-            with_grad = [(m, p.grad) for m, p in zip(exp_avgs, params) if p.grad is not None]
-            without = [m for m, p in zip(exp_avgs, params) if p.grad is None]
-            b1 = group["betas"][0]
-            if with_grad:
-                torch._foreach_lerp_([m for m, _ in with_grad], [g for _, g in with_grad], 1 - b1)
-            if without:  # a zero gradient, as in the compressed steps
-                torch._foreach_mul_(without, b1)
-            self._keep_at_rest_(group, params, exp_avgs)
-            lr, wd = group["lr"], group["weight_decay"]
-            bias_correction1 = bias_corrections(group, t, t)[0]
-            torch._foreach_add_([self.state[p][_UPDATE] for p in params], exp_avgs, alpha=lr / bias_correction1)
-            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
-            self._lr_sum[index] += lr
-            self._decay[index] *= 1 - lr * wd
-        self.local_steps_since_sync += 1
-        if t % self.local_step_interval == 0:
-            self._sync(t)
-            return StepKind.SYNC
-        return StepKind.LOCAL
-
-    def _begin_local_steps(self, buckets: list[MomentumBucket]) -> None:
-        """At the first local step: the error feedback held momentum (or gradient) errors and restarts for updates,
-        the scratch gradient buffers are freed, and the (rank-identical) parameters become the first sync point."""
-        # the algorithm's own reset (0/1 Adam restarts the error for updates): not measured, which would read the
-        # device back in the middle of training
-        self.compression.reset_error_feedback(lambda key: stream_of(key) != "update", measure=False)
-        for bucket in buckets:
-            bucket.extra.pop("gradient", None)
-            self._bucket_state_buffer(bucket, _UPDATE).zero_()
-        for group in self.param_groups:
-            for p in self._updated_params(group):
-                self.state[p][_SYNCED] = p.detach().clone()
-        self._lr_sum = [0.0] * len(self.param_groups)
-        self._decay = [1.0] * len(self.param_groups)
-        self.local_steps_since_sync = 0
-        log.info(
-            "ZeroOneAdam: variance frozen after step %d; local steps from step %d (error feedback of the exchanges "
-            "before them reset)",
-            self.var_freeze_step,
-            self._step,
-        )
-
-    @torch.no_grad()
-    def synchronize(self) -> bool:
-        """Sync now if local steps were taken since the last sync (every rank must call it; the next scheduled sync
-        still comes when the schedule says). Returns whether it synced."""
-        if self.local_steps_since_sync == 0:
-            return False
-        self._sync(self._step)
-        self.forced_syncs += 1
-        return True
-
-    def _sync(self, t: int) -> None:
-        """Average the accumulated updates (1 bit) and move every replica to the same new point."""
-        buckets = self._ensure_buckets(carry=True)
-        pairs = [(bucket, self._bucket_state_buffer(bucket, _UPDATE)) for bucket in buckets]
-        assert self._lr_sum is not None and self._decay is not None
-        for index, group in enumerate(self.param_groups):
-            if self._lr_sum[index] == 0:  # lr was 0 throughout: nothing moved; average the momenta themselves
-                params = self._updated_params(group)
-                if params:
-                    torch._foreach_copy_(
-                        [self.state[p][_UPDATE] for p in params], [self.state[p]["exp_avg"] for p in params]
-                    )
-        self._compressed_average_("update", pairs)
-        for index, group in enumerate(self.param_groups):
-            params = self._updated_params(group)
-            if not params:
-                continue
-            updates = [self.state[p][_UPDATE] for p in params]
-            self._keep_at_rest_(group, params, updates)
-            exp_avgs = [self.state[p]["exp_avg"] for p in params]
-            synced = [self.state[p][_SYNCED] for p in params]
-            lr_sum, decay = self._lr_sum[index], self._decay[index]
-            if lr_sum == 0:
-                torch._foreach_copy_(exp_avgs, updates)
-                torch._foreach_copy_(params, synced)
-                continue
-            torch._foreach_copy_(exp_avgs, updates)
-            torch._foreach_mul_(exp_avgs, bias_corrections(group, t, t)[0] / lr_sum)
-            bc2_sqrt = math.sqrt(bias_corrections(group, t, self.variance_updates)[1])
-            eps = group["eps"]
-            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-            if kernels._uses_native_adam(params, exp_avgs, exp_avg_sqs, self.compression.backend):
-                # the C kernel's local steps keep no cached denominator: a temporary per tensor, as they need none
-                denominators = [v.sqrt().div_(bc2_sqrt).add_(eps) for v in exp_avg_sqs]
-            else:  # the torch path's local steps cached them (the frozen variance's): the same bits, no pass
-                denominators = kernels.frozen_adam_denominators(exp_avg_sqs, bc2_sqrt, eps)
-            torch._foreach_copy_(params, synced)
-            if decay != 1.0:
-                torch._foreach_mul_(params, decay)
-            torch._foreach_addcdiv_(params, updates, denominators, value=-1.0)
-            torch._foreach_copy_(synced, params)
-        for _, flat in pairs:
-            flat.zero_()
-        self._lr_sum = [0.0] * len(self.param_groups)
-        self._decay = [1.0] * len(self.param_groups)
-        self.local_steps_since_sync = 0
-
     def _keep_at_rest_(self, group: dict[str, Any], params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
         """Multiply ``tensors`` (one per parameter: momenta, exchanged gradients or updates) by the parameters' masks
         and zero them where the variance is exactly zero."""
@@ -506,57 +340,3 @@ class ZeroOneAdam(CompressedOptimizer):
         if zero is None:
             zero = self._zero_variance[key] = self.state[p]["exp_avg_sq"] == 0
         return zero
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """As :meth:`CompressedOptimizer.state_dict`, plus the sums since the last sync. Between syncs (after a
-        local step) it holds this rank's own replica state and warns: call :meth:`synchronize` on every rank first
-        for a checkpoint that resumes exactly (the Lightning strategy does)."""
-        if self.local_steps_since_sync:
-            warnings.warn(
-                f"ZeroOneAdam.state_dict() after {self.local_steps_since_sync} local step(s) since the last sync: "
-                "it holds this rank's own replica state, and the ranks' replicas differ. Call synchronize() on every "
-                "rank before saving for a checkpoint that resumes exactly.",
-                UserWarning,
-                stacklevel=2,
-            )
-        state_dict = super().state_dict()
-        state_dict["onebit"][_SYNC_STATE] = {
-            "lr_sum": self._lr_sum,
-            "decay": self._decay,
-            "local_steps_since_sync": self.local_steps_since_sync,
-            # the schedules themselves follow from the step and these (load_state_dict replays them)
-            "schedule_arguments": self._schedule_arguments(),
-        }
-        return state_dict
-
-    def _schedule_arguments(self) -> dict[str, int]:
-        return {
-            "var_freeze_step": self.var_freeze_step,
-            "var_update_scaler": self.var_update_scaler,
-            "local_step_scaler": self.local_step_scaler,
-            "local_step_clipper": self.local_step_clipper,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :meth:`CompressedOptimizer.load_state_dict`; the schedules are recomputed from the loaded step with
-        this optimizer's schedule arguments (logged if the checkpoint was saved with others), the sums since the last
-        sync are restored."""
-        saved = (state_dict.get("onebit") or {}).get(_SYNC_STATE)
-        super().load_state_dict(state_dict)
-        self._replay_schedules(self._step)
-        self._zero_variance = {}
-        if saved is None:
-            return  # e.g. an AdamW or OnebitAdam state dict: local steps (if any) start from the loaded point
-        if saved.get("schedule_arguments") not in (None, self._schedule_arguments()):
-            log.info(
-                "ZeroOneAdam: the checkpoint was saved with schedule arguments %s; continuing from step %d with "
-                "those of the code, %s",
-                saved["schedule_arguments"],
-                self._step,
-                self._schedule_arguments(),
-            )
-        if saved.get("lr_sum") is not None and len(saved["lr_sum"]) == len(self.param_groups):
-            self._lr_sum = [float(x) for x in saved["lr_sum"]]
-            self._decay = [float(x) for x in saved["decay"]]
-            self.local_steps_since_sync = int(saved.get("local_steps_since_sync", 0))

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit.optim import CompressedOptimizer
-from lightning_onebit.optim.auto_freeze import DEFAULT_BOUND_SHARE
+from lightning_onebit.optim.auto_freeze_config import DEFAULT_BOUND_SHARE
 
 RunLength = Callable[["pl.Trainer"], Optional[int]]
 

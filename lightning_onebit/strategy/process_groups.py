@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_onebit.comm.topology import Topology, TopologyMode, destroy_groups, new_gather_groups
+from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
+from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.optim import CompressedOptimizer
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ that resumes a 2-rank checkpoint (world size changed). Every test asserts on the
 scenario that raises is reported by the test that owns it, with the rank's traceback.
 
 The model (``tests/callback_models.py``) is an ``Embedding(20, 8)`` whose rows 10..19 are never looked up, mean-pooled
-into a ``Linear(8, 1)``: 169 parameters, one DDP gradient bucket, one compressed momentum bucket.
+into a ``Linear(8, 1)``: 169 parameters, one DDP gradient bucket, one compressed momentum bucket. CommunicationMonitor's
+plain-DDP baseline runs ``tests/lightning_models.py``'s ``Regressor`` with AdamW under ``strategy="ddp"``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import lightning.pytorch as pl
 import lightning_onebit  # noqa: F401  (registers the strategies)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from lightning_onebit import CommunicationMonitor, ErrorFeedbackCheckpoint, MomentumMask, OnebitAdam, OnebitStrategy
 from lightning_onebit.comm import BucketLayout, ring_allreduce_bytes
 from lightning_onebit.strategy.sidecar import sidecar_path
@@ -41,7 +43,7 @@ from tests.callback_models import (
 )
 from tests.capture import capture_logs, capture_warnings
 from tests.distributed import run_distributed, run_scenarios, scenario_results
-from tests.lightning_models import flat_params, trainer_kwargs
+from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs
 
 WORLD_SIZE = 2
 N_PARAMS = VOCAB * DIM + DIM + 1  # emb.weight, head.weight, head.bias
@@ -220,13 +222,57 @@ def scenario_together(rank: int, world_size: int, workdir: str) -> dict[str, Any
     return out
 
 
+DDP_STEPS = 6
+
+
+class ForeignCommHook(pl.Callback):
+    """Gives DDP a communication hook of the user's before the monitor starts, as ``DDPStrategy(ddp_comm_hook=...)``
+    does on CUDA (Lightning registers it there only)."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.model.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+def scenario_ddp_monitor(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """CommunicationMonitor under plain strategy='ddp' (AdamW): counted with a CSVLogger; then two fits, with the same
+    monitor, of a run whose DDP already has a comm hook of the user's."""
+    out: dict[str, Any] = {}
+    model = Regressor(optimizer="adamw")
+    monitor, probe = CommunicationMonitor(), DDPBucketProbe()
+    logger = CSVLogger(save_dir=os.path.join(workdir, "logs"), name="ddp", version=0)
+    trainer = pl.Trainer(
+        **trainer_kwargs(world_size, DDP_STEPS, strategy="ddp", callbacks=[monitor, probe], logger=logger,
+                         log_every_n_steps=1)
+    )
+    with capture_warnings() as warned:
+        trainer.fit(model, loader(rank, DDP_STEPS))
+    out["counted"] = dict(
+        communication=monitor.communication,
+        gradient_numel=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        ddp_bucket_sizes=probe.bucket_sizes,
+        steps=trainer.global_step,
+        csv=os.path.join(logger.log_dir, "metrics.csv"),
+        progress_bar=dict(trainer.progress_bar_metrics),
+        warnings=warned,
+    )
+    monitor = CommunicationMonitor()
+    with capture_warnings() as warned:
+        for _ in range(2):
+            trainer = pl.Trainer(
+                **trainer_kwargs(world_size, DDP_STEPS, strategy="ddp", callbacks=[ForeignCommHook(), monitor])
+            )
+            trainer.fit(Regressor(optimizer="adamw"), loader(rank, DDP_STEPS))
+    out["foreign"] = dict(communication=monitor.communication, steps=trainer.global_step, warnings=warned)
+    return out
+
+
 def scenario_refusals(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
-    """Errors at setup: each callback under strategy='ddp'; a mask of the wrong shape; a glob that matches nothing."""
+    """Errors at setup: MomentumMask and ErrorFeedbackCheckpoint under strategy='ddp'; a mask of the wrong shape; a
+    glob that matches nothing."""
     out: dict[str, Any] = {}
     for name, callback in (
         ("mask_ddp", MomentumMask(auto=True)),
         ("keep_ddp", ErrorFeedbackCheckpoint("keep")),
-        ("monitor_ddp", CommunicationMonitor()),
     ):
         model = TokenRegressor()
         trainer = pl.Trainer(**trainer_kwargs(world_size, 6, strategy="ddp", callbacks=[callback]))
@@ -266,6 +312,7 @@ _SCENARIOS: dict[str, Callable[[int, int, str], dict[str, Any]]] = {
     "mask": scenario_mask,
     "together": scenario_together,
     "refusals": scenario_refusals,
+    "ddp_monitor": scenario_ddp_monitor,
     "one_rank_resume": scenario_one_rank_resume,
 }
 
@@ -282,7 +329,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def session(workdir: str) -> list[dict[str, Any]]:
     # the refusals run last: a fit that fails at setup must not be able to disturb the others
-    return run_distributed(run_scenarios, WORLD_SIZE, _pick("mask", "together", "refusals"), workdir, timeout_s=300)
+    return run_distributed(
+        run_scenarios, WORLD_SIZE, _pick("mask", "together", "ddp_monitor", "refusals"), workdir, timeout_s=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +363,7 @@ def test_constructor_errors() -> None:
 
 def test_setup_refusals(session: list[dict[str, Any]]) -> None:
     for result in scenario_results(session, "refusals"):
-        for name in ("mask_ddp", "keep_ddp", "monitor_ddp"):
+        for name in ("mask_ddp", "keep_ddp"):
             r = result[name]
             assert r["error_type"] == "ValueError", (name, r)
             assert "onebit_adam" in r["message"] and "DDPStrategy" in r["message"], (name, r["message"])
@@ -555,6 +604,48 @@ def test_logged_bytes_match_the_analytic_formula_in_both_stages(session: list[di
     assert bar["stage"] == 1.0 and bar["1bit_x"] == pytest.approx(fp32 / compressed_bytes)
     assert not any(k.startswith("comm/") for k in bar) and len(max(bar, key=len)) <= 8
     assert not {"stage", "1bit_x"} & set(results[0]["C_reset"]["progress_bar"])
+
+
+def test_ddp_baseline_bytes_are_the_ring_allreduce_formula_times_the_steps(session: list[dict[str, Any]]) -> None:
+    """strategy='ddp': the monitor's counting hook gives, per step, the fp32 ring allreduce of the model's gradients
+    (one DDP bucket here), logged under the warmup's metric names; nothing about the compression stage."""
+    results = scenario_results(session, "ddp_monitor")
+    counted = results[0]["counted"]
+    numel = counted["gradient_numel"]
+    assert [int(b) for b in re.findall(r"\d+", str(counted["ddp_bucket_sizes"]))] == [numel * 4]  # one bucket
+    per_step = ring_allreduce_bytes(numel, 4, WORLD_SIZE)
+    assert per_step == 260  # 65 parameters, for the record
+    for result in results:
+        r = result["counted"]
+        assert r["steps"] == DDP_STEPS and not any("comm hook" in w for w in r["warnings"]), r["warnings"]
+        c = r["communication"]
+        assert c.bytes_sent == c.bytes_received == c.bytes_fp32_equivalent == per_step * DDP_STEPS, c
+        # both ranks on one node: a ring allreduce sends to a rank of the same node
+        assert (c.bytes_sent_intra_node, c.bytes_sent_inter_node) == (per_step * DDP_STEPS, 0), c
+        assert c.collectives == c.calls == DDP_STEPS and c.time_s > 0, c
+    rows = _read_csv(counted["csv"])
+    assert [int(r["step"]) for r in rows] == list(range(DDP_STEPS))
+    for i, row in enumerate(rows):
+        assert row["comm/bytes_sent"] == row["comm/bytes_fp32_equivalent"] == per_step, (i, row)
+        assert row["comm/bytes_sent_intra_node"] == per_step and row["comm/bytes_sent_inter_node"] == 0, (i, row)
+        assert row["comm/bytes_sent_total"] == per_step * (i + 1), (i, row)
+        assert row["comm/compression_ratio"] == 1.0 and 0.0 < row["comm/time_ms"] < 10_000.0, (i, row)
+        assert not {"comm/stage", "comm/hook_ms", "comm/bytes_sent_uncompressed"} & set(row), (i, row)
+    assert not {"stage", "1bit_x", "freeze"} & set(counted["progress_bar"])
+
+
+def test_ddp_with_a_comm_hook_of_its_own_warns_once_and_counts_nothing(session: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(scenario_results(session, "ddp_monitor")):
+        r = result["foreign"]
+        assert r["steps"] == DDP_STEPS and r["communication"] is None, r  # trained; nothing counted
+        warned = [w for w in r["warnings"] if "already has a communication hook" in w]
+        assert len(warned) == (1 if rank == 0 else 0), r["warnings"]  # once over two fits, on rank 0
+
+
+def test_monitor_refuses_a_strategy_other_than_onebit_or_ddp() -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match=r"'onebit_adam' strategy .* or plain DDP .* SingleDeviceStrategy"):
+        CommunicationMonitor().setup(trainer, TokenRegressor(), "fit")
 
 
 def test_momentum_mask_reports_and_warns_about_heavily_masked_parameters(caplog: pytest.LogCaptureFixture) -> None:

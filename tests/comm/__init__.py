@@ -1,2 +1,3 @@
-"""Comm layer (``lightning_onebit/comm.py``, ``topology.py``, ``streams.py``): the compressed allreduce, flat and
-hierarchical, its pipelining and byte accounting, the topology plan, and the stream and timing seam."""
+"""Comm layer (``lightning_onebit/comm/``, and ``lightning_onebit/streams.py``): the compressed allreduce, flat and
+hierarchical, its pipelining and byte accounting, the topology plan and its process groups, and the stream and timing
+seam."""

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning.pytorch as pl
 from lightning.pytorch.plugins import MixedPrecision
 import lightning_onebit.strategy as strategy_module
-import lightning_onebit.comm.topology as topology_module
+import lightning_onebit.comm.groups as groups_module
 from lightning_onebit import OnebitAdam, OnebitStrategy, Topology
 from lightning_onebit.hooks import OverlapState, overlapped_exchange_hook
 from lightning_onebit.comm.topology import new_gather_groups, split_group_supported
@@ -247,8 +247,8 @@ def _stand_in_split(calls: list[list[list[int]]]) -> Callable[..., Any]:
 
 def scenario_split_families(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     counter, splits = GroupCounter(), []
-    real_supported, real_split = topology_module.split_group_supported, getattr(dist, "split_group", None)
-    topology_module.split_group_supported = lambda group=None: True
+    real_supported, real_split = groups_module.split_group_supported, getattr(dist, "split_group", None)
+    groups_module.split_group_supported = lambda group=None: True
     dist.split_group = _stand_in_split(splits)
     try:
         with counter.active():
@@ -257,11 +257,11 @@ def scenario_split_families(rank: int, world_size: int, workdir: str) -> dict[st
             flat_copy, none = new_gather_groups(None, Topology.build(0, rank, "flat"))
         groups = (topology.intra_group, topology.inter_group, intra, inter, flat_copy)
         members = [dist.get_process_group_ranks(g) for g in groups]
-        topology_module.destroy_groups(groups)
+        groups_module.destroy_groups(groups)
         return dict(splits=splits, new_group_calls=counter.new_group, split_calls=counter.split_group,
                     members=members, flat_intra=none)
     finally:
-        topology_module.split_group_supported = real_supported
+        groups_module.split_group_supported = real_supported
         if real_split is None:
             del dist.split_group
         else:

@@ -1,9 +1,11 @@
 """The BERT example: the synthetic task, local data loading, and a short 2-process run that must learn."""
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,10 @@ import torch
 from tests.paths import EXAMPLE, ROOT
 
 CONFIG = ROOT / "examples" / "configs" / "bert_onebit.yaml"
+DDP_CONFIG = ROOT / "examples" / "configs" / "bert_adamw.yaml"
+#: what benchmarks/ read from a DDP run's --summary_json (bert_parity, convergence, freeze_sweep, result_tables)
+DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "wall_s", "val_loss", "val_acc", "val_f1", "bytes_sent",
+                    "bytes_fp32_equivalent", "rounds_per_100_steps"}
 
 
 def test_synthetic_reviews_are_balanced_deterministic_and_not_decided_by_one_word(example):
@@ -214,6 +220,81 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     assert result["overlap"] == "on" and result["overlap_fallback"] is None, result
     assert result["exchange_in_hooks_s"] > 0, result
     assert "bert_finetune summary" in proc.stdout
+    # the printed table: accuracy in %, the bytes against DDP fp32, the fixed freeze step, where the logs are
+    assert re.search(rf"accuracy +{100 * result['val_acc']:.2f} %", proc.stdout), proc.stdout[-3000:]
+    ratio = result["bytes_fp32_equivalent"] / result["bytes_sent"]
+    assert f"; {ratio:.2f}x fewer than DDP fp32)" in proc.stdout, proc.stdout[-3000:]
+    assert re.search(rf"freeze step +{freeze} \(fixed\)", proc.stdout) and "steps_by_kind" not in proc.stdout
+    assert re.search(r"logs +\S*version_0", proc.stdout), proc.stdout[-3000:]
+
+
+def test_summary_table_is_short_and_aligned(example):
+    summary = dict(strategy="OnebitStrategy", optimizer="OnebitAdam", steps=620, wall_s=312.44, val_loss=0.01,
+                   val_acc=0.996999979019165, val_f1=0.9968, freeze_step=187, stage="compression",
+                   auto_freeze="at step 187, gradients of the last 40 steps ... (long)", bytes_sent=1_234_567,
+                   bytes_fp32_equivalent=4_518_000, steps_by_kind={"warmup": 187, "compressed": 433},
+                   advice={"step_s": 0.5})
+    table = example.summary_table(summary, freeze="auto: the gradients settled", log_dir="logs/bert/version_0")
+    lines = table.splitlines()
+    assert lines == [
+        "  run                  OnebitStrategy, OnebitAdam",
+        "  accuracy             99.70 %",
+        "  F1 (macro)           99.68 %",
+        "  bytes sent (rank 0)  1.23 MB (DDP fp32: 4.52 MB; 3.66x fewer than DDP fp32)",
+        "  freeze step          187 (auto: the gradients settled)",
+        "  steps                620",
+        "  wall time            312.4 s (5.2 min)",
+        "  logs                 logs/bert/version_0",
+    ]
+    # the DDP baseline: no freeze row, its bytes are the fp32 allreduce's; a run that ended in the warmup says so
+    ddp = dict(strategy="DDPStrategy", optimizer="AdamW", steps=8, wall_s=3.0, val_acc=0.5, bytes_sent=400,
+               bytes_fp32_equivalent=400, rounds_per_100_steps=100.0)
+    table = example.summary_table(ddp, summary_json="s.json")
+    assert "bytes sent (rank 0)  400 B (= DDP fp32)" in table and "freeze" not in table and "s.json" in table
+    uncounted = dict(ddp, bytes_sent=None, bytes_fp32_equivalent=None)
+    assert "not counted" in example.summary_table(uncounted)
+    warm = dict(summary, freeze_step=None, stage="warmup")
+    assert "freeze step          not reached, the run ended in the warmup (auto: not decided)" in (
+        example.summary_table(warm, freeze="auto: not decided"))
+
+
+def test_freeze_note_says_how_the_warmup_ended(example):
+    def optimizer(auto, freeze_step, reason=None):
+        detector = SimpleNamespace(reason=reason, max_step=400)
+        return SimpleNamespace(auto_freeze=auto, freeze_step=freeze_step, freeze_detector=detector)
+
+    assert example.freeze_note(optimizer(None, 200)) == "fixed"
+    assert example.freeze_note(optimizer(object(), None)) == "auto: not decided"
+    assert example.freeze_note(optimizer(object(), 187, "settled")) == "auto: the gradients settled"
+    assert example.freeze_note(optimizer(object(), 400, "max_step")) == "auto: bound reached (max_step 400)"
+
+
+def test_ddp_baseline_is_counted_by_the_communication_monitor(example, tmp_path):
+    """bert_adamw.yaml (strategy='ddp', no callbacks): the example adds a CommunicationMonitor, whose count is the
+    fp32 ring allreduce of every gradient at every step; the summary JSON keeps the keys the benchmarks read."""
+    from lightning_onebit.comm import ring_allreduce_bytes
+
+    sizes = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    data_sizes = dict(num_train=512, num_val=64)
+    summary = tmp_path / "summary.json"
+    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(DDP_CONFIG), "--trainer.max_epochs", "1",
+               "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
+               "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
+    command += [f"--model.{k}={v}" for k, v in sizes.items()] + [f"--data.{k}={v}" for k, v in data_sizes.items()]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert set(result) == DDP_SUMMARY_KEYS, result
+    assert result["strategy"] == "DDPStrategy" and result["steps"] == 8  # 512 examples, 2 ranks, batch 32
+    data = example.TextClassificationData(**data_sizes)
+    model = example.BertClassifier(vocab_size=data.vocab_size, num_labels=data.num_labels, **sizes)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert result["bytes_sent"] == result["bytes_fp32_equivalent"] == ring_allreduce_bytes(numel, 4, 2) * 8, result
+    assert result["rounds_per_100_steps"] == 100.0
+    assert "(= DDP fp32)" in proc.stdout and re.search(r"accuracy +\d+\.\d\d %", proc.stdout), proc.stdout[-3000:]
+    # the monitor logged the baseline under the metric names of the 1-bit runs' warmup
+    (metrics,) = tmp_path.glob("bert_adamw/version_*/metrics.csv")
+    assert "comm/bytes_sent" in metrics.read_text().splitlines()[0]
 
 
 @pytest.mark.parametrize(

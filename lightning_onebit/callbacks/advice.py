@@ -1,0 +1,102 @@
+"""CompressionAdvice: whether the compression stage should make steps faster, from what the warmup measured (made by
+:class:`~lightning_onebit.CommunicationMonitor` at the freeze)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class CompressionAdvice:
+    """Whether the compression stage should make steps faster, from what the warmup measured (``CommunicationMonitor``).
+
+    The model: a warmup step of ``step_s`` seconds waited ``exposed_s`` for DDP's gradient allreduce after backward
+    had nothing left to compute (the allreduce of the last gradient bucket and whatever of the earlier ones was still
+    on the link). In the compression stage that wait goes, and the momentum exchange, ``compressed_bytes /
+    warmup_bytes`` of the allreduce's bytes, takes its place: after backward in full (``span_s``, the time the link
+    was in use, scaled by the bytes ratio) without overlap, or the part backward cannot hide (``exposed_s``, scaled)
+    with overlap::
+
+        expected_step_s = step_s - exposed_s + (exposed_s if overlap else span_s) * compressed_bytes / warmup_bytes
+
+    It leaves out the compression kernels and the cheaper frozen-variance update (both a few percent of a step in
+    this project's CPU measurements) and assumes the link, not the collective's fixed costs, is what takes the time.
+
+    Attributes:
+        warmup_steps: warmup steps measured (the last ones, at most ``CommunicationMonitor(advise_steps=...)``).
+        step_s: median warmup step time, seconds (the slowest rank's).
+        exposed_s: median time per warmup step spent waiting for the gradient allreduce after backward, seconds (the
+            least-waiting rank's: the rank with the most compute sets the pace once the wait is gone).
+        span_s: median time per warmup step from the first gradient bucket's launch to the completion of the last
+            allreduce, seconds: an upper bound on the link's busy time.
+        warmup_bytes: bytes this rank sent per warmup step (the largest over ranks).
+        compressed_bytes: bytes sent in the first compression-stage step (the largest over ranks).
+        overlap: whether the compression stage overlaps the exchange with backward.
+        expected_step_s: the estimate above, seconds.
+        measured_step_s: median compression-stage step time of the slowest rank, seconds, once measured (``None``
+            before).
+        measured_steps: compression-stage steps in that median.
+    """
+
+    warmup_steps: int
+    step_s: float
+    exposed_s: float
+    span_s: float
+    warmup_bytes: float
+    compressed_bytes: float
+    overlap: bool
+    expected_step_s: float = dataclasses.field(init=False)
+    measured_step_s: Optional[float] = None
+    measured_steps: int = 0
+
+    #: below this share of a step saved, the advice says compression cannot help
+    NEGLIGIBLE_SAVING = 0.05
+
+    def __post_init__(self) -> None:
+        ratio = self.compressed_bytes / self.warmup_bytes if self.warmup_bytes else 1.0
+        on_link = self.exposed_s if self.overlap else self.span_s
+        self.expected_step_s = max(0.0, self.step_s - self.exposed_s + on_link * ratio)
+
+    @property
+    def helps(self) -> bool:
+        """Whether the expected step is at least :attr:`NEGLIGIBLE_SAVING` (5%) shorter than the warmup step."""
+        return self.step_s - self.expected_step_s >= self.NEGLIGIBLE_SAVING * self.step_s
+
+    def message(self) -> str:
+        """The estimate in words, saying plainly when compression cannot make steps faster."""
+        fewer = f"{self.warmup_bytes / self.compressed_bytes:.1f}x fewer" if self.compressed_bytes else "no"
+        share = self.exposed_s / self.step_s if self.step_s else 0.0
+        text = (
+            f"gradient allreduce exposed {_seconds(self.exposed_s)} of a {_seconds(self.step_s)} step ({share:.0%}, "
+            f"median of the last {self.warmup_steps} warmup steps); the compression stage sends "
+            f"{_bytes(self.compressed_bytes)} per step instead of {_bytes(self.warmup_bytes)} ({fewer} bytes)"
+        )
+        if self.helps:
+            return f"{text}: expect about {_seconds(self.expected_step_s)} per step " \
+                   f"({self.step_s / self.expected_step_s:.2f}x faster)"
+        return (
+            f"{text}: expect about {_seconds(self.expected_step_s)} per step. The link is fast enough here that "
+            "compression cannot make steps noticeably faster: plain DDP (strategy='ddp') would train about as fast, "
+            "and 1-bit compression only saves bytes"
+        )
+
+    def measured_message(self) -> str:
+        """The measured compression-stage step next to the estimate."""
+        assert self.measured_step_s is not None
+        return (
+            f"compression-stage step measured {_seconds(self.measured_step_s)} (median of {self.measured_steps} "
+            f"steps, slowest rank) against {_seconds(self.expected_step_s)} estimated and "
+            f"{_seconds(self.step_s)} in warmup ({self.step_s / self.measured_step_s:.2f}x)"
+        )
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"

@@ -1,0 +1,96 @@
+"""The options of ``freeze_step="auto"``: the :class:`AutoFreeze` dataclass, checked when it is made, and the defaults
+that depend on the run's length. The rule that uses them is :mod:`lightning_onebit.optim.auto_freeze`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Optional
+
+#: Without ``AutoFreeze(max_step=...)`` the Lightning strategy bounds the warmup by this share of the run. Half: on
+#: the synthetic example from scratch the gradients still grow after the loss leaves its plateau at about 13% of the
+#: run, and a warmup ended at 25% of it left 1-bit LAMB at chance; the rule itself decides well before the bound on
+#: the real fine-tuning tasks (``benchmarks.freeze_rules`` replays it on recorded runs).
+DEFAULT_BOUND_SHARE = 0.5
+#: The default window is this fraction of ``max_step``: 1/12 of the run under the default bound.
+_WINDOW_SHARE_OF_BOUND = 6
+
+
+@dataclasses.dataclass
+class AutoFreeze:
+    """How ``freeze_step="auto"`` decides the end of the warmup (see :mod:`lightning_onebit.optim.auto_freeze` for the
+    rule). Every field is optional.
+
+    Args:
+        window: ``W``, the distance in optimizer steps between the two variance snapshots compared. Default ``None``:
+            a sixth of ``max_step``, rounded down to a multiple of 4 (at least 4), and at most the time constant of
+            the variance's moving average, ``round(1 / (1 - beta2))`` of the first param group (1000 for 0.999). So
+            the window follows the run: under the Lightning strategy's default bound (half the run) it is 1/12 of
+            the run, and the earliest decision (a full window, then ``patience`` passing checks ``W / 4`` apart) comes
+            at about 12.5% of the run; a 600-step run compares windows of 48 steps. Set while the bound is unknown
+            (outside Lightning without ``max_step``) it is fixed at the first step.
+        check_every: optimizer steps between checks; the window must be a multiple of it. Default ``None``: ``W / 4``
+            (rounded so that it divides ``W``).
+        threshold: the largest backtest excess ``e`` on the coordinate sample: how far the last window's gradient
+            RMS may exceed the ``sqrt(v_hat)`` of a window ago (``0.3``: by 30% on average, so steps with that frozen
+            variance would have been at most about 30% larger than Adam's). Also bounds LAMB's trust-ratio change.
+            Default ``0.3``.
+        tensor_threshold: the same bound for every tensor's ``e_T`` (catches a small tensor still growing, which the
+            sample may hardly contain). Default ``1.0``.
+        loss_drop: the mean training loss over the last window must be at least this fraction below its mean over the
+            first ``check_every`` steps (every rank's, when ranks differ). Needs the loss: the Lightning strategy passes
+            it; without Lightning call ``optimizer.observe_loss(loss)`` every step or pass ``step(closure)``. ``None``
+            switches the guard off (a model on an initial loss plateau may then be frozen there). Default ``0.1``.
+        patience: consecutive passing checks needed. Default ``3``.
+        min_step: never end the warmup before this step. Default ``None``: the first full window (``W``).
+        max_step: end the warmup at this step at the latest. Default ``None``: under the Lightning strategy half of
+            ``trainer.estimated_stepping_batches``; without it a number is required (checked at the first step).
+        sample_size: coordinates in the fixed random sample (the same on every rank). Default ``2**20``.
+        seed: seed of the sample. Default ``0``.
+
+    Cost while measuring: ``W / check_every + 1`` snapshots of ``sample_size + number of tensors`` float64 values
+    (about 40 MiB with the defaults), one pass over the variance per check, the losses summed on their device (read
+    once per check), and one ``all_reduce`` of 5 floats per check (from the first full window on). All of it is freed
+    when the warmup ends.
+    """
+
+    window: Optional[int] = None
+    check_every: Optional[int] = None
+    threshold: float = 0.3
+    tensor_threshold: float = 1.0
+    loss_drop: Optional[float] = 0.1
+    patience: int = 3
+    min_step: Optional[int] = None
+    max_step: Optional[int] = None
+    sample_size: int = 2**20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("window", "check_every", "min_step", "max_step"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"AutoFreeze {name} must be an integer >= 1 or None, got {value!r}")
+        for name in ("patience", "sample_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AutoFreeze {name} must be an integer >= 1, got {value!r}")
+        for name in ("threshold", "tensor_threshold"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ValueError(f"AutoFreeze {name} must be a number > 0, got {value!r}")
+        if self.loss_drop is not None and (not _is_number(self.loss_drop) or not 0 <= self.loss_drop < 1):
+            raise ValueError(
+                f"AutoFreeze loss_drop must be a fraction in [0, 1) or None (no loss guard), got {self.loss_drop!r}"
+            )
+        if self.window is not None and self.check_every is not None and self.window % self.check_every:
+            raise ValueError(
+                f"AutoFreeze window ({self.window}) must be a multiple of check_every ({self.check_every})"
+            )
+        if self.min_step is not None and self.max_step is not None and self.min_step > self.max_step:
+            raise ValueError(f"AutoFreeze min_step ({self.min_step}) is after max_step ({self.max_step})")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -1,0 +1,130 @@
+"""0/1 Adam's schedules, as a mixin of :class:`~lightning_onebit.ZeroOneAdam`: which step updates the variance, which
+takes a local step and which syncs. They follow from the step and the four schedule arguments alone, so a resumed run
+replays them; the checkpoint entry that goes with them holds the sums since the last sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from lightning_onebit.optim.step_kind import StepKind
+
+log = logging.getLogger(__name__)
+
+_SYNC_STATE = "zeroone"  # key of the schedule and sync state inside the optimizer state dict's "onebit" entry
+
+
+class ZeroOneScheduleMixin:
+    """The schedules and the checkpoint state of :class:`~lightning_onebit.ZeroOneAdam`, which sets the attributes
+    below."""
+
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
+    param_groups: list[dict[str, Any]]
+    _step: int
+    _zero_variance: dict[int, torch.Tensor]
+
+    # ------------------------------------------------------------------ schedules
+    def _replay_schedules(self, steps: int) -> None:
+        """Set the schedules to their state after ``steps`` steps. They depend only on the step and the four
+        schedule arguments, so a resumed run recomputes them instead of trusting (or resetting) saved counters."""
+        self.var_interval, self._var_counter, self.variance_updates = 1, 0, 0
+        self.local_step_interval, self._local_step_counter = 1, 0
+        for t in range(1, steps + 1):
+            self._advance_schedules(t)
+        # the local-step phase's sums since the last sync: None until it begins (or after a load that lacks them)
+        self._lr_sum: Optional[list[float]] = None
+        self._decay: Optional[list[float]] = None
+        self.local_steps_since_sync = 0
+
+    def is_variance_step(self, t: int) -> bool:
+        """Whether step ``t`` (the next one is ``step_count + 1``) updates the variance with averaged gradients,
+        given the current ``var_interval`` (exact for the next step)."""
+        return t <= self.var_freeze_step and t % self.var_interval == 0
+
+    def _advance_schedules(self, t: int) -> None:
+        """The schedule counters after step ``t``: variance steps double ``var_interval`` every
+        ``var_update_scaler`` of them; local steps double ``local_step_interval`` every ``local_step_scaler`` of
+        them, up to ``local_step_clipper``."""
+        if t <= self.var_freeze_step:
+            if t % self.var_interval == 0:
+                self.variance_updates += 1
+                self._var_counter += 1
+                if self._var_counter == self.var_update_scaler:
+                    self._var_counter = 0
+                    self.var_interval *= 2
+        else:
+            self._local_step_counter += 1
+            if self._local_step_counter == self.local_step_scaler:
+                self._local_step_counter = 0
+                self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
+
+    @property
+    def next_step_kind(self) -> StepKind:
+        """``VARIANCE`` (the warmup's steps and every ``var_interval``-th step up to ``var_freeze_step``: gradients
+        averaged in full precision), ``COMPRESSED`` (the other steps until then), then ``LOCAL``, or ``SYNC`` every
+        ``local_step_interval``-th step. Exact: the schedules depend only on the step."""
+        t = self._step + 1
+        if t > self.var_freeze_step:
+            return StepKind.SYNC if t % self.local_step_interval == 0 else StepKind.LOCAL
+        return StepKind.VARIANCE if self.is_variance_step(t) else StepKind.COMPRESSED
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`CompressedOptimizer.state_dict`, plus the sums since the last sync. Between syncs (after a
+        local step) it holds this rank's own replica state and warns: call :meth:`synchronize` on every rank first
+        for a checkpoint that resumes exactly (the Lightning strategy does)."""
+        if self.local_steps_since_sync:
+            warnings.warn(
+                f"ZeroOneAdam.state_dict() after {self.local_steps_since_sync} local step(s) since the last sync: "
+                "it holds this rank's own replica state, and the ranks' replicas differ. Call synchronize() on every "
+                "rank before saving for a checkpoint that resumes exactly.",
+                UserWarning,
+                stacklevel=2,
+            )
+        state_dict = super().state_dict()
+        state_dict["onebit"][_SYNC_STATE] = {
+            "lr_sum": self._lr_sum,
+            "decay": self._decay,
+            "local_steps_since_sync": self.local_steps_since_sync,
+            # the schedules themselves follow from the step and these (load_state_dict replays them)
+            "schedule_arguments": self._schedule_arguments(),
+        }
+        return state_dict
+
+    def _schedule_arguments(self) -> dict[str, int]:
+        return {
+            "var_freeze_step": self.var_freeze_step,
+            "var_update_scaler": self.var_update_scaler,
+            "local_step_scaler": self.local_step_scaler,
+            "local_step_clipper": self.local_step_clipper,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`CompressedOptimizer.load_state_dict`; the schedules are recomputed from the loaded step with
+        this optimizer's schedule arguments (logged if the checkpoint was saved with others), the sums since the last
+        sync are restored."""
+        saved = (state_dict.get("onebit") or {}).get(_SYNC_STATE)
+        super().load_state_dict(state_dict)
+        self._replay_schedules(self._step)
+        self._zero_variance = {}
+        if saved is None:
+            return  # e.g. an AdamW or OnebitAdam state dict: local steps (if any) start from the loaded point
+        if saved.get("schedule_arguments") not in (None, self._schedule_arguments()):
+            log.info(
+                "ZeroOneAdam: the checkpoint was saved with schedule arguments %s; continuing from step %d with "
+                "those of the code, %s",
+                saved["schedule_arguments"],
+                self._step,
+                self._schedule_arguments(),
+            )
+        if saved.get("lr_sum") is not None and len(saved["lr_sum"]) == len(self.param_groups):
+            self._lr_sum = [float(x) for x in saved["lr_sum"]]
+            self._decay = [float(x) for x in saved["decay"]]
+            self.local_steps_since_sync = int(saved.get("local_steps_since_sync", 0))
