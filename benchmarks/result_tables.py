@@ -583,6 +583,59 @@ def headline_figures() -> str:
     return "\n".join(lines)
 
 
+#: The library-defaults matrix of freeze_step="auto" (issue 26), and the reference runs it reuses from earlier files
+#: (same task, seed, steps and settings; the reference optimizers do not depend on the freeze rule).
+FREEZE_DEFAULTS = "freeze_sweep_defaults"
+FREEZE_REFERENCES = {
+    "freeze_sweep": ("adamw", "lamb_uncompressed"),
+    "freeze_sweep_synthetic_defaults": ("adamw", "lamb_uncompressed"),
+    "freeze_sweep_sparse_rows": ("onebit_adam@0.25",),  # the word embeddings as a sparse_rows group, as now
+}
+
+
+def freeze_defaults_runs() -> dict[str, Any]:
+    """The runs of :data:`FREEZE_DEFAULTS`, completed with the reference runs of :data:`FREEZE_REFERENCES` it lacks."""
+    data = _load(FREEZE_DEFAULTS)
+    runs = dict(data["runs"])
+    for name, kinds in FREEZE_REFERENCES.items():
+        for key, run in _load(name)["runs"].items():
+            if run["run"] in kinds and key not in runs:
+                runs[key] = dict(run, source=f"results/{name}.json")
+    return dict(data, runs=runs)
+
+
+def freeze_defaults_table() -> str:
+    """Per task and run: accuracy per seed, the difference to the same-seed reference, the freeze step per seed (auto:
+    the decided step, starred where the bound decided) and the whole-run bytes against DDP's."""
+    from benchmarks.freeze_sweep import table_rows
+
+    results = freeze_defaults_runs()
+    rows = table_rows(results)
+    seeds = list(rows[0]["acc"]) if rows else []
+    bound = {(r["task"], r["run"], int(r["seed"])) for r in results["runs"].values()
+             if (r.get("freeze") or {}).get("reason") == "max_step"}
+    header = ["task", "run", *(f"seed {s}" for s in seeds), "vs reference (points)", "freeze step", "DDP bytes / run's"]
+    table = []
+    for r in rows:
+        cells = ["-" if r["acc"][s] is None else f"{r['acc'][s]:.2%}" for s in seeds]
+        diff = ("" if r["diff"] is None else
+                " / ".join("-" if r["diff"][s] is None else f"{r['diff'][s]:+.2f}" for s in seeds)
+                + f" ({r['reference']})")
+        freeze = " / ".join("-" if r["freeze"][s] is None
+                            else f"{r['freeze'][s]}{'*' if (r['task'], r['run'], s) in bound else ''}" for s in seeds)
+        ratio = "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.2f}x"
+        table.append([r["task"], r["run"], *cells, diff, freeze, ratio])
+    sources = sorted({r["source"] for r in results["runs"].values() if "source" in r})
+    return (
+        "Each run is the example (`python -m benchmarks.freeze_sweep`, 2 CPU ranks) with the library's defaults for "
+        "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at 25% of the "
+        "run for `@0.25`; the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
+        "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, DDP's fp32 "
+        "bytes over the run's (mean over seeds); `-`: not run yet. References from "
+        + ", ".join(f"`{s}`" for s in sources) + ".\n\n" + _table(header, table)
+    )
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "kernels": kernels_table,
     "bytes": bytes_table,
@@ -603,6 +656,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "advisor": advisor_table,
     "own_data": own_data_table,
     "headline": headline_figures,
+    "freeze_defaults": freeze_defaults_table,
 }
 
 
