@@ -65,21 +65,16 @@ class CompressionAdvice:
 
     def message(self) -> str:
         """The estimate in words, saying plainly when compression cannot make steps faster."""
-        fewer = f"{self.warmup_bytes / self.compressed_bytes:.1f}x fewer" if self.compressed_bytes else "no"
+        fewer = f" ({self.warmup_bytes / self.compressed_bytes:.1f}x fewer)" if self.compressed_bytes else ""
         share = self.exposed_s / self.step_s if self.step_s else 0.0
         text = (
-            f"gradient allreduce exposed {_seconds(self.exposed_s)} of a {_seconds(self.step_s)} step ({share:.0%}, "
-            f"median of the last {self.warmup_steps} warmup steps); the compression stage sends "
-            f"{_bytes(self.compressed_bytes)} per step instead of {_bytes(self.warmup_bytes)} ({fewer} bytes)"
+            f"allreduce exposed {_seconds(self.exposed_s)} of a {_seconds(self.step_s)} step ({share:.0%}, median of "
+            f"{self.warmup_steps} warmup steps); 1-bit steps send {_bytes(self.compressed_bytes)}, not "
+            f"{_bytes(self.warmup_bytes)}{fewer}: expect about {_seconds(self.expected_step_s)} per step"
         )
         if self.helps:
-            return f"{text}: expect about {_seconds(self.expected_step_s)} per step " \
-                   f"({self.step_s / self.expected_step_s:.2f}x faster)"
-        return (
-            f"{text}: expect about {_seconds(self.expected_step_s)} per step. The link is fast enough here that "
-            "compression cannot make steps noticeably faster: plain DDP (strategy='ddp') would train about as fast, "
-            "and 1-bit compression only saves bytes"
-        )
+            return f"{text} ({self.step_s / self.expected_step_s:.2f}x faster)"
+        return f"{text}: compression cannot make steps noticeably faster than plain DDP (strategy='ddp') here"
 
     def measured_message(self) -> str:
         """The measured compression-stage step next to the estimate."""

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
 from lightning_onebit.callbacks.advice import CompressionAdvice
 from lightning_onebit.comm.accounting import CommunicationCounters
@@ -23,6 +24,10 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
 from lightning_onebit.strategy import OnebitStrategy
+
+#: Where the advisor's messages send the user: how the estimate is made, and why a link may give no speedup.
+_ADVISOR_DOCS = docs_pointer("guides/why-no-speedup")
+
 
 class CommunicationMonitor(Callback):
     """Logs this rank's communication every optimizer step to the Trainer's logger, and says whether compression pays.
@@ -225,9 +230,8 @@ class CommunicationMonitor(Callback):
         if foreign and not self._warned_foreign_hook:
             self._warned_foreign_hook = True
             rank_zero_warn(
-                "CommunicationMonitor: this DDP run already has a communication hook (e.g. DDPStrategy(ddp_comm_hook="
-                "...)) and DDP takes only one, so the monitor cannot add its counting hook: DDP's gradient bytes are "
-                "neither counted nor logged in this run (training is unaffected)"
+                "CommunicationMonitor: this DDP run already has a communication hook (e.g. ddp_comm_hook=...) and DDP "
+                "takes only one: DDP's gradient bytes are not counted in this run (training is unaffected)"
             )
 
     def _counters_now(self, strategy: Union[OnebitStrategy, DDPStrategy]) -> Optional[CommunicationCounters]:
@@ -281,7 +285,7 @@ class CommunicationMonitor(Callback):
                 self._advice_done = True  # resumed in the compression stage, or too short a warmup to time
                 rank_zero_info(
                     "CommunicationMonitor: no compression advice: no warmup step was timed in this fit (more than "
-                    f"{self.SETTLING_STEPS} warmup steps are needed)"
+                    f"{self.SETTLING_STEPS} warmup steps are needed); {_ADVISOR_DOCS}"
                 )
                 return
             step_times, exposed, spans, sent = zip(*self._warmup)
@@ -300,7 +304,7 @@ class CommunicationMonitor(Callback):
                 overlap=strategy.overlap_state is not None and strategy.overlap_state.enabled,
             )
             self._warmup.clear()
-            rank_zero_info(f"onebit_adam advisor: {self.advice.message()}{self._note}")
+            rank_zero_info(f"onebit_adam advisor: {self.advice.message()}{self._note}; {_ADVISOR_DOCS}")
             _log_once(
                 trainer,
                 {
@@ -322,7 +326,7 @@ class CommunicationMonitor(Callback):
         self.advice.measured_step_s = _reduce_max(strategy, [statistics.median(self._compressed)])[0]
         self.advice.measured_steps = len(self._compressed)
         self._advice_done = True
-        rank_zero_info(f"onebit_adam advisor: {self.advice.measured_message()}{self._note}")
+        rank_zero_info(f"onebit_adam advisor: {self.advice.measured_message()}{self._note}; {_ADVISOR_DOCS}")
         _log_once(trainer, {"advisor/measured_step_ms": 1000.0 * self.advice.measured_step_s})
 
     @property
@@ -339,8 +343,8 @@ class CommunicationMonitor(Callback):
             self._advice_done = True
             rank_zero_info(
                 f"CommunicationMonitor: no compression advice: in this fit {type(optimizer).__name__} took no 1-bit "
-                "compressed step before its local steps, so there is no compressed step to estimate; its local "
-                f"steps send nothing but a 1-bit sync of the accumulated update now and then{self._note}"
+                "compressed step before its local steps (which send only a 1-bit sync now and then); "
+                f"{_ADVISOR_DOCS}"
             )
         elif self._compressed:
             self._measured(trainer, strategy)
@@ -348,8 +352,8 @@ class CommunicationMonitor(Callback):
             self._advice_done = True
             rank_zero_info(
                 f"onebit_adam advisor: the 1-bit steps were not measured: {type(optimizer).__name__}'s local steps "
-                f"began before a 1-bit step after the estimate's first {self.SETTLING_STEPS} could be timed"
-                f"{self._note}"
+                f"began before a 1-bit step after the estimate's first {self.SETTLING_STEPS} could be timed; "
+                f"{_ADVISOR_DOCS}"
             )
 
 

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, OnebitStrategy
@@ -116,14 +117,17 @@ class ErrorFeedbackCheckpoint(Callback):
                 f"ErrorFeedbackCheckpoint: compression error feedback restored on every rank ({len(verdicts)} ranks)"
             )
             return
-        text = "; ".join(f"rank {rank} ({file}): {why}" for rank, file, why in failures)
+        text = _failures_text(failures)
         if self.policy == "require":
             raise RuntimeError(
                 f"ErrorFeedbackCheckpoint(policy='require'): compression error feedback cannot be restored: {text}. "
                 "Resume from a checkpoint whose per-rank files are intact and match this run, or use "
-                "policy='keep' to reset instead."
+                f"policy='keep' to reset instead; {docs_pointer('guides/checkpoints')}"
             )
-        rank_zero_warn(f"ErrorFeedbackCheckpoint(policy='keep'): error feedback reset on every rank because {text}")
+        rank_zero_warn(
+            f"ErrorFeedbackCheckpoint(policy='keep'): error feedback reset on every rank because {text}; "
+            f"{docs_pointer('guides/checkpoints')}"
+        )
         self._reset(optimizer)
 
     def _reset(self, optimizer: CompressedOptimizer) -> None:
@@ -131,6 +135,15 @@ class ErrorFeedbackCheckpoint(Callback):
         self.restored = False
         norm = "unknown" if self._saved_norm is None else f"{self._saved_norm:.4g}"
         rank_zero_info(f"ErrorFeedbackCheckpoint: compression error feedback reset (rank 0 norm at save: {norm})")
+
+
+def _failures_text(failures: list[tuple]) -> str:
+    """``rank r (file): reason`` for each failing rank, ranks with the same reason together (a node without its
+    sidecars: one reason, not one per rank)."""
+    by_reason: dict[str, list[str]] = {}
+    for rank, file, why in failures:
+        by_reason.setdefault(why, []).append(f"rank {rank} ({file})")
+    return "; ".join(f"{', '.join(ranks)}: {why}" for why, ranks in by_reason.items())
 
 
 def _gather_verdicts(mine: tuple, group: Any) -> list[tuple]:

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.callbacks._common import _compressed_ids, _onebit_optimizer, _onebit_strategy
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage, check_exp_avg_mask
 
@@ -52,8 +53,9 @@ class MomentumMask(Callback):
         log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
         warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
             stay frozen for the rest of training, which may not be what you want (embedding rows not seen during
-            warmup, for instance); the warning names the remedies, among them a param group with
-            ``"compress": False, "sparse_rows": True`` for an embedding table. ``1.0`` never warns. Default ``0.01``.
+            warmup, for instance); the warning names the remedy, a param group with ``"compress": False`` (for an
+            embedding table with ``"sparse_rows": True`` too), and the guide page with the others
+            (``docs/guides/freeze-step.md``, "Embedding tables"). ``1.0`` never warns. Default ``0.01``.
 
     At the first compressed step (when the masks take effect) the callback logs a table of the masked coordinates per
     parameter and the total, and :attr:`masked_coordinates` holds the counts.
@@ -130,10 +132,9 @@ class MomentumMask(Callback):
         if self.auto:
             if onebit.masks_zero_variance:
                 raise ValueError(
-                    f"MomentumMask(auto=True) does not apply to {type(onebit).__name__}: it keeps every coordinate whose "
-                    "variance is still zero at rest by itself and goes on updating the variance after its first "
-                    f"{onebit.freeze_step} steps, whereas auto masks are fixed then and would freeze for good the "
-                    "embedding rows that start training later. Remove auto=True (explicit masks still apply)."
+                    f"MomentumMask(auto=True) does not apply to {type(onebit).__name__}: it keeps zero-variance "
+                    "coordinates at rest by itself and goes on updating the variance, where auto masks would freeze "
+                    "rows that start training later for good. Remove auto=True (explicit masks still apply)."
                 )
             compressed = _compressed_ids(onebit)
             self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in compressed}
@@ -230,18 +231,11 @@ class MomentumMask(Callback):
                 heavy.append(f"{name} {share:.1%} ({int((mask == 0).sum())} of {mask.numel()})")
         if not heavy:
             return
+        more = f" and {len(heavy) - 3} more" if len(heavy) > 3 else ""
         rank_zero_warn(
-            f"MomentumMask(auto=True) masked more than {self.warn_share:.0%} of {', '.join(heavy)}: coordinates whose "
-            "gradient was exactly zero in every warmup step (in an embedding, the rows no warmup batch looked up). "
-            "They stay frozen for the rest of training, since their variance is 0 and a compressed update would "
-            "explode. If they should train: keep such a parameter out of compression by putting it in a param group "
-            "of its own with \"compress\": False, and for an embedding table also \"sparse_rows\": True (e.g. in "
-            "configure_optimizers `[{\"params\": [embeddings], \"compress\": False, \"sparse_rows\": True}, "
-            "{\"params\": rest}]`: its gradients are then averaged exactly every step, sending only the rows the "
-            "step looked up, and its variance stays live), freeze later (a larger "
-            "freeze_step, or freeze_step='auto'), give explicit masks for the rows you know are unused instead of "
-            "auto=True, or use ZeroOneAdam, which goes on updating the variance. MomentumMask(warn_share=1.0) "
-            "silences this."
+            f"MomentumMask(auto=True) masked {', '.join(heavy[:3])}{more}: rows no warmup batch looked up stay frozen. "
+            "To train them: a param group with \"compress\": False (and \"sparse_rows\": True for an embedding); "
+            f"{docs_pointer('guides/freeze-step', 'embedding-tables')}"
         )
 
     # -- checkpoint ----------------------------------------------------------------------------------------------------

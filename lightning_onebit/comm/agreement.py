@@ -53,9 +53,8 @@ def agree_kernel_backend(backend: Backend = "auto", group: Optional[dist.Process
         return "auto"
     by_rank = {rank: list(available) for rank, (_, available) in enumerate(everyone)}
     log.warning(
-        "lightning_onebit: ranks have different kernel backends available %s; every rank runs the torch kernels so "
-        "that replicas compute identical bits (install a C compiler on every node, and cupy on every GPU node, to "
-        "use the fused kernels)",
+        "lightning_onebit: ranks have different kernel backends available %s; every rank runs the torch kernels "
+        "(identical bits); install a C compiler on every node (and cupy on GPU nodes) for the fused ones",
         by_rank,
     )
     return "torch"

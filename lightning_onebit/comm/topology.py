@@ -31,6 +31,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch.distributed as dist
 
 # defined in comm.groups; imported here too, where callers have always imported them from
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.groups import (
     destroy_groups,
     group_timeout,
@@ -351,4 +352,6 @@ def _warn_uneven_override(topology: Topology, mode: str, ranks_per_node: Optiona
     """Warn when ``topology='auto'`` fell back to flat because ``ranks_per_node`` does not divide the world size: the
     override was asked for, so a silent flat exchange would hide a mistake."""
     if mode == "auto" and ranks_per_node is not None and topology.world_size % ranks_per_node:
-        warnings.warn(f"lightning_onebit: {topology.reason}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"lightning_onebit: {topology.reason}; {docs_pointer('guides/multi-node')}", UserWarning, stacklevel=3
+        )

@@ -253,30 +253,28 @@ class FreezeDetector:
             figures = "no comparison yet"
         else:
             figures = (
-                f"at step {last['step']}, gradients of the last {self.window} steps above the sqrt(v) of "
-                f"{self.window} steps before: sample "
-                f"{last['sample_excess']:.3g}, largest tensor {last['tensor_excess']:.3g}"
+                f"at step {last['step']}: {self.window}-step gradient excess {last['sample_excess']:.3g} (sample), "
+                f"{last['tensor_excess']:.3g} (largest tensor)"
                 + (f"; trust-ratio change {last['coeff_change']:.3g}" if last["coeff_change"] > 0 else "")
                 + (f"; loss at {last['loss_ratio']:.3g} of its start" if last.get("loss_ratio") is not None else "")
-                + f"; {last['streak']} passing check(s) in a row"
+                + f"; {last['streak']} passing check{'' if last['streak'] == 1 else 's'} in a row"
             )
         if self.reason == "max_step":
             return f"max_step {self.max_step} reached ({figures})"
         return figures
 
     def rule(self) -> str:
-        """The rule in one sentence, for the warmup announcement."""
+        """The rule's settings (``AutoFreeze``'s names), for the warmup announcement."""
         config = self.config
-        loss = "" if config.loss_drop is None else f", the training loss {config.loss_drop:g} below its start"
+        loss = "None" if config.loss_drop is None else f"{config.loss_drop:g}"
+        settings = (
+            f"threshold {config.threshold:g}, tensor_threshold {config.tensor_threshold:g}, loss_drop {loss}, "
+            f"patience {config.patience}"
+        )
         if self.window is None:
-            return (f"gradients of the last window at most {config.threshold:g} above the sqrt(v) of a window before"
-                    f"{loss}, for {config.patience} checks in a row (the window, a sixth of max_step, is set when "
-                    "the run's length is known)")
+            return f"window a sixth of max_step, set when the run's length is known; {settings}"
         return (
-            f"gradients of the last {self.window} steps at most {config.threshold:g} above the sqrt(v) of a window "
-            f"before (sample; "
-            f"{config.tensor_threshold:g} per tensor){loss}, for {config.patience} checks {self.check_every} steps "
-            f"apart, between steps {self.min_step} and {self.max_step}"
+            f"window {self.window}, {settings}, check_every {self.check_every}, steps {self.min_step}-{self.max_step}"
         )
 
     # ------------------------------------------------------------------ measurements

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.optim.auto_freeze import FreezeDetector
 from lightning_onebit.optim.bucket_plan import Plan
 
@@ -142,22 +143,15 @@ def continuable_state_dict(
     shown = "a torch.optim optimizer (e.g. AdamW)" if writer == "torch.optim" else writer
     if writer not in continues_of:
         if reader == "OnebitLamb":
-            why = (
-                "1-bit LAMB needs its per-tensor trust-ratio coefficients (lamb_coeff, frozen at the end of "
-                f"warmup, and the exchange's lamb_scaling_coeff), which {shown}'s state does not hold"
-            )
+            why = f"1-bit LAMB needs trust-ratio coefficients (lamb_coeff) that {shown}'s state does not hold"
         elif writer == "OnebitLamb":
-            why = (
-                "that is 1-bit LAMB's state (layer-wise trust ratios, with a learning rate of another scale), not "
-                "the state of an Adam update"
-            )
+            why = "1-bit LAMB's state (layer-wise trust ratios) is not an Adam update's"
         else:
             why = f"{name} does not continue from {shown}'s state"
         raise ValueError(
             f"{name}.load_state_dict: this optimizer state was written by {shown} and is read by {name}: {why}. "
-            f"Resume with the optimizer that wrote it ({shown}); to switch optimizers, start from the checkpoint's "
-            "weights only (load its 'state_dict' into the model and fit without ckpt_path), so the new optimizer "
-            "starts fresh"
+            f"Resume with the optimizer that wrote it ({shown}), or switch optimizers from the checkpoint's weights "
+            f"only (load its 'state_dict' into the model, fit without ckpt_path); {docs_pointer('guides/checkpoints')}"
         )
     if writer == "torch.optim":
         return state_dict  # e.g. AdamW: its moments and step are this optimizer's (the documented migration)
@@ -170,10 +164,9 @@ def continuable_state_dict(
     if warn:
         warnings.warn(
             f"{name}.load_state_dict: this optimizer state was written by {writer} and is read by {name}: the Adam "
-            f"moments (exp_avg, exp_avg_sq) and the step are carried over"
-            + (f", {writer}'s own per-parameter state ({', '.join(dropped)}) is dropped" if dropped else "")
-            + f", and {name} goes on with its own schedule from the step. If this was not meant, resume with "
-            f"{writer}.",
+            "moments and the step carry over"
+            + (f", {writer}'s own state ({', '.join(dropped)}) is dropped" if dropped else "")
+            + f". If not meant, resume with {writer}; {docs_pointer('guides/checkpoints')}",
             UserWarning,
             stacklevel=3,
         )

@@ -120,9 +120,9 @@ class MomentumExchange:
         if self.started(key):
             raise RuntimeError(
                 f"{source.name}: gradient bucket {key} was ready twice before optimizer.step(): a second "
-                "backward pass ran while its momentum exchange from the first was in flight. The overlapped "
-                "exchange folds each backward's gradients into the momentum at once, so it needs exactly one backward "
-                "pass (with gradient sync) per step: use no_sync() for the other micro-batches, or turn overlap off"
+                "backward pass ran while its momentum exchange was in flight. The overlapped exchange needs exactly "
+                "one backward pass with gradient sync per step: use no_sync() for the other micro-batches, or turn "
+                "overlap off"
             )
         grads = [gradients[i] for i in chosen]
         if clip_value is not None:
@@ -188,10 +188,9 @@ class MomentumExchange:
         if any(flats.get(p.key) is not p.buffer for p in started):
             raise RuntimeError(
                 f"{source.name}: the momentum buckets changed while their exchange was in flight: the "
-                "trainable parameters (requires_grad, a param group's compress, a new param group) changed after "
-                "backward had started exchanging them and before optimizer.step(). Change them before the forward "
-                "pass (in Lightning: e.g. in on_train_batch_start; a hook marked leaves_gradients_unchanged must not "
-                "change them), or turn overlap off"
+                "trainable parameters (requires_grad, a param group's compress, a new param group) changed between "
+                "backward and optimizer.step(). Change them before the forward pass (in Lightning: e.g. in "
+                "on_train_batch_start), or turn overlap off"
             )
         in_flight = {p.key for p in started}
         rest = [b for b in buckets if b.key not in in_flight]

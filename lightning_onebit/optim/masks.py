@@ -15,6 +15,8 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
+from lightning_onebit._docs import docs_pointer
+
 
 class DeadCoordinateTracker:
     """Which coordinates had a nonzero gradient in any tracked step: one bool tensor per tracked key (a parameter's
@@ -92,9 +94,8 @@ def check_exp_avg_mask(mask: Any, param: torch.Tensor, what: str) -> torch.Tenso
         if bool(bad.any()):
             example = float(mask[bad].flatten()[0])
             raise ValueError(
-                f"{what} has {int(bad.sum())} value(s) other than 0 and 1 (e.g. {example}); a momentum mask holds only "
-                "0 (frozen) and 1 (trained): it multiplies the momentum every compressed step, so 2 would grow that "
-                "momentum geometrically, a fraction would shrink it, and NaN would make the parameter NaN. Use e.g. "
+                f"{what} has {int(bad.sum())} value(s) other than 0 and 1 (e.g. {example}); a momentum mask, which "
+                "multiplies the momentum every compressed step, holds only 0 (frozen) and 1 (trained): use e.g. "
                 "`(mask != 0).float()`"
             )
     return mask.to(device=param.device, dtype=param.dtype)
@@ -194,19 +195,15 @@ def report_dead_coordinates(
                 total += count
     if not found or rank() != 0:
         return
-    tracked = f"steps {since}..{step - 1}" if since is not None else "warmup"
-    if since is not None and since > 1:
-        tracked += f"; steps before {since} ran before a resume and were not observed"
-    more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+    tracked = f" (steps {since}..{step - 1}" if since is not None else ""
+    if since is not None:
+        tracked += f"; steps before {since} ran before a resume and were not observed)" if since > 1 else ")"
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
     warnings.warn(
         f"{owner}: {total} coordinate(s) in {len(found)} parameter(s) had an exactly-zero gradient "
-        f"in every warmup step ({tracked}) and are not masked: {'; '.join(found[:8])}{more}. 1-bit compression "
-        "cannot send zero, so from this compressed step on they can receive +-scale momentum with a ~0 variance, "
-        "and their updates then explode (to about lr * scale / eps per step). Fix: add `MomentumMask(auto=True)` "
-        f"to the Trainer's callbacks (without Lightning: an exp_avg_mask with 0 there), which freezes them, or, if "
-        "they should train (embedding rows first seen later), put such parameters in a param group with "
-        "`\"compress\": False` (their gradients are then averaged in full precision and their variance stays "
-        f"live); {owner}(warn_dead_coordinates=False) silences this.",
+        f"in every warmup step{tracked} and are not masked: {'; '.join(found[:3])}{more}. Their compressed updates can "
+        "explode. Fix: MomentumMask(auto=True), or to train them a \"compress\": False param group; "
+        f"warn_dead_coordinates=False silences this; {docs_pointer('guides/freeze-step', 'embedding-tables')}",
         UserWarning,
         stacklevel=4,
     )

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.optim.auto_freeze import FreezeDetector
 from lightning_onebit.optim.step_kind import StepKind
+
+#: The page that explains the warmup, the freeze and what ``freeze_step='auto'`` measures.
+_DOCS = docs_pointer("guides/freeze-step")
 
 
 def phase_sentence(
@@ -28,10 +32,10 @@ def phase_sentence(
             if freeze_step is not None
             else "the variance settles (freeze_step='auto': " + rule() + ")"
         )
-        return StepKind.WARMUP, f"warmup (DDP gradient allreduce, full-precision {name} update) until {until}"
+        return StepKind.WARMUP, f"warmup (DDP gradient allreduce, full-precision {name} update) until {until}; {_DOCS}"
     decided = "" if detector is None else f" (freeze_step='auto' decided {freeze_step}: " + detector.describe() + ")"
-    groups = "; param groups with compress=False: gradients averaged in full precision, variance live"
+    groups = "; compress=False groups averaged in full precision"
     return StepKind.COMPRESSED, (
-        f"compression stage from optimizer step {step + 1}: DDP gradient allreduce off, momenta averaged by "
-        f"the 1-bit compressed allreduce, variance frozen{decided}{groups if uncompressed else ''}"
+        f"compression stage from optimizer step {step + 1}: momenta averaged in 1 bit, variance frozen{decided}"
+        f"{groups if uncompressed else ''}; {_DOCS}"
     )

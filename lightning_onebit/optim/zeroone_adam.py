@@ -11,6 +11,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
@@ -20,6 +21,10 @@ from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.optim.zeroone_local_steps import LocalStepsMixin
 from lightning_onebit.optim.zeroone_schedule import ZeroOneScheduleMixin
+
+
+#: The page with 0/1 Adam's schedules (what its phase announcements summarise).
+_DOCS = docs_pointer("guides/configuration")
 
 
 class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
@@ -124,8 +129,7 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
     """
 
     overlap_unsupported_reason = (
-        "ZeroOneAdam decides in optimizer.step what each step exchanges (a full-precision gradient, 1-bit momenta, "
-        "the accumulated update, or nothing), so its exchange does not start during backward"
+        "ZeroOneAdam decides in optimizer.step what each step exchanges, so its exchange cannot start during backward"
     )
     masks_zero_variance = True
 
@@ -203,35 +207,27 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
     # ------------------------------------------------------------------ status
     @property
     def advisor_note(self) -> str:
-        return (
-            f" (ZeroOneAdam: for its 1-bit compressed steps, which alone are timed; its variance steps, every "
-            f"var_interval-th step up to var_freeze_step={self.var_freeze_step}, cost about a warmup step, and "
-            "its local steps after that send nothing but a 1-bit sync every local_step_interval steps)"
-        )
+        return " (ZeroOneAdam: for its 1-bit steps only; its variance steps cost about a warmup step)"
 
     def describe_phase(self) -> tuple[StepKind, str]:
         t = self._step + 1
         if t <= self.freeze_step:
             return StepKind.WARMUP, (
                 f"warmup until optimizer step {self.freeze_step}: every step a variance step (DDP gradient allreduce, "
-                "full-precision Adam update)"
+                f"full-precision Adam update); {_DOCS}"
             )
         if t <= self.var_freeze_step:
+            averaged = "momenta" if self.exchange_kind == "momentum" else "gradients"
             return StepKind.VARIANCE, (
-                f"from optimizer step {t}: variance steps (DDP gradient allreduce) every {self.var_interval} steps, "
-                f"the interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
-                f"the other steps average the {'momenta' if self.exchange_kind == 'momentum' else 'gradients'} by the "
-                "1-bit compressed allreduce"
+                f"from optimizer step {t}: a variance step (DDP allreduce) every {self.var_interval} steps, the "
+                f"interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
+                f"{averaged} averaged in 1 bit in between; {_DOCS}"
             )
-        uncompressed = (
-            " (param groups with compress=False still average their gradients in full precision every step)"
-            if self._uncompressed_groups()
-            else ""
-        )
+        uncompressed = " (compress=False groups: full precision every step)" if self._uncompressed_groups() else ""
         return StepKind.LOCAL, (
             f"from optimizer step {t}: variance frozen; local steps without communication{uncompressed}, the "
-            f"accumulated update averaged by the 1-bit compressed allreduce every {self.local_step_interval} steps "
-            f"(doubling every {self.local_step_scaler} steps up to {self.local_step_clipper})"
+            f"accumulated update averaged in 1 bit every {self.local_step_interval} steps (doubling every "
+            f"{self.local_step_scaler} steps up to {self.local_step_clipper}); {_DOCS}"
         )
 
     # ------------------------------------------------------------------ steps

@@ -83,8 +83,8 @@ class ZeroOneScheduleMixin:
         if self.local_steps_since_sync:
             warnings.warn(
                 f"ZeroOneAdam.state_dict() after {self.local_steps_since_sync} local step(s) since the last sync: "
-                "it holds this rank's own replica state, and the ranks' replicas differ. Call synchronize() on every "
-                "rank before saving for a checkpoint that resumes exactly.",
+                "this rank's replica differs from the others'; call synchronize() on every rank before saving for "
+                "an exact resume",
                 UserWarning,
                 stacklevel=2,
             )

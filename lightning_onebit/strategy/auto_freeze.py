@@ -9,10 +9,14 @@ from typing import Callable, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.auto_freeze_config import DEFAULT_BOUND_SHARE
 
 RunLength = Callable[["pl.Trainer"], Optional[int]]
+
+#: The page on the warmup's length (``freeze_step``, ``AutoFreeze``'s bound).
+_DOCS = docs_pointer("guides/freeze-step")
 
 
 def run_length(trainer: "pl.Trainer") -> Optional[int]:
@@ -57,13 +61,11 @@ def warn_if_run_ends_in_warmup(
         # the detector may still end the warmup before its bound: only the worst case is known at fit start
         rank_zero_warn(
             f"onebit_adam: freeze_step='auto' with AutoFreeze(max_step={last_warmup}), but the run has {total} "
-            "optimizer steps: that bound lies past the end of the run, so compression starts only if the "
-            "detector ends the warmup earlier (the log says when it does); if it does not, the run is plain DDP "
-            "and compression never starts. Lower AutoFreeze's max_step (without max_step, freeze_step='auto' "
-            f"ends the warmup by {DEFAULT_BOUND_SHARE:.0%} of the run) to be sure, or train longer"
+            "optimizer steps: compression starts only if the detector ends the warmup earlier (else compression "
+            f"never starts). Lower max_step, or train longer; {_DOCS}"
         )
         return
     rank_zero_warn(
         f"onebit_adam: freeze_step={last_warmup}, but the run has {total} optimizer steps: it ends in the warmup, "
-        "so it is plain DDP and compression never starts. Lower freeze_step, or train longer"
+        f"so it is plain DDP and compression never starts. Lower freeze_step, or train longer; {_DOCS}"
     )

@@ -82,7 +82,7 @@ def restore_per_rank_state(
     if record.get("world_size") != world_size:
         state, reason = None, (
             f"the checkpoint was saved with world size {record.get('world_size')} and this run has world size "
-            f"{world_size} (per-rank state belongs to one rank of one world size)"
+            f"{world_size}"
         )
     else:
         state, reason = read_sidecar(path, expected)

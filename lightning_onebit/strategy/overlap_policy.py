@@ -15,12 +15,16 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.hooks import OverlapFallbackReason, is_marked_read_only
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB
 
 #: The hooks that run between backward and ``optimizer.step`` and may edit ``.grad``.
 GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+#: The page on when the exchange overlaps backward, and why not.
+_DOCS = docs_pointer("guides/overlap")
 
 
 def overlap_blocker(
@@ -49,10 +53,8 @@ def overlap_blocker(
     if hooks:
         return OverlapFallbackReason(
             "gradient_hook",
-            f"{' and '.join(hooks)} run{'s' if len(hooks) == 1 else ''} after backward, when the overlapped "
-            "exchange has already folded the gradients into the momenta, so a change of .grad there would be "
-            "lost; if the hook only reads gradients, decorate it with "
-            "@lightning_onebit.hooks.leaves_gradients_unchanged",
+            f"{' and '.join(hooks)} could edit .grad after the overlap folded it (a hook that only reads it: mark it "
+            "@lightning_onebit.hooks.leaves_gradients_unchanged)",
         )
     if ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:
         return OverlapFallbackReason(
@@ -109,7 +111,7 @@ def overlap_fallback(
         return None
     if overlap is True:
         raise ValueError(explicit_overlap_message(reason))
-    rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}")
+    rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}; {_DOCS}")
     return reason
 
 
@@ -119,7 +121,6 @@ def note_bucket_cap(optimizer: CompressedOptimizer) -> None:
     if optimizer.bucket_cap_bytes != int(DEFAULT_BUCKET_CAP_MB * 2**20):
         rank_zero_info(
             f"onebit_adam: {type(optimizer).__name__}(bucket_cap_mb={optimizer.bucket_cap_bytes / 2**20:g}) "
-            "applies only to "
-            "parameters outside DDP's gradient buckets: with the overlapped exchange the momenta are laid out like "
-            "DDP's buckets (size them with the strategy's ddp_bucket_cap_mb)"
+            "applies only to parameters outside DDP's gradient buckets: the overlapped exchange lays the momenta out "
+            f"like DDP's buckets (size them with ddp_bucket_cap_mb); {_DOCS}"
         )

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
 from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.optim import CompressedOptimizer
@@ -39,7 +40,9 @@ def build_topology(
         group=process_group,
         timeout=timeout,  # a stalled rank fails its peers' collectives in these groups too, not in 30 min
     )
-    rank_zero_info(f"onebit_adam: {topology.mode} momentum exchange ({topology.reason})")
+    rank_zero_info(
+        f"onebit_adam: {topology.mode} momentum exchange ({topology.reason}); {docs_pointer('guides/multi-node')}"
+    )
     return topology
 
 

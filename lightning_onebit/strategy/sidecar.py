@@ -122,9 +122,8 @@ def _permission_reason(path: str) -> str:
         owner = "mode unknown"
     uid = os.getuid() if hasattr(os, "getuid") else "?"
     return (
-        f"the file exists but this process (uid {uid}) may not read it: permission denied ({owner}). Make it "
-        f"readable by the user resuming (e.g. `chmod a+r {path}`, as the checkpoint is); sidecars written by this "
-        "version get the checkpoint's permission bits"
+        f"the file exists but this process (uid {uid}) may not read it: permission denied ({owner}); make it "
+        f"readable as the checkpoint is (`chmod a+r {path}`)"
     )
 
 

@@ -235,6 +235,7 @@ def test_slow_link_advice_expects_a_faster_step_and_measures_it(session: list[di
     estimate, measured = results[0]["messages"]
     assert "expect about" in estimate and "cannot" not in estimate
     assert "compression-stage step measured" in measured
+    assert all(m.endswith("; see docs/guides/why-no-speedup.md") for m in (estimate, measured)), (estimate, measured)
     assert results[1]["messages"] == []
     logged = _metrics(results[0]["csv"])
     assert logged["advisor/exposed_ms"] == [pytest.approx(1000 * a.exposed_s)]

@@ -670,7 +670,9 @@ def test_momentum_mask_reports_and_warns_about_heavily_masked_parameters(caplog:
     with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match=r"emb\.weight 97\.0% \(388 of 400\)") as caught:
         callback._install(opt, model)
     message = str(caught[0].message)
-    assert "rows no warmup batch looked up" in message and "freeze_step='auto'" in message and "head" not in message
+    assert "rows no warmup batch looked up" in message and "head" not in message  # the parameter and the cause
+    # the remedy, and the page with the others (a later freeze, explicit masks, ZeroOneAdam, warn_share)
+    assert '"compress": False' in message and message.endswith("see docs/guides/freeze-step.md#embedding-tables")
     assert callback.masked_coordinates == {"emb.weight": 388}
     assert "emb.weight: 388 of 400 (97.0%)" in caplog.text
     quiet = MomentumMask(auto=True, warn_share=1.0)
@@ -682,3 +684,14 @@ def test_momentum_mask_reports_and_warns_about_heavily_masked_parameters(caplog:
         quiet._install(OnebitAdam(model.parameters(), lr=1e-3, freeze_step=1), model)
     with pytest.raises(ValueError, match="warn_share"):
         MomentumMask(auto=True, warn_share=2)
+
+
+def test_keep_warning_names_every_failing_rank_and_file_once_per_reason() -> None:
+    """A node without its sidecars: one reason for its ranks, not the same sentence once per rank (the warning stays
+    short); each rank and its file is still named."""
+    from lightning_onebit.callbacks.error_feedback import _failures_text
+
+    missing, corrupt = "the file does not exist", "the file is corrupt"
+    text = _failures_text([(1, "a.onebit-rank1", missing), (2, "a.onebit-rank2", corrupt), (3, "a.onebit-rank3", missing)])
+    assert text == ("rank 1 (a.onebit-rank1), rank 3 (a.onebit-rank3): the file does not exist; "
+                    "rank 2 (a.onebit-rank2): the file is corrupt")

@@ -294,8 +294,9 @@ def test_dead_coordinates_warn_at_the_freeze_on_rank_zero(session: list[dict[str
             for fragment in (
                 f"OnebitAdam: {DEAD} coordinate(s) in 1 parameter(s) had an exactly-zero gradient in every warmup step "
                 f"(steps 1..{FREEZE}) and are not masked: parameter 0 of param group 0 (shape (20, 8)): {DEAD} of 160",
-                "Fix: add `MomentumMask(auto=True)` to the Trainer's callbacks",
+                "Fix: MomentumMask(auto=True), or to train them a \"compress\": False param group",
                 "warn_dead_coordinates=False",
+                "see docs/guides/freeze-step.md#embedding-tables",
             ):
                 assert fragment in message, (fragment, message)
             named = result["named"]["warnings"]

@@ -346,7 +346,8 @@ def test_fallbacks_say_why_once_and_give_the_non_overlapped_result(session: list
         if "error" in off:  # static_graph + accumulation: plain DDP fails, and the fallback fails the same way
             assert name == "static_accum" and auto.get("error") == off["error"], (auto.get("error"), off["error"])
         else:
-            assert auto["fallback_logs"] == ([f"{_FALLBACK_LOG}: {auto['fallback']}"] if rank == 0 else [])
+            logged = f"{_FALLBACK_LOG}: {auto['fallback']}; see docs/guides/overlap.md"
+            assert auto["fallback_logs"] == ([logged] if rank == 0 else [])
             assert off["fallback_logs"] == []
             assert torch.equal(auto["final"], off["final"]) and auto["losses"] == off["losses"]
         if name != "manual":

@@ -234,7 +234,8 @@ def test_gradient_edit_after_backward_is_honoured_under_auto(session: list[dict[
         auto, off = r[f"{where}_auto"], r[f"{where}_off"]
         assert auto["buckets_started"] is None and "on_after_backward" in auto["fallback"]
         assert auto["fallback"].cause == "gradient_hook"
-        assert auto["fallback_logs"] == ([f"{_FALLBACK_LOG}: {auto['fallback']}"] if rank == 0 else [])
+        logged = f"{_FALLBACK_LOG}: {auto['fallback']}; see docs/guides/overlap.md"
+        assert auto["fallback_logs"] == ([logged] if rank == 0 else [])
         assert torch.equal(auto["final"], off["final"]) and auto["losses"] == off["losses"]
 
 

@@ -382,7 +382,7 @@ def test_the_advisor_advises_for_zeroone_adam_on_its_one_bit_steps(session: list
     assert a.warmup_steps == ADVISE_STEPS and a.compressed_bytes < a.warmup_bytes
     assert a.measured_steps == ADVISE_STEPS and a.measured_step_s is not None  # 1-bit steps 9 and 11
     estimate, measured = results[0]["messages"]
-    assert "expect about" in estimate and "ZeroOneAdam: for its 1-bit compressed steps" in estimate
+    assert "expect about" in estimate and "ZeroOneAdam: for its 1-bit steps only" in estimate
     assert "compression-stage step measured" in measured and "ZeroOneAdam" in measured
     assert results[1]["messages"] == []
 
