@@ -173,19 +173,10 @@ class CommunicationMonitor(Callback):
         frozen = optimizer.freeze_step
         compressed = frozen is not None and optimizer.step_count > frozen
         stage = 1.0 if compressed else 0.0
-        ratio = step.bytes_fp32_equivalent / step.bytes_sent if step.bytes_sent else 0.0
-        metrics = {
-            "comm/bytes_sent": float(step.bytes_sent),
-            "comm/bytes_received": float(step.bytes_received),
-            "comm/bytes_sent_intra_node": float(step.bytes_sent_intra_node),
-            "comm/bytes_sent_inter_node": float(step.bytes_sent_inter_node),
-            "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
-            "comm/bytes_sent_uncompressed": float(step.bytes_sent_uncompressed),
-            "comm/bytes_sent_total": float((now - self._start).bytes_sent),
-            "comm/time_ms": 1000.0 * step.time_s,
-            "comm/exposed_ms": 1000.0 * step.exposed_s,
-            "comm/hook_ms": 1000.0 * step.hook_s,
-        }
+        ratio = _ratio(step)
+        metrics = dict(_step_metrics(step, now - self._start),
+                       **{"comm/bytes_sent_uncompressed": float(step.bytes_sent_uncompressed),
+                          "comm/hook_ms": 1000.0 * step.hook_s})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         shown = {"comm/stage": stage, "comm/compression_ratio": ratio}
         short = {"stage": stage, "1bit_x": ratio}
@@ -250,17 +241,7 @@ class CommunicationMonitor(Callback):
         if now is None or self._last is None or self._start is None:
             return
         step, self._last = now - self._last, now
-        metrics = {
-            "comm/bytes_sent": float(step.bytes_sent),
-            "comm/bytes_received": float(step.bytes_received),
-            "comm/bytes_sent_intra_node": float(step.bytes_sent_intra_node),
-            "comm/bytes_sent_inter_node": float(step.bytes_sent_inter_node),
-            "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
-            "comm/bytes_sent_total": float((now - self._start).bytes_sent),
-            "comm/time_ms": 1000.0 * step.time_s,
-            "comm/exposed_ms": 1000.0 * step.exposed_s,
-            "comm/compression_ratio": step.bytes_fp32_equivalent / step.bytes_sent if step.bytes_sent else 0.0,
-        }
+        metrics = dict(_step_metrics(step, now - self._start), **{"comm/compression_ratio": _ratio(step)})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     # -- will compression help? --------------------------------------------------------------------------------------
@@ -384,3 +365,22 @@ def _reduce_max(strategy: OnebitStrategy, values: list[float]) -> list[float]:
     group = None if strategy.onebit_optimizer is None else strategy.onebit_optimizer.process_group
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
     return tensor.tolist()
+
+
+def _step_metrics(step: CommunicationCounters, run: CommunicationCounters) -> dict[str, float]:
+    """The per-step figures logged for both strategies: ``step``, this step's counters; ``run``, this fit's so far."""
+    return {
+        "comm/bytes_sent": float(step.bytes_sent),
+        "comm/bytes_received": float(step.bytes_received),
+        "comm/bytes_sent_intra_node": float(step.bytes_sent_intra_node),
+        "comm/bytes_sent_inter_node": float(step.bytes_sent_inter_node),
+        "comm/bytes_fp32_equivalent": float(step.bytes_fp32_equivalent),
+        "comm/bytes_sent_total": float(run.bytes_sent),
+        "comm/time_ms": 1000.0 * step.time_s,
+        "comm/exposed_ms": 1000.0 * step.exposed_s,
+    }
+
+
+def _ratio(step: CommunicationCounters) -> float:
+    """fp32-equivalent bytes over the bytes sent (0 when nothing was sent)."""
+    return step.bytes_fp32_equivalent / step.bytes_sent if step.bytes_sent else 0.0
