@@ -8,7 +8,7 @@ fresh 4-layer BERT of hidden 128) once per config of :mod:`benchmarks.bert_parit
   ddp_adamw     examples/configs/bert_adamw.yaml     DDP + AdamW (the fp32 baseline)
   onebit_adam   examples/configs/bert_onebit.yaml    1-bit Adam, freeze_step auto
   zeroone_adam  examples/configs/bert_zeroone.yaml   0/1 Adam (variance steps, then local steps)
-  onebit_lamb   examples/configs/bert_lamb.yaml      1-bit LAMB, freeze_step auto (bounded at max_step 400)
+  onebit_lamb   examples/configs/bert_lamb.yaml      1-bit LAMB, freeze_step auto
 
 each with the arguments ``--summary_json RUN.json --trainer.enable_progress_bar false`` (added by ``run_example``) and
 
@@ -130,7 +130,7 @@ def freeze_of(summary: dict[str, Any], optimizer_args: dict[str, Any]) -> dict[s
     if described is None:
         return dict(freeze_step=step, freeze_kind="fixed", freeze_reason="freeze_step set in the config",
                     var_freeze_step=None)
-    bound = described.startswith("max_step")
+    bound = summary.get("auto_freeze_reason") == "max_step"
     return dict(freeze_step=step, freeze_kind="auto, max_step bound" if bound else "auto", freeze_reason=described,
                 var_freeze_step=None)
 

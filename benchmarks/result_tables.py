@@ -28,6 +28,8 @@ DOCS = ROOT / "docs"
 def pages() -> list[Path]:
     """The pages that may hold result blocks: README.md and the documentation's Markdown sources."""
     return [README, *sorted(DOCS.rglob("*.md"))]
+
+
 MIB = 2**20
 
 

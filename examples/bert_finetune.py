@@ -580,6 +580,8 @@ class BertFinetuneCLI(LightningCLI):
                 freeze_step=optimizer.freeze_step,
                 # freeze_step='auto': the figures behind the decided step
                 auto_freeze=None if optimizer.freeze_detector is None else optimizer.freeze_detector.describe(),
+                # why the warmup ended: "settled" (the rule decided) or "max_step" (the bound); None if it has not
+                auto_freeze_reason=None if optimizer.freeze_detector is None else optimizer.freeze_detector.reason,
                 stage=optimizer.stage.value,
                 bytes_sent_warmup=warm.bytes_sent,
                 bytes_sent_compression=comp.bytes_sent,

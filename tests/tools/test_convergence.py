@@ -54,11 +54,13 @@ def test_validation_arguments_and_runs_are_bert_parity_configs():
 def test_freeze_step_and_why():
     ddp = cv.freeze_of({"optimizer": "AdamW"}, {})
     assert ddp["freeze_step"] is None and ddp["freeze_kind"] is None
-    auto = cv.freeze_of({"optimizer": "OnebitAdam", "freeze_step": 220, "auto_freeze": "at step 220, gradients ..."},
+    auto = cv.freeze_of({"optimizer": "OnebitAdam", "freeze_step": 220, "auto_freeze": "at step 220, gradients ...",
+                         "auto_freeze_reason": "settled"},
                         {"freeze_step": "auto"})
     assert (auto["freeze_step"], auto["freeze_kind"]) == (220, "auto")
     assert auto["freeze_reason"].startswith("at step 220")
-    bound = cv.freeze_of({"optimizer": "OnebitLamb", "freeze_step": 400, "auto_freeze": "max_step 400 reached (...)"},
+    bound = cv.freeze_of({"optimizer": "OnebitLamb", "freeze_step": 400, "auto_freeze": "max_step 400 reached (...)",
+                          "auto_freeze_reason": "max_step"},
                          {})
     assert bound["freeze_kind"] == "auto, max_step bound"
     fixed = cv.freeze_of({"optimizer": "OnebitAdam", "freeze_step": 150, "auto_freeze": None}, {"freeze_step": 150})
@@ -71,7 +73,9 @@ def test_freeze_step_and_why():
 
 def _run(name: str, acc: float, bytes_sent: int, freeze_step=None, auto=None, optimizer="OnebitAdam") -> dict:
     summary = dict(optimizer=optimizer, strategy="OnebitStrategy", steps=620, val_acc=acc, val_loss=1 - acc,
-                   freeze_step=freeze_step, auto_freeze=auto, bytes_sent=bytes_sent, bytes_fp32_equivalent=2000,
+                   freeze_step=freeze_step, auto_freeze=auto,
+                   auto_freeze_reason=None if auto is None else "max_step" if auto.startswith("max_step") else "settled",
+                   bytes_sent=bytes_sent, bytes_fp32_equivalent=2000,
                    rounds_per_100_steps=100.0, wall_s=100.0)
     steps = list(range(31, 621, 31))
     metrics = dict(steps=steps, val_acc=[min(acc, 0.5 + s / 400) for s in steps],
