@@ -23,7 +23,10 @@ variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and 
   ``loss_drop`` below its mean over the first ``check_every`` steps. A model on its initial plateau has steady, small
   gradients that pass the backtest, and a variance frozen there is far too small for the gradients that come when the
   loss starts to fall (the example's sweep: freezing on the plateau left the task at chance);
-* for 1-bit LAMB, the relative change of its trust-ratio EMAs over the window.
+* for 1-bit LAMB, the relative change of its trust-ratio EMAs over the window, read like the variance: averaged over
+  the coordinates (each tensor's change weighted by its size) against ``threshold``, and at its largest tensor against
+  ``tensor_threshold``. A small tensor's ratio ``||p|| / ||u||`` can swing by half within a window while the
+  coordinates' average has settled (AG News: 0.664 at the largest tensor when the run reached its bound).
 
 The ranks take the maximum of each figure with one ``all_reduce`` of a few floats, so every rank sees the same
 figures and decides the same step. The warmup ends after the check where all of them have passed for ``patience``
@@ -65,8 +68,8 @@ class VarianceReading:
         variances: one entry per measured tensor, in a fixed order: ``(numel, v, correction, beta2)``, with ``v`` the
             raw variance (``None`` where the tensor has none yet), ``correction`` the bias correction the update
             divides it by now (1 without bias correction) and ``beta2`` the tensor's.
-        extra: other per-tensor figures that must settle before a freeze (1-bit LAMB's trust-ratio EMAs), one
-            tensor; ``None`` for none.
+        extra: other figures that must settle before a freeze (1-bit LAMB's trust-ratio EMAs), one tensor with one
+            value per measured tensor, in the same order; ``None`` or empty for none.
         device: where the ranks' agreement runs (NCCL takes CUDA tensors only).
         process_group: the ranks that decide together (``None``: WORLD).
     """
@@ -217,10 +220,11 @@ class FreezeDetector:
                 self._snapshots, old = {t: snapshot}, None
                 log.info("freeze_step='auto': the measured parameters changed; measuring afresh from step %d", t)
             if old is not None:
-                local = _excesses(old, snapshot, self._decays(reading), self._sample_counts(len(snapshot[1])))
+                numels = [numel for numel, *_ in reading.variances]
+                local = _excesses(old, snapshot, self._decays(reading), self._sample_counts(len(snapshot[1])), numels)
                 local += self._loss_figures()
                 figures = _agree_max(local, reading.process_group, reading.device)
-                sample, tensor, coeff, loss_ratio, no_loss = figures
+                sample, tensor, coeff_mean, coeff_max, loss_ratio, no_loss = figures
                 if no_loss:
                     raise ValueError(
                         f"{self.owner}(freeze_step='auto') waits for the training loss to fall "
@@ -230,9 +234,11 @@ class FreezeDetector:
                     )
                 config = self.config
                 drop_ok = config.loss_drop is None or loss_ratio <= 1 - config.loss_drop
-                passed = sample < config.threshold and tensor < config.tensor_threshold and coeff < config.threshold
+                passed = (sample < config.threshold and tensor < config.tensor_threshold
+                          and coeff_mean < config.threshold and coeff_max < config.tensor_threshold)
                 self.streak = self.streak + 1 if passed and drop_ok else 0
-                self.last = dict(step=t, sample_excess=sample, tensor_excess=tensor, coeff_change=coeff,
+                self.last = dict(step=t, sample_excess=sample, tensor_excess=tensor, coeff_change_mean=coeff_mean,
+                                 coeff_change=coeff_max,
                                  loss_ratio=loss_ratio if config.loss_drop is not None else None,
                                  streak=self.streak)
                 if self.streak >= config.patience and t >= self.min_step:
@@ -255,7 +261,8 @@ class FreezeDetector:
             figures = (
                 f"at step {last['step']}: {self.window}-step gradient excess {last['sample_excess']:.3g} (sample), "
                 f"{last['tensor_excess']:.3g} (largest tensor)"
-                + (f"; trust-ratio change {last['coeff_change']:.3g}" if last["coeff_change"] > 0 else "")
+                + (f"; trust-ratio change {last.get('coeff_change_mean', last['coeff_change']):.3g} (mean), "
+                   f"{last['coeff_change']:.3g} (largest tensor)" if last["coeff_change"] > 0 else "")
                 + (f"; loss at {last['loss_ratio']:.3g} of its start" if last.get("loss_ratio") is not None else "")
                 + f"; {last['streak']} passing check{'' if last['streak'] == 1 else 's'} in a row"
             )

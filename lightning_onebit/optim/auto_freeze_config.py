@@ -35,10 +35,10 @@ class AutoFreeze:
             (rounded so that it divides ``W``).
         threshold: the largest backtest excess ``e`` on the coordinate sample: how far the last window's gradient
             RMS may exceed the ``sqrt(v_hat)`` of a window ago (``0.3``: by 30% on average, so steps with that frozen
-            variance would have been at most about 30% larger than Adam's). Also bounds LAMB's trust-ratio change.
-            Default ``0.3``.
+            variance would have been at most about 30% larger than Adam's). Also bounds 1-bit LAMB's trust-ratio
+            change over the window, averaged over the coordinates. Default ``0.3``.
         tensor_threshold: the same bound for every tensor's ``e_T`` (catches a small tensor still growing, which the
-            sample may hardly contain). Default ``1.0``.
+            sample may hardly contain) and for every tensor's trust-ratio change. Default ``1.0``.
         loss_drop: the mean training loss over the last window must be at least this fraction below its mean over the
             first ``check_every`` steps (every rank's, when ranks differ). Needs the loss: the Lightning strategy passes
             it; without Lightning call ``optimizer.observe_loss(loss)`` every step or pass ``step(closure)``. ``None``
@@ -52,7 +52,7 @@ class AutoFreeze:
 
     Cost while measuring: ``W / check_every + 1`` snapshots of ``sample_size + number of tensors`` float64 values
     (about 40 MiB with the defaults), one pass over the variance per check, the losses summed on their device (read
-    once per check), and one ``all_reduce`` of 5 floats per check (from the first full window on). All of it is freed
+    once per check), and one ``all_reduce`` of 6 floats per check (from the first full window on). All of it is freed
     when the warmup ends.
     """
 

@@ -52,10 +52,11 @@ def _window_moment(v_new: torch.Tensor, v_old: torch.Tensor, decay: torch.Tensor
 
 def _excesses(
     old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...], decays: list[tuple[float, float]],
-    sample_counts: torch.Tensor,
+    sample_counts: torch.Tensor, numels: list[int],
 ) -> list[float]:
-    """``[e, e_T, coeff]``: the sample's excess, the largest tensor excess, the largest relative change of the extra
-    figures (0 without them). ``decays``: ``(beta2^W, bias correction now)`` per tensor; ``sample_counts``: the
+    """``[e, e_T, coeff_mean, coeff_max]``: the sample's excess, the largest tensor excess, and the relative change of
+    the extra figures (one per tensor; 0 without them) averaged over the coordinates (each tensor weighted by its
+    ``numels``) and at its largest. ``decays``: ``(beta2^W, bias correction now)`` per tensor; ``sample_counts``: the
     sample's coordinates in each tensor (they lie tensor by tensor)."""
     (sample_old, sums_old, extra_old), (sample_new, sums_new, extra_new) = old, new
     decay = torch.tensor([d for d, _ in decays], dtype=torch.float64)
@@ -82,11 +83,19 @@ def _excesses(
         sample = float(excess.sum()) / base if base > 0 else (1.0 if float(excess.sum()) > 0 else 0.0)
     else:
         sample = 0.0
-    coeff = 0.0
+    coeff_mean = coeff_max = 0.0
     if extra_old.numel() == extra_new.numel() > 0:
+        if extra_new.numel() != len(numels):
+            raise ValueError(
+                f"the optimizer's settling figures have {extra_new.numel()} values for {len(numels)} measured tensors: "
+                "_settling_figures must return one per tensor"
+            )
         change = (extra_new - extra_old).abs() / extra_old.clamp_min(1e-300)
-        coeff = float(torch.where(extra_old > 0, change, (extra_new > 0).double()).max())
-    return [sample, tensor, coeff]
+        change = torch.where(extra_old > 0, change, (extra_new > 0).double())
+        weights = torch.tensor(numels, dtype=torch.float64)
+        coeff_mean = float((change * weights).sum() / weights.sum())
+        coeff_max = float(change.max())
+    return [sample, tensor, coeff_mean, coeff_max]
 
 
 def _agree_max(values: list[float], group: Any, device: torch.device) -> list[float]:

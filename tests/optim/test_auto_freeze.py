@@ -184,7 +184,8 @@ class StubbornOnebitAdam(OnebitAdam):
 
     def _settling_figures(self) -> Optional[torch.Tensor]:
         moving = self.compression.rank() == 1 and self._step < self.until
-        return torch.tensor([1.5**self._step if moving else 1.0])
+        tensors = sum(len(group["params"]) for group in self.param_groups)  # one figure per measured tensor
+        return torch.full((tensors,), 1.5**self._step if moving else 1.0, dtype=torch.float64)
 
 
 def _train(rank: int, world_size: int, until: int, loss_flat_until: int = 0) -> dict[str, Any]:
@@ -429,3 +430,44 @@ def test_a_check_reads_the_device_once_not_per_tensor(optimizer_class: type) -> 
     assert [e.where for e in syncs.events if e.what == "cpu"][0].endswith("_read_on_host"), syncs.summary()
     assert loss == float(torch.tensor(_falling_loss(3)))  # the losses since the check at step 2 (check_every 2)
     assert snapshot[1].shape == (12,) and (snapshot[2].shape == (12,)) == (optimizer_class is OnebitLamb)
+
+
+def _settled_snapshot(coefficients: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A snapshot whose variance figures are steady (so only the trust ratios can fail the check)."""
+    sums = torch.ones(len(coefficients), dtype=torch.float64)
+    return torch.ones(4, dtype=torch.float64), sums, torch.tensor(coefficients, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "numels, before, after, passes",
+    [
+        # a 5-coordinate tensor's ratio swings by 66% while the big tensor's holds: the coordinates' average has
+        # settled (as on AG News, where the largest tensor's change alone held 1-bit LAMB until its bound)
+        ([1000, 5], [1.0, 1.0], [1.05, 1.66], True),
+        # the big tensor's ratio still moves by 40%: the average is above 0.3
+        ([1000, 5], [1.0, 1.0], [1.4, 1.0], False),
+        # any tensor's ratio more than doubling (a change above tensor_threshold 1.0) holds the warmup
+        ([1000, 5], [1.0, 1.0], [1.0, 2.5], False),
+    ],
+)
+def test_trust_ratios_are_read_like_the_variance_averaged_over_coordinates_and_per_tensor(
+    numels: list[int], before: list[float], after: list[float], passes: bool
+) -> None:
+    from lightning_onebit.optim.auto_freeze_figures import _excesses
+
+    config = AutoFreeze()
+    decays = [(0.9**4, 1.0)] * len(numels)  # no bias correction: a steady variance gives no excess
+    sample, tensor, mean, largest = _excesses(
+        _settled_snapshot(before), _settled_snapshot(after), decays, torch.tensor([4, 0]), numels
+    )
+    assert sample == pytest.approx(0) and tensor == pytest.approx(0)
+    assert mean == pytest.approx(sum(n * abs(a - b) / b for n, a, b in zip(numels, after, before)) / sum(numels))
+    assert largest == pytest.approx(max(abs(a - b) / b for a, b in zip(after, before)))
+    assert (mean < config.threshold and largest < config.tensor_threshold) is passes
+
+
+def test_settling_figures_must_give_one_value_per_measured_tensor() -> None:
+    from lightning_onebit.optim.auto_freeze_figures import _excesses
+
+    with pytest.raises(ValueError, match="one per tensor"):
+        _excesses(_settled_snapshot([1.0]), _settled_snapshot([1.0]), [(0.5, 1.0)] * 2, torch.tensor([4, 0]), [3, 3])
