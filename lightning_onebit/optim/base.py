@@ -53,6 +53,7 @@ from lightning_onebit.optim.groups import check_param_group, is_real
 from lightning_onebit.optim.masks import DeadCoordinateTracker, set_exp_avg_mask
 from lightning_onebit.optim.phase import phase_sentence
 from lightning_onebit.optim.process_group import ProcessGroupMixin
+from lightning_onebit.optim.sharded import ShardedParams, is_sharded
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.optim.step_parts import StepPartsMixin
 
@@ -94,6 +95,9 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
     #: Whether the optimizer itself keeps coordinates with an exactly-zero variance at rest (their momentum is zeroed),
     #: instead of relying on masks fixed at the end of warmup (:class:`~lightning_onebit.MomentumMask`'s ``auto``).
     masks_zero_variance: bool = False
+    #: Why this optimizer cannot train sharded (``DTensor``, FSDP2) parameters (``None``: it can, see
+    #: :mod:`~lightning_onebit.optim.sharded`).
+    sharded_unsupported_reason: Optional[str] = None
 
     def __init__(
         self,
@@ -116,6 +120,9 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
         # which momenta share a bucket (packed by bucket_cap_mb, or as set_bucket_plan says) and the buckets; before
         # the param groups are added (add_param_group invalidates the buckets)
         self.momentum_buckets = MomentumBuckets(int(bucket_cap_mb * 2**20))
+        # DTensor parameters (FSDP2 shards) and the plain tensors over their local shards that stand in for them
+        self.shards = ShardedParams(type(self).__name__)
+        self._exchange_group_checked = False
         # every param group is compressed unless it says compress=False (see _check_group)
         super().__init__(params, {**defaults, "compress": True})
         self._init_freeze(freeze_step, auto_freeze)  # freeze_step, auto_freeze and what measures it
@@ -148,7 +155,12 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (see the class docstring for its options). An invalid group raises ``ValueError`` naming
         the option and the group, and is not added."""
-        super().add_param_group(param_group)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if self.sharded_unsupported_reason is not None and any(is_sharded(p) for p in params):
+            raise ValueError(f"{type(self).__name__} cannot train sharded (DTensor) parameters yet: "
+                             f"{self.sharded_unsupported_reason}")
+        super().add_param_group({**param_group, "params": self.shards.localize(params)})
         try:
             self._check_group(self.param_groups[-1], len(self.param_groups) - 1)
         except ValueError:
@@ -234,6 +246,11 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
                 loss = closure()
             if loss is not None and self._observe_closure_loss:
                 self.observe_loss(loss)
+        if self.shards:
+            if not self._exchange_group_checked:  # before any collective of this step
+                self.shards.check_exchange_group(self.compression.process_group)
+                self._exchange_group_checked = True
+            self.shards.bind_gradients_()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
@@ -257,6 +274,12 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
             (plan,), self.momentum_buckets.deferred_plan = self.momentum_buckets.deferred_plan, None
             self._install_plan(plan)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; sharded parameters' ``DTensor`` gradients are cleared too."""
+        super().zero_grad(set_to_none)
+        if self.shards:
+            self.shards.clear_gradients_(set_to_none)
 
     def _warmup_step(self) -> Optional[StepKind]:
         raise NotImplementedError
@@ -323,7 +346,11 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
         key ``i``), or with ``None`` pack them by ``bucket_cap_mb`` again. Saved in :meth:`state_dict`. A collective
         when it re-lays out buckets in the compression stage (call it on every rank); waits for the end of the next
         :meth:`step` while exchanges are in flight. Returns whether the plan changed; raises ``ValueError`` for a
-        bucket that mixes devices or dtypes or names a parameter twice (:meth:`MomentumBuckets.request_plan`)."""
+        bucket that mixes devices or dtypes or names a parameter twice (:meth:`MomentumBuckets.request_plan`). A
+        sharded (``DTensor``) parameter may be named by itself or by its stand-in (:attr:`shards`): its bucket holds
+        its local shard."""
+        if buckets is not None and self.shards:  # sharded parameters may be named by their DTensor
+            buckets = [[self.shards.stand_in_of(p) for p in bucket] for bucket in buckets]
         return self.momentum_buckets.request_plan(
             buckets, self._bucket_source(), defer=self.exchange.in_flight > 0, install=self._install_plan
         )

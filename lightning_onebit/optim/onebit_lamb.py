@@ -100,6 +100,11 @@ class OnebitLamb(CompressedOptimizer):
 
     # its compression stage needs the trust-ratio coefficients only its own warmup computes (see load_state_dict)
     _continues_state_of = ("OnebitLamb",)
+    sharded_unsupported_reason = (
+        "its trust ratios and scaling factors need each whole tensor's norms and maxima, which are not yet reduced "
+        "over the shard group; train sharded models with OnebitAdam or ZeroOneAdam, or this optimizer under "
+        "strategy='onebit_adam' (DDP)"
+    )
 
     def __init__(
         self,

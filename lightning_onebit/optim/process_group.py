@@ -26,6 +26,7 @@ class ProcessGroupMixin:
     compression: CompressedAllreduceState
     momentum_buckets: MomentumBuckets
     _backend_agreed: bool  # whether the kernel backend was agreed over the current process group
+    _exchange_group_checked: bool  # whether sharded parameters were checked against the current process group
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -40,6 +41,7 @@ class ProcessGroupMixin:
             self.compression.reset_error_feedback()
             self.momentum_buckets.built = None
             self._backend_agreed = False
+            self._exchange_group_checked = False
 
     @property
     def topology(self) -> Optional[Topology]:

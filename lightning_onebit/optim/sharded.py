@@ -1,0 +1,143 @@
+"""Sharded parameters (FSDP2's ``DTensor`` shards) as the compressed optimizers see them: plain tensors over each
+parameter's local shard.
+
+A compressed optimizer keeps per-parameter state (momentum, variance, error feedback) for the coordinates this rank
+holds, and averages momenta over the ranks that hold the *same* coordinates (the replicate group of a
+``("replicate", "shard")`` mesh). Its algorithms are written for plain tensors, so each ``DTensor`` parameter is stood
+in for by a plain tensor aliasing its local shard (``DTensor.to_local()``, the same storage: the optimizer's in-place
+updates are the shard's). The stand-in is what the optimizer's param groups and state hold; its gradient is bound to
+the ``DTensor`` gradient's local shard before every step (:meth:`ShardedParams.bind_gradients_`), so clipping or
+editing either edits both.
+
+Every sharded parameter must be sharded along dimension 0 (``Shard(0)``, what ``fully_shard`` makes) over one mesh: the
+*shard group*. Per-tensor figures that need the whole tensor (1-bit LAMB's norms) are reduced over it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+try:  # torch >= 2.4 (the package requires 2.4+ for FSDP2; DDP users never reach a DTensor)
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover - older torch
+    DTensor, Shard = None, None  # type: ignore[assignment,misc]
+
+__all__ = ["ShardedParams", "is_sharded"]
+
+
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (a sharded parameter)."""
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+class ShardedParams:
+    """The ``DTensor`` parameters of one optimizer and their plain stand-ins (see the module docstring).
+
+    Args:
+        owner: the optimizer's class name, for messages.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (stand-in, DTensor)
+        self._dtensor_of: dict[int, torch.Tensor] = {}  # id(stand-in) -> DTensor
+        self._stand_in_of: dict[int, torch.Tensor] = {}  # id(DTensor) -> stand-in
+        self.mesh: Optional[Any] = None  # the one mesh the parameters are sharded over
+
+    def __bool__(self) -> bool:
+        return bool(self._pairs)
+
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group of the ranks that hold the other shards of the same parameters (``None`` when no
+        parameter is sharded)."""
+        return None if self.mesh is None else self.mesh.get_group()
+
+    def localize(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """``params`` with every ``DTensor`` replaced by its stand-in (made once per ``DTensor``); raises
+        ``ValueError`` for a placement other than ``Shard(0)`` or a second mesh."""
+        out = []
+        for p in params:
+            if not is_sharded(p):
+                out.append(p)
+                continue
+            stand_in = self._stand_in_of.get(id(p))
+            if stand_in is None:
+                self._check(p)
+                with torch.no_grad():
+                    stand_in = p.to_local().detach()
+                stand_in.requires_grad_(p.requires_grad)
+                self._pairs.append((stand_in, p))
+                self._dtensor_of[id(stand_in)] = p
+                self._stand_in_of[id(p)] = stand_in
+            out.append(stand_in)
+        return out
+
+    def _check(self, p: torch.Tensor) -> None:
+        placements = tuple(p.placements)
+        if len(placements) != 1 or placements[0] != Shard(0):
+            raise ValueError(
+                f"{self.owner} takes DTensor parameters sharded along dimension 0 over a 1-D mesh (what FSDP2's "
+                f"fully_shard makes with the shard mesh), got placements {placements} over a mesh of shape "
+                f"{tuple(p.device_mesh.shape)}: shard the model with fully_shard(module, mesh=device_mesh['shard'])"
+            )
+        if self.mesh is None:
+            self.mesh = p.device_mesh
+        elif p.device_mesh != self.mesh:
+            raise ValueError(
+                f"{self.owner}'s DTensor parameters are sharded over different meshes ({self.mesh} and "
+                f"{p.device_mesh}): shard every module with the same mesh (device_mesh['shard'])"
+            )
+
+    def dtensor_of(self, stand_in: torch.Tensor) -> Optional[torch.Tensor]:
+        """The ``DTensor`` parameter a stand-in stands for (``None`` for an unsharded parameter)."""
+        return self._dtensor_of.get(id(stand_in))
+
+    def stand_in_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer holds for ``param`` (its stand-in if ``param`` is a sharded one, else ``param``)."""
+        return self._stand_in_of.get(id(param), param)
+
+    def bind_gradients_(self) -> None:
+        """Before a step: each stand-in's ``.grad`` becomes its ``DTensor``'s gradient's local shard (or ``None``), and
+        its ``requires_grad`` follows the ``DTensor``'s (a model may freeze and unfreeze parameters). No copy, no
+        host synchronisation. Re-aliases a stand-in whose ``DTensor`` moved its local shard to other storage."""
+        for stand_in, p in self._pairs:
+            with torch.no_grad():
+                local = p.to_local()
+                if local.data_ptr() != stand_in.data_ptr() or local.shape != stand_in.shape:
+                    stand_in.set_(local.detach())
+                if stand_in.requires_grad != p.requires_grad:
+                    stand_in.requires_grad_(p.requires_grad)
+                grad = p.grad
+                stand_in.grad = None if grad is None else grad.to_local().detach()
+
+    def clear_gradients_(self, set_to_none: bool) -> None:
+        """``zero_grad`` for the ``DTensor`` gradients (the stand-ins' are cleared by the optimizer itself)."""
+        for _, p in self._pairs:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.to_local().zero_()
+
+    def check_exchange_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Raise ``ValueError`` (before any collective) unless ``group``, which the momenta are averaged over, holds
+        this rank and no other rank of its shard group: it must pair this rank with the ranks that hold the same
+        shard (the replicate dimension of the mesh)."""
+        if not self._pairs or not (dist.is_available() and dist.is_initialized()):
+            return
+        shard_ranks = set(dist.get_process_group_ranks(self.shard_group))
+        exchange_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        shared = sorted(shard_ranks & exchange_ranks)
+        if shared != [dist.get_rank()]:
+            raise ValueError(
+                f"{self.owner}'s parameters are sharded (DTensor) over ranks {sorted(shard_ranks)}, and its momenta "
+                f"would be averaged over ranks {sorted(exchange_ranks)}, which hold "
+                f"{'other shards' if len(shared) > 1 else 'not this rank'}: average them over the ranks that hold the "
+                "same shard, the replicate dimension of the mesh (process_group=device_mesh['replicate'].get_group()), "
+                "or train with strategy='onebit_fsdp', which sets it"
+            )
