@@ -22,6 +22,7 @@ KEPT = {
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
+    "OnebitFSDPStrategy",
     "OnebitLamb",
     "OnebitStage",
     "OnebitStrategy",

@@ -2,6 +2,8 @@
 optimizer switches off after its warmup (1-bit Adam, 1-bit LAMB) or on chosen steps only (0/1 Adam).
 
 * :mod:`~lightning_onebit.strategy.strategy`: :class:`OnebitStrategy` (alias ``OnebitAdamStrategy``);
+* :mod:`~lightning_onebit.strategy.fsdp`: :class:`OnebitFSDPStrategy` (``onebit_fsdp``), FSDP2 inside each node and
+  the compressed exchange across nodes;
 * :mod:`~lightning_onebit.strategy.arguments`: the strategy's options and DDP arguments, checked;
 * :mod:`~lightning_onebit.strategy.overlap_policy`: when the exchange may start during backward;
 * :mod:`~lightning_onebit.strategy.comm_hook`: the DDP hook the strategy registers;
@@ -14,6 +16,7 @@ optimizer switches off after its warmup (1-bit Adam, 1-bit LAMB) or on chosen st
 """
 
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY
+from lightning_onebit.strategy.fsdp import OnebitFSDPStrategy
 from lightning_onebit.strategy.strategy import OnebitAdamStrategy, OnebitStrategy
 from lightning_onebit.strategy.teardown import _release_process_groups_at_exit
 
@@ -21,6 +24,7 @@ __all__ = [
     "PER_RANK_STATE_KEY",
     "PER_RANK_STATUS_KEY",
     "OnebitAdamStrategy",
+    "OnebitFSDPStrategy",
     "OnebitStrategy",
     "_release_process_groups_at_exit",  # re-exported for the tests, which call it as the interpreter's exit would
 ]

@@ -1,0 +1,335 @@
+"""The ``onebit_fsdp`` Lightning strategy: FSDP2 inside each node, the compressed optimizers across nodes.
+
+With ``M`` nodes of ``L`` ranks each, the strategy builds a ``("replicate", "shard")`` device mesh of shape
+``(M, L)``: a row is one node's ranks, a column the ranks that hold the same shard on every node. The model is
+sharded over the ``"shard"`` dimension (``fully_shard(module, mesh=device_mesh["shard"])``), so parameter all-gathers
+and gradient reduce-scatters stay on the fast links inside a node. Across nodes, each rank's gradient shard is averaged
+over its replicate group in full precision during warmup (:mod:`lightning_onebit.hooks.fsdp`), and after the freeze
+the optimizer averages its 1-bit compressed momentum shard over that group instead: about ``N / 8 · 2 (M-1)/M`` bytes
+leave a node per step, as with the hierarchical DDP exchange, while each rank holds ``1/L`` of the parameters,
+gradients, momentum, variance and error feedback.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Generator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_onebit._docs import docs_pointer
+from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.topology import Topology
+from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, fsdp_modules, register_replica_allreduce_hook
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim.sharded import is_sharded
+from lightning_onebit.strategy.arguments import the_compressed_optimizer
+from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, run_length, warn_if_run_ends_in_warmup
+from lightning_onebit.strategy.stage_log import StageLog
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OnebitFSDPStrategy", "node_mesh_ranks"]
+
+
+def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optional[int]) -> list[list[int]]:
+    """The ``(M, L)`` rank grid of the ``("replicate", "shard")`` mesh: row ``n`` is node ``n``'s ranks by local index.
+    ``placements``: every rank's ``(node_rank, local_rank)``; ``ranks_per_node`` overrides them (ranks ``kL .. kL +
+    L - 1`` form node ``k``). Raises ``ValueError`` (pure: before any collective) for one node, uneven nodes or one
+    rank per node, saying what to use instead."""
+    topology = Topology.plan(placements, "auto", ranks_per_node=ranks_per_node)
+    if topology.mode != "hierarchical":
+        raise ValueError(
+            f"strategy='onebit_fsdp' shards the model inside each node and compresses across nodes, so it needs "
+            f"several nodes with the same number (> 1) of ranks each, but {topology.reason}. "
+            "On one node there is nothing to compress: use FSDP2 with a plain optimizer (strategy=ModelParallelStrategy()"
+            "), or strategy='onebit_adam' to compress between the ranks; with one rank per node, "
+            "strategy='onebit_adam' trains the same without sharding; to simulate nodes on one host pass "
+            f"ranks_per_node. {docs_pointer('guides/sharded-training')}"
+        )
+    return [list(topology.node_ranks(node)) for node in range(topology.num_nodes)]
+
+
+class OnebitFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 inside each node and 1-bit Adam or 0/1 Adam across nodes (see the module docstring).
+
+    The device mesh (:attr:`device_mesh`, also the LightningModule's ``self.device_mesh``) has the dimensions
+    ``"replicate"`` (across nodes) and ``"shard"`` (inside a node). The model is sharded either by the strategy
+    (``shard_modules``) or by the LightningModule's ``configure_model`` with ``fully_shard(module,
+    mesh=self.device_mesh["shard"])``. Every rank gets different data (the sampler splits over all ranks).
+    ``configure_optimizers`` returns one :class:`~lightning_onebit.OnebitAdam` or :class:`~lightning_onebit.ZeroOneAdam`
+    over ``self.parameters()``; the strategy points its exchange at the replicate group and lays its momentum buckets
+    out like the FSDP groups (one bucket per module that ``fully_shard`` wrapped).
+
+    Args:
+        ranks_per_node: ranks per node; ``None`` (default) takes the placement from Lightning's cluster environment
+            (torchrun, SLURM, ...). Set it to simulate nodes on one host (ranks ``kL .. kL + L - 1`` form node ``k``).
+        shard_modules: module classes whose instances the strategy wraps with ``fully_shard`` over the shard mesh
+            (innermost first, then the root module); ``None`` (default): the LightningModule's ``configure_model``
+            shards the model.
+        timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+
+    Not yet supported (each is refused at setup with this reason): 1-bit LAMB, checkpoints (saving raises).
+    """
+
+    strategy_name = "onebit_fsdp"
+
+    def __init__(
+        self,
+        ranks_per_node: Optional[int] = None,
+        shard_modules: Optional[Sequence[type[Module]]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(f"ranks_per_node must be an integer >= 1 or None, got {ranks_per_node!r}")
+        if shard_modules is not None:
+            shard_modules = tuple(shard_modules)
+            bad = [m for m in shard_modules if not (isinstance(m, type) and issubclass(m, Module))]
+            if bad or not shard_modules:
+                raise ValueError(
+                    f"shard_modules must be a non-empty list of torch.nn.Module classes (e.g. [TransformerBlock]), got "
+                    f"{bad or shard_modules!r}"
+                )
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.ranks_per_node = ranks_per_node
+        self.shard_modules = shard_modules
+        self.replica_sync: Optional[ReplicaAllReduceState] = None
+        self._onebit_optimizer: Optional[CompressedOptimizer] = None
+        self._stage_log = StageLog()
+
+    # ------------------------------------------------------------------ the mesh
+    @override
+    def setup_environment(self) -> None:
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._device_mesh = self._build_mesh()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # the module's configure_model shards with it
+
+    def _build_mesh(self) -> Any:
+        """The ``(M, L)`` ``("replicate", "shard")`` mesh from every rank's placement (a collective)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        env = self.cluster_environment
+        assert env is not None
+        placements: list[Any] = [None] * self.world_size
+        dist.all_gather_object(placements, (env.node_rank(), env.local_rank()))
+        grid = node_mesh_ranks(placements, self.ranks_per_node)
+        rank_zero_info(
+            f"onebit_fsdp: {len(grid)} nodes x {len(grid[0])} ranks; parameters sharded inside each node, momenta "
+            "compressed across nodes"
+        )
+        return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank trains on its own data (the shard ranks of a node too: FSDP averages their gradients)
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ the model
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if self.shard_modules is not None:
+            self._shard(self.model)
+        elif not is_overridden("configure_model", self.lightning_module):
+            raise TypeError(
+                "strategy='onebit_fsdp' needs the model sharded over the node: pass "
+                "OnebitFSDPStrategy(shard_modules=[YourBlock, ...]), or override the LightningModule's "
+                "configure_model() and call fully_shard(module, mesh=self.device_mesh['shard']) there"
+            )
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._check_sharded(self.model)
+        self.replica_sync = ReplicaAllReduceState(self.device_mesh["replicate"].get_group(), self._sync_predicate)
+        register_replica_allreduce_hook(self.model, self.replica_sync)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self, model: Module) -> None:
+        """``fully_shard`` every instance of ``shard_modules`` (children before parents), then the root."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = self.device_mesh["shard"]
+        chosen = [m for m in model.modules() if isinstance(m, self.shard_modules) and not isinstance(m, FSDPModule)]
+        if not chosen:
+            names = ", ".join(c.__name__ for c in self.shard_modules)
+            raise ValueError(f"shard_modules ({names}) matched no module of {type(model).__name__}")
+        for module in reversed(chosen):  # modules() lists parents first
+            fully_shard(module, mesh=mesh)
+        if not isinstance(model, FSDPModule):
+            fully_shard(model, mesh=mesh)
+
+    def _check_sharded(self, model: Module) -> None:
+        """Every parameter must be a ``DTensor`` sharded over this strategy's shard mesh: raise ``ValueError`` (on
+        every rank, before any collective of training) naming the modules that are not, or whose mesh spans nodes."""
+        shard_mesh = self.device_mesh["shard"]
+        node = set(dist.get_process_group_ranks(shard_mesh.get_group()))
+        unsharded, spanning = [], []
+        for name, p in model.named_parameters():
+            if not is_sharded(p):
+                unsharded.append(name)
+            elif p.device_mesh != shard_mesh:
+                ranks = set(p.device_mesh.mesh.flatten().tolist())
+                (spanning if not ranks <= node else unsharded).append(name)
+        if spanning:
+            raise ValueError(
+                f"parameters {_names(spanning)} are sharded over a mesh that spans nodes: their reduce-scatters and "
+                "all-gathers would cross the slow link in full precision. Shard with the node's mesh, "
+                "fully_shard(module, mesh=self.device_mesh['shard'])"
+            )
+        if unsharded:
+            raise ValueError(
+                f"parameters {_names(unsharded)} are not sharded over the strategy's shard mesh: wrap their modules with "
+                "fully_shard(module, mesh=self.device_mesh['shard']) in configure_model (or name their classes in "
+                "OnebitFSDPStrategy(shard_modules=[...])), and the root module last"
+            )
+        if not fsdp_modules(model):
+            raise ValueError("the model has no module sharded with fully_shard")
+
+    # ------------------------------------------------------------------ the optimizer
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        optimizer = the_compressed_optimizer(self.optimizers)
+        if optimizer.sharded_unsupported_reason is not None:
+            raise ValueError(
+                f"strategy='onebit_fsdp' cannot train with {type(optimizer).__name__} yet: "
+                f"{optimizer.sharded_unsupported_reason}"
+            )
+        if not optimizer.shards:
+            raise ValueError(
+                f"{type(optimizer).__name__} holds none of the sharded parameters: create it in configure_optimizers "
+                "from self.parameters() (after configure_model sharded them)"
+            )
+        optimizer.process_group = self.device_mesh["replicate"].get_group()
+        assert self.model is not None
+        optimizer.set_bucket_plan(self._fsdp_groups(self.model, optimizer))
+        optimizer.agree_kernel_backend()
+        default_auto_freeze_bound(trainer, optimizer, run_length)
+        warn_if_run_ends_in_warmup(trainer, optimizer, run_length)
+        optimizer.observe_losses_from_caller()
+        self._onebit_optimizer = optimizer
+        self._stage_log.new_fit()
+
+    @staticmethod
+    def _fsdp_groups(model: Module, optimizer: CompressedOptimizer) -> list[list[torch.Tensor]]:
+        """One momentum bucket per FSDP group: each ``fully_shard`` module's own parameters (not those of a nested
+        FSDP module) that the optimizer compresses and trains."""
+        held = {id(p) for group in optimizer.param_groups if group["compress"] for p in group["params"]}
+        buckets = []
+        for module in fsdp_modules(model):
+            nested = {id(p) for child in fsdp_modules(module) if child is not module for p in child.parameters()}
+            own = [p for p in module.parameters() if id(p) not in nested and p.requires_grad]
+            own = [p for p in own if id(optimizer.shards.stand_in_of(p)) in held]
+            if own:
+                buckets.append(own)
+        return buckets
+
+    def _sync_predicate(self) -> bool:
+        return self._onebit_optimizer is None or self._onebit_optimizer.needs_gradient_allreduce
+
+    @property
+    def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
+        """The compressed optimizer this strategy drives (``None`` before setup)."""
+        return self._onebit_optimizer
+
+    @property
+    def stage(self) -> OnebitStage:
+        """Stage of the next optimizer step (warmup until an optimizer is connected)."""
+        return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+
+    @property
+    def communication(self) -> CommunicationCounters:
+        """This rank's cumulative communication across nodes: the warmup replica all-reduces plus the compressed
+        momentum exchanges (FSDP's own all-gathers and reduce-scatters inside the node are not counted)."""
+        total = CommunicationCounters() if self.replica_sync is None else self.replica_sync.counters.snapshot()
+        if self._onebit_optimizer is not None:
+            total = total + self._onebit_optimizer.communication
+        return total
+
+    # ------------------------------------------------------------------ stepping
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No reduce-scatter (and no replica all-reduce) on the micro-batches before the last of an accumulation."""
+        modules = fsdp_modules(self.model) if self.model is not None else []
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self._onebit_optimizer is not None:
+            self._stage_log.before_step(self._onebit_optimizer, self.lightning_module)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._onebit_optimizer is not None:  # freeze_step="auto" waits for the loss to leave its plateau
+            self._onebit_optimizer.observe_loss(closure_loss)
+        super().pre_backward(closure_loss)
+
+    @override
+    def on_train_end(self) -> None:
+        if self._onebit_optimizer is not None and self._onebit_optimizer.synchronize():
+            rank_zero_info("onebit_fsdp: replicas synchronised at the end of fit (local steps since the last sync)")
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        raise NotImplementedError(
+            "strategy='onebit_fsdp' cannot save checkpoints yet (the optimizer's sharded state is not yet mapped to a "
+            "distributed checkpoint): train with enable_checkpointing=False, or use strategy='onebit_adam'"
+        )
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "onebit_fsdp", cls, description="FSDP2 inside each node, 1-bit Adam / 0/1 Adam across nodes"
+        )
+
+
+def _names(names: list[str], shown: int = 6) -> str:
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
