@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 
+from typing import Union
+
 from lightning_onebit.optim import CompressedOptimizer
-from lightning_onebit.strategy import OnebitStrategy
+from lightning_onebit.strategy import OnebitFSDPStrategy, OnebitStrategy
 
 
-def _onebit_strategy(trainer: "pl.Trainer", who: str) -> OnebitStrategy:
+def _onebit_strategy(trainer: "pl.Trainer", who: str) -> Union[OnebitStrategy, OnebitFSDPStrategy]:
     strategy = trainer.strategy
-    if not isinstance(strategy, OnebitStrategy):
+    if not isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy)):
         raise ValueError(
-            f"{who} needs the 'onebit_adam' strategy (lightning_onebit.OnebitStrategy), but the Trainer uses "
-            f"{type(strategy).__name__}. Pass Trainer(strategy='onebit_adam') or remove the callback."
+            f"{who} needs the 'onebit_adam' or 'onebit_fsdp' strategy (lightning_onebit.OnebitStrategy, "
+            f"OnebitFSDPStrategy), but the Trainer uses {type(strategy).__name__}. Pass "
+            "Trainer(strategy='onebit_adam') or remove the callback."
         )
     return strategy
 

@@ -93,7 +93,8 @@ class AutoFreezeMixin:
         """What the freeze detector measures now: ``(numel, v, correction, beta2)`` for every trainable parameter of
         the compressed param groups, in order (the update will use ``v / correction``, 1 without bias correction;
         ``v`` is ``None`` where the parameter has no variance yet; ``compress=False`` groups are left out: their
-        variance is never frozen), the subclass's settling figures, the parameters' device and the process group."""
+        variance is never frozen), the subclass's settling figures, the parameters' device and the process group
+        that decides (the default group when the parameters are sharded)."""
         variances = []
         for group in self.param_groups:
             if not group["compress"]:
@@ -103,7 +104,10 @@ class AutoFreezeMixin:
             variances += [(p.numel(), self.state[p].get("exp_avg_sq"), correction, b2) for p in trainable(group)]
         params = [p for group in self.param_groups for p in group["params"]]
         device = params[0].device if params else torch.device("cpu")
-        return VarianceReading(variances, self._settling_figures(), device, self.process_group)
+        # sharded parameters: every rank measures its own shard, so every rank (not only the replicate group, which
+        # holds one shard) must agree, or the shards of a node would end their warmups at different steps
+        agree_over = None if self.shards else self.process_group
+        return VarianceReading(variances, self._settling_figures(), device, agree_over)
 
     def _observe_variance(self) -> None:
         """freeze_step='auto': measure after this warmup step; end the warmup here if the detector says so."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Generator, Optional, Sequence, Union
 
@@ -40,6 +41,13 @@ from lightning_onebit.optim import CompressedOptimizer, OnebitStage
 from lightning_onebit.optim.sharded import is_sharded
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, run_length, warn_if_run_ends_in_warmup
+from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
+from lightning_onebit.strategy.checkpoint import save_per_rank_state
+from lightning_onebit.strategy.sharded_checkpoint import (
+    is_distributed_checkpoint,
+    load_sharded_optimizer_state,
+    sharded_optimizer_state,
+)
 from lightning_onebit.strategy.stage_log import StageLog
 
 log = logging.getLogger(__name__)
@@ -50,17 +58,25 @@ __all__ = ["OnebitFSDPStrategy", "node_mesh_ranks"]
 def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optional[int]) -> list[list[int]]:
     """The ``(M, L)`` rank grid of the ``("replicate", "shard")`` mesh: row ``n`` is node ``n``'s ranks by local index.
     ``placements``: every rank's ``(node_rank, local_rank)``; ``ranks_per_node`` overrides them (ranks ``kL .. kL +
-    L - 1`` form node ``k``). Raises ``ValueError`` (pure: before any collective) for one node, uneven nodes or one
-    rank per node, saying what to use instead."""
+    L - 1`` form node ``k``). Raises ``ValueError`` (pure: before any collective) for one node or uneven nodes, saying
+    what to use instead. One rank per node is allowed (nothing is sharded; ``onebit_adam`` does the same with less
+    overhead, which the strategy logs)."""
+    if ranks_per_node is not None and len(placements) % ranks_per_node:
+        raise ValueError(
+            f"strategy='onebit_fsdp' needs nodes of equal size, but ranks_per_node={ranks_per_node} does not divide "
+            f"the {len(placements)} ranks: pass a ranks_per_node that divides the world size"
+        )
     topology = Topology.plan(placements, "auto", ranks_per_node=ranks_per_node)
-    if topology.mode != "hierarchical":
+    sizes = topology.node_sizes
+    if topology.num_nodes == 1 or len(set(sizes)) != 1:
+        why = (f"all {topology.world_size} ranks are on one node" if topology.num_nodes == 1
+               else f"nodes have uneven numbers of ranks {list(sizes)}")
         raise ValueError(
             f"strategy='onebit_fsdp' shards the model inside each node and compresses across nodes, so it needs "
-            f"several nodes with the same number (> 1) of ranks each, but {topology.reason}. "
-            "On one node there is nothing to compress: use FSDP2 with a plain optimizer (strategy=ModelParallelStrategy()"
-            "), or strategy='onebit_adam' to compress between the ranks; with one rank per node, "
-            "strategy='onebit_adam' trains the same without sharding; to simulate nodes on one host pass "
-            f"ranks_per_node. {docs_pointer('guides/sharded-training')}"
+            f"several nodes with the same number of ranks each, but {why}. On one node there is nothing to "
+            "compress: use FSDP2 with a plain optimizer (strategy=ModelParallelStrategy()), or strategy='onebit_adam' "
+            "to compress between the ranks; to simulate nodes on one host pass ranks_per_node. "
+            f"{docs_pointer('guides/sharded-training')}"
         )
     return [list(topology.node_ranks(node)) for node in range(topology.num_nodes)]
 
@@ -84,7 +100,11 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
             shards the model.
         timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
 
-    Not yet supported (each is refused at setup with this reason): 1-bit LAMB, checkpoints (saving raises).
+    Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
+    ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
+    (:class:`~lightning_onebit.ErrorFeedbackCheckpoint`).
+
+    Not yet supported (refused at setup with the reason): 1-bit LAMB.
     """
 
     strategy_name = "onebit_fsdp"
@@ -114,6 +134,8 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         self.replica_sync: Optional[ReplicaAllReduceState] = None
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._stage_log = StageLog()
+        self._run_id = ""  # identifies this run's checkpoints in their per-rank files (set at setup)
+        self._save_index = 0
 
     # ------------------------------------------------------------------ the mesh
     @override
@@ -136,6 +158,8 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         rank_zero_info(
             f"onebit_fsdp: {len(grid)} nodes x {len(grid[0])} ranks; parameters sharded inside each node, momenta "
             "compressed across nodes"
+            + ("" if len(grid[0]) > 1 else " (one rank per node: nothing is sharded, and strategy='onebit_adam' "
+               "trains the same with less overhead)")
         )
         return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
 
@@ -162,6 +186,7 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._check_sharded(self.model)
+        self._run_id = agree_run_id(self.global_rank)
         self.replica_sync = ReplicaAllReduceState(self.device_mesh["replicate"].get_group(), self._sync_predicate)
         register_replica_allreduce_hook(self.model, self.replica_sync)
         self.barrier()
@@ -315,11 +340,66 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's sharded state dict, after syncing the replicas if the optimizer took local steps since its last
+        sync (0/1 Adam; a collective: every rank saves)."""
+        onebit = self._onebit_optimizer
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if onebit is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            onebit.synchronize()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The compressed optimizer's state keyed by parameter name, its shards as ``DTensor`` s
+        (:func:`~lightning_onebit.strategy.sharded_checkpoint.sharded_optimizer_state`)."""
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if not isinstance(inner, CompressedOptimizer) or not inner.shards:
+            return super().optimizer_state(optimizer)
+        if not self._save_distributed_checkpoint:
+            raise ValueError(
+                "strategy='onebit_fsdp' saves distributed checkpoints (a folder, one shard per rank); "
+                "save_distributed_checkpoint=False is not supported yet"
+            )
+        assert self.model is not None
+        return sharded_optimizer_state(inner, self.model)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        raise NotImplementedError(
-            "strategy='onebit_fsdp' cannot save checkpoints yet (the optimizer's sharded state is not yet mapped to a "
-            "distributed checkpoint): train with enable_checkpointing=False, or use strategy='onebit_adam'"
-        )
+        """A distributed checkpoint (a folder: model and optimizer shards, ``meta.pt``), and this rank's sidecar next to
+        it for per-rank state (``ErrorFeedbackCheckpoint(policy="keep")``'s error feedback)."""
+        path = Path(self.broadcast(filepath))
+        self._save_index = save_per_rank_state(checkpoint, path, self._run_id, self._save_index, self.global_rank,
+                                               self.world_size, None)
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a distributed checkpoint at this run's mesh (resharded when the world size changed), and this rank's
+        sidecar; a bad or missing sidecar is reported under ``PER_RANK_STATUS_KEY`` (never raised here)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        path = Path(self.broadcast(checkpoint_path))
+        onebit = self._onebit_optimizer
+        if onebit is None or not is_distributed_checkpoint(path):
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            assert self.model is not None and self.lightning_module is not None
+            model_state = {"state_dict": get_model_state_dict(self.model)}
+            dcp.load(model_state, checkpoint_id=str(path))
+            set_model_state_dict(self.model, model_state["state_dict"])
+            load_sharded_optimizer_state(onebit, self.model, path, "optimizer_0")
+            checkpoint = torch.load(path / "meta.pt", weights_only=weights_only)
+        restore_per_rank_state(checkpoint, path, self.global_rank, self.world_size)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        sidecar = owned_sidecar(filepath, self.global_rank)
+        super().remove_checkpoint(filepath)
+        remove_sidecar(sidecar)
 
     # ------------------------------------------------------------------ registry
     @classmethod

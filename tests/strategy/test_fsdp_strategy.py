@@ -34,8 +34,11 @@ class Block(nn.Module):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, optimizer: str = "onebit_adam", shard_in_configure_model: bool = False) -> None:
+    def __init__(self, optimizer: str = "onebit_adam", shard_in_configure_model: bool = False,
+                 samples: int = 4 * 8 * 12, data_by_step: bool = False) -> None:
         super().__init__()
+        self.samples = samples
+        self.data_by_step = data_by_step
         torch.manual_seed(0)
         self.blocks = nn.Sequential(Block(6, 16), Block(16, 16))
         self.head = nn.Linear(16, 2)
@@ -56,6 +59,10 @@ class Model(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.data_by_step:  # a function of the step and rank only: a resumed run sees what an uninterrupted one did
+            g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+            x = torch.randn(x.shape, generator=g)
+            y = torch.stack([x.sum(1).sin(), x[:, 0] * x[:, 1]], 1)
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> Any:
@@ -64,22 +71,27 @@ class Model(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(7)
-        x = torch.randn(4 * 8 * 12, 6, generator=g)
+        x = torch.randn(self.samples, 6, generator=g)
         y = torch.stack([x.sum(1).sin(), x[:, 0] * x[:, 1]], 1)
         return DataLoader(TensorDataset(x, y), batch_size=8)
 
 
 def _fit(shard_modules: Optional[list[type]] = (Block,), accumulate: int = 1, steps: int = 10,
-         ranks_per_node: int = 2, **model_kwargs: Any) -> dict[str, Any]:
+         ranks_per_node: int = 2, devices: int = 4, save_to: Optional[str] = None, resume_from: Optional[str] = None,
+         callbacks: Optional[list[Any]] = None, **model_kwargs: Any) -> dict[str, Any]:
     model = Model(**model_kwargs)
     strategy = OnebitFSDPStrategy(ranks_per_node=ranks_per_node,
                                   shard_modules=list(shard_modules) if shard_modules else None)
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accumulate_grad_batches=accumulate)
-    trainer.fit(model)
+                         accumulate_grad_batches=accumulate, callbacks=callbacks)
+    trainer.fit(model, ckpt_path=resume_from)
     optimizer = strategy.onebit_optimizer
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return dict(
+        full=[p.full_tensor().detach().clone() for p in model.parameters()],
+        first_full=getattr(model, "first_full", None),
         shards=torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]),
         mesh_dims=strategy.device_mesh.mesh_dim_names,
         buckets=[len(b) for b in optimizer.bucket_plan],
@@ -130,7 +142,8 @@ def test_gradient_accumulation_reduces_once_per_step(fits: list[dict[str, Any]])
 
 def scenario_errors(rank: int, world_size: int) -> dict[str, str]:
     out = {}
-    for name, kwargs in (("one_node", dict(ranks_per_node=4)), ("unsharded", dict(shard_modules=None)),
+    for name, kwargs in (("one_node", dict(ranks_per_node=4)), ("uneven", dict(ranks_per_node=3)),
+                         ("unsharded", dict(shard_modules=None)),
                          ("lamb", dict(optimizer="onebit_lamb"))):
         try:
             _fit(**kwargs)
@@ -143,6 +156,7 @@ def scenario_errors(rank: int, world_size: int) -> dict[str, str]:
 def test_bad_setups_are_refused_on_every_rank_before_training() -> None:
     for r in run_distributed(scenario_errors, 4, timeout_s=300):
         assert "several nodes" in r["one_node"] and "ModelParallelStrategy" in r["one_node"], r["one_node"]
+        assert "divide" in r["uneven"], r["uneven"]
         assert "configure_model" in r["unsharded"] and "shard_modules" in r["unsharded"], r["unsharded"]
         assert "OnebitLamb" in r["lamb"] and "yet" in r["lamb"] and "onebit_adam" in r["lamb"], r["lamb"]
 
@@ -154,5 +168,64 @@ def test_the_mesh_rows_are_nodes_from_the_placements() -> None:
     assert node_mesh_ranks([(0, r) for r in range(6)], 3) == [[0, 1, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="several nodes"):
         node_mesh_ranks([(0, r) for r in range(4)], None)
-    with pytest.raises(ValueError, match="several nodes"):
-        node_mesh_ranks([(0, 0), (0, 1), (1, 0)], None)  # uneven nodes
+    with pytest.raises(ValueError, match="uneven"):
+        node_mesh_ranks([(0, 0), (0, 1), (1, 0)], None)
+    assert node_mesh_ranks([(r, 0) for r in range(3)], None) == [[0], [1], [2]]  # one rank per node: allowed
+
+
+class RecordStart(pl.Callback):
+    """Records the whole parameters when training starts (after a resume loaded them)."""
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        # clone: with one rank per shard, full_tensor() is the parameter itself, which training goes on changing
+        module.first_full = [p.full_tensor().detach().clone() for p in module.parameters()]
+
+
+def scenario_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from lightning_onebit import ErrorFeedbackCheckpoint
+
+    keep = lambda: [ErrorFeedbackCheckpoint(policy="keep")]  # noqa: E731
+    whole = _fit(steps=10, callbacks=keep(), data_by_step=True)
+    saved = _fit(steps=6, callbacks=keep(), data_by_step=True, save_to=f"{folder}/step6.ckpt")
+    resumed = _fit(steps=10, callbacks=keep(), data_by_step=True, resume_from=f"{folder}/step6.ckpt")
+    return dict(whole=whole, saved=saved, resumed=resumed)
+
+
+def scenario_resharded(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    from lightning_onebit import ErrorFeedbackCheckpoint
+
+    callback = ErrorFeedbackCheckpoint(policy="keep")
+    run = _fit(steps=8, ranks_per_node=1, devices=2, callbacks=[callback, RecordStart()], data_by_step=True,
+               resume_from=f"{folder}/step6.ckpt")
+    return dict(run, restored=callback.restored)
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = str(tmp_path_factory.mktemp("onebit_fsdp_checkpoints"))
+    four = run_distributed(scenario_resume, 4, folder, timeout_s=400)
+    two = run_distributed(scenario_resharded, 2, folder, timeout_s=300)
+    return dict(four=four, two=two, folder=folder)
+
+
+def test_a_resume_with_kept_error_feedback_continues_bitwise(resumes: dict[str, Any]) -> None:
+    import os
+
+    four = resumes["four"]
+    assert os.path.isdir(os.path.join(resumes["folder"], "step6.ckpt"))  # a distributed checkpoint: a folder
+    for r in four:
+        assert torch.equal(r["whole"]["shards"], r["resumed"]["shards"])
+        assert r["resumed"]["steps"] == 10 and r["resumed"]["stage"] == "compression"
+    _same_shard_ranks_identical([r["resumed"] for r in four])
+
+
+def test_a_checkpoint_of_4_ranks_loads_resharded_on_2_and_resets_the_error_feedback(resumes: dict[str, Any]) -> None:
+    four, two = resumes["four"], resumes["two"]
+    for r in two:
+        # the whole parameters at the resume are those the 4-rank run saved at step 6, resharded from 2 shards to 1
+        for loaded, saved in zip(r["first_full"], four[0]["saved"]["full"]):
+            assert torch.equal(loaded, saved), float((loaded - saved).abs().max())
+        # the optimizer state came along: the step count, and the compression stage from step 5 on
+        assert (r["steps"], r["stage"]) == (8, "compression")
+        # the sidecars were written for world size 4: every rank resets its error feedback (and says why, once)
+        assert r["restored"] is False
