@@ -24,6 +24,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -43,6 +44,7 @@ from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, run_length, warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
 from lightning_onebit.strategy.checkpoint import save_per_rank_state
+from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
 from lightning_onebit.strategy.sharded_checkpoint import (
     is_distributed_checkpoint,
     load_sharded_optimizer_state,
@@ -98,6 +100,11 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         shard_modules: module classes whose instances the strategy wraps with ``fully_shard`` over the shard mesh
             (innermost first, then the root module); ``None`` (default): the LightningModule's ``configure_model``
             shards the model.
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the modules the strategy shards, e.g.
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in
+            bf16 on all-gathered bf16 parameters, gradients reduced in fp32, the optimizer on fp32 master shards.
+            With ``configure_model`` pass ``mp_policy`` to ``fully_shard`` there. Default ``None`` (no policy: the
+            Trainer's ``precision`` applies).
         timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
 
     Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
@@ -113,6 +120,7 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         self,
         ranks_per_node: Optional[int] = None,
         shard_modules: Optional[Sequence[type[Module]]] = None,
+        mixed_precision: Optional[Any] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
@@ -128,14 +136,42 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
                     f"shard_modules must be a non-empty list of torch.nn.Module classes (e.g. [TransformerBlock]), got "
                     f"{bad or shard_modules!r}"
                 )
+        if mixed_precision is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            if not isinstance(mixed_precision, MixedPrecisionPolicy):
+                raise ValueError(
+                    "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy (e.g. "
+                    f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), got "
+                    f"{mixed_precision!r}"
+                )
+            if shard_modules is None:
+                raise ValueError(
+                    "mixed_precision applies to the modules the strategy shards (shard_modules); with configure_model, "
+                    "pass mp_policy=... to your fully_shard calls instead"
+                )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.ranks_per_node = ranks_per_node
         self.shard_modules = shard_modules
+        self.mixed_precision = mixed_precision
         self.replica_sync: Optional[ReplicaAllReduceState] = None
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._stage_log = StageLog()
+        self._stage_log = StageLog(
+            "onebit_fsdp: gradient clipping in the compression stage clips each node's averaged gradient by its norm "
+            "(gradients are no longer averaged across nodes before the optimizer)."
+        )
         self._run_id = ""  # identifies this run's checkpoints in their per-rank files (set at setup)
         self._save_index = 0
+
+    # ------------------------------------------------------------------ precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ShardedPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # clipping must see the sharded parameters, not the optimizer's stand-ins over one shard
+        self._precision_plugin = None if precision_plugin is None else sharded_precision(precision_plugin)
 
     # ------------------------------------------------------------------ the mesh
     @override
@@ -205,10 +241,11 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         if not chosen:
             names = ", ".join(c.__name__ for c in self.shard_modules)
             raise ValueError(f"shard_modules ({names}) matched no module of {type(model).__name__}")
+        kwargs = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
         for module in reversed(chosen):  # modules() lists parents first
-            fully_shard(module, mesh=mesh)
+            fully_shard(module, mesh=mesh, **kwargs)
         if not isinstance(model, FSDPModule):
-            fully_shard(model, mesh=mesh)
+            fully_shard(model, mesh=mesh, **kwargs)
 
     def _check_sharded(self, model: Module) -> None:
         """Every parameter must be a ``DTensor`` sharded over this strategy's shard mesh: raise ``ValueError`` (on

@@ -14,7 +14,11 @@ from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind
 class StageLog:
     """Announces the optimizer's phase (``describe_phase``) when it changes and warns about local clipping once."""
 
-    def __init__(self) -> None:
+    def __init__(self, local_clipping_warning: str = (
+        "onebit_adam: gradient clipping in the compression stage clips each rank's local gradient by its local norm "
+        "(gradients are no longer averaged before the optimizer)."
+    )) -> None:
+        self.local_clipping_warning = local_clipping_warning
         self.announced_phase: Optional[StepKind] = None  # the optimizer phase last announced (describe_phase)
         self.warned_local_clipping = False
 
@@ -35,8 +39,5 @@ class StageLog:
         trainer = module.trainer if module is not None else None
         if self.warned_local_clipping or trainer is None or not trainer.gradient_clip_val:
             return
-        rank_zero_warn(
-            "onebit_adam: gradient clipping in the compression stage clips each rank's local gradient by its local "
-            "norm (gradients are no longer averaged before the optimizer)."
-        )
+        rank_zero_warn(self.local_clipping_warning)
         self.warned_local_clipping = True

@@ -22,6 +22,7 @@ from lightning_onebit.strategy.fsdp import node_mesh_ranks
 from tests.distributed import run_distributed
 
 FREEZE = 4
+CLIP = 0.05  # well below the gradient norms of this model and data
 
 
 class Block(nn.Module):
@@ -31,6 +32,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(x))
+
+
+class RecordingOnebitAdam(OnebitAdam):
+    """Records the squared norm of the gradients (this rank's shards) that each warmup step reads."""
+
+    def _warmup_step(self) -> Any:
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.__dict__.setdefault("grad_sq", []).append(sum(float(g.double().pow(2).sum()) for g in grads))
+        return super()._warmup_step()
 
 
 class Model(pl.LightningModule):
@@ -66,7 +76,7 @@ class Model(pl.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> Any:
-        cls = OnebitLamb if self.optimizer_name == "onebit_lamb" else OnebitAdam
+        cls = {"onebit_lamb": OnebitLamb, "recording": RecordingOnebitAdam}.get(self.optimizer_name, OnebitAdam)
         return cls(self.parameters(), lr=1e-2, freeze_step=FREEZE)
 
     def train_dataloader(self) -> DataLoader:
@@ -78,13 +88,18 @@ class Model(pl.LightningModule):
 
 def _fit(shard_modules: Optional[list[type]] = (Block,), accumulate: int = 1, steps: int = 10,
          ranks_per_node: int = 2, devices: int = 4, save_to: Optional[str] = None, resume_from: Optional[str] = None,
-         callbacks: Optional[list[Any]] = None, **model_kwargs: Any) -> dict[str, Any]:
+         callbacks: Optional[list[Any]] = None, clip: Optional[float] = None, bf16: bool = False,
+         **model_kwargs: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     model = Model(**model_kwargs)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     strategy = OnebitFSDPStrategy(ranks_per_node=ranks_per_node,
-                                  shard_modules=list(shard_modules) if shard_modules else None)
+                                  shard_modules=list(shard_modules) if shard_modules else None,
+                                  mixed_precision=policy)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accumulate_grad_batches=accumulate, callbacks=callbacks)
+                         accumulate_grad_batches=accumulate, callbacks=callbacks, gradient_clip_val=clip)
     trainer.fit(model, ckpt_path=resume_from)
     optimizer = strategy.onebit_optimizer
     if save_to is not None:
@@ -92,6 +107,8 @@ def _fit(shard_modules: Optional[list[type]] = (Block,), accumulate: int = 1, st
     return dict(
         full=[p.full_tensor().detach().clone() for p in model.parameters()],
         first_full=getattr(model, "first_full", None),
+        grad_sq=getattr(optimizer, "grad_sq", None),
+        dtypes={p.dtype for p in model.parameters()},
         shards=torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]),
         mesh_dims=strategy.device_mesh.mesh_dim_names,
         buckets=[len(b) for b in optimizer.bucket_plan],
@@ -103,7 +120,10 @@ def _fit(shard_modules: Optional[list[type]] = (Block,), accumulate: int = 1, st
 
 def scenario_fits(rank: int, world_size: int) -> dict[str, Any]:
     return dict(by_strategy=_fit(), by_configure_model=_fit(shard_modules=None, shard_in_configure_model=True),
-                accumulated=_fit(accumulate=2, steps=8))
+                accumulated=_fit(accumulate=2, steps=8),
+                unclipped=_fit(steps=FREEZE, optimizer="recording"),
+                clipped=_fit(steps=FREEZE, optimizer="recording", clip=CLIP),
+                bf16=_fit(bf16=True, accumulate=2, steps=8), errors=_errors())
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +160,30 @@ def test_gradient_accumulation_reduces_once_per_step(fits: list[dict[str, Any]])
     assert all(r["skipped"] == 3 * (8 - FREEZE) for r in runs)
 
 
-def scenario_errors(rank: int, world_size: int) -> dict[str, str]:
+def test_bf16_compute_with_fp32_master_shards_keeps_same_shard_ranks_identical(fits: list[dict[str, Any]]) -> None:
+    runs = [f["bf16"] for f in fits]
+    _same_shard_ranks_identical(runs)
+    assert all(r["dtypes"] == {torch.float32} for r in runs)  # the optimizer steps fp32 master shards
+    # bf16 forward and backward give other parameters than fp32 (the policy was applied)
+    assert not torch.equal(runs[0]["shards"], fits[0]["accumulated"]["shards"])
+    assert (runs[0]["shards"] - fits[0]["accumulated"]["shards"]).abs().max() < 5e-2
+
+
+def test_clipping_by_norm_clips_the_whole_gradient_not_one_shard(fits: list[dict[str, Any]]) -> None:
+    for name in ("unclipped", "clipped"):
+        runs = [f[name] for f in fits]
+        # the whole gradient's norm: the two shards of a node (in warmup every node holds the same average)
+        norms = [(a + b) ** 0.5 for a, b in zip(runs[0]["grad_sq"], runs[1]["grad_sq"])]
+        assert len(norms) == FREEZE
+        if name == "unclipped":
+            assert min(norms) > 2 * CLIP, norms
+        else:
+            # clip_grad_norm_ over the DTensors: the whole gradient scaled to CLIP (one shard alone would be smaller)
+            assert all(abs(n - CLIP) < 1e-4 * CLIP for n in norms), norms
+            assert all(a < CLIP**2 for a in runs[0]["grad_sq"])
+
+
+def _errors() -> dict[str, str]:
     out = {}
     for name, kwargs in (("one_node", dict(ranks_per_node=4)), ("uneven", dict(ranks_per_node=3)),
                          ("unsharded", dict(shard_modules=None)),
@@ -153,8 +196,8 @@ def scenario_errors(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
-def test_bad_setups_are_refused_on_every_rank_before_training() -> None:
-    for r in run_distributed(scenario_errors, 4, timeout_s=300):
+def test_bad_setups_are_refused_on_every_rank_before_training(fits: list[dict[str, Any]]) -> None:
+    for r in (f["errors"] for f in fits):
         assert "several nodes" in r["one_node"] and "ModelParallelStrategy" in r["one_node"], r["one_node"]
         assert "divide" in r["uneven"], r["uneven"]
         assert "configure_model" in r["unsharded"] and "shard_modules" in r["unsharded"], r["unsharded"]
