@@ -19,6 +19,12 @@ rank, ``broadcast_buffers=False``: BERT's buffers are constant position / token-
   onebit_flat          DDP + switchable_allreduce_hook + OnebitAdam(freeze_step=W, topology=Topology.build(...,
                        mode="flat")); W warmup steps untimed, timed in the compression stage only
   onebit_hierarchical  the same with mode="hierarchical"
+  fsdp_adamw           FSDP2 (``fully_shard`` of every encoder layer, then the model) over each node's 2 ranks, the
+                       replica all-reduce hook (``lightning_onebit.hooks.fsdp``) averaging each gradient shard across
+                       nodes in fp32 every step, torch.optim.AdamW (foreach) on the shards
+  fsdp_onebit          the same sharding, OnebitAdam(freeze_step=W) over the replicate group with one momentum bucket
+                       per FSDP group (``onebit_fsdp``'s layout): the replica all-reduce in warmup only, then the 1-bit
+                       exchange of each rank's momentum shard across nodes; W warmup steps untimed
   local_4proc          every process trains its own replica, no communication (compute reference under the same
                        4-process load on this host's cores)
 
@@ -73,7 +79,8 @@ from typing import Any, Iterator, Optional
 from benchmarks import netns
 from benchmarks.common import ROOT, argument_parser, module_command
 
-METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "local_4proc")
+METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "fsdp_adamw", "fsdp_onebit", "local_4proc")
+FSDP_METHODS = ("fsdp_adamw", "fsdp_onebit")
 ONEBIT_MODES = {"onebit_flat": "flat", "onebit_hierarchical": "hierarchical"}
 NODES, RANKS_PER_NODE = netns.VETH_NODES, 2
 MASTER_PORT = 29611
@@ -95,7 +102,8 @@ def formula_bytes_per_node(n: int, nodes: int, ranks_per_node: int) -> dict[str,
     )
 
 
-METHOD_FORMULA = dict(ddp_fp32="fp32_ring", onebit_flat="onebit_flat", onebit_hierarchical="onebit_hierarchical")
+METHOD_FORMULA = dict(ddp_fp32="fp32_ring", onebit_flat="onebit_flat", onebit_hierarchical="onebit_hierarchical",
+                      fsdp_adamw="fp32_hierarchical", fsdp_onebit="onebit_hierarchical")
 
 
 def formula_table(n: int) -> list[dict[str, Any]]:
@@ -227,18 +235,29 @@ def _worker(args: argparse.Namespace) -> None:
                 optimizer=_counter_dict(opt.communication), hook=_counter_dict(sync.counters))
             warm = steps(model, opt, batches, W)
             extra["warmup_times_s"] = warm["times_s"]
+        elif method in FSDP_METHODS:
+            model, opt, sync, extra["mesh"] = _fsdp_method(method, model, node_rank, local_rank, W)
+            meter = lambda opt=opt, sync=sync: dict(  # noqa: E731
+                optimizer=_counter_dict(opt.communication) if hasattr(opt, "communication") else {},
+                hook=_counter_dict(sync.counters))
+            if method == "fsdp_onebit":
+                warm = steps(model, opt, batches, W)
+                extra["warmup_times_s"] = warm["times_s"]
         else:  # pragma: no cover
             raise ValueError(method)
         untimed = steps(model, opt, batches, U)
-        if method in ONEBIT_MODES and opt.needs_gradient_allreduce:
+        if (method in ONEBIT_MODES or method == "fsdp_onebit") and opt.needs_gradient_allreduce:
             raise RuntimeError(f"{method}: still in warmup after {W + U} steps")
-        log(f"{method}: {W if method in ONEBIT_MODES else 0} warmup + {U} untimed steps done "
+        log(f"{method}: {W if method in ONEBIT_MODES or method == 'fsdp_onebit' else 0} warmup + {U} untimed steps done "
             f"({time.perf_counter() - started:.0f} s); timing {N} steps")
         with windows(method) as info:
             timed = steps(model, opt, batches, N, meter)
             info["median_step_s_rank0"] = statistics.median(timed["times_s"])
         if method in ONEBIT_MODES:
             extra["skipped_grad_buckets"] = sync.skipped_buckets
+            extra["stage"] = str(opt.stage)
+        if method == "fsdp_onebit":
+            extra["skipped_grad_buckets"] = sync.skipped
             extra["stage"] = str(opt.stage)
         out["methods"][method] = dict(untimed_times_s=untimed["times_s"], wall_s=time.perf_counter() - started,
                                       loadavg_1min_after=os.getloadavg()[0], **timed, **extra)
@@ -247,6 +266,47 @@ def _worker(args: argparse.Namespace) -> None:
     (sync_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _fsdp_method(method: str, model: Any, node_rank: int, local_rank: int, warmup: int
+                 ) -> tuple[Any, Any, Any, list[int]]:
+    """``model`` sharded with FSDP2 inside each node (every encoder layer, then the model), its optimizer, the replica
+    all-reduce hook's state and the mesh's shape: see the module docstring's fsdp_* methods."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from benchmarks.slow_link import LR, WEIGHT_DECAY
+    from lightning_onebit import OnebitAdam
+    from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, fsdp_modules, register_replica_allreduce_hook
+    from lightning_onebit.strategy.fsdp import node_mesh_ranks
+
+    placements: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(placements, (node_rank, local_rank))
+    grid = node_mesh_ranks(placements, None)
+    mesh = DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    replicate = mesh["replicate"].get_group()
+    if method == "fsdp_adamw":
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        sync = ReplicaAllReduceState(replicate)
+    else:
+        opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=warmup,
+                         process_group=replicate)
+        # one momentum bucket per FSDP group, as OnebitFSDPStrategy lays them out
+        buckets = []
+        for module in fsdp_modules(model):
+            nested = {id(p) for child in fsdp_modules(module) if child is not module for p in child.parameters()}
+            own = [p for p in module.parameters() if id(p) not in nested and p.requires_grad]
+            if own:
+                buckets.append(own)
+        opt.set_bucket_plan(buckets)
+        sync = ReplicaAllReduceState(replicate, lambda: opt.needs_gradient_allreduce)
+    register_replica_allreduce_hook(model, sync)
+    return model, opt, sync, [len(grid), len(grid[0])]
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
@@ -350,13 +410,14 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         if method == "ddp_fp32":
             counters = [float(ring_allreduce_bytes(n_params, 4, world))] * NODES
             source = "analytic: gloo ring allreduce, one rank per node sends 2(P-1)/P 4N off the node"
-        elif method in ONEBIT_MODES:
+        elif method in ONEBIT_MODES or method in FSDP_METHODS:
             counters = [0.0] * NODES
             for r in per_rank:
                 c = r["methods"][method]["counters"]
-                counters[r["node_rank"]] += (c["optimizer"]["bytes_sent_inter_node"]
+                counters[r["node_rank"]] += (c["optimizer"].get("bytes_sent_inter_node", 0.0)
                                              + c["hook"]["bytes_sent_inter_node"]) / steps
-            source = "measured: OnebitAdam.communication + GradientSyncState counters, bytes_sent_inter_node"
+            source = ("measured: OnebitAdam.communication + the warmup hook's counters (GradientSyncState, or "
+                      "ReplicaAllReduceState under FSDP), bytes_sent_inter_node; FSDP's intra-node traffic uncounted")
         else:
             counters = [0.0] * NODES
             source = "no communication"
@@ -391,13 +452,15 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             nodes=nodes,
             final_loss=[r["methods"][method]["losses"][-1] for r in per_rank],
         )
-        for key in ("topology", "skipped_grad_buckets", "stage"):
+        for key in ("topology", "skipped_grad_buckets", "stage", "mesh"):
             if key in per_rank[0]["methods"][method]:
                 row[key] = per_rank[0]["methods"][method][key]
         rows[method] = row
     ref = rows.get("onebit_hierarchical", {}).get("step_s")
     for row in rows.values():
         row["ratio_to_hierarchical"] = row["step_s"] / ref if ref else None
+    if "fsdp_adamw" in rows and "fsdp_onebit" in rows:
+        rows["fsdp_onebit"]["speedup_over_fsdp_adamw"] = rows["fsdp_adamw"]["step_s"] / rows["fsdp_onebit"]["step_s"]
     return dict(rows=rows, barrier_bytes_per_node=barrier, barriers_per_window=f"steps + 2 = {steps + 2}")
 
 
@@ -424,8 +487,11 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
     print(f"  veth figures: timed-window bytes minus its {summary['barriers_per_window']} barriers "
           f"(one barrier: {one}), "
           f"per step; 'veth tc' = tbf qdisc Sent bytes (IP packets, headers per segment), 'veth tx' = link tx bytes.")
-    print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* measured bytes_sent_inter_node, summed per node; "
-          "diff = veth tc / counters - 1, worst node")
+    print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* and fsdp_* measured bytes_sent_inter_node, summed "
+          "per node; diff = veth tc / counters - 1, worst node")
+    if "speedup_over_fsdp_adamw" in rows.get("fsdp_onebit", {}):
+        print(f"  fsdp_onebit compression-stage step: {rows['fsdp_onebit']['speedup_over_fsdp_adamw']:.2f}x faster than "
+              "fsdp_adamw")
     drops = {name: sum(d["qdisc_drops"] for d in r["nodes"]) for name, r in rows.items()}
     if any(drops.values()):
         print(f"  tbf drops during the timed steps (TCP retransmits add to the veth figures): {drops}")

@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
-from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitStrategy
+from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitFSDPStrategy, OnebitStrategy
 from lightning_onebit.comm import CommunicationCounters
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -406,6 +406,10 @@ class BertClassifier(L.LightningModule):
                            "full_precision", category=FutureWarning)
             word_embeddings = "full_precision"
         self.word_embeddings = word_embeddings
+        # the word-embedding parameter as built, in a tuple (not registered): LightningCLI builds the optimizer from
+        # the parameters before a sharding strategy (onebit_fsdp) replaces them, and the optimizer still names this one
+        # when configure_optimizers splits its groups
+        self.built_word_embeddings = (self.bert.get_input_embeddings().weight,)
         self.val_accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=num_labels)
         self.val_f1 = torchmetrics.F1Score(task="multiclass", num_classes=num_labels, average="macro")
 
@@ -433,6 +437,7 @@ def embedding_groups(optimizer: Any, embeddings: torch.nn.Parameter, sparse_rows
     "compress": False, "sparse_rows": True}]``. Any other optimizer is left as it is: it compresses nothing."""
     if not isinstance(optimizer, CompressedOptimizer):
         return
+    embeddings = optimizer.shards.stand_in_of(embeddings)  # sharded (onebit_fsdp): the optimizer holds its local shard
     if any(not g["compress"] and any(p is embeddings for p in g["params"]) for g in optimizer.param_groups):
         return  # already split (configure_optimizers called again)
     if len(optimizer.param_groups) != 1 or optimizer.state:
@@ -553,7 +558,11 @@ class BertFinetuneCLI(LightningCLI):
                     "--model.word_embeddings compressed, or build the two groups in a LightningModule's "
                     "configure_optimizers"
                 )
-            embedding_groups(optimizer, lightning_module.bert.get_input_embeddings().weight,
+            weight = lightning_module.bert.get_input_embeddings().weight
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if id(optimizer.shards.stand_in_of(weight)) not in held:  # built before sharding (see BertClassifier)
+                weight = lightning_module.built_word_embeddings[0]
+            embedding_groups(optimizer, weight,
                              sparse_rows=word_embeddings == "sparse_rows")
         return LightningCLI.configure_optimizers(lightning_module, optimizer, lr_scheduler)
 
@@ -573,9 +582,10 @@ class BertFinetuneCLI(LightningCLI):
             **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")},
         }
         strategy = trainer.strategy
-        if isinstance(strategy, OnebitStrategy):
+        if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy)):
             optimizer = strategy.onebit_optimizer
-            warm, comp = strategy.gradient_sync.counters, optimizer.communication
+            warm, comp = strategy.warmup_communication, optimizer.communication
+            overlap_state = getattr(strategy, "overlap_state", None)  # onebit_fsdp does not overlap yet
             summary.update(
                 freeze_step=optimizer.freeze_step,
                 # freeze_step='auto': the figures behind the decided step
@@ -587,8 +597,8 @@ class BertFinetuneCLI(LightningCLI):
                 bytes_sent_compression=comp.bytes_sent,
                 bytes_sent=warm.bytes_sent + comp.bytes_sent,
                 bytes_fp32_equivalent=warm.bytes_fp32_equivalent + comp.bytes_fp32_equivalent,
-                overlap="off" if strategy.overlap_state is None else "on",
-                overlap_fallback=strategy.overlap_fallback_reason,
+                overlap="off" if overlap_state is None else "on",
+                overlap_fallback=getattr(strategy, "overlap_fallback_reason", None),
                 exchange_exposed_s=round(comp.exposed_s, 3),
                 exchange_in_hooks_s=round(comp.hook_s, 3),
                 steps_by_kind={str(kind): n for kind, n in optimizer.steps_by_kind.items()},
@@ -625,7 +635,8 @@ class BertFinetuneCLI(LightningCLI):
         checkpoint = trainer.checkpoint_callback
         table = summary_table(
             summary,
-            freeze=freeze_note(strategy.onebit_optimizer) if isinstance(strategy, OnebitStrategy) else None,
+            freeze=(freeze_note(strategy.onebit_optimizer)
+                    if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy)) else None),
             log_dir=log_dir,
             checkpoint_dir=getattr(checkpoint, "dirpath", None),
             summary_json=summary_json,

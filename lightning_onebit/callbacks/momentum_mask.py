@@ -82,6 +82,9 @@ class MomentumMask(Callback):
         self._restored_auto: Optional[dict[str, torch.Tensor]] = None
         self._restored_seen: Optional[dict[str, torch.Tensor]] = None
         self._installed = False
+        # sharded parameters (onebit_fsdp): masks and statistics are of this rank's shard; checkpoints hold them whole
+        self._shards: Optional[Any] = None
+        self._stand_ins: dict[str, torch.Tensor] = {}
 
     # -- resolution --------------------------------------------------------------------------------------------------
     def _resolve_explicit(self, pl_module: "pl.LightningModule") -> dict[str, torch.Tensor]:
@@ -118,7 +121,10 @@ class MomentumMask(Callback):
         # Runs after `strategy.setup` (which calls `setup_optimizers`) and before any step: the optimizer exists.
         onebit = _onebit_optimizer(trainer, "MomentumMask")
         held = {id(p) for group in onebit.param_groups for p in group["params"]}
-        named = dict(pl_module.named_parameters())
+        # the optimizer's tensor of each parameter: the parameter, or under sharding the stand-in over its shard
+        named = {name: onebit.shards.stand_in_of(p) for name, p in pl_module.named_parameters()}
+        self._shards = onebit.shards if onebit.shards else None
+        self._stand_ins = named if self._shards is not None else {}
         for pattern in self.masks:
             names = [pattern] if pattern in named else fnmatch.filter(named, pattern)
             outside = [name for name in names if id(named[name]) not in held]
@@ -138,6 +144,9 @@ class MomentumMask(Callback):
                 )
             compressed = _compressed_ids(onebit)
             self._seen_nonzero = {name: s for name, s in self._seen_nonzero.items() if id(named[name]) in compressed}
+            if self._shards is not None:  # setup saw the parameters before sharding: count on the local shards
+                self._seen_nonzero = {name: torch.zeros_like(named[name], dtype=torch.bool)
+                                      for name in self._seen_nonzero}
             onebit.dead_coordinates_masked_by("MomentumMask(auto=True)")  # it masks every coordinate it would report
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -150,8 +159,11 @@ class MomentumMask(Callback):
             if seen is None:
                 continue
             seen = self._seen_nonzero[name] = seen.to(p.device)  # setup allocated it before the model was moved
-            if restored is not None and name in restored and restored[name].shape == seen.shape:
-                seen |= restored[name].to(p.device)  # the warmup steps before the checkpoint
+            saved = None if restored is None else restored.get(name)
+            if saved is not None and self._shards is not None and saved.shape == p.shape and saved.shape != seen.shape:
+                saved = self._shards.local_part(p, saved)  # saved whole: this rank's part
+            if saved is not None and saved.shape == seen.shape:
+                seen |= saved.to(p.device)  # the warmup steps before the checkpoint
 
     # -- detection and installation ----------------------------------------------------------------------------------
     def on_before_optimizer_step(
@@ -163,13 +175,14 @@ class MomentumMask(Callback):
                 for name, p in pl_module.named_parameters():
                     seen = self._seen_nonzero.get(name)
                     if seen is not None and p.grad is not None:
-                        seen |= p.grad != 0
+                        seen |= (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) != 0
             return
         if not self._installed:
             self._install(onebit, pl_module)
 
     def _install(self, onebit: CompressedOptimizer, pl_module: "pl.LightningModule") -> None:
-        named = dict(pl_module.named_parameters())
+        whole = dict(pl_module.named_parameters())
+        named = {name: onebit.shards.stand_in_of(p) for name, p in whole.items()}
         held = {id(p) for group in onebit.param_groups for p in group["params"]}
         compressed = _compressed_ids(onebit)
         if self.auto and self._auto_masks is None:
@@ -191,6 +204,8 @@ class MomentumMask(Callback):
                 raise ValueError(f"MomentumMask: the saved auto mask names {name!r}, which the model no longer has")
             if id(named[name]) not in held:
                 continue  # a saved mask of a parameter this optimizer does not train: nothing to mask
+            if named[name] is not whole[name] and mask.shape == whole[name].shape != named[name].shape:
+                mask = onebit.shards.local_part(whole[name], mask)  # saved whole (sharded): this rank's part
             if id(named[name]) not in compressed:
                 # saved before its group got compress=False: averaged in full precision now, it needs no mask
                 log.info("MomentumMask: the saved auto mask of %s is not applied: its param group has compress=False",
@@ -208,7 +223,7 @@ class MomentumMask(Callback):
         # A mask of all ones changes nothing: leave it out rather than multiply by it every step.
         combined = {name: mask for name, mask in combined.items() if not bool((mask == 1).all())}
         for name, mask in combined.items():
-            onebit.set_exp_avg_mask(named[name], mask)
+            onebit.set_exp_avg_mask(whole[name] if mask.shape == whole[name].shape else named[name], mask)
         self._installed = True
         report = {name: int((mask == 0).sum()) for name, mask in combined.items()}
         self.masked_coordinates = report
@@ -219,7 +234,8 @@ class MomentumMask(Callback):
             f"\n  {name}: {count} of {combined[name].numel()} ({count / combined[name].numel():.1%})"
             for name, count in report.items()
         )
-        rank_zero_info(f"MomentumMask: {total} momentum coordinates masked in {len(report)} parameter(s){table}")
+        shard = " (rank 0's shard)" if onebit.shards else ""
+        rank_zero_info(f"MomentumMask: {total} momentum coordinates masked in {len(report)} parameter(s){shard}{table}")
         self._warn_heavy_auto_masks(applied_auto)
 
     def _warn_heavy_auto_masks(self, applied_auto: dict[str, torch.Tensor]) -> None:
@@ -242,12 +258,20 @@ class MomentumMask(Callback):
     def state_dict(self) -> dict[str, Any]:
         masks = self._auto_masks
         state: dict[str, Any] = {
-            "auto_masks": None if masks is None else {k: v.to(torch.bool).cpu() for k, v in masks.items()}
+            "auto_masks": None if masks is None else {k: self._whole(k, v.to(torch.bool)) for k, v in masks.items()}
         }
         if self.auto and masks is None:
             # saved during warmup: the detection so far, so that a resumed warmup still covers every warmup step
-            state["seen_nonzero"] = {k: v.cpu() for k, v in self._seen_nonzero.items()}
+            state["seen_nonzero"] = {k: self._whole(k, v) for k, v in self._seen_nonzero.items()}
         return state
+
+    def _whole(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` on the CPU, made whole from every shard when the parameter is sharded (a collective over the
+        shard group: every rank saves its callbacks' state, in the same order): the checkpoint keeps one copy."""
+        stand_in = self._stand_ins.get(name)
+        if self._shards is not None and stand_in is not None and local.shape == stand_in.shape:
+            local = self._shards.whole_of(stand_in, local.to(stand_in.device))
+        return local.cpu()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("auto_masks")

@@ -378,8 +378,14 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
 
         ``mask`` must have exactly the parameter's shape, be bool or floating point and hold only 0 and 1 (see the
         class docstring); it is converted to the parameter's dtype and device and takes effect from the next compressed
-        step. Raises ``ValueError`` naming the parameter if the mask is invalid or the optimizer does not hold it.
+        step. Raises ``ValueError`` naming the parameter if the mask is invalid or the optimizer does not hold it. A
+        sharded (``DTensor``) parameter takes a mask of its whole shape (this rank's part is kept) or of its local
+        shard's shape.
         """
+        if self.shards and is_sharded(param):  # a sharded parameter's mask: whole, or already this rank's part
+            if mask is not None and tuple(mask.shape) == tuple(param.shape):
+                mask = self.shards.local_part(param, mask)
+            param = self.shards.stand_in_of(param)
         set_exp_avg_mask(self.param_groups, param, mask, type(self).__name__)
 
     def bucket_layouts(self) -> dict[int, BucketLayout]:

@@ -10,7 +10,8 @@ the ``DTensor`` gradient's local shard before every step (:meth:`ShardedParams.b
 editing either edits both.
 
 Every sharded parameter must be sharded along dimension 0 (``Shard(0)``, what ``fully_shard`` makes) over one mesh: the
-*shard group*. Per-tensor figures that need the whole tensor (1-bit LAMB's norms) are reduced over it.
+*shard group*. Per-tensor figures that need the whole tensor (1-bit LAMB's norms and maxima) are reduced over it
+(:meth:`ShardedParams.reduce_figures`: one collective for a vector of them).
 """
 
 from __future__ import annotations
@@ -100,6 +101,24 @@ class ShardedParams:
         """The tensor the optimizer holds for ``param`` (its stand-in if ``param`` is a sharded one, else ``param``)."""
         return self._stand_in_of.get(id(param), param)
 
+    def local_part(self, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``whole``, a tensor shaped like the sharded ``param`` (e.g. a mask), cut as ``Shard(0)``
+        cuts ``param`` (``torch.chunk`` along dimension 0, an empty part past the last chunk). No communication."""
+        size, index = param.device_mesh.size(), param.device_mesh.get_local_rank()
+        chunks = torch.chunk(whole, size, dim=0)
+        if index < len(chunks):
+            return chunks[index]
+        return whole.narrow(0, whole.shape[0], 0)
+
+    def whole_of(self, stand_in: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor whose local parts (shaped like ``stand_in``, on every rank of the shard group) are
+        ``local``: a collective over the shard group (every rank calls it, in the same order)."""
+        owner = self.dtensor_of(stand_in)
+        if owner is None:
+            return local
+        return DTensor.from_local(local, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
+                                  stride=owner.stride()).full_tensor()
+
     def bind_gradients_(self) -> None:
         """Before a step: each stand-in's ``.grad`` becomes its ``DTensor``'s gradient's local shard (or ``None``), and
         its ``requires_grad`` follows the ``DTensor``'s (a model may freeze and unfreeze parameters). No copy, no
@@ -123,6 +142,48 @@ class ShardedParams:
                 p.grad = None
             else:
                 p.grad.to_local().zero_()
+
+    def reduces_figures(self) -> bool:
+        """Whether :meth:`reduce_figures` communicates: some parameter is sharded over a shard group of more than one
+        rank (the same answer on every rank of the group)."""
+        group = self.shard_group
+        return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+    def reduce_figures(self, maxima: Optional[torch.Tensor] = None, sums: Optional[torch.Tensor] = None
+                       ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Whole-tensor figures from this rank's figures of its shards: ``maxima`` become their largest value over the
+        shard group (NaN if any rank's is; an empty shard contributes ``-inf``), ``sums`` their sum over the shard
+        group, added in group-rank order (an empty shard contributes 0). Both tensors of any shape, laid out the same
+        way on every rank of the group (one entry per tensor, in the same order: the ranks of a node hold different
+        shards of the same tensors).
+
+        ONE ``all_gather`` over the shard group of both, concatenated, in float64; the reduction is then local and
+        the same ops on the same gathered values, so every rank of the group gets the same bits. Returns float64
+        tensors of the given shapes (``None`` for ``None``). With no sharded parameter or a shard group of one rank
+        (:meth:`reduces_figures` false) the tensors come back as they are, and nothing is communicated. A collective
+        otherwise: every rank of the shard group calls it, with tensors of the same sizes."""
+        if not self.reduces_figures():
+            return maxima, sums
+        parts = [t.reshape(-1).to(torch.float64) for t in (maxima, sums) if t is not None]
+        if not parts or sum(t.numel() for t in parts) == 0:
+            return maxima, sums
+        flat = torch.cat(parts)
+        group = self.shard_group
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, flat, group=group)
+        split = 0 if maxima is None else maxima.numel()
+        out_max = out_sum = None
+        if maxima is not None:
+            out_max = gathered[0][:split]
+            for other in gathered[1:]:
+                out_max = torch.maximum(out_max, other[:split])  # propagates NaN, as torch's max of a tensor does
+            out_max = out_max.reshape(maxima.shape)
+        if sums is not None:
+            out_sum = gathered[0][split:]
+            for other in gathered[1:]:  # in rank order
+                out_sum = out_sum + other[split:]
+            out_sum = out_sum.reshape(sums.shape)
+        return out_max, out_sum
 
     def check_exchange_group(self, group: Optional[dist.ProcessGroup]) -> None:
         """Raise ``ValueError`` (before any collective) unless ``group``, which the momenta are averaged over, holds

@@ -13,6 +13,7 @@ gradients, momentum, variance and error feedback.
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from datetime import timedelta
@@ -98,8 +99,11 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         ranks_per_node: ranks per node; ``None`` (default) takes the placement from Lightning's cluster environment
             (torchrun, SLURM, ...). Set it to simulate nodes on one host (ranks ``kL .. kL + L - 1`` form node ``k``).
         shard_modules: module classes whose instances the strategy wraps with ``fully_shard`` over the shard mesh
-            (innermost first, then the root module); ``None`` (default): the LightningModule's ``configure_model``
-            shards the model.
+            (innermost first), then every direct child of the LightningModule that holds parameters (FSDP gathers a
+            module's parameters in that module's forward: ``training_step`` may call ``self.bert(...)`` rather than
+            ``self(...)``), then the LightningModule if it holds parameters of its own (its ``forward`` must then be
+            what ``training_step`` calls); ``None`` (default): the LightningModule's ``configure_model`` shards the
+            model.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the modules the strategy shards, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in
             bf16 on all-gathered bf16 parameters, gradients reduced in fp32, the optimizer on fp32 master shards.
@@ -161,6 +165,7 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
             "(gradients are no longer averaged across nodes before the optimizer)."
         )
         self._run_id = ""  # identifies this run's checkpoints in their per-rank files (set at setup)
+        self._names_before_sharding: dict[int, tuple[Any, str]] = {}
         self._save_index = 0
 
     # ------------------------------------------------------------------ precision
@@ -177,6 +182,12 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)
+        assert self.lightning_module is not None
+        # the parameters before sharding, by name: an optimizer built from them (LightningCLI builds its optimizer
+        # before fit) is pointed at the sharded ones in setup_optimizers
+        self._names_before_sharding = {
+            id(p): (weakref.ref(p), name) for name, p in self.lightning_module.named_parameters()
+        }
         self._setup_distributed()
         self._device_mesh = self._build_mesh()
         assert self.lightning_module is not None
@@ -233,18 +244,24 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self, model: Module) -> None:
-        """``fully_shard`` every instance of ``shard_modules`` (children before parents), then the root."""
+        """``fully_shard`` every instance of ``shard_modules`` (children before parents), then every direct child of
+        the LightningModule that still holds unsharded parameters (the modules ``training_step`` calls, e.g.
+        ``self.bert``: FSDP gathers a module's parameters in its own forward, and ``training_step`` need not call the
+        LightningModule's ``forward``), then the LightningModule itself if it holds parameters of its own."""
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         mesh = self.device_mesh["shard"]
+        kwargs = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
         chosen = [m for m in model.modules() if isinstance(m, self.shard_modules) and not isinstance(m, FSDPModule)]
         if not chosen:
             names = ", ".join(c.__name__ for c in self.shard_modules)
             raise ValueError(f"shard_modules ({names}) matched no module of {type(model).__name__}")
-        kwargs = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
         for module in reversed(chosen):  # modules() lists parents first
             fully_shard(module, mesh=mesh, **kwargs)
-        if not isinstance(model, FSDPModule):
+        for child in model.children():
+            if not isinstance(child, FSDPModule) and any(not is_sharded(p) for p in child.parameters()):
+                fully_shard(child, mesh=mesh, **kwargs)
+        if any(True for _ in model.parameters(recurse=False)) and not isinstance(model, FSDPModule):
             fully_shard(model, mesh=mesh, **kwargs)
 
     def _check_sharded(self, model: Module) -> None:
@@ -281,6 +298,8 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         optimizer = the_compressed_optimizer(self.optimizers)
+        assert self.model is not None
+        self._point_at_sharded_parameters(optimizer, self.model)
         if optimizer.sharded_unsupported_reason is not None:
             raise ValueError(
                 f"strategy='onebit_fsdp' cannot train with {type(optimizer).__name__} yet: "
@@ -300,6 +319,38 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         optimizer.observe_losses_from_caller()
         self._onebit_optimizer = optimizer
         self._stage_log.new_fit()
+
+    def _point_at_sharded_parameters(self, optimizer: CompressedOptimizer, model: Module) -> None:
+        """An optimizer built from the parameters as they were before sharding (LightningCLI builds its optimizer
+        from ``model.parameters()`` before ``fit``) gets the sharded ones of the same names, in the same groups. It
+        must not have stepped yet; any other foreign parameter is a ``ValueError``."""
+        current = dict(model.named_parameters())
+        held = {id(p) for p in current.values()}
+        groups = optimizer.param_groups
+        if all(optimizer.shards.dtensor_of(p) is not None or id(p) in held for g in groups for p in g["params"]):
+            return
+        if optimizer.state:
+            raise ValueError(f"{type(optimizer).__name__} holds parameters from before sharding and has state already: "
+                             "create it in configure_optimizers from self.parameters()")
+        rebuilt = []
+        for group in groups:
+            params = []
+            for p in group["params"]:
+                ref, name = self._names_before_sharding.get(id(p), (None, None))
+                if ref is None or ref() is not p or name not in current:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds a parameter that is not the model's: create it in "
+                        "configure_optimizers from self.parameters()"
+                    )
+                params.append(current[name])
+            rebuilt.append({**{k: v for k, v in group.items() if k not in ("params", "exp_avg_mask")},
+                            "params": params})
+        optimizer.param_groups.clear()
+        for group in rebuilt:
+            optimizer.add_param_group(group)
+        self._names_before_sharding = {}
+        log.info("onebit_fsdp: %s was built from the parameters before sharding; it now holds the sharded ones",
+                 type(optimizer).__name__)
 
     @staticmethod
     def _fsdp_groups(model: Module, optimizer: CompressedOptimizer) -> list[list[torch.Tensor]]:
@@ -327,6 +378,12 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
     def stage(self) -> OnebitStage:
         """Stage of the next optimizer step (warmup until an optimizer is connected)."""
         return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+
+    @property
+    def warmup_communication(self) -> CommunicationCounters:
+        """This rank's cumulative counters of the replica all-reduces across nodes (the warmup's, and 0/1 Adam's
+        variance steps'); :attr:`communication` adds the compressed exchange's."""
+        return CommunicationCounters() if self.replica_sync is None else self.replica_sync.counters.snapshot()
 
     @property
     def communication(self) -> CommunicationCounters:

@@ -222,6 +222,13 @@ class OnebitStrategy(DDPStrategy):
             total = total + self._onebit_optimizer.communication
         return total
 
+    @property
+    def warmup_communication(self) -> CommunicationCounters:
+        """This rank's cumulative counters of the full-precision gradient averages (the warmup's, and 0/1 Adam's
+        variance steps'); :attr:`communication` adds the compressed exchange's."""
+        self.gradient_sync.settle_timings()
+        return self.gradient_sync.counters.snapshot()
+
     def assert_replicas_identical(self, module: torch.nn.Module) -> None:
         """Compare a checksum of every parameter of ``module`` across the ranks of the optimizer's process group (a
         collective: every rank calls it) and raise ``RuntimeError`` on every rank, naming the parameters that differ

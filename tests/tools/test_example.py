@@ -14,6 +14,7 @@ from tests.paths import EXAMPLE, ROOT
 
 CONFIG = ROOT / "examples" / "configs" / "bert_onebit.yaml"
 DDP_CONFIG = ROOT / "examples" / "configs" / "bert_adamw.yaml"
+FSDP_CONFIG = ROOT / "examples" / "configs" / "bert_fsdp.yaml"
 #: what benchmarks/ read from a DDP run's --summary_json (bert_parity, convergence, freeze_sweep, result_tables)
 DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "wall_s", "val_loss", "val_acc", "val_f1", "bytes_sent",
                     "bytes_fp32_equivalent", "rounds_per_100_steps"}
@@ -226,6 +227,23 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     assert f"; {ratio:.2f}x fewer than DDP fp32)" in proc.stdout, proc.stdout[-3000:]
     assert re.search(rf"freeze step +{freeze} \(fixed\)", proc.stdout) and "steps_by_kind" not in proc.stdout
     assert re.search(r"logs +\S*version_0", proc.stdout), proc.stdout[-3000:]
+
+
+def test_the_sharded_config_trains_on_4_processes_as_2_nodes(tmp_path):
+    """bert_fsdp.yaml as shipped (LightningCLI builds the optimizer before the strategy shards the model; the word
+    embeddings go in a sparse_rows group; MomentumMask(auto=True) masks shards), a few steps past the freeze."""
+    summary = tmp_path / "summary.json"
+    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(FSDP_CONFIG), "--trainer.max_steps", "12",
+               "--optimizer.init_args.freeze_step", "6", "--model.num_layers", "2", "--model.hidden_size", "64",
+               "--model.intermediate_size", "256", "--data.num_val", "100", "--trainer.enable_progress_bar", "false",
+               "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["strategy"] == "OnebitFSDPStrategy" and result["optimizer"] == "OnebitAdam", result
+    assert result["steps"] == 12 and result["stage"] == "compression" and result["freeze_step"] == 6, result
+    assert 0 < result["bytes_sent_compression"] / 6 < result["bytes_sent_warmup"] / 6 / 10, result
+    assert "MomentumMask:" in proc.stdout + proc.stderr and "(rank 0's shard)" in proc.stdout + proc.stderr
 
 
 def test_summary_table_is_short_and_aligned(example):
