@@ -23,7 +23,7 @@ from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
-from lightning_onebit.strategy import OnebitStrategy
+from lightning_onebit.strategy import OnebitFSDPStrategy, OnebitStrategy
 
 #: Where the advisor's messages send the user: how the estimate is made, and why a link may give no speedup.
 _ADVISOR_DOCS = docs_pointer("guides/why-no-speedup")
@@ -136,6 +136,10 @@ class CommunicationMonitor(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = self._strategy = _monitored_strategy(trainer)
+        if isinstance(strategy, OnebitFSDPStrategy):  # counted by the strategy; no advice (yet) under sharding
+            self._start = self._last = strategy.communication
+            self._last_step = trainer.global_step
+            return
         if not isinstance(strategy, OnebitStrategy):
             self._start_counting_ddp(strategy)
             self._start = self._last = self._counters_now(strategy)
@@ -160,6 +164,14 @@ class CommunicationMonitor(Callback):
         self._last_step = trainer.global_step
         if not isinstance(trainer.strategy, OnebitStrategy):
             self._log_ddp_step(pl_module)
+            if isinstance(trainer.strategy, OnebitFSDPStrategy):
+                optimizer = trainer.strategy.onebit_optimizer
+                frozen = None if optimizer is None else optimizer.freeze_step
+                compressed = frozen is not None and optimizer.step_count > frozen
+                shown = {"comm/stage": 1.0 if compressed else 0.0}
+                if optimizer is not None and optimizer.auto_freeze is not None and frozen is not None:
+                    shown["onebit/freeze_step"] = float(frozen)
+                pl_module.log_dict(shown, on_step=True, on_epoch=False, batch_size=1)
             return
         now_s = time.perf_counter()
         step_s = None if self._last_time is None else now_s - self._last_time
@@ -225,9 +237,11 @@ class CommunicationMonitor(Callback):
                 "takes only one: DDP's gradient bytes are not counted in this run (training is unaffected)"
             )
 
-    def _counters_now(self, strategy: Union[OnebitStrategy, DDPStrategy]) -> Optional[CommunicationCounters]:
+    def _counters_now(
+        self, strategy: Union[OnebitStrategy, OnebitFSDPStrategy, DDPStrategy]
+    ) -> Optional[CommunicationCounters]:
         """This rank's cumulative counters now (``None``: plain DDP with a hook of the user's, nothing counted)."""
-        if isinstance(strategy, OnebitStrategy):
+        if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy)):
             return strategy.communication
         if self._ddp_sync is None:
             return None
@@ -338,13 +352,15 @@ class CommunicationMonitor(Callback):
             )
 
 
-def _monitored_strategy(trainer: "pl.Trainer") -> Union[OnebitStrategy, DDPStrategy]:
-    """The Trainer's strategy when the monitor can count it (``onebit_adam``, or plain DDP), else a clear error."""
+def _monitored_strategy(trainer: "pl.Trainer") -> Union[OnebitStrategy, OnebitFSDPStrategy, DDPStrategy]:
+    """The Trainer's strategy when the monitor can count it (``onebit_adam``, ``onebit_fsdp``, or plain DDP), else a
+    clear error."""
     strategy = trainer.strategy
-    if isinstance(strategy, (OnebitStrategy, DDPStrategy)):
+    if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy, DDPStrategy)):
         return strategy
     raise ValueError(
-        "CommunicationMonitor needs the 'onebit_adam' strategy (lightning_onebit.OnebitStrategy) or plain DDP "
+        "CommunicationMonitor needs the 'onebit_adam' or 'onebit_fsdp' strategy (lightning_onebit.OnebitStrategy, "
+        "OnebitFSDPStrategy) or plain DDP "
         f"(strategy='ddp', the baseline to compare with), but the Trainer uses {type(strategy).__name__}. Pass "
         "Trainer(strategy='onebit_adam') or Trainer(strategy='ddp'), or remove the callback."
     )
