@@ -248,7 +248,8 @@ def _worker(args: argparse.Namespace) -> None:
         untimed = steps(model, opt, batches, U)
         if (method in ONEBIT_MODES or method == "fsdp_onebit") and opt.needs_gradient_allreduce:
             raise RuntimeError(f"{method}: still in warmup after {W + U} steps")
-        log(f"{method}: {W if method in ONEBIT_MODES or method == 'fsdp_onebit' else 0} warmup + {U} untimed steps done "
+        warmed = W if method in ONEBIT_MODES or method == "fsdp_onebit" else 0
+        log(f"{method}: {warmed} warmup + {U} untimed steps done "
             f"({time.perf_counter() - started:.0f} s); timing {N} steps")
         with windows(method) as info:
             timed = steps(model, opt, batches, N, meter)
@@ -490,8 +491,8 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
     print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* and fsdp_* measured bytes_sent_inter_node, summed "
           "per node; diff = veth tc / counters - 1, worst node")
     if "speedup_over_fsdp_adamw" in rows.get("fsdp_onebit", {}):
-        print(f"  fsdp_onebit compression-stage step: {rows['fsdp_onebit']['speedup_over_fsdp_adamw']:.2f}x faster than "
-              "fsdp_adamw")
+        speedup = rows["fsdp_onebit"]["speedup_over_fsdp_adamw"]
+        print(f"  fsdp_onebit compression-stage step: {speedup:.2f}x faster than fsdp_adamw")
     drops = {name: sum(d["qdisc_drops"] for d in r["nodes"]) for name, r in rows.items()}
     if any(drops.values()):
         print(f"  tbf drops during the timed steps (TCP retransmits add to the veth figures): {drops}")

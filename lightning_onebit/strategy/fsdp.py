@@ -85,15 +85,16 @@ def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optio
 
 
 class OnebitFSDPStrategy(ModelParallelStrategy):
-    """FSDP2 inside each node and 1-bit Adam or 0/1 Adam across nodes (see the module docstring).
+    """FSDP2 inside each node and 1-bit Adam, 0/1 Adam or 1-bit LAMB across nodes (see the module docstring).
 
     The device mesh (:attr:`device_mesh`, also the LightningModule's ``self.device_mesh``) has the dimensions
     ``"replicate"`` (across nodes) and ``"shard"`` (inside a node). The model is sharded either by the strategy
     (``shard_modules``) or by the LightningModule's ``configure_model`` with ``fully_shard(module,
     mesh=self.device_mesh["shard"])``. Every rank gets different data (the sampler splits over all ranks).
-    ``configure_optimizers`` returns one :class:`~lightning_onebit.OnebitAdam` or :class:`~lightning_onebit.ZeroOneAdam`
-    over ``self.parameters()``; the strategy points its exchange at the replicate group and lays its momentum buckets
-    out like the FSDP groups (one bucket per module that ``fully_shard`` wrapped).
+    ``configure_optimizers`` returns one :class:`~lightning_onebit.OnebitAdam`, :class:`~lightning_onebit.ZeroOneAdam`
+    or :class:`~lightning_onebit.OnebitLamb` over ``self.parameters()``; the strategy points its exchange at the
+    replicate group and lays its momentum buckets out like the FSDP groups (one bucket per module that ``fully_shard``
+    wrapped).
 
     Args:
         ranks_per_node: ranks per node; ``None`` (default) takes the placement from Lightning's cluster environment
@@ -115,7 +116,9 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
     ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
     (:class:`~lightning_onebit.ErrorFeedbackCheckpoint`).
 
-    Not yet supported (refused at setup with the reason): 1-bit LAMB.
+    1-bit LAMB's per-tensor norms and maxima are the whole tensor's: each rank's figures of its shards are reduced over
+    the shard group, one collective per param group per step. An optimizer that cannot train sharded parameters is
+    refused at setup with the reason (none of the package's).
     """
 
     strategy_name = "onebit_fsdp"
@@ -284,8 +287,8 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
             )
         if unsharded:
             raise ValueError(
-                f"parameters {_names(unsharded)} are not sharded over the strategy's shard mesh: wrap their modules with "
-                "fully_shard(module, mesh=self.device_mesh['shard']) in configure_model (or name their classes in "
+                f"parameters {_names(unsharded)} are not sharded over the strategy's shard mesh: wrap their modules "
+                "with fully_shard(module, mesh=self.device_mesh['shard']) in configure_model (or name their classes in "
                 "OnebitFSDPStrategy(shard_modules=[...])), and the root module last"
             )
         if not fsdp_modules(model):
