@@ -151,7 +151,7 @@ class MomentumBuckets:
         if self.plan is not None:
             present = {id(p) for p in trainable}
             for key, params in self.plan:
-                kept = [p for p in params if id(p) in present]
+                kept = [p for p in params if id(p) in present and p.numel() > 0]
                 if kept:
                     runs.append((key, kept))
                     planned.update(id(p) for p in kept)
@@ -159,7 +159,9 @@ class MomentumBuckets:
         packed_by_kind: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
         filled: dict[tuple[torch.device, torch.dtype], int] = {}
         for p in trainable:
-            if id(p) in planned:
+            # an empty tensor (a sharded parameter with no row on this rank: its replicate peers hold the same empty
+            # shard) has nothing to exchange: no bucket
+            if id(p) in planned or p.numel() == 0:
                 continue
             m = momentum(p)
             kind, nbytes = (m.device, m.dtype), m.numel() * m.element_size()

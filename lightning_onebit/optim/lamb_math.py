@@ -1,10 +1,12 @@
 """1-bit LAMB's per-tensor math, on the device and with no host synchronisation: the trust ratios, Python's ``min``
 and ``max`` elementwise, the frozen variance's cached denominators, the first part of the compression-stage update, the
-runs of tensors the multi-tensor ops take, and the 0-dim float64 coefficients kept per tensor in the optimizer state.
+runs of tensors the multi-tensor ops take, the 0-dim float64 coefficients kept per tensor in the optimizer state, and
+the per-shard squared norms and maxima that sharded parameters reduce over their shard group.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -94,17 +96,42 @@ def _trust_ratios(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor
     parameters' device (norms in float32, as ``float(p.float().norm())`` read them, then the Python arithmetic)."""
     p_norms = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).double()
     u_norms = torch.stack(torch._foreach_norm([u.float() for u in updates])).double()
+    return _clipped_ratios(p_norms, u_norms, low, high)
+
+
+def _clipped_ratios(p_norms: torch.Tensor, u_norms: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """``clip(p_norms / u_norms, low, high)``, 1 where either norm is 0 (float64 vectors)."""
     ratios = _py_min(_py_max(p_norms / u_norms, low), high)
     return torch.where((p_norms == 0) | (u_norms == 0), 1.0, ratios)
 
 
+def _squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor the sum of its squared elements, accumulated in float64 (0 for an empty tensor): a float64 vector.
+    Under sharding these are added over the shard group into whole-tensor squared norms."""
+    return torch.stack(torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float64)).square()
+
+
+def _maxima(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor its largest element (NaN if one is NaN), as a float64 vector; ``-inf`` for an empty tensor (a shard
+    that holds none of a small tensor's rows, which the maximum over the shard group then ignores), where
+    ``torch._foreach_max`` raises. Without empty tensors: exactly ``torch.stack(torch._foreach_max(tensors))``."""
+    full = [t for t in tensors if t.numel()]
+    if len(full) == len(tensors):
+        return torch.stack(torch._foreach_max(list(tensors))).double()
+    found = iter(torch._foreach_max(full) if full else ())
+    return torch.stack([next(found).double() if t.numel() else torch.full((), -math.inf, dtype=torch.float64,
+                                                                          device=t.device) for t in tensors])
+
+
 def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: list[torch.Tensor],
                    roots: list[torch.Tensor], denominators: list[torch.Tensor], params: list[torch.Tensor],
-                   group: dict[str, Any], bc1: float) -> tuple[torch.Tensor, Optional[torch.Tensor],
-                                                               Optional[torch.Tensor]]:
+                   group: dict[str, Any], bc1: float, squared: bool = False
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The torch ops of the update's first part (any device, no host synchronisation): the fresh variance
-    updated, ``u`` written into ``scratch``; returns per tensor the largest ratio and, with weight decay, the
-    norms of ``u0`` and ``u`` (float64 device vectors; ``None`` without weight decay)."""
+    updated, ``u`` written into ``scratch``; returns per tensor the largest ratio (``-inf`` for an empty tensor) and,
+    with weight decay, the norms of ``u0`` and ``u`` (float64 device vectors; ``None`` without weight decay).
+    ``squared``: the squared norms instead, accumulated in float64 (:func:`_squared_norms`; what sharded parameters
+    add over the shard group)."""
     (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
     # g_rec = (m - b1 m_last) / (1 - b1), in place: (b1 m_last - m) / -(1 - b1) is the same number, bit for bit
     torch._foreach_mul_(scratch, b1)
@@ -118,15 +145,16 @@ def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: l
     torch._foreach_add_(scratch, eps)
     for s, root in zip(scratch, roots):
         torch.div(root, s, out=s)
-    factor = torch.stack(torch._foreach_max(scratch)).double()
+    factor = _maxima(scratch)
     # u0 = (m / bc1) / (sqrt(v / bc2) + eps);  u = u0 + wd p  (with bc2 = 1 the denominators are the roots)
     for s, m in zip(scratch, ms):
         torch.div(m, bc1, out=s)
     torch._foreach_div_(scratch, denominators)
     if not wd:
         return factor, None, None
-    u0_norm = torch.stack(torch._foreach_norm(scratch)).double()
+    norms = _squared_norms if squared else (lambda ts: torch.stack(torch._foreach_norm(ts)).double())
+    u0_norm = norms(scratch)
     # u0 + wd * p: addcmul multiplies p by wd (rounded) and then adds, as the two ops did
     torch._foreach_addcmul_(scratch, params, [_one(p) for p in params], value=wd)
-    u_norm = torch.stack(torch._foreach_norm(scratch)).double()
+    u_norm = norms(scratch)
     return factor, u0_norm, u_norm

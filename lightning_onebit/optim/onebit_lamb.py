@@ -21,12 +21,14 @@ from lightning_onebit.optim.lamb_math import (
     _SCALAR_STATE,
     _as_scalar,
     _chunks,
+    _clipped_ratios,
     _denominator,
     _lamb_figures_,
     _py_max,
     _py_min,
     _root_eps,
     _scalar,
+    _squared_norms,
     _trust_ratios,
 )
 from lightning_onebit.optim.masks import mask_like
@@ -82,6 +84,17 @@ class OnebitLamb(CompressedOptimizer):
     and trust-ratio EMA stay live; no scaling coefficient, factor or fresh variance). Cost: ``2 (P-1)/P * 4`` bytes
     per element per step in fp32, as DDP for that group; for embeddings, small or sparse groups.
 
+    Sharded (``DTensor``, FSDP2) parameters train as with :class:`~lightning_onebit.OnebitAdam`
+    (:mod:`~lightning_onebit.optim.sharded`: each rank steps its local shard, momenta averaged over the ranks that
+    hold the same shard). The per-tensor figures are those of the whole tensor: each rank's squared norms (of ``p``
+    and ``u`` in warmup, of ``u0`` and ``u`` in the compression stage, of ``m`` for the scaling coefficients) are
+    added over the shard group, the compression-stage maxima maxed over it, the scaling coefficients' ``numel`` is
+    the whole tensor's. One collective per param group per step (a vector of the group's figures), so the ranks of a
+    node get the same coefficients, bit for bit, and the result is the unsharded run's to rounding (the norms are
+    summed in another order: float64 sums of shards, where the unsharded path takes float32 norms). The warmup then
+    runs a group's multi-tensor ops as one run (its ``u`` for every local shard alive at once). A rank whose shard
+    of a small tensor is empty contributes nothing to its figures.
+
     Args:
         params, lr, betas, eps: as for :class:`~lightning_onebit.OnebitAdam`.
         weight_decay: as for :class:`~lightning_onebit.OnebitAdam`, but added to the update before the trust ratio,
@@ -100,11 +113,6 @@ class OnebitLamb(CompressedOptimizer):
 
     # its compression stage needs the trust-ratio coefficients only its own warmup computes (see load_state_dict)
     _continues_state_of = ("OnebitLamb",)
-    sharded_unsupported_reason = (
-        "its trust ratios and scaling factors need each whole tensor's norms and maxima, which are not yet reduced "
-        "over the shard group; train sharded models with OnebitAdam or ZeroOneAdam, or this optimizer under "
-        "strategy='onebit_adam' (DDP)"
-    )
 
     def __init__(
         self,
@@ -173,8 +181,12 @@ class OnebitLamb(CompressedOptimizer):
 
         Multi-tensor ops over runs of tensors (:func:`_chunks`: one device, at most ``_CHUNK_NUMEL`` elements, which
         bounds the temporaries ``u`` and the denominators), the trust ratios and their EMAs computed on the device in
-        float64 (the Python arithmetic of the per-tensor version, op for op): no host synchronisation."""
+        float64 (the Python arithmetic of the per-tensor version, op for op): no host synchronisation.
+
+        Sharded parameters (:meth:`_reduces_figures`): the trust ratios' norms are the whole tensors', from this
+        rank's squared norms added over the shard group (:meth:`_whole_figures`), one collective per group."""
         t = self._step
+        sharded = self._reduces_figures()
         for group in groups:
             b1, b2 = group["betas"]
             bc1, bc2 = bias_corrections(group, t, t)
@@ -190,7 +202,9 @@ class OnebitLamb(CompressedOptimizer):
                     self._track_nonzero(p)
                 params.append(p)
                 indices.append(i)
-            for chunk in _chunks(params):
+            # Under sharding a group is one run (per device), so that its figures travel in one collective: this keeps
+            # one u per local shard of the group alive at once, which the shards (1/L of the model) bound.
+            for chunk in (_chunks(params, limit=None) if sharded else _chunks(params)):
                 ps = [params[k] for k in chunk]
                 states = [self.state[p] for p in ps]
                 ms, vs, gs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [p.grad for p in ps]
@@ -210,7 +224,13 @@ class OnebitLamb(CompressedOptimizer):
                 del denominators
                 if group["weight_decay"]:
                     torch._foreach_add_(us, ps, alpha=group["weight_decay"])
-                ratios = _trust_ratios(ps, us, group["min_coeff"], group["max_coeff"])
+                if sharded:
+                    _, squares = self._whole_figures(ps, None, torch.stack([_squared_norms(ps), _squared_norms(us)], 1))
+                    assert squares is not None
+                    ratios = _clipped_ratios(squares[:, 0].sqrt(), squares[:, 1].sqrt(), group["min_coeff"],
+                                             group["max_coeff"])
+                else:
+                    ratios = _trust_ratios(ps, us, group["min_coeff"], group["max_coeff"])
                 coeffs = [s["lamb_coeff"] for s in states]
                 beta, coeff = group["coeff_beta"], torch.stack(coeffs)
                 # the EMA skips tensors whose ratio is 1 (a zero norm)
@@ -261,7 +281,12 @@ class OnebitLamb(CompressedOptimizer):
         per-tensor version's except where a comment says otherwise. With the C kernels (CPU float32, kernel backend
         ``"auto"`` or ``"cpu"``) the fresh variance, the ratios, ``u`` and its norms come from one fused pass per
         tensor and the step from a second (:func:`~lightning_onebit.kernels.lamb_prepare_`), where the torch ops make
-        about thirteen: the same arithmetic per element, norms summed in float64 (last-bit differences)."""
+        about thirteen: the same arithmetic per element, norms summed in float64 (last-bit differences).
+
+        Sharded parameters (:meth:`_reduces_figures`): the factor is the largest ratio over the whole tensor and the
+        norms of ``u0`` and ``u`` the whole tensor's (this rank's maxima and squared norms reduced over the shard
+        group, one collective for these parameters; an empty shard gives ``-inf`` and 0, the C kernel's figures of
+        no element)."""
         b1, b2 = group["betas"]
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
         bc1, bc2 = bias_corrections(group, t, t_v)
@@ -276,11 +301,24 @@ class OnebitLamb(CompressedOptimizer):
         roots = [_root_eps(v, eps) for v in vs]
         denominators = roots if bc2 == 1.0 else [_denominator(v, bc2, eps) for v in vs]
         native = kernels.uses_native_update((params, ms, vs, fresh, scratch), self.compression.backend)
+        sharded = self._reduces_figures()
         if native:  # the same quantities in one C pass per tensor (CPU float32): scratch = u
+            # (an empty tensor, a shard of none of a small tensor's rows, reads nothing: -inf, 0, 0)
             figures = kernels.lamb_prepare_(ms, scratch, fresh, roots, denominators, params, (b1, b2), eps, bc1, wd)
-            factor, u0_norm, u_norm = figures[:, 0], figures[:, 1].sqrt(), figures[:, 2].sqrt()
+            if sharded:  # the squared norms, added over the shard group with the maxima maxed over it
+                factor, squares = self._whole_figures(params, figures[:, 0], figures[:, 1:] if wd else None)
+                assert factor is not None
+                u0_norm, u_norm = (squares[:, 0].sqrt(), squares[:, 1].sqrt()) if squares is not None else (None, None)
+            else:
+                factor, u0_norm, u_norm = figures[:, 0], figures[:, 1].sqrt(), figures[:, 2].sqrt()
         else:
-            factor, u0_norm, u_norm = _lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1)
+            factor, u0_norm, u_norm = _lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1,
+                                                     squared=sharded)
+            if sharded:
+                stacked = torch.stack([u0_norm, u_norm], 1) if wd else None
+                factor, squares = self._whole_figures(params, factor, stacked)
+                assert factor is not None
+                u0_norm, u_norm = (squares[:, 0].sqrt(), squares[:, 1].sqrt()) if squares is not None else (None, None)
         if wd:
             rho = torch.where(u_norm > 0, _py_min(1.0, u0_norm / u_norm), 1.0)
             factor = rho * factor + (1 - rho)
@@ -295,6 +333,29 @@ class OnebitLamb(CompressedOptimizer):
         else:
             # p - lr coeff factor u: addcmul with a device-side step (see _lamb_step_ for its bits)
             torch._foreach_addcmul_(params, scratch, step.unbind(0))
+
+    # ------------------------------------------------------------------ sharded parameters: whole-tensor figures
+    def _reduces_figures(self) -> bool:
+        """Whether per-tensor figures are reduced over the shard group: some parameter is sharded (``DTensor``) over
+        more than one rank. Otherwise every path is the unsharded one, bit for bit."""
+        return bool(self.shards) and self.shards.reduces_figures()
+
+    def _whole_figures(self, params: Sequence[torch.Tensor], maxima: Optional[torch.Tensor],
+                       sums: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """This rank's per-tensor ``maxima`` and ``sums`` (row ``k`` for ``params[k]``) of its shards made the whole
+        tensors' over the shard group, in one collective (:meth:`ShardedParams.reduce_figures`; float64). A tensor
+        that is not sharded is whole on every rank of the group: it counts once (the group's first rank's figures;
+        a small host-to-device copy of which rows those are, only when a sharded optimizer holds such a tensor)."""
+        whole = [self.shards.dtensor_of(p) is None for p in params]
+        group = self.shards.shard_group
+        if any(whole) and dist.get_rank(group) != 0:
+            device = params[0].device
+            keep = torch.tensor([not w for w in whole], device=device)
+            if maxima is not None:
+                maxima = torch.where(keep, maxima, -math.inf)
+            if sums is not None:
+                sums = torch.where(keep.reshape(-1, *([1] * (sums.dim() - 1))), sums, 0.0)
+        return self.shards.reduce_figures(maxima, sums)
 
     def _remember_momenta(self, missing_only: bool = False) -> None:
         """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
@@ -324,7 +385,9 @@ class OnebitLamb(CompressedOptimizer):
 
         Computed on the device (the Python arithmetic of the per-tensor version, the mean summed in order), and
         never read back to the host: the exchange multiplies the momenta by these 0-dim tensors
-        (:attr:`_exchange_scale`)."""
+        (:attr:`_exchange_scale`). Sharded parameters: ``||m||`` and ``numel`` are the whole tensor's (the squared
+        norms of the local shards added over the shard group, one collective), so every rank of a node gets the
+        coefficients of the unsharded run, to rounding."""
         trainable = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
         if not trainable:
             self._exchange_scale = {}
@@ -333,11 +396,16 @@ class OnebitLamb(CompressedOptimizer):
         if missing:
             home = trainable[0].device
             with_m = [p for p in trainable if self.state[p].get("exp_avg") is not None]
-            norms = dict(zip(map(id, with_m), torch._foreach_norm([self.state[p]["exp_avg"].float() for p in with_m])))
-            rms = torch.stack([
-                norms[id(p)].to(home).double() / math.sqrt(max(p.numel(), 1)) if id(p) in norms else _scalar(0.0, home)
-                for p in trainable
-            ])
+            if self._reduces_figures():
+                rms = self._whole_rms(trainable, with_m, home)
+            else:
+                norms = dict(zip(map(id, with_m),
+                                 torch._foreach_norm([self.state[p]["exp_avg"].float() for p in with_m])))
+                rms = torch.stack([
+                    norms[id(p)].to(home).double() / math.sqrt(max(p.numel(), 1)) if id(p) in norms
+                    else _scalar(0.0, home)
+                    for p in trainable
+                ])
             live = rms > 0
             # Python's sum(live) / len(live): the live values added in order (a cumulative sum), over their count
             total = torch.cumsum(torch.where(live, rms, 0.0), 0)[-1]
@@ -348,6 +416,19 @@ class OnebitLamb(CompressedOptimizer):
             for p in missing:
                 self.state[p]["lamb_scaling_coeff"] = coeffs[index[id(p)]].to(p.device).clone()
         self._exchange_scale = {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable}
+
+    def _whole_rms(self, trainable: list[torch.Tensor], with_m: list[torch.Tensor], home: torch.device
+                   ) -> torch.Tensor:
+        """Sharded parameters: ``||m|| / sqrt(numel)`` of each whole tensor (0 without a momentum), a float64 vector
+        on ``home``: the local shards' squared norms added over the shard group, the whole tensor's ``numel``."""
+        squares = dict(zip(map(id, with_m), _squared_norms([self.state[p]["exp_avg"] for p in with_m]).to(home)
+                           if with_m else ()))
+        local = torch.stack([squares[id(p)] if id(p) in squares else _scalar(0.0, home) for p in trainable])
+        _, total = self._whole_figures(trainable, None, local)
+        assert total is not None
+        numels = [(self.shards.dtensor_of(p) if self.shards.dtensor_of(p) is not None else p).numel()
+                  for p in trainable]
+        return torch.stack([norm / math.sqrt(max(n, 1)) for norm, n in zip(total.sqrt().unbind(0), numels)])
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
