@@ -220,7 +220,7 @@ def scenario_agreement(rank: int, world_size: int) -> dict[str, Any]:
                 forced_loss=_train(rank, world_size, until=0, loss_flat_until=110))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])  # one all_reduce(MAX) for any size; 2-rank runs decide in the Lightning tests
 def test_ranks_decide_the_same_step_even_when_their_figures_disagree(world_size: int) -> None:
     results = run_distributed(scenario_agreement, world_size, timeout_s=240)
     for name in ("agreeing", "forced", "forced_loss"):

@@ -56,13 +56,8 @@ def _run_cli(tmp_path: Path, strategy: str) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    ["onebit_adam", STRATEGY_BY_CLASS_PATH, STRATEGY_BY_OLD_CLASS_PATH],
-    ids=["registry-name", "class_path", "old-class_path"],
-)
-def test_cli_yaml_trains_both_stages_on_two_processes(tmp_path, strategy):
-    reports = _run_cli(tmp_path, strategy)
+def test_cli_yaml_trains_both_stages_on_two_processes(tmp_path):
+    reports = _run_cli(tmp_path, STRATEGY_BY_CLASS_PATH)
     for report in reports:
         assert report["strategy"] == "OnebitStrategy"
         assert report["optimizer"] == "OnebitAdam"
@@ -70,3 +65,26 @@ def test_cli_yaml_trains_both_stages_on_two_processes(tmp_path, strategy):
         assert report["step_count"] == 12
         assert report["stage"] == "compression"
     assert reports[0]["params"] == reports[1]["params"], "replicas diverged"
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["onebit_adam", STRATEGY_BY_CLASS_PATH, STRATEGY_BY_OLD_CLASS_PATH],
+    ids=["registry-name", "class_path", "old-class_path"],
+)
+def test_every_spelling_of_the_strategy_gives_the_onebit_strategy(tmp_path, monkeypatch, strategy):
+    """The registry name, the class_path and the class_path of the old name build the same strategy with the YAML's
+    arguments (parsed and instantiated in this process; the training above runs one of them)."""
+    import importlib.util
+
+    from lightning_onebit import OnebitStrategy
+
+    spec = importlib.util.spec_from_file_location("cli_app", APP)
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    config = tmp_path / "onebit.yaml"
+    config.write_text(CONFIG.format(strategy=strategy))
+    monkeypatch.chdir(tmp_path)
+    cli = app.LightningCLI(app.RegressionModule, app.RegressionData, run=False, args=["--config", str(config)])
+    assert type(cli.trainer.strategy) is OnebitStrategy
+    assert cli.trainer.strategy._ddp_kwargs.get("find_unused_parameters") is False

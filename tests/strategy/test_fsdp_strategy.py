@@ -5,7 +5,9 @@
   ``("replicate", "shard")`` and the momentum buckets follow the FSDP groups; with gradient accumulation too.
 * The same run sharded by ``shard_modules`` and by the LightningModule's ``configure_model`` is the same run.
 * 1-bit LAMB fits too (its per-tensor figures reduced over the shard group): same-shard ranks end bitwise identical.
-* Errors, raised on every rank before training: one node, uneven nodes, a model that is not sharded.
+* Activation checkpointing gives the same run, bit for bit.
+* Errors, raised on every rank before training: one node, uneven nodes, a model that is not sharded (or only partly:
+  the unsharded parameters named), a shard mesh that spans nodes.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ CLIP = 0.05  # well below the gradient norms of this model and data
 
 
 class Block(nn.Module):
-    def __init__(self, width_in: int, width_out: int) -> None:
+    def __init__(self, width_in: int, width_out: int, checkpointing: bool = False) -> None:
         super().__init__()
         self.linear = nn.Linear(width_in, width_out)
+        self.checkpointing = checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing:  # activation checkpointing: the forward runs again in backward
+            return torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.linear(t)), x, use_reentrant=False)
         return torch.tanh(self.linear(x))
 
 
@@ -45,13 +50,13 @@ class RecordingOnebitAdam(OnebitAdam):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, optimizer: str = "onebit_adam", shard_in_configure_model: bool = False,
-                 samples: int = 4 * 8 * 12, data_by_step: bool = False) -> None:
+    def __init__(self, optimizer: str = "onebit_adam", shard_in_configure_model: Any = False,
+                 samples: int = 4 * 8 * 12, data_by_step: bool = False, checkpointing: bool = False) -> None:
         super().__init__()
         self.samples = samples
         self.data_by_step = data_by_step
         torch.manual_seed(0)
-        self.blocks = nn.Sequential(Block(6, 16), Block(16, 16))
+        self.blocks = nn.Sequential(Block(6, 16, checkpointing), Block(16, 16, checkpointing))
         self.head = nn.Linear(16, 2)
         self.optimizer_name = optimizer
         self.shard_in_configure_model = shard_in_configure_model
@@ -59,11 +64,15 @@ class Model(pl.LightningModule):
     def configure_model(self) -> None:
         if not self.shard_in_configure_model:
             return
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # True: as users are told; "world": over every rank (across nodes); "blocks": the root left unsharded
+        mesh = init_device_mesh("cpu", (4,)) if self.shard_in_configure_model == "world" else self.device_mesh["shard"]
         for block in self.blocks:
-            fully_shard(block, mesh=self.device_mesh["shard"])
-        fully_shard(self, mesh=self.device_mesh["shard"])
+            fully_shard(block, mesh=mesh)
+        if self.shard_in_configure_model != "blocks":
+            fully_shard(self, mesh=mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(x))
@@ -128,7 +137,7 @@ def scenario_fits(rank: int, world_size: int) -> dict[str, Any]:
                 accumulated=_fit(accumulate=2, steps=8),
                 unclipped=_fit(steps=FREEZE, optimizer="recording"),
                 clipped=_fit(steps=FREEZE, optimizer="recording", clip=CLIP),
-                bf16=_fit(bf16=True, accumulate=2, steps=8), lamb=_fit(optimizer="onebit_lamb"), errors=_errors())
+                bf16=_fit(bf16=True, accumulate=2, steps=8), checkpointed=_fit(checkpointing=True), lamb=_fit(optimizer="onebit_lamb"), errors=_errors())
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +217,9 @@ def test_clipping_by_norm_clips_the_whole_gradient_not_one_shard(fits: list[dict
 def _errors() -> dict[str, str]:
     out = {}
     for name, kwargs in (("one_node", dict(ranks_per_node=4)), ("uneven", dict(ranks_per_node=3)),
-                         ("unsharded", dict(shard_modules=None))):
+                         ("unsharded", dict(shard_modules=None)),
+                         ("spanning", dict(shard_modules=None, shard_in_configure_model="world")),
+                         ("partly", dict(shard_modules=None, shard_in_configure_model="blocks"))):
         try:
             _fit(**kwargs)
             out[name] = "no error"
@@ -222,6 +233,14 @@ def test_bad_setups_are_refused_on_every_rank_before_training(fits: list[dict[st
         assert "several nodes" in r["one_node"] and "ModelParallelStrategy" in r["one_node"], r["one_node"]
         assert "divide" in r["uneven"], r["uneven"]
         assert "configure_model" in r["unsharded"] and "shard_modules" in r["unsharded"], r["unsharded"]
+        assert "spans nodes" in r["spanning"] and "blocks.0.linear.weight" in r["spanning"], r["spanning"]
+        assert "not sharded" in r["partly"] and "head.weight" in r["partly"], r["partly"]
+        assert "blocks.0" not in r["partly"], r["partly"]
+
+
+def test_activation_checkpointing_gives_the_same_run(fits: list[dict[str, Any]]) -> None:
+    for f in fits:  # the forward recomputed in backward: the same bits on CPU
+        assert torch.equal(f["checkpointed"]["shards"], f["by_strategy"]["shards"])
 
 
 def test_the_mesh_rows_are_nodes_from_the_placements() -> None:
