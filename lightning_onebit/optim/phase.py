@@ -32,7 +32,7 @@ def phase_sentence(
             if freeze_step is not None
             else "the variance settles (freeze_step='auto': " + rule() + ")"
         )
-        return StepKind.WARMUP, f"warmup (DDP gradient allreduce, full-precision {name} update) until {until}; {_DOCS}"
+        return StepKind.WARMUP, f"warmup (gradients averaged in full precision, full-precision {name} update) until {until}; {_DOCS}"
     decided = "" if detector is None else f" (freeze_step='auto' decided {freeze_step}: " + detector.describe() + ")"
     groups = "; compress=False groups averaged in full precision"
     return StepKind.COMPRESSED, (

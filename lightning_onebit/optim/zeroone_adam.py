@@ -213,7 +213,7 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         t = self._step + 1
         if t <= self.freeze_step:
             return StepKind.WARMUP, (
-                f"warmup until optimizer step {self.freeze_step}: every step a variance step (DDP gradient allreduce, "
+                f"warmup until optimizer step {self.freeze_step}: every step a variance step (gradients averaged in full precision, "
                 f"full-precision Adam update); {_DOCS}"
             )
         if t <= self.var_freeze_step:

@@ -17,7 +17,7 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from datetime import timedelta
-from typing import Any, Callable, Generator, Optional, Sequence, Union
+from typing import Any, Generator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from lightning_onebit.strategy.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_onebit.strategy.stage_log import StageLog
+from lightning_onebit.strategy.stepping import CompressedStepping
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optio
     return [list(topology.node_ranks(node)) for node in range(topology.num_nodes)]
 
 
-class OnebitFSDPStrategy(ModelParallelStrategy):
+class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     """FSDP2 inside each node and 1-bit Adam, 0/1 Adam or 1-bit LAMB across nodes (see the module docstring).
 
     The device mesh (:attr:`device_mesh`, also the LightningModule's ``self.device_mesh``) has the dimensions
@@ -164,6 +165,7 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         self.replica_sync: Optional[ReplicaAllReduceState] = None
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._stage_log = StageLog(
+            "onebit_fsdp",
             "onebit_fsdp: gradient clipping in the compression stage clips each node's averaged gradient by its norm "
             "(gradients are no longer averaged across nodes before the optimizer)."
         )
@@ -410,30 +412,6 @@ class OnebitFSDPStrategy(ModelParallelStrategy):
         finally:
             for module in modules:
                 module.set_requires_gradient_sync(True, recurse=False)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        if self._onebit_optimizer is not None:
-            self._stage_log.before_step(self._onebit_optimizer, self.lightning_module)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._onebit_optimizer is not None:  # freeze_step="auto" waits for the loss to leave its plateau
-            self._onebit_optimizer.observe_loss(closure_loss)
-        super().pre_backward(closure_loss)
-
-    @override
-    def on_train_end(self) -> None:
-        if self._onebit_optimizer is not None and self._onebit_optimizer.synchronize():
-            rank_zero_info("onebit_fsdp: replicas synchronised at the end of fit (local steps since the last sync)")
-        super().on_train_end()
 
     # ------------------------------------------------------------------ checkpoints
     @override

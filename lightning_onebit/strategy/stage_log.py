@@ -14,10 +14,11 @@ from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind
 class StageLog:
     """Announces the optimizer's phase (``describe_phase``) when it changes and warns about local clipping once."""
 
-    def __init__(self, local_clipping_warning: str = (
+    def __init__(self, name: str = "onebit_adam", local_clipping_warning: str = (
         "onebit_adam: gradient clipping in the compression stage clips each rank's local gradient by its local norm "
         "(gradients are no longer averaged before the optimizer)."
     )) -> None:
+        self.name = name  # the strategy's name, which starts every announcement
         self.local_clipping_warning = local_clipping_warning
         self.announced_phase: Optional[StepKind] = None  # the optimizer phase last announced (describe_phase)
         self.warned_local_clipping = False
@@ -30,7 +31,7 @@ class StageLog:
         """Before ``optimizer``'s step in the run of ``module``."""
         phase, sentence = optimizer.describe_phase()
         if phase is not self.announced_phase:
-            rank_zero_info(f"onebit_adam: {sentence}")
+            rank_zero_info(f"{self.name}: {sentence}")
             self.announced_phase = phase
         if optimizer.stage is OnebitStage.COMPRESSION:
             self._warn_local_clipping(module)

@@ -17,10 +17,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
@@ -38,6 +35,7 @@ from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, note_bucket
 from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology
 from lightning_onebit.strategy.stage_log import StageLog
+from lightning_onebit.strategy.stepping import CompressedStepping
 from lightning_onebit.strategy.teardown import _LIVE_STRATEGIES, _register_exit_handler
 
 log = logging.getLogger(__name__)
@@ -46,7 +44,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PER_RANK_STATE_KEY", "PER_RANK_STATUS_KEY", "OnebitAdamStrategy", "OnebitStrategy"]
 
 
-class OnebitStrategy(DDPStrategy):
+class OnebitStrategy(CompressedStepping, DDPStrategy):
     """Data-parallel training with 1-bit Adam, 0/1 Adam or 1-bit LAMB: DDP during warmup, compressed averaging after.
 
     ``configure_optimizers`` must return one compressed optimizer: :class:`~lightning_onebit.OnebitAdam`,
@@ -347,33 +345,6 @@ class OnebitStrategy(DDPStrategy):
         env = self.cluster_environment
         assert env is not None
         return build_topology(env, self.topology_mode, self.ranks_per_node, process_group, self._timeout)
-
-    # ------------------------------------------------------------------ stepping
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        if self._onebit_optimizer is not None:
-            self._stage_log.before_step(self._onebit_optimizer, self.lightning_module)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        # freeze_step="auto" waits for the training loss to leave its initial plateau (AutoFreeze.loss_drop)
-        if self._onebit_optimizer is not None:
-            self._onebit_optimizer.observe_loss(closure_loss)
-        super().pre_backward(closure_loss)
-
-    @override
-    def on_train_end(self) -> None:
-        # An optimizer with local steps (ZeroOneAdam) ends fit with every rank's replica identical.
-        if self._onebit_optimizer is not None and self._onebit_optimizer.synchronize():
-            rank_zero_info("onebit_adam: replicas synchronised at the end of fit (local steps since the last sync)")
-        super().on_train_end()
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_onebit import OnebitAdam, OnebitLamb, Topology, ZeroOneAdam, kernels
@@ -134,20 +133,21 @@ def test_the_warmup_equals_adamw_on_the_same_sharded_model(results: list[dict[st
         assert not torch.allclose(a["shards"][-1], b["shards"][-1], rtol=1e-6, atol=1e-7)  # then they part
 
 
-def _oracle(rank: int) -> dict[str, Any]:
-    """1-bit Adam on the sharded model, then on the same model under DDP with the hierarchical exchange."""
+def _hierarchical_ddp(rank: int, model: nn.Module, make_optimizer: Any, buckets: list[list[torch.Tensor]],
+                      measure: Any = None) -> dict[str, Any]:
+    """``model`` trained under DDP with the hierarchical exchange (the oracle of the sharded runs): the optimizer
+    ``make_optimizer(topology)``, its momenta laid out in ``buckets``; the parameters at the end, and ``measure``'s
+    figures of the optimizer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from lightning_onebit.comm.topology import destroy_groups
     from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 
-    sharded = _train_sharded(rank, "onebit_adam")
-    model = Stack()
     ddp = DDP(model)
     topology = Topology.build(node_rank=rank // PER_NODE, local_rank=rank % PER_NODE, mode="hierarchical",
                               ranks_per_node=PER_NODE)
-    optimizer = OnebitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=FREEZE, topology=topology,
-                           warn_dead_coordinates=False)
-    optimizer.set_bucket_plan([[p] for p in model.parameters()])  # a node's chunk of a bucket = one FSDP shard
+    optimizer = make_optimizer(topology)
+    optimizer.set_bucket_plan(buckets)
     sync = GradientSyncState(sync_predicate=lambda: optimizer.needs_gradient_allreduce)
     ddp.register_comm_hook(sync, switchable_allreduce_hook)
     for step in range(1, STEPS + 1):
@@ -155,12 +155,23 @@ def _oracle(rank: int) -> dict[str, Any]:
         optimizer.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         optimizer.step()
-    ddp_params = [p.detach().clone() for p in model.parameters()]
-    del optimizer, ddp
-    from lightning_onebit.comm.topology import destroy_groups
-
+    out = dict(params=[p.detach().clone() for p in model.parameters()],
+               figures=None if measure is None else measure(optimizer))
     destroy_groups(topology.groups)
-    return dict(sharded, ddp=ddp_params)
+    return out
+
+
+def _oracle(rank: int) -> dict[str, Any]:
+    """1-bit Adam on the sharded model, then on the same model under DDP with the hierarchical exchange."""
+    sharded = _train_sharded(rank, "onebit_adam")
+    model = Stack()
+    twin = _hierarchical_ddp(
+        rank, model,
+        lambda topology: OnebitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=FREEZE,
+                                    topology=topology, warn_dead_coordinates=False),
+        [[p] for p in model.parameters()],  # a node's chunk of a bucket = one FSDP shard
+    )
+    return dict(sharded, ddp=twin["params"])
 
 
 def test_the_oracle_hierarchical_ddp_reaches_the_same_parameters(results: list[dict[str, Any]]) -> None:
@@ -261,31 +272,12 @@ def _train_lamb_sharded(rank: int, layout: str, kernel_backend: str = "auto") ->
 
 def _lamb_oracle(rank: int) -> dict[str, Any]:
     """1-bit LAMB on the sharded model, then on the same model under DDP with the hierarchical exchange."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from lightning_onebit.comm.topology import destroy_groups
-    from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
-
     sharded = _train_lamb_sharded(rank, "oracle")
     model = LambStack()
-    ddp = DDP(model)
-    topology = Topology.build(node_rank=rank // PER_NODE, local_rank=rank % PER_NODE, mode="hierarchical",
-                              ranks_per_node=PER_NODE)
     groups, buckets = _lamb_layout(model, "oracle")
-    optimizer = OnebitLamb(groups, topology=topology, **LAMB_KWARGS)
-    optimizer.set_bucket_plan(buckets)
-    sync = GradientSyncState(sync_predicate=lambda: optimizer.needs_gradient_allreduce)
-    ddp.register_comm_hook(sync, switchable_allreduce_hook)
-    for step in range(1, STEPS + 1):
-        x, y = _batch(rank, step)
-        optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        optimizer.step()
-    ddp_params = [p.detach().clone() for p in model.parameters()]
-    ddp_coefficients = _lamb_coefficients(optimizer)
-    del optimizer, ddp
-    destroy_groups(topology.groups)
-    return dict(sharded, ddp=ddp_params, ddp_coefficients=ddp_coefficients)
+    twin = _hierarchical_ddp(rank, model, lambda topology: OnebitLamb(groups, topology=topology, **LAMB_KWARGS),
+                             buckets, _lamb_coefficients)
+    return dict(sharded, ddp=twin["params"], ddp_coefficients=twin["figures"])
 
 
 @pytest.mark.parametrize("run", ["lamb", "lamb_empty_torch", "lamb_empty_auto"])
