@@ -60,7 +60,7 @@ def _lamb_update(numels: list[int], backend: str) -> Callable[[], object]:
     g = torch.Generator().manual_seed(1)
     params = [torch.randn(k, generator=g) * 0.02 for k in numels]
     opt = OnebitLamb(params, lr=1e-3, weight_decay=0.01, freeze_step=2, kernel_backend=backend,
-                     warn_dead_coordinates=False)
+                     dead_coordinates="ignore")
     for p in params:
         opt.state[p].update(exp_avg=torch.randn(p.numel(), generator=g) * 1e-3,
                             exp_avg_sq=torch.rand(p.numel(), generator=g) * 1e-6,

@@ -110,7 +110,7 @@ def _torch_ddp_train() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh())), nn.Linear(16, 1))
     ddp = DistributedDataParallel(net, bucket_cap_mb=2000 / 2**20)
-    optimizer = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE_STEP, warn_dead_coordinates=False)
+    optimizer = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE_STEP, dead_coordinates="ignore")
     state = OverlapState(ddp, optimizer)
     ddp.register_comm_hook(state, overlapped_exchange_hook)
     g = torch.Generator().manual_seed(rank)

@@ -72,7 +72,7 @@ def _run(rank: int, world_size: int, method: str, n_params: float, width: int, s
             register_replica_allreduce_hook(model, ReplicaAllReduceState(replicate))
         else:
             optimizer = OnebitAdam(model.parameters(), lr=1e-4, freeze_step=1, process_group=replicate,
-                                   warn_dead_coordinates=False)
+                                   dead_coordinates="ignore")
             register_replica_allreduce_hook(
                 model, ReplicaAllReduceState(replicate, lambda: optimizer.needs_gradient_allreduce)
             )
@@ -81,7 +81,7 @@ def _run(rank: int, world_size: int, method: str, n_params: float, width: int, s
             topology = Topology.build(node_rank=rank // PER_NODE, local_rank=rank % PER_NODE, mode="hierarchical",
                                       ranks_per_node=PER_NODE)
         optimizer = OnebitAdam(model.parameters(), lr=1e-4, freeze_step=1, topology=topology,
-                               warn_dead_coordinates=False)
+                               dead_coordinates="ignore")
     x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank))
     for _ in range(steps):
         optimizer.zero_grad()

@@ -53,7 +53,7 @@ def warmup_against_fused_adamw(optimizer: str, device: str, autocast: bool, step
 def lamb_run(device: str, steps: int = 8) -> list[torch.Tensor]:
     """1-bit LAMB on one rank through its warmup and compression stage (the exchange of one rank is the identity)."""
     net = Net().to(device)
-    opt = OnebitLamb(net.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, warn_dead_coordinates=False)
+    opt = OnebitLamb(net.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, dead_coordinates="ignore")
     for x, y in _batches(0, steps, device):
         torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
@@ -70,7 +70,7 @@ def overlap_scenario(rank: int, world_size: int, device: str, steps: int = 9) ->
         ddp = DDP(net, device_ids=_device_ids(device), bucket_cap_mb=0.002)
         groups = [{"params": [net.emb.weight], "compress": False},
                   {"params": [p for n, p in net.named_parameters() if not n.startswith("emb")]}]
-        opt = OnebitAdam(groups, lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+        opt = OnebitAdam(groups, lr=1e-2, freeze_step=FREEZE, dead_coordinates="ignore")
         state = OverlapState(ddp, opt, enabled=enabled)
         ddp.register_comm_hook(state, overlapped_exchange_hook)
         for step in range(steps):
@@ -88,7 +88,7 @@ def overlap_scenario(rank: int, world_size: int, device: str, steps: int = 9) ->
 def _train(rank: int, device: str, steps: int, start: int = 0, net=None, opt=None):
     if net is None:
         net = Net().to(device)
-        opt = OnebitAdam(net.parameters(), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+        opt = OnebitAdam(net.parameters(), lr=1e-2, freeze_step=FREEZE, dead_coordinates="ignore")
     ddp = DDP(net, device_ids=_device_ids(device))
     ddp.register_comm_hook(GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce),
                            switchable_allreduce_hook)
@@ -118,7 +118,7 @@ def resume_scenario(rank: int, world_size: int, device: str, workdir: str, saved
     saved = torch.load(path, map_location="cpu", weights_only=False)
     net = Net().to(device)
     net.load_state_dict(saved["model"])
-    opt = OnebitAdam(net.parameters(), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+    opt = OnebitAdam(net.parameters(), lr=1e-2, freeze_step=FREEZE, dead_coordinates="ignore")
     opt.load_state_dict(saved["optimizer"])
     opt.load_error_feedback_state_dict(saved["error"])
     restored = next(iter(opt.compression._buckets.values())).worker_error

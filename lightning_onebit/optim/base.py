@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union, get_args
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from lightning_onebit.optim.checkpoint import (
 from lightning_onebit.optim.exchange import MomentumExchange
 from lightning_onebit.optim.freeze import AutoFreezeMixin, check_freeze_options
 from lightning_onebit.optim.groups import check_param_group, is_real
-from lightning_onebit.optim.masks import DeadCoordinateTracker, set_exp_avg_mask
+from lightning_onebit.optim.masks import DeadCoordinates, set_exp_avg_mask
 from lightning_onebit.optim.phase import phase_sentence
 from lightning_onebit.optim.process_group import ProcessGroupMixin
 from lightning_onebit.optim.sharded import ShardedParams, is_sharded
@@ -110,13 +110,15 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
-        warn_dead_coordinates: bool = True,
+        dead_coordinates: DeadCoordinates = "mask",
     ) -> None:
-        check_freeze_options(freeze_step, auto_freeze)
+        auto_freeze = check_freeze_options(freeze_step, auto_freeze, type(self).__name__)
         if not is_real(bucket_cap_mb) or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
-        if not isinstance(warn_dead_coordinates, bool):
-            raise ValueError(f"warn_dead_coordinates must be True or False, got {warn_dead_coordinates!r}")
+        if dead_coordinates not in get_args(DeadCoordinates):
+            raise ValueError(
+                f"dead_coordinates must be one of {get_args(DeadCoordinates)}, got {dead_coordinates!r}"
+            )
         # which momenta share a bucket (packed by bucket_cap_mb, or as set_bucket_plan says) and the buckets; before
         # the param groups are added (add_param_group invalidates the buckets)
         self.momentum_buckets = MomentumBuckets(int(bucket_cap_mb * 2**20))
@@ -142,9 +144,11 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
         # coefficients), empty for 1-bit Adam
         self._exchange_scale: dict[int, torch.Tensor] = {}
         self.last_dropped_error_norm: Optional[float] = None
-        self.warn_dead_coordinates = warn_dead_coordinates
-        # dead-coordinate detection (warmup only), by id(param); its first step is > 1 after a resume in warmup
-        self._dead_coordinates = DeadCoordinateTracker()
+        self.dead_coordinates = dead_coordinates
+        self._dead_coordinates_masked_by: Optional[str] = None  # a callback that masks and reports them itself
+        # id(param) -> v == 0 of the compressed groups' dead coordinates, found at the first compressed step after
+        # construction or a load (None until then), kept at rest with dead_coordinates="mask"
+        self._zero_variance: Optional[dict[int, torch.Tensor]] = None
         #: Steps this process took, by :class:`~lightning_onebit.optim.StepKind`: ``WARMUP`` and ``COMPRESSED``;
         #: :class:`~lightning_onebit.ZeroOneAdam` takes ``VARIANCE``, ``COMPRESSED``, ``LOCAL`` and ``SYNC`` steps.
         #: Not saved in checkpoints.
@@ -167,6 +171,7 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
             self.param_groups.pop()
             raise
         self.momentum_buckets.built = None  # a new group changes the bucket layout
+        self._zero_variance = None  # and may hold dead coordinates
 
     @classmethod
     def _check_group(cls, group: dict[str, Any], index: int) -> None:
@@ -293,10 +298,9 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
         raise NotImplementedError
 
     def dead_coordinates_masked_by(self, owner: str) -> None:
-        """Declare that ``owner`` masks every dead coordinate itself (``MomentumMask(auto=True)`` does), so that this
-        optimizer neither tracks them nor warns about them (as ``warn_dead_coordinates=False``)."""
-        self.warn_dead_coordinates = False
-        self._dead_coordinates.clear()
+        """Declare that ``owner`` masks and reports every dead coordinate itself (``MomentumMask(auto=True)`` does),
+        so that this optimizer does not warn about them."""
+        self._dead_coordinates_masked_by = owner
         log.debug("%s: dead coordinates are masked by %s", type(self).__name__, owner)
 
     # ------------------------------------------------------------------ overlap with backward
@@ -434,7 +438,7 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
         self.momentum_buckets.load_plan(
             plan_from_indices(saved_plan, self._all_params(), type(self).__name__) if saved_plan else None
         )
-        self._dead_coordinates.clear()  # dead-coordinate detection restarts from the loaded step
+        self._zero_variance = None  # found again from the loaded variance
         for state in self.state.values():
             state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
         self.last_dropped_error_norm = self.compression.reset_error_feedback()

@@ -7,6 +7,7 @@ readings it takes after each warmup step. The rule that decides the freeze step 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -20,9 +21,15 @@ from lightning_onebit.optim.groups import trainable
 log = logging.getLogger(__name__)
 
 
-def check_freeze_options(freeze_step: Union[int, str], auto_freeze: Optional[AutoFreeze]) -> None:
-    """Raise ``ValueError`` unless ``freeze_step`` is an int >= 1 or ``"auto"``, and ``auto_freeze`` is ``None`` or
-    an :class:`~lightning_onebit.AutoFreeze` given with ``freeze_step="auto"``."""
+def check_freeze_options(
+    freeze_step: Union[int, str], auto_freeze: Optional[AutoFreeze], owner: str
+) -> Optional[AutoFreeze]:
+    """Raise ``ValueError`` unless ``freeze_step`` is an int >= 1 or ``"auto"`` and ``auto_freeze`` is ``None`` or an
+    :class:`~lightning_onebit.AutoFreeze`; return the ``auto_freeze`` that applies.
+
+    An integer ``freeze_step`` wins over ``auto_freeze`` settings given with it (a config that ships an ``auto_freeze``
+    block, overridden on the command line with ``--optimizer.init_args.freeze_step=60``): they are dropped with a
+    warning that says so, and ``None`` is returned."""
     if freeze_step != "auto" and (
         isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1
     ):
@@ -30,13 +37,17 @@ def check_freeze_options(freeze_step: Union[int, str], auto_freeze: Optional[Aut
             f"freeze_step must be an integer >= 1 (the number of warmup steps that estimate the variance) or "
             f"'auto', got {freeze_step!r}"
         )
-    if auto_freeze is not None and freeze_step != "auto":
-        raise ValueError(
-            f"auto_freeze configures freeze_step='auto', but freeze_step is {freeze_step!r}: drop auto_freeze or "
-            "pass freeze_step='auto'"
-        )
     if auto_freeze is not None and not isinstance(auto_freeze, AutoFreeze):
         raise ValueError(f"auto_freeze must be a lightning_onebit.AutoFreeze, got {type(auto_freeze).__name__}")
+    if auto_freeze is not None and freeze_step != "auto":
+        warnings.warn(
+            f"{owner}: freeze_step={freeze_step} is used and the auto_freeze settings given with it are not (they "
+            "only apply to freeze_step='auto')",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    return auto_freeze
 
 
 class AutoFreezeMixin:

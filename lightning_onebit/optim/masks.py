@@ -4,59 +4,21 @@ A momentum mask (param-group option ``exp_avg_mask``, DeepSpeed's semantics) hol
 1 where it trains; it multiplies the averaged momentum every compressed step. Dead coordinates are those whose
 gradient stayed exactly zero in every warmup step: their variance is zero, and 1-bit compression cannot send zero, so
 from the first compressed step they would receive ``+-scale`` momentum and their updates explode unless masked.
-:class:`DeadCoordinateTracker` finds them; the optimizer warns about the ones no mask covers
-(:func:`report_dead_coordinates`), and :class:`~lightning_onebit.MomentumMask` (``auto=True``) turns them into masks.
+:func:`zero_variance_coordinates` finds them from the frozen variance (``v == 0``) at the first compressed step, and
+the optimizer keeps them at rest by default (``dead_coordinates="mask"``, :func:`apply_momentum_masks_`).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 
 from lightning_onebit._docs import docs_pointer
 
-
-class DeadCoordinateTracker:
-    """Which coordinates had a nonzero gradient in any tracked step: one bool tensor per tracked key (a parameter's
-    ``id`` in the optimizer, its name in :class:`~lightning_onebit.MomentumMask`), allocated at the first gradient.
-
-    Attributes:
-        seen: key -> bool tensor of the parameter's shape, ``True`` where a tracked gradient was nonzero.
-        since: the first tracked step (``None`` until one is tracked).
-    """
-
-    def __init__(self) -> None:
-        self.seen: dict[Hashable, torch.Tensor] = {}
-        self.since: Optional[int] = None
-
-    def track(self, key: Hashable, grad: torch.Tensor, step: Optional[int] = None) -> None:
-        """Record where ``grad`` is nonzero (on its device; no host synchronisation)."""
-        if self.since is None:
-            self.since = step
-        seen = self.seen.get(key)
-        if seen is None:
-            self.seen[key] = grad != 0
-        else:
-            seen.logical_or_(grad != 0)
-
-    def dead(self, key: Hashable, like: torch.Tensor, mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """``True`` where ``key``'s gradient was zero in every tracked step and ``mask`` (if any) does not already
-        freeze the coordinate; ``None`` if ``key`` was not tracked or its shape is no longer ``like``'s."""
-        seen = self.seen.get(key)
-        if seen is None or seen.shape != like.shape:
-            return None
-        dead = ~seen
-        if mask is not None:
-            dead &= mask.to(dead.device) != 0
-        return dead
-
-    def clear(self) -> None:
-        self.seen, self.since = {}, None
-
-    def __bool__(self) -> bool:
-        return bool(self.seen)
+#: What the Adam-family optimizers do with dead coordinates at the first compressed step (``dead_coordinates``).
+DeadCoordinates = Literal["mask", "warn", "ignore"]
 
 
 def describe_param(group: dict[str, Any], group_index: int, index: int, param: torch.Tensor) -> str:
@@ -133,18 +95,28 @@ def mask_like(masks: list[Optional[torch.Tensor]], index: int, like: torch.Tenso
     return mask
 
 
-def apply_momentum_masks_(groups: Sequence[dict[str, Any]], state: Any) -> None:
+def apply_momentum_masks_(
+    groups: Sequence[dict[str, Any]], state: Any, zero_variance: Optional[dict[int, torch.Tensor]] = None
+) -> None:
     """Multiply the (averaged) momentum ``state[p]["exp_avg"]`` of every trainable parameter of the compressed param
-    groups by its mask, where it has one. ``compress=False`` groups are masked in their own update, after their
-    gradient is folded in."""
+    groups by its mask, where it has one, and zero it where ``zero_variance`` (``{id(param): bool tensor}``, from
+    :func:`zero_variance_coordinates`) says the coordinate is dead. ``compress=False`` groups are masked in their own
+    update, after their gradient is folded in."""
+    zero_variance = zero_variance or {}
     for group in groups:
         if not group["compress"]:
             continue
         masks = group["exp_avg_mask"]
         for i, p in enumerate(group["params"]):
-            if p.requires_grad and masks[i] is not None:
+            if not p.requires_grad:
+                continue
+            if masks[i] is not None:
                 m = state[p]["exp_avg"]
                 m.mul_(mask_like(masks, i, m))
+            dead = zero_variance.get(id(p))
+            if dead is not None:
+                state[p]["exp_avg"].masked_fill_(dead, 0)
+
 
 def set_exp_avg_mask(
     groups: Sequence[dict[str, Any]], param: torch.Tensor, mask: Optional[torch.Tensor], owner: str
@@ -167,43 +139,53 @@ def set_exp_avg_mask(
     )
 
 
-def report_dead_coordinates(
-    tracker: DeadCoordinateTracker,
-    groups: Sequence[dict[str, Any]],
-    owner: str,
-    step: int,
-    rank: Callable[[], int],
-) -> None:
-    """At the first compressed step of the optimizer class ``owner`` (masks are in place by then, ``step`` is its
-    global step): warn on rank 0 (``rank()``) about trainable coordinates of the compressed param groups whose gradient
-    was exactly zero in every warmup step ``tracker`` tracked (by ``id(param)``) and that no mask covers.
+def zero_variance_coordinates(
+    groups: Sequence[dict[str, Any]], state: Any
+) -> tuple[dict[int, torch.Tensor], list[tuple[str, int, int]]]:
+    """The dead coordinates of the compressed param groups once their variance is frozen: ``v == 0`` (no warmup step
+    gave them a nonzero averaged gradient), where no ``exp_avg_mask`` already masks them.
 
-    Called from the optimizer's ``_average_momenta_``: ``stacklevel=4`` points the warning at the caller of ``step``.
-    """
-    since = tracker.since
-    found, total = [], 0
+    Returns ``{id(param): bool tensor}`` for the parameters that have any, and ``(name, count, numel)`` for each of
+    them (:func:`describe_param`'s name). One host synchronisation per device for all the counts; called once, at the
+    first compressed step after construction or a load."""
+    found: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for g, group in enumerate(groups):
         if not group["compress"]:  # averaged in full precision: a zero gradient stays an exact zero
             continue
         for i, p in enumerate(group["params"]):
-            dead = tracker.dead(id(p), p, group["exp_avg_mask"][i]) if p.requires_grad else None
-            if dead is None:
-                continue
-            count = int(dead.sum())
-            if count:
-                found.append(f"{describe_param(group, g, i, p)}: {count} of {p.numel()}")
-                total += count
-    if not found or rank() != 0:
-        return
-    tracked = f" (steps {since}..{step - 1}" if since is not None else ""
-    if since is not None:
-        tracked += f"; steps before {since} ran before a resume and were not observed)" if since > 1 else ")"
-    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            if not p.requires_grad or p not in state or "exp_avg_sq" not in state[p]:
+                continue  # never had a gradient: frozen whole (MomentumBuckets.frozen)
+            zero = state[p]["exp_avg_sq"] == 0
+            mask = group["exp_avg_mask"][i]
+            if mask is not None:
+                zero &= mask.to(zero.device) != 0
+            found.append((describe_param(group, g, i, p), p, zero))
+    counts: dict[int, int] = {}
+    for device in {zero.device for _, _, zero in found}:
+        on_device = [(k, zero) for k, (_, _, zero) in enumerate(found) if zero.device == device]
+        sums = torch.stack([zero.sum() for _, zero in on_device]).tolist()
+        counts.update({k: int(n) for (k, _), n in zip(on_device, sums)})
+    masks = {id(p): zero for k, (_, p, zero) in enumerate(found) if counts[k]}
+    report = [(name, counts[k], p.numel()) for k, (name, p, _) in enumerate(found) if counts[k]]
+    return masks, report
+
+
+def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, masked: bool) -> None:
+    """Say, in two lines, how many dead coordinates :func:`zero_variance_coordinates` found and what happens to them:
+    kept at rest (``masked``), or free to take the ``lr * scale / eps`` updates 1-bit noise gives them.
+
+    Called from the optimizer's ``_average_momenta_``: ``stacklevel=4`` points the warning at the caller of ``step``."""
+    total = sum(count for _, count, _ in report)
+    name, count, numel = report[0]
+    more = f" and {len(report) - 1} more parameter(s)" if len(report) > 1 else ""
+    fate = (
+        "stay at rest; to train them, use a \"compress\": False param group"
+        if masked
+        else "are not masked (dead_coordinates='warn'): their updates can explode"
+    )
     warnings.warn(
-        f"{owner}: {total} coordinate(s) in {len(found)} parameter(s) had an exactly-zero gradient "
-        f"in every warmup step{tracked} and are not masked: {'; '.join(found[:3])}{more}. Their compressed updates can "
-        "explode. Fix: MomentumMask(auto=True), or to train them a \"compress\": False param group; "
-        f"warn_dead_coordinates=False silences this; {docs_pointer('guides/freeze-step', 'embedding-tables')}",
+        f"{owner}: {total} coordinate(s) had no gradient in warmup ({name}: {count} of {numel}{more}) and {fate}. "
+        f"{docs_pointer('guides/freeze-step', 'embedding-tables')}",
         UserWarning,
         stacklevel=4,
     )

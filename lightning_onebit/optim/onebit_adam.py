@@ -12,6 +12,7 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.functional import adam_update_
+from lightning_onebit.optim.masks import DeadCoordinates
 
 
 class OnebitAdam(CompressedOptimizer):
@@ -46,17 +47,16 @@ class OnebitAdam(CompressedOptimizer):
     variance estimate: it is kept out of the update (frozen) and a warning names it.
 
     **Dead coordinates.** 1-bit compression cannot send zero: a coordinate whose gradient is exactly zero in every
-    warmup step (embedding rows never looked up, position embeddings past the sequence length) has a variance of ~0
-    and, wherever its compression segment also holds live coordinates, receives ``+-scale`` momentum from the first
-    compressed step on, so its update explodes to about ``lr * scale / eps``. With ``warn_dead_coordinates=True``
-    (the default) the optimizer records, per parameter element, whether its (averaged) gradient was ever nonzero
-    during warmup, and at the first compressed step warns, on rank 0 of ``process_group``, how many such coordinates
-    each parameter has that no ``exp_avg_mask`` masks, with the fix (``MomentumMask(auto=True)``, or an
-    ``exp_avg_mask``). Warmup gradients are averaged, hence equal on every rank: no communication is needed.
-    :class:`~lightning_onebit.MomentumMask` with ``auto=True`` masks exactly these coordinates and switches this
-    detection off (it detects them itself); with explicit masks only, the warning counts what the masks leave
-    uncovered. Parameters are named by ``param_names`` when the optimizer was given ``named_parameters()``, else by
-    param group, index and shape.
+    warmup step (embedding rows never looked up, position embeddings past the sequence length) has a frozen variance
+    of 0 and, wherever its compression segment also holds live coordinates, receives ``+-scale`` momentum from the
+    first compressed step on, so its update would explode to about ``lr * scale / eps``. At the first compressed step
+    (after construction or a load) the optimizer finds them from the frozen variance (``v == 0``; warmup gradients are
+    averaged, so every rank finds the same ones, with no communication and one host synchronisation) and, with
+    ``dead_coordinates="mask"`` (the default), zeroes their averaged momentum every compressed step, so that they stay
+    at their values (weight decay aside), and warns on rank 0 how many there are. To train such coordinates instead
+    (embedding rows first seen after the warmup), put their parameters in a ``"compress": False`` param group (for an
+    embedding table with ``"sparse_rows": True`` too). :class:`~lightning_onebit.MomentumMask` with ``auto=True``
+    masks the same coordinates (detected from the gradients) and reports them itself.
 
     Nothing here touches ``torch.distributed`` before the first compressed step, so the optimizer can be built before
     the process group exists (LightningCLI does). Without an initialised process group (or with one rank) the
@@ -95,9 +95,10 @@ class OnebitAdam(CompressedOptimizer):
             (about ``N/8`` bytes per node per step instead of ``N/4`` or more); any topology splits the byte counters
             into intra- and inter-node bytes. ``None`` (default): flat exchange. The strategy sets it from its
             ``topology`` argument.
-        warn_dead_coordinates: detect dead coordinates during warmup and warn at the first compressed step (see
-            above). Costs one bool per trainable parameter element during warmup (freed at the first compressed step)
-            and one comparison pass over the gradients per warmup step. Default ``True``.
+        dead_coordinates: what happens to the dead coordinates (see above) at the first compressed step:
+            ``"mask"`` keeps them at rest and warns (default; one bool per element of the parameters that have any,
+            for the rest of training); ``"warn"`` only warns, and lets 1-bit noise move them (DeepSpeed's behaviour);
+            ``"ignore"`` neither looks nor warns.
 
     All arguments are checked in the constructor (before any collective); an invalid one is a ``ValueError`` that
     names it.
@@ -160,7 +161,7 @@ class OnebitAdam(CompressedOptimizer):
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
-        warn_dead_coordinates: bool = True,
+        dead_coordinates: DeadCoordinates = "mask",
     ) -> None:
         if not isinstance(amsgrad, bool):
             raise ValueError(f"amsgrad must be False (OnebitAdam does not support amsgrad), got {amsgrad!r}")
@@ -176,7 +177,7 @@ class OnebitAdam(CompressedOptimizer):
             process_group=process_group,
             kernel_backend=kernel_backend,
             topology=topology,
-            warn_dead_coordinates=warn_dead_coordinates,
+            dead_coordinates=dead_coordinates,
         )
 
     def _warmup_step(self) -> None:

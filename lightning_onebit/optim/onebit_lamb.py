@@ -31,7 +31,7 @@ from lightning_onebit.optim.lamb_math import (
     _squared_norms,
     _trust_ratios,
 )
-from lightning_onebit.optim.masks import mask_like
+from lightning_onebit.optim.masks import DeadCoordinates, mask_like
 
 
 class OnebitLamb(CompressedOptimizer):
@@ -102,7 +102,7 @@ class OnebitLamb(CompressedOptimizer):
         freeze_step, auto_freeze: as for :class:`~lightning_onebit.OnebitAdam`; ``freeze_step="auto"`` also waits
             for every tensor's trust-ratio EMA to settle.
         bias_correction, bucket_cap_mb, process_group: as for :class:`~lightning_onebit.OnebitAdam`.
-        kernel_backend, topology, warn_dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`.
+        kernel_backend, topology, dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`.
         max_coeff: upper clip of the warmup trust ratio ``r``. Default ``10.0``.
         min_coeff: lower clip of ``r``, ``> 0``. Default ``0.01``.
         coeff_beta: EMA rate of the trust ratio, in ``[0, 1)``. Default ``0.9``.
@@ -135,7 +135,7 @@ class OnebitLamb(CompressedOptimizer):
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
-        warn_dead_coordinates: bool = True,
+        dead_coordinates: DeadCoordinates = "mask",
     ) -> None:
         for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
                             ("factor_min", factor_min), ("factor_threshold", factor_threshold),
@@ -164,7 +164,7 @@ class OnebitLamb(CompressedOptimizer):
             process_group=process_group,
             kernel_backend=kernel_backend,
             topology=topology,
-            warn_dead_coordinates=warn_dead_coordinates,
+            dead_coordinates=dead_coordinates,
         )
 
     # ------------------------------------------------------------------ warmup: LAMB
@@ -198,8 +198,6 @@ class OnebitLamb(CompressedOptimizer):
                 state = self._moment_state(p)
                 if "lamb_coeff" not in state:
                     state["lamb_coeff"] = _scalar(0.0, p.device)
-                if self.warn_dead_coordinates and group["compress"] and not compression_stage:
-                    self._track_nonzero(p)
                 params.append(p)
                 indices.append(i)
             # Under sharding a group is one run (per device), so that its figures travel in one collective: this keeps

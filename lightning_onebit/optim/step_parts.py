@@ -18,10 +18,10 @@ from lightning_onebit.optim.exchange import MomentumExchange
 from lightning_onebit.optim.functional import adamw_step_
 from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.optim.masks import (
-    DeadCoordinateTracker,
     apply_momentum_masks_,
     mask_like,
-    report_dead_coordinates,
+    warn_zero_variance,
+    zero_variance_coordinates,
 )
 from lightning_onebit.optim.uncompressed import average_gradients_
 
@@ -37,8 +37,9 @@ class StepPartsMixin:
     momentum_buckets: MomentumBuckets
     exchange: MomentumExchange
     _exchange_scale: dict[int, torch.Tensor]
-    warn_dead_coordinates: bool
-    _dead_coordinates: DeadCoordinateTracker
+    dead_coordinates: str
+    _dead_coordinates_masked_by: Optional[str]
+    _zero_variance: Optional[dict[int, torch.Tensor]]
     _backend_agreed: bool
     agree_kernel_backend: Callable[[], str]
     _bucket_source: Callable[[], BucketSource]
@@ -62,8 +63,7 @@ class StepPartsMixin:
         """Step ``t`` of :class:`torch.optim.AdamW` (:func:`~lightning_onebit.optim.functional.adamw_step_`) on the
         (averaged) gradients of the parameters of ``groups`` (default all) that have one.
 
-        The Adam-based optimizers' warmup, where it records nonzero gradients of the compressed groups for the
-        dead-coordinate warning when it is on, and their ``compress=False`` groups in the compression stage
+        The Adam-based optimizers' warmup, and their ``compress=False`` groups in the compression stage
         (``compression_stage=True``), where explicit ``exp_avg_mask`` multiply the momentum after the gradient is
         folded in, as they multiply the averaged momentum of the compressed groups."""
         for group in self.param_groups if groups is None else groups:
@@ -78,8 +78,6 @@ class StepPartsMixin:
                 exp_avg_sqs.append(state["exp_avg_sq"])
                 if compression_stage and group["exp_avg_mask"][i] is not None:
                     masks.append((len(params) - 1, mask_like(group["exp_avg_mask"], i, state["exp_avg"])))
-                if self.warn_dead_coordinates and group["compress"] and not compression_stage:
-                    self._track_nonzero(p)
             if params:
                 adamw_step_(group, params, grads, exp_avgs, exp_avg_sqs, t, masks)
 
@@ -98,9 +96,17 @@ class StepPartsMixin:
             average_gradients_(self.compression, groups)
         self._full_precision_update_(groups)
 
-    def _track_nonzero(self, p: torch.Tensor) -> None:
-        """Record which elements of ``p`` had a nonzero gradient in this warmup step (dead-coordinate detection)."""
-        self._dead_coordinates.track(id(p), p.grad, self._step)
+    def _find_zero_variance(self) -> dict[int, torch.Tensor]:
+        """The dead coordinates to keep at rest from now on (``v == 0`` with the variance frozen; see
+        ``dead_coordinates`` of :class:`~lightning_onebit.OnebitAdam`), reported on rank 0 unless ``'ignore'`` or a
+        callback masks them (:meth:`dead_coordinates_masked_by`)."""
+        if self.dead_coordinates == "ignore":
+            return {}
+        zero_variance, report = zero_variance_coordinates(self.param_groups, self.state)
+        masked = self.dead_coordinates == "mask"
+        if report and self._dead_coordinates_masked_by is None and self.compression.rank() == 0:
+            warn_zero_variance(report, type(self).__name__, masked)
+        return zero_variance if masked else {}
 
     def _average_momenta_(self) -> None:
         """Fold each rank's local gradient into its momentum (``m = lerp(m, g, 1 - beta1)``), replace the momenta by
@@ -108,20 +114,17 @@ class StepPartsMixin:
         the compressed param groups only (``compress=False`` groups: :meth:`_step_uncompressed_groups_`).
 
         Buckets whose exchange started during backward (the overlap hook) were folded there and are only finished
-        here (:meth:`MomentumExchange.finish_step_`). Runs the dead-coordinate report and the kernel agreement at the
-        first compressed step.
+        here (:meth:`MomentumExchange.finish_step_`). Finds the dead coordinates (:meth:`_find_zero_variance`) and
+        runs the kernel agreement at the first compressed step.
         """
-        if self._dead_coordinates:  # the first compressed step: the detection state is freed either way
-            tracker, self._dead_coordinates = self._dead_coordinates, DeadCoordinateTracker()
-            if self.warn_dead_coordinates:  # it may be switched off during warmup (MomentumMask(auto=True) does)
-                name, rank = type(self).__name__, self.compression.rank
-                report_dead_coordinates(tracker, self.param_groups, name, self._step, rank)
+        if self._zero_variance is None:
+            self._zero_variance = self._find_zero_variance()
         if not self._backend_agreed:
             self.agree_kernel_backend()
         started = self.exchange.take_started()
         buckets = self._ensure_buckets(carry=True)
         self.exchange.finish_step_(started, buckets, self._bucket_source(), self._exchange_scale)
-        apply_momentum_masks_(self.param_groups, self.state)
+        apply_momentum_masks_(self.param_groups, self.state, self._zero_variance)
 
     def _compressed_average_(self, stream: str, buffers: Sequence[tuple[MomentumBucket, torch.Tensor]]) -> None:
         """Replace each buffer (laid out like its bucket, e.g. from :meth:`_bucket_state_buffer`) by its

@@ -191,7 +191,7 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
             process_group=process_group,
             kernel_backend=kernel_backend,
             topology=topology,
-            warn_dead_coordinates=False,  # zero-variance coordinates are kept at rest (see the class docstring)
+            dead_coordinates="ignore",  # kept at rest by _keep_at_rest_ while the variance still changes
         )
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler

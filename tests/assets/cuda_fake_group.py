@@ -35,9 +35,9 @@ def make_optimizer(name: str, net: EmbeddingNet, uncompressed_embedding: bool):
     )
     common = dict(lr=1e-3, kernel_backend="torch")
     if name == "onebit_adam":
-        return OnebitAdam(groups, freeze_step=FREEZE, warn_dead_coordinates=False, **common)
+        return OnebitAdam(groups, freeze_step=FREEZE, dead_coordinates="ignore", **common)
     if name == "onebit_lamb":
-        return OnebitLamb(groups, freeze_step=FREEZE, warn_dead_coordinates=False, **common)
+        return OnebitLamb(groups, freeze_step=FREEZE, dead_coordinates="ignore", **common)
     return ZeroOneAdam(groups, var_freeze_step=FREEZE, var_update_scaler=1, local_step_scaler=2,
                        local_step_clipper=2, **common)
 

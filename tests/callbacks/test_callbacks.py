@@ -74,15 +74,17 @@ MASK_FREEZE, MASK_STEPS = 4, 14
 
 
 def scenario_mask(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
-    """The same model, data and seeds without a mask, with an explicit mask (glob + callable) and with auto=True."""
+    """The same model, data and seeds without any mask (``dead_coordinates="ignore"``), with the optimizer's default
+    (``"mask"``), with an explicit mask (glob + callable) and with auto=True."""
     callbacks: dict[str, Callable[[], list[pl.Callback]]] = {
         "none": lambda: [],
+        "default": lambda: [],
         "explicit": lambda: [MomentumMask({"emb.*": lambda p: unused_rows_mask()})],
         "auto": lambda: [MomentumMask(auto=True)],
     }
     out: dict[str, Any] = {}
     for name, make in callbacks.items():
-        model = TokenRegressor(freeze_step=MASK_FREEZE)
+        model = TokenRegressor(freeze_step=MASK_FREEZE, dead_coordinates="ignore" if name == "none" else "mask")
         init = model.emb.weight.detach().clone()
         cbs = make()
         trainer = pl.Trainer(**trainer_kwargs(world_size, MASK_STEPS, callbacks=cbs))
@@ -380,10 +382,10 @@ def test_setup_refusals(session: list[dict[str, Any]]) -> None:
 
 
 # ======================================================================================== MomentumMask
-def test_unused_rows_drift_without_mask_and_stay_put_with_explicit_or_auto_mask(session: list[dict[str, Any]]) -> None:
+def test_unused_rows_drift_without_mask_and_stay_put_by_default_or_with_a_mask(session: list[dict[str, Any]]) -> None:
     results = scenario_results(session, "mask")
     for rank, result in enumerate(results):
-        for name in ("none", "explicit", "auto"):
+        for name in ("none", "default", "explicit", "auto"):
             run = result[name]
             assert len(run["trace"]) == MASK_STEPS
             # warmup: a zero gradient gives a zero Adam update, with or without a mask (weight_decay 0)
@@ -393,7 +395,7 @@ def test_unused_rows_drift_without_mask_and_stay_put_with_explicit_or_auto_mask(
         # compression without a mask: +-scale in the momentum over a variance of exactly 0 -> updates of ~lr*scale/eps
         drift = [(t[USED_ROWS:] - none["init"][USED_ROWS:]).abs().max().item() for t in none["trace"][MASK_FREEZE:]]
         assert min(drift) > 1.0, drift
-        for name in ("explicit", "auto"):
+        for name in ("default", "explicit", "auto"):
             run = result[name]
             for t in run["trace"]:
                 assert torch.equal(t[USED_ROWS:], run["init"][USED_ROWS:]), name  # bitwise: not moved at all
@@ -403,6 +405,9 @@ def test_unused_rows_drift_without_mask_and_stay_put_with_explicit_or_auto_mask(
         assert result["auto"]["masked"] == {"emb.weight": (VOCAB - USED_ROWS) * DIM}
         assert torch.equal(result["explicit"]["final"], result["auto"]["final"])
         assert result["explicit"]["losses"] == result["auto"]["losses"]
+        # the optimizer's default masks the same coordinates (found from the frozen variance): the same run
+        assert torch.equal(result["explicit"]["final"], result["default"]["final"])
+        assert result["explicit"]["losses"] == result["default"]["losses"]
         # counts per parameter in the log
         logs = result["auto"]["logs"]
         assert "MomentumMask: emb.weight: 80 of 160 coordinates masked" in logs, logs
@@ -411,7 +416,7 @@ def test_unused_rows_drift_without_mask_and_stay_put_with_explicit_or_auto_mask(
         if rank == 0:
             assert any("80 momentum coordinates masked" in m for m in result["explicit"]["logs"])
     # replicas stay bit-identical in every run
-    for name in ("none", "explicit", "auto"):
+    for name in ("none", "default", "explicit", "auto"):
         assert torch.equal(results[0][name]["final"], results[1][name]["final"]), name
 
 

@@ -99,7 +99,7 @@ def _optimizer(name: str, params: list[nn.Parameter], **kwargs: Any) -> optim_ba
         return OnebitAdam(_groups(params), freeze_step=FREEZE, **common)
     if name == "onebit_lamb":
         return OnebitLamb(_groups(params), freeze_step=FREEZE, **common)
-    common.pop("warn_dead_coordinates", None)
+    common.pop("dead_coordinates", None)
     return ZeroOneAdam(_groups(params), **ZEROONE, **common)
 
 
@@ -252,7 +252,7 @@ def scenario_order(
         ddp = DDP(net, bucket_cap_mb=DDP_BUCKET_MB)
         # small momentum buckets too, so that the in-step exchange has several buckets to order
         opt = OnebitAdam(net.parameters(), lr=1e-2, freeze_step=FREEZE, kernel_backend="torch",
-                         bucket_cap_mb=DDP_BUCKET_MB, warn_dead_coordinates=False)
+                         bucket_cap_mb=DDP_BUCKET_MB, dead_coordinates="ignore")
         opt.topology = _hierarchical(rank, world_size)
         if overlapped:
             state: Any = OverlapState(ddp, opt)
@@ -555,7 +555,7 @@ def test_fake_cuda_optimizer_steps_keep_every_op_on_the_device(optimizer: str) -
     kinds = []
     with fake_cuda() as placement:
         params = _fake_params()
-        opt = _optimizer(optimizer, params, warn_dead_coordinates=False)
+        opt = _optimizer(optimizer, params, dead_coordinates="ignore")
         for _ in range(steps):
             _set_grads(params)
             opt.step()
@@ -576,7 +576,7 @@ def test_fake_cuda_exchange_keeps_every_op_on_the_device(
     steps = ZEROONE_STEPS if optimizer == "zeroone_adam" else ADAM_STEPS
     with fake_process_group(world_size), fake_cuda() as placement:
         params = _fake_params()
-        opt = _optimizer(optimizer, params, warn_dead_coordinates=False)
+        opt = _optimizer(optimizer, params, dead_coordinates="ignore")
         if world_size == 4:
             plan = Topology.plan([(r // 2, r % 2) for r in range(4)], "hierarchical", 0, 2)
             opt.topology = plan.with_new_groups()
@@ -599,7 +599,7 @@ def test_fake_cuda_overlapped_start_keeps_every_op_on_the_device(agreed_backend:
     with fake_process_group(2), fake_cuda() as placement:
         params = _fake_params()
         opt = OnebitAdam(_groups(params), lr=1e-2, freeze_step=FREEZE, kernel_backend="torch",
-                         warn_dead_coordinates=False)
+                         dead_coordinates="ignore")
         opt.set_bucket_plan([[p] for p in params[:-1]])
         opt.compression.create_gather_groups()
         for _ in range(FREEZE + 1):  # warmup, then the first compressed step lays the buckets out
@@ -641,7 +641,7 @@ def test_error_feedback_restored_from_cpu_lives_on_the_parameters_device(world_s
     with group, fake_cuda() as placement:
         params = _fake_params()
         opt = OnebitAdam(_groups(params), lr=1e-2, freeze_step=FREEZE, kernel_backend="torch",
-                         warn_dead_coordinates=False)
+                         dead_coordinates="ignore")
         for _ in range(FREEZE):
             _set_grads(params)
             opt.step()

@@ -115,7 +115,7 @@ def delayed_overlap_scenario(rank: int, world_size: int, steps: int) -> list[tor
     rng = random.Random(rank)
     net = EmbeddingNet().cuda()
     ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=[rank], bucket_cap_mb=0.0005)
-    opt = OnebitAdam(net.parameters(), lr=1e-3, freeze_step=3, warn_dead_coordinates=False)
+    opt = OnebitAdam(net.parameters(), lr=1e-3, freeze_step=3, dead_coordinates="ignore")
     state = OverlapState(ddp, opt)
 
     def hook(s, bucket):
@@ -159,7 +159,7 @@ def long_run_scenario(rank: int, world_size: int, name: str, steps: int) -> bool
         opt = ZeroOneAdam(net.parameters(), lr=1e-3, var_freeze_step=50, local_step_scaler=20, local_step_clipper=4)
     else:
         cls = OnebitAdam if name == "onebit_adam" else OnebitLamb
-        opt = cls(net.parameters(), lr=1e-3, freeze_step=50, warn_dead_coordinates=False)
+        opt = cls(net.parameters(), lr=1e-3, freeze_step=50, dead_coordinates="ignore")
     from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 
     ddp.register_comm_hook(GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce),

@@ -75,7 +75,7 @@ def _train_sharded(rank: int, optimizer_name: str) -> dict[str, Any]:
         state = ReplicaAllReduceState(replicate)
     else:
         cls = {"onebit_adam": OnebitAdam, "zeroone_adam": ZeroOneAdam}[optimizer_name]
-        kwargs: dict[str, Any] = (dict(freeze_step=FREEZE, warn_dead_coordinates=False) if cls is OnebitAdam
+        kwargs: dict[str, Any] = (dict(freeze_step=FREEZE, dead_coordinates="ignore") if cls is OnebitAdam
                                   else dict(var_freeze_step=FREEZE, var_update_scaler=2, local_step_scaler=4))
         optimizer = cls(model.parameters(), lr=1e-2, weight_decay=0.0, process_group=replicate, **kwargs)
         optimizer.set_bucket_plan([[p] for p in model.parameters()])  # as the DDP oracle's buckets (see there)
@@ -168,7 +168,7 @@ def _oracle(rank: int) -> dict[str, Any]:
     twin = _hierarchical_ddp(
         rank, model,
         lambda topology: OnebitAdam(model.parameters(), lr=1e-2, weight_decay=0.0, freeze_step=FREEZE,
-                                    topology=topology, warn_dead_coordinates=False),
+                                    topology=topology, dead_coordinates="ignore"),
         [[p] for p in model.parameters()],  # a node's chunk of a bucket = one FSDP shard
     )
     return dict(sharded, ddp=twin["params"])
@@ -223,7 +223,7 @@ class LambStack(nn.Module):
         return torch.cat([self.head3(h), self.head1(h)], 1)
 
 
-LAMB_KWARGS: dict[str, Any] = dict(lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, warn_dead_coordinates=False)
+LAMB_KWARGS: dict[str, Any] = dict(lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, dead_coordinates="ignore")
 
 
 def _lamb_layout(model: LambStack, layout: str) -> tuple[list[dict[str, Any]], list[list[torch.Tensor]]]:

@@ -45,7 +45,7 @@ class DeepNet(torch.nn.Module):
 def _train(rank: int, world_size: int, enabled: bool, ranks_per_node: int | None = None) -> dict[str, Any]:
     net = DeepNet()
     ddp = DDP(net, bucket_cap_mb=0.002)
-    opt = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+    opt = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE, dead_coordinates="ignore")
     if ranks_per_node is not None:
         opt.topology = Topology.build(rank // ranks_per_node, rank % ranks_per_node, "hierarchical", ranks_per_node)
     state = OverlapState(ddp, opt, enabled=enabled)
@@ -114,7 +114,7 @@ def test_overlapped_hierarchical_exchange_is_bitwise_the_in_step_exchange() -> N
 def scenario_hooks_and_errors(rank: int, world_size: int) -> dict[str, Any]:
     net = DeepNet()
     ddp = DDP(net, bucket_cap_mb=0.002)
-    opt = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=1, warn_dead_coordinates=False)
+    opt = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=1, dead_coordinates="ignore")
     state = OverlapState(ddp, opt)
     order: list[int] = []
 
@@ -167,7 +167,7 @@ def scenario_cuda(rank: int, world_size: int) -> dict[str, Any]:
     for enabled in (True, False):
         net = DeepNet().cuda()
         ddp = DDP(net, device_ids=[0], bucket_cap_mb=0.002)
-        opt = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+        opt = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE, dead_coordinates="ignore")
         state = OverlapState(ddp, opt, enabled=enabled)
         ddp.register_comm_hook(state, overlapped_exchange_hook)
         for step in range(STEPS):

@@ -644,7 +644,7 @@ def _lamb_run(backend: str, weight_decay: float, bias_correction: bool, steps: i
     # 29 * 37 and 5 * 29 elements: tails after the 8-wide vector loop
     net = torch.nn.Sequential(torch.nn.Linear(37, 29), torch.nn.Tanh(), torch.nn.Linear(29, 5))
     opt = OnebitLamb(net.parameters(), lr=1e-2, weight_decay=weight_decay, freeze_step=3, kernel_backend=backend,
-                     warn_dead_coordinates=False, bias_correction=bias_correction)
+                     dead_coordinates="ignore", bias_correction=bias_correction)
     for i in range(steps):
         x = torch.randn(16, 37, generator=torch.Generator().manual_seed(i))
         opt.zero_grad()

@@ -51,7 +51,7 @@ def _run(optimizer_class: type, steps: int, state: Optional[dict] = None, start:
     params = _params()
     config = AutoFreeze(**{"max_step": 400, **auto})
     opt = optimizer_class(params, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", auto_freeze=config,
-                          warn_dead_coordinates=False)
+                          dead_coordinates="ignore")
     if state is not None:
         for p, value in zip(params, state["params"]):
             p.data.copy_(value)
@@ -101,7 +101,7 @@ def test_the_loss_guard_needs_a_loss_and_step_closure_gives_it() -> None:
         _run(OnebitAdam, 40, grows_until=0, loss=False)
     assert _run(OnebitAdam, 40, grows_until=0, loss=False, loss_drop=None)["freeze_step"] is not None
     params = _params()
-    opt = OnebitAdam(params, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", warn_dead_coordinates=False,
+    opt = OnebitAdam(params, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", dead_coordinates="ignore",
                      auto_freeze=AutoFreeze(max_step=400))
     for t in range(1, 201):
         def closure(t: int = t) -> torch.Tensor:
@@ -139,13 +139,22 @@ def test_resume_before_and_after_the_decision() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(freeze_step=10, auto_freeze=AutoFreeze()), "drop auto_freeze"),
         (dict(freeze_step="sometime"), "'auto'"),
+        (dict(freeze_step="auto", auto_freeze={"window": 10}), "must be a lightning_onebit.AutoFreeze"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         OnebitAdam(_params(), **kwargs)
+
+
+@pytest.mark.parametrize("optimizer", [OnebitAdam, OnebitLamb])
+def test_an_integer_freeze_step_overrides_auto_freeze_settings_with_a_warning(optimizer: type) -> None:
+    """A config that ships ``auto_freeze`` settings, overridden with ``freeze_step=3`` on the command line: the
+    integer wins (it used to raise "drop auto_freeze"), and one warning says the settings are not used."""
+    with pytest.warns(UserWarning, match=r"freeze_step=3 is used and the auto_freeze settings given with it are not"):
+        opt = optimizer(_params(), freeze_step=3, auto_freeze=AutoFreeze(max_step=50))
+    assert opt.freeze_step == 3 and opt.auto_freeze is None
 
 
 @pytest.mark.parametrize(
@@ -194,7 +203,7 @@ def _train(rank: int, world_size: int, until: int, loss_flat_until: int = 0) -> 
     StubbornOnebitAdam.until = until
     opt = StubbornOnebitAdam(net.parameters(), lr=1e-3, betas=(0.9, 0.9), freeze_step="auto",
                              # a loose threshold: this test is about agreement, the synthetic ones about detection
-                             auto_freeze=AutoFreeze(threshold=0.4, max_step=300), warn_dead_coordinates=False)
+                             auto_freeze=AutoFreeze(threshold=0.4, max_step=300), dead_coordinates="ignore")
     sync = GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce)
     ddp.register_comm_hook(sync, switchable_allreduce_hook)
     synced_steps = []
@@ -248,7 +257,7 @@ def _lightning_auto(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     class AutoRegressor(Regressor):
         def configure_optimizers(self) -> Any:
             # a short window, so that checks run within the 20 steps; a threshold nothing meets: max_step decides
-            return OnebitAdam(self.parameters(), lr=self.lr, freeze_step="auto", warn_dead_coordinates=False,
+            return OnebitAdam(self.parameters(), lr=self.lr, freeze_step="auto", dead_coordinates="ignore",
                               auto_freeze=AutoFreeze(window=4, check_every=2, threshold=1e-12))
 
     records: list[str] = []
@@ -315,7 +324,7 @@ def test_resume_with_other_measured_parameters_measures_afresh() -> None:
 
     def make(params: list[nn.Parameter], last_compressed: bool) -> OnebitAdam:
         groups = [{"params": params[:2]}, {"params": params[2:], "compress": last_compressed}]
-        return OnebitAdam(groups, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", warn_dead_coordinates=False,
+        return OnebitAdam(groups, lr=1e-3, betas=(0.9, 0.9), freeze_step="auto", dead_coordinates="ignore",
                           auto_freeze=AutoFreeze(max_step=400))
 
     params = _params()
@@ -417,7 +426,7 @@ def test_a_check_reads_the_device_once_not_per_tensor(optimizer_class: type) -> 
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(7, 5)) for _ in range(12)]
     opt = optimizer_class(params, lr=1e-3, freeze_step="auto", auto_freeze=AutoFreeze(max_step=400, window=8),
-                          warn_dead_coordinates=False)
+                          dead_coordinates="ignore")
     for t in range(1, 4):
         _synthetic_gradients(params, t)
         opt.observe_loss(torch.tensor(_falling_loss(t)))

@@ -823,7 +823,9 @@ def _dist_scenario(rank: int, world_size: int, bucket_cap_mb: float) -> dict:
 
     def make(mask=True):
         net = Net()
-        return net, OnebitAdam(_groups(net, mask=mask), freeze_step=FREEZE, bucket_cap_mb=bucket_cap_mb)
+        # without the mask the optimizer's own dead-coordinate masking is off too: the control below shows why both
+        return net, OnebitAdam(_groups(net, mask=mask), freeze_step=FREEZE, bucket_cap_mb=bucket_cap_mb,
+                               dead_coordinates="mask" if mask else "ignore")
 
     out: dict = {}
     # uninterrupted run, checkpoint at RESUME_AT
@@ -947,7 +949,8 @@ def test_distributed_compression_stage_invariants(dist_run):
 
 
 def test_distributed_unmasked_dead_coordinates_explode(dist_run):
-    """Control for the mask test: without the mask the dead column's momentum is nonzero after compression."""
+    """Control for the mask test: without the mask (and with ``dead_coordinates="ignore"``) the dead column's
+    momentum is nonzero after compression."""
     _, results = dist_run
     for res in results:
         last = res["nomask"][-1]
@@ -1015,7 +1018,7 @@ def test_bucket_plan_lays_out_momenta_survives_state_dict_and_rejects_bad_plans(
     """set_bucket_plan (what the overlap hook passes: DDP's buckets) decides the momentum buckets; parameters it does
     not name are packed after them; the plan is saved as parameter indices and restored by load_state_dict."""
     net = Net()
-    opt = OnebitAdam(net.parameters(), freeze_step=2, warn_dead_coordinates=False)
+    opt = OnebitAdam(net.parameters(), freeze_step=2, dead_coordinates="ignore")
     assert opt.set_bucket_plan([[net.b2, net.w2], [net.w1]]) is True
     assert opt.set_bucket_plan([[net.b2, net.w2], [net.w1]]) is False  # the same plan: no change
     _train(net, opt, range(3))
@@ -1028,7 +1031,7 @@ def test_bucket_plan_lays_out_momenta_survives_state_dict_and_rejects_bad_plans(
     saved = opt.state_dict()
     assert saved["onebit"]["bucket_plan"] == [[0, [3, 2]], [1, [0]]]  # parameter indices in parameters() order
     other = Net()
-    restored = OnebitAdam(other.parameters(), freeze_step=2, warn_dead_coordinates=False)
+    restored = OnebitAdam(other.parameters(), freeze_step=2, dead_coordinates="ignore")
     restored.load_state_dict(saved)
     assert [[tuple(p.shape) for p in bucket] for bucket in restored.bucket_plan] == [[(1,), (1, HIDDEN)], [(HIDDEN, N_IN)]]
     assert {k: layout.tensor_numels for k, layout in restored.bucket_layouts().items()} == {
@@ -1061,7 +1064,7 @@ def test_bucket_plan_lays_out_momenta_survives_state_dict_and_rejects_bad_plans(
 
 def test_start_bucket_exchange_refuses_during_warmup_and_before_the_buckets_exist():
     net = Net()
-    opt = OnebitAdam(net.parameters(), freeze_step=1, warn_dead_coordinates=False)
+    opt = OnebitAdam(net.parameters(), freeze_step=1, dead_coordinates="ignore")
     params = list(net.parameters())
     opt.set_bucket_plan([params])
     _backward(net, 0)
@@ -1144,8 +1147,8 @@ def test_compressed_step_reuses_the_frozen_denominator_and_reads_nothing_on_the_
     from tests.detectors import count_host_syncs
 
     net_a, net_b = Net(), Net()
-    opt_a = OnebitAdam(_groups(net_a), freeze_step=3, kernel_backend="torch", warn_dead_coordinates=False)
-    opt_b = OnebitAdam(_groups(net_b), freeze_step=3, kernel_backend="torch", warn_dead_coordinates=False)
+    opt_a = OnebitAdam(_groups(net_a), freeze_step=3, kernel_backend="torch", dead_coordinates="ignore")
+    opt_b = OnebitAdam(_groups(net_b), freeze_step=3, kernel_backend="torch", dead_coordinates="ignore")
     original = kernels.frozen_adam_update_
 
     def uncached(*args, **kwargs):

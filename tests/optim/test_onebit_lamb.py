@@ -81,7 +81,7 @@ def test_warmup_matches_a_lamb_reference(bias_correction: bool) -> None:
 
 def test_zero_momentum_tensor_gets_scaling_one_and_training_stays_finite() -> None:
     net = Net()
-    opt = OnebitLamb(net.parameters(), lr=1e-3, freeze_step=3, warn_dead_coordinates=False)
+    opt = OnebitLamb(net.parameters(), lr=1e-3, freeze_step=3, dead_coordinates="ignore")
     for t in range(1, 9):
         opt.zero_grad()
         x, y = rank_batch(0, t)
@@ -190,7 +190,7 @@ def test_every_step_is_the_per_tensor_python_float_version_bit_for_bit(bias_corr
     as scratch: in float32 the bits of the per-tensor version with Python floats, warmup and compression stage."""
     net, ref_net = Net(), Net()
     opt = OnebitLamb(two_groups(net, wd), lr=1e-2, freeze_step=4, bias_correction=bias_correction,
-                     warn_dead_coordinates=False, kernel_backend="torch")
+                     dead_coordinates="ignore", kernel_backend="torch")
     ref_groups = [dict(g, lr=g.get("lr", 1e-2)) for g in two_groups(ref_net, wd)]
     reference = _PerTensorLamb(ref_groups, freeze_step=4, bias_correction=bias_correction)
     ours, theirs = _lamb_batches(net, opt, range(1, 15)), _lamb_batches(ref_net, reference, range(1, 15))
@@ -212,7 +212,7 @@ def test_steady_steps_do_not_synchronise_the_host() -> None:
     groups = two_groups(net, 0.01)
     groups[1]["params"] = [p for p in groups[1]["params"] if p is not net.head.bias]
     groups.append({"params": [net.head.bias], "compress": False})
-    opt = OnebitLamb(groups, lr=1e-2, freeze_step=3, warn_dead_coordinates=False, kernel_backend="torch")
+    opt = OnebitLamb(groups, lr=1e-2, freeze_step=3, dead_coordinates="ignore", kernel_backend="torch")
     for t in range(1, 9):
         opt.zero_grad()
         x, y = rank_batch(0, t)
@@ -238,7 +238,7 @@ def test_checkpoints_with_float_or_tensor_coefficients_resume_exactly(checkpoint
     import io
 
     net = Net()
-    opt = OnebitLamb(two_groups(net, 0.01), lr=1e-2, freeze_step=3, warn_dead_coordinates=False)
+    opt = OnebitLamb(two_groups(net, 0.01), lr=1e-2, freeze_step=3, dead_coordinates="ignore")
     _lamb_batches(net, opt, range(1, 6))
     saved_model = {k: v.clone() for k, v in net.state_dict().items()}
     saved = copy.deepcopy(opt.state_dict())
@@ -254,7 +254,7 @@ def test_checkpoints_with_float_or_tensor_coefficients_resume_exactly(checkpoint
         saved = torch.load(buffer, weights_only=True)
     resumed_net = Net()
     resumed_net.load_state_dict(saved_model)
-    resumed = OnebitLamb(two_groups(resumed_net, 0.01), lr=1e-2, freeze_step=3, warn_dead_coordinates=False)
+    resumed = OnebitLamb(two_groups(resumed_net, 0.01), lr=1e-2, freeze_step=3, dead_coordinates="ignore")
     resumed.load_state_dict(saved)
     for p in resumed_net.parameters():
         for key in ("lamb_coeff", "lamb_last_factor", "lamb_scaling_coeff"):
@@ -288,7 +288,7 @@ FREEZE, STEPS, RESUME_AT = 3, 9, 6
 def _train(rank: int, overlap: bool, steps: range, state: Any = None) -> dict[str, Any]:
     net = Net()
     ddp = DDP(net, bucket_cap_mb=0.001)
-    opt = OnebitLamb(two_groups(net, 0.01), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+    opt = OnebitLamb(two_groups(net, 0.01), lr=1e-2, freeze_step=FREEZE, dead_coordinates="ignore")
     if overlap is None:  # the in-step path with DDP's momentum layout, for the bitwise comparison
         hook_state = OverlapState(ddp, opt, enabled=False)
         ddp.register_comm_hook(hook_state, overlapped_exchange_hook)

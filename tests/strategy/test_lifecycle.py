@@ -200,7 +200,7 @@ def _plain_ddp_training(rank: int) -> dict[str, Any]:
     net = torch.nn.Sequential(*(m for _ in range(3) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())),
                               torch.nn.Linear(8, 1))
     ddp = DistributedDataParallel(net, bucket_cap_mb=300 / 2**20)
-    optimizer = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE, warn_dead_coordinates=False)
+    optimizer = OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=FREEZE, dead_coordinates="ignore")
     state = OverlapState(ddp, optimizer)
     ddp.register_comm_hook(state, overlapped_exchange_hook)
     generator = torch.Generator().manual_seed(rank)
