@@ -217,6 +217,12 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, to
         Nothing to do here: this optimizer's replicas are identical after every step."""
         return False
 
+    def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
+        """Scale schedule arguments left to the run's length to ``total_steps`` optimizer steps (``None``: unknown;
+        the Lightning strategies call it at the start of ``fit``); returns what was set, for the log. Nothing here
+        (see :meth:`ZeroOneAdam.fit_schedule_to_run`)."""
+        return None
+
     def describe_phase(self) -> tuple[StepKind, str]:
         """``(phase, sentence)``: the phase the next step is in, named by the kind of step that characterises it, and
         a sentence for the log saying what it does (:func:`~lightning_onebit.optim.phase.phase_sentence`). The

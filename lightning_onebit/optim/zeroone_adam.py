@@ -20,7 +20,11 @@ from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.optim.zeroone_local_steps import LocalStepsMixin
-from lightning_onebit.optim.zeroone_schedule import ZeroOneScheduleMixin
+from lightning_onebit.optim.zeroone_schedule import (
+    DEEPSPEED_LOCAL_STEP_SCALER,
+    DEEPSPEED_VAR_FREEZE_STEP,
+    ZeroOneScheduleMixin,
+)
 
 
 #: The page with 0/1 Adam's schedules (what its phase announcements summarise).
@@ -111,13 +115,17 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         params, lr, betas, eps, weight_decay: as for :class:`~lightning_onebit.OnebitAdam`.
         bias_correction, amsgrad, bucket_cap_mb: as for :class:`~lightning_onebit.OnebitAdam`.
         process_group, kernel_backend, topology: as for :class:`~lightning_onebit.OnebitAdam`.
-        var_freeze_step: the last step that may update the variance; local steps start after it. Default
-            ``100000`` (DeepSpeed's). The paper freezes at the end of the learning-rate warmup (12500 of 125000 steps
-            for BERT-Large).
+        var_freeze_step: the last step that may update the variance; local steps start after it. Default ``None``:
+            a quarter of the run under the Lightning strategies, which know its length (:meth:`fit_schedule_to_run`;
+            at least ``var_update_scaler``), else ``100000`` (DeepSpeed's default, which keeps runs shorter than that
+            from ever taking a local step). The paper freezes at the end of the learning-rate warmup (12500 of 125000
+            steps for BERT-Large).
         var_update_scaler: ``kappa``, the number of variance steps at each ``var_interval`` before it doubles. Also
             the number of initial steps that are all variance steps (AdamW). Default ``16``.
-        local_step_scaler: local steps at each ``local_step_interval`` before it doubles. Default ``32678``
-            (DeepSpeed's default, which keeps syncing every step in practice; its tutorial uses ``1000``).
+        local_step_scaler: local steps at each ``local_step_interval`` before it doubles. Default ``None``: under the
+            Lightning strategies, such that the interval reaches ``local_step_clipper`` a quarter of the way into the
+            local steps (:meth:`fit_schedule_to_run`), else ``32678`` (DeepSpeed's default, which keeps syncing every
+            step in practice; its tutorial uses ``1000``).
         local_step_clipper: ``H``, the largest ``local_step_interval``, in steps. Default ``16``.
         exchange: what the compressed steps before ``var_freeze_step`` average in 1 bit: ``"momentum"`` (default,
             the momentum after folding in the local gradient, as 1-bit Adam) or ``"gradient"`` (the local gradient,
@@ -125,7 +133,8 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         compress: the former name of ``exchange`` (deprecated: it is also the name of the param-group option that
             keeps a group out of compression); given, it sets ``exchange`` with a ``FutureWarning``.
 
-    The four schedule arguments are integers ``>= 1``, checked in the constructor.
+    The four schedule arguments are integers ``>= 1`` (``var_freeze_step`` and ``local_step_scaler`` may be ``None``),
+    checked in the constructor.
     """
 
     overlap_unsupported_reason = (
@@ -141,9 +150,9 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        var_freeze_step: int = 100000,
+        var_freeze_step: Optional[int] = None,
         var_update_scaler: int = 16,
-        local_step_scaler: int = 32678,
+        local_step_scaler: Optional[int] = None,
         local_step_clipper: int = 16,
         exchange: Literal["momentum", "gradient"] = "momentum",
         compress: Optional[Literal["momentum", "gradient"]] = None,
@@ -154,6 +163,11 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
     ) -> None:
+        # the schedule arguments left to the run's length (fit_schedule_to_run); DeepSpeed's values until then
+        self._schedule_from_run = {name for name, value in (("var_freeze_step", var_freeze_step),
+                                                            ("local_step_scaler", local_step_scaler)) if value is None}
+        var_freeze_step = DEEPSPEED_VAR_FREEZE_STEP if var_freeze_step is None else var_freeze_step
+        local_step_scaler = DEEPSPEED_LOCAL_STEP_SCALER if local_step_scaler is None else local_step_scaler
         for name, value in (
             ("var_freeze_step", var_freeze_step),
             ("var_update_scaler", var_update_scaler),

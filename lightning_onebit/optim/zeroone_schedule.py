@@ -17,6 +17,14 @@ log = logging.getLogger(__name__)
 
 _SYNC_STATE = "zeroone"  # key of the schedule and sync state inside the optimizer state dict's "onebit" entry
 
+#: DeepSpeed's defaults, used when the run's length is not known (no Lightning strategy).
+DEEPSPEED_VAR_FREEZE_STEP, DEEPSPEED_LOCAL_STEP_SCALER = 100000, 32678
+#: Without ``var_freeze_step``: the share of the run whose steps may update the variance (a fixed 1-bit Adam freeze at
+#: a quarter of the run held AdamW's accuracy in the real fine-tuning sweeps of docs/guides/freeze-step.md).
+VAR_FREEZE_SHARE = 0.25
+#: Without ``local_step_scaler``: how far into the local steps ``local_step_interval`` reaches ``local_step_clipper``.
+LOCAL_RAMP_SHARE = 0.25
+
 
 class ZeroOneScheduleMixin:
     """The schedules and the checkpoint state of :class:`~lightning_onebit.ZeroOneAdam`, which sets the attributes
@@ -30,7 +38,36 @@ class ZeroOneScheduleMixin:
     _step: int
     _zero_variance: dict[int, torch.Tensor]
 
+    _schedule_from_run: set[str]
+
     # ------------------------------------------------------------------ schedules
+    def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
+        """Scale the schedule arguments given as ``None`` to a run of ``total_steps`` optimizer steps (the Lightning
+        strategies call this at the start of ``fit`` with the Trainer's estimate): ``var_freeze_step`` a quarter of
+        the run (at least ``var_update_scaler``), ``local_step_scaler`` such that ``local_step_interval`` reaches
+        ``local_step_clipper`` a quarter of the way into the remaining steps. Returns what was set, for the log
+        (``None``: every argument was given). ``total_steps=None`` (a run of unknown length) raises ``ValueError``
+        naming the arguments to give, unless every one was given."""
+        if not self._schedule_from_run:
+            return None
+        if total_steps is None:
+            raise ValueError(
+                f"ZeroOneAdam scales {' and '.join(sorted(self._schedule_from_run))} to the run, but its length is "
+                "unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
+                "max_steps/max_epochs, or give them"
+            )
+        if "var_freeze_step" in self._schedule_from_run:
+            self.var_freeze_step = max(self.var_update_scaler, round(VAR_FREEZE_SHARE * total_steps))
+        if "local_step_scaler" in self._schedule_from_run:
+            doublings = max(1, self.local_step_clipper.bit_length() - 1)  # intervals 1, 2, 4, ... up to the clipper
+            local_steps = max(1, total_steps - self.var_freeze_step)
+            self.local_step_scaler = max(1, round(LOCAL_RAMP_SHARE * local_steps / doublings))
+        sums = self._lr_sum, self._decay, self.local_steps_since_sync
+        self._replay_schedules(self._step)
+        self._lr_sum, self._decay, self.local_steps_since_sync = sums
+        return (f"var_freeze_step {self.var_freeze_step}, local_step_scaler {self.local_step_scaler} "
+                f"(scaled to {total_steps} steps)")
+
     def _replay_schedules(self, steps: int) -> None:
         """Set the schedules to their state after ``steps`` steps. They depend only on the step and the four
         schedule arguments, so a resumed run recomputes them instead of trusting (or resetting) saved counters."""

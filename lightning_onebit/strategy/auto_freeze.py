@@ -1,5 +1,6 @@
 """The warmup against the run's length, at the start of every ``fit``: ``freeze_step="auto"`` without
-``AutoFreeze(max_step=...)`` bounded by half the run, and a warning when the warmup cannot end before the run does.
+``AutoFreeze(max_step=...)`` bounded by half the run, schedules left to the run scaled to it (ZeroOneAdam's), and a
+warning when the warmup cannot end before the run does.
 (The rule of ``freeze_step="auto"`` itself is :mod:`lightning_onebit.optim.auto_freeze`.)"""
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ def default_auto_freeze_bound(
     rank_zero_info(
         f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest ({DEFAULT_BOUND_SHARE:.0%} of {total} steps)"
     )
+
+
+def fit_schedule_to_run(
+    trainer: "pl.Trainer", optimizer: CompressedOptimizer, name: str, length: RunLength = run_length
+) -> None:
+    """Schedule arguments the optimizer left to the run's length (ZeroOneAdam's ``var_freeze_step`` and
+    ``local_step_scaler`` given as ``None``) scaled to it, and said on rank 0 by the strategy ``name``. The optimizer
+    raises ``ValueError`` if it needs the length and the Trainer's is unknown."""
+    scaled = optimizer.fit_schedule_to_run(length(trainer))
+    if scaled is not None:
+        rank_zero_info(f"{name}: {type(optimizer).__name__} {scaled}")
 
 
 def warn_if_run_ends_in_warmup(

@@ -42,7 +42,8 @@ from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, fsdp_modules, reg
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
 from lightning_onebit.optim.sharded import is_sharded
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
-from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, run_length, warn_if_run_ends_in_warmup
+from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
+from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
 from lightning_onebit.strategy.checkpoint import save_per_rank_state
 from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
@@ -320,6 +321,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         optimizer.set_bucket_plan(self._fsdp_groups(self.model, optimizer))
         optimizer.agree_kernel_backend()
         default_auto_freeze_bound(trainer, optimizer, run_length)
+        fit_schedule_to_run(trainer, optimizer, self.strategy_name, run_length)
         warn_if_run_ends_in_warmup(trainer, optimizer, run_length)
         optimizer.observe_losses_from_caller()
         self._onebit_optimizer = optimizer

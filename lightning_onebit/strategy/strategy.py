@@ -27,7 +27,8 @@ from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
 from lightning_onebit.strategy.arguments import check_options, ddp_kwargs_for, the_compressed_optimizer
-from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, run_length, warn_if_run_ends_in_warmup
+from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
+from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
@@ -256,6 +257,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         self.gradient_sync.sync_predicate = self._sync_predicate
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._default_auto_freeze_bound(trainer, optimizer)
+        fit_schedule_to_run(trainer, optimizer, self.strategy_name, self._run_length)
         self._warn_if_run_ends_in_warmup(trainer, optimizer)
         optimizer.observe_losses_from_caller()  # pre_backward records every loss, micro-batches and manual steps too
         self._onebit_optimizer = optimizer

@@ -88,6 +88,27 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None
         ZeroOneAdam(Net().parameters(), **kwargs)
 
 
+def test_the_schedule_left_to_the_run_is_scaled_to_its_length() -> None:
+    """``var_freeze_step`` and ``local_step_scaler`` default to ``None``: DeepSpeed's 100000 and 32678 until the run's
+    length is known (a run shorter than 100000 steps then never took a local step), and scaled to it by
+    ``fit_schedule_to_run``: the variance frozen at a quarter of the run, the local-step interval at its largest a
+    quarter of the way into the rest. Given arguments are kept; an unknown length is refused, naming them."""
+    opt = ZeroOneAdam(Net().parameters())
+    assert (opt.var_freeze_step, opt.local_step_scaler, opt.freeze_step) == (100000, 32678, 16)
+    assert opt.fit_schedule_to_run(620) == "var_freeze_step 155, local_step_scaler 29 (scaled to 620 steps)"
+    assert (opt.var_freeze_step, opt.local_step_scaler) == (155, 29)  # 465 local steps; intervals 1, 2, 4, 8 -> 16
+    with pytest.raises(ValueError, match="scales local_step_scaler and var_freeze_step to the run"):
+        opt.fit_schedule_to_run(None)
+    short = ZeroOneAdam(Net().parameters(), local_step_clipper=4)
+    short.fit_schedule_to_run(40)
+    assert (short.var_freeze_step, short.local_step_scaler) == (16, 3)  # at least var_update_scaler; 2 doublings
+    given = ZeroOneAdam(Net().parameters(), var_freeze_step=50, local_step_scaler=7)
+    assert given.fit_schedule_to_run(620) is None and given.fit_schedule_to_run(None) is None
+    assert (given.var_freeze_step, given.local_step_scaler) == (50, 7)
+    half = ZeroOneAdam(Net().parameters(), var_freeze_step=300)
+    assert half.fit_schedule_to_run(620) == "var_freeze_step 300, local_step_scaler 20 (scaled to 620 steps)"
+
+
 # ------------------------------------------------------------------------------------------------ reference
 KAPPA, VFS, ALPHA, CLIPPER = 3, 14, 3, 4
 
@@ -320,9 +341,14 @@ class ZeroOneRegressor(Regressor):
     """``Regressor`` with ``ZeroOneAdam`` (var_update_scaler 2, var_freeze_step 4, local steps doubling every 2 up
     to 4), recording each step's kind and this rank's cumulative bytes."""
 
+    def __init__(self, default_schedule: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.default_schedule = default_schedule  # the library's schedule defaults, scaled to the run
+
     def configure_optimizers(self) -> Any:
-        opt = ZeroOneAdam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, var_freeze_step=4,
-                          var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+        schedule = {} if self.default_schedule else dict(var_freeze_step=4, var_update_scaler=2, local_step_scaler=2,
+                                                         local_step_clipper=4)
+        opt = ZeroOneAdam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, **schedule)
         if self.lr_lambda_zero_from is None:
             return opt
         zero_from = self.lr_lambda_zero_from
@@ -383,6 +409,9 @@ def scenario_zeroone_lightning(rank: int, world_size: int, workdir: str) -> dict
         callbacks=[MomentumMask({"l1.bias": torch.zeros(8)}), CommunicationMonitor()],
         model_kwargs=dict(lr_lambda_zero_from=10),
     )
+    # the library's schedule defaults, scaled by the strategy to a 40-step run: variance frozen at 16, local steps
+    out["scaled"] = _zeroone_fit(rank, world_size, workdir, max_steps=40, n_batches=40,
+                                 model_kwargs=dict(default_schedule=True))
     out["auto_mask_refused"] = _error_of(
         lambda: _zeroone_fit(rank, world_size, workdir, callbacks=[MomentumMask(auto=True)])
     )
@@ -430,6 +459,17 @@ def test_lightning_bf16_local_steps_silent_replica_checks_wait_for_syncs(
     # fit ended with a sync: the replicas are identical even though the last step was a local one
     assert results[0]["kinds"][-1] == "local"
     assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_lightning_scales_the_default_schedule_to_the_run(lightning_session: list[dict[str, Any]]) -> None:
+    """``ZeroOneAdam()`` with its schedule defaults under the strategy, in a 40-step run: the variance is frozen at
+    step 16 (a quarter of the run, at least ``var_update_scaler``) and local steps follow, silent between syncs; with
+    DeepSpeed's fixed defaults every step of such a run would have been a variance step."""
+    for r in _results(lightning_session, "scaled"):
+        assert r["step_count"] == 40
+        assert r["kinds"][:16] == ["variance"] * 16 and set(r["kinds"][16:]) == {"local", "sync"}, r["kinds"]
+        sent = [b - a for a, b in zip([0, *r["bytes_total"]], r["bytes_total"])]
+        assert all(n == 0 for n, kind in zip(sent, r["kinds"]) if kind == "local")
 
 
 def test_lightning_fp16_overflow_on_one_rank_skips_the_step_on_both(lightning_session: list[dict[str, Any]]) -> None:
