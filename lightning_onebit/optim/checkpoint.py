@@ -188,3 +188,107 @@ def plan_from_indices(saved: Any, params: Sequence[torch.Tensor], name: str) -> 
     except (TypeError, ValueError, IndexError) as err:
         log.warning("%s: the checkpoint's momentum bucket plan does not fit this model (%s); ignored", name, err)
         return None
+
+
+class CheckpointMixin:
+    """The checkpoint side of :class:`~lightning_onebit.optim.CompressedOptimizer`: its state dict (torch's plus
+    :data:`CHECKPOINT_KEY`), whose states it continues from, and the per-rank error feedback. The base sets the
+    attributes below and ``_state_family`` (the algorithm that writes the state)."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    _step: int
+    freeze_step: Optional[int]
+    auto_freeze: Any
+    _detector: Optional[FreezeDetector]
+    momentum_buckets: Any
+    compression: Any
+    exchange: Any
+    _zero_variance: Any
+    last_dropped_error_norm: Optional[float]
+    _ensure_detector: Any
+    _ensure_buckets: Any
+    _state_family: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step, the optimizer that wrote it
+        (``"optimizer"``: OnebitAdam, ZeroOneAdam or OnebitLamb, checked by :meth:`load_state_dict`) and the momentum
+        bucket plan (:meth:`set_bucket_plan`, as parameter indices), if any. Masks, the groups' ``compress`` and
+        error feedback are not included (masks and ``compress`` come from the code; error feedback is per rank, see
+        :meth:`error_feedback_state_dict`). See :func:`~lightning_onebit.optim.checkpoint.onebit_state_dict`."""
+        return onebit_state_dict(
+            super().state_dict(),
+            step=self._step,
+            freeze_step=self.freeze_step,
+            family=self._state_family(),
+            detector=self._detector if self.auto_freeze is not None else None,
+            plan=self.momentum_buckets.plan,
+            params=self._all_params(),
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or from ``torch.optim.AdamW``: the step is then taken from its
+        per-parameter ``step``). The stage is re-derived from the step; masks and each group's ``compress`` stay those
+        of the code (a group may be switched in or out of compression between runs: its momentum and variance are
+        ordinary state, and the buckets are rebuilt); error feedback is reset to zero and the norm that was dropped is
+        kept in :attr:`last_dropped_error_norm`.
+
+        The state of another algorithm is checked first (:meth:`_check_state_writer`): one this optimizer cannot
+        continue from (1-bit LAMB's and the Adam family's, either way) raises ``ValueError`` naming the optimizer that
+        wrote it and this one, changing nothing; OnebitAdam's and ZeroOneAdam's states continue each other with a
+        warning (the Adam moments and the step are carried, the other algorithm's own state is dropped)."""
+        state_dict = self._check_state_writer(state_dict)
+        meta = state_dict.pop(CHECKPOINT_KEY, None)
+        code_groups = self.param_groups
+        super().load_state_dict(state_dict)
+        keep_code_options_(self.param_groups, code_groups)
+        self._step = loaded_step(meta, self.state)
+        if meta is not None:
+            # freeze_step='auto': the detector is kept, not made anew (the strategy may have set its max_step already)
+            detector = self._ensure_detector() if self.auto_freeze is not None else None
+            self.freeze_step = restored_freeze_step(meta, self._step, self.freeze_step, detector, type(self).__name__)
+        saved_plan = meta.get("bucket_plan") if meta is not None else None
+        self.momentum_buckets.load_plan(
+            plan_from_indices(saved_plan, self._all_params(), type(self).__name__) if saved_plan else None
+        )
+        self._zero_variance = None  # found again from the loaded variance
+        for state in self.state.values():
+            state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
+        self.last_dropped_error_norm = self.compression.reset_error_feedback()
+
+    #: The algorithms whose optimizer state this one can continue from (see :meth:`_check_state_writer`);
+    #: ``"torch.optim"``: a torch optimizer's state dict (e.g. AdamW's: its moments and step).
+    _continues_state_of: tuple[str, ...] = ("OnebitAdam", "ZeroOneAdam", "torch.optim")
+
+    def _all_params(self) -> list[torch.Tensor]:
+        """Every parameter of every param group, in order (how checkpoints index them)."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _check_state_writer(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A shallow copy of ``state_dict`` that this optimizer can load (:func:`~lightning_onebit.optim.checkpoint.
+        continuable_state_dict`): raises ``ValueError`` before any step and any collective when another algorithm
+        wrote it that this one cannot continue from; keeps the Adam moments of one it can, with a warning (rank 0)."""
+        return continuable_state_dict(
+            state_dict, self._state_family(), type(self).__name__, self._continues_state_of,
+            warn=self.compression.rank() == 0,
+        )
+
+    def error_feedback_state_dict(self) -> dict[str, Any]:
+        """This rank's compression error buffers (worker and server, per bucket). Each rank must save its own."""
+        return self.compression.error_feedback_state_dict()
+
+    def error_feedback_mismatch(self, state: Any) -> Optional[str]:
+        """Why ``state`` (from :meth:`error_feedback_state_dict`, possibly of another rank or run) cannot be restored
+        here, or ``None`` if it can. Checks the world size, the topology, the bucket layouts and the buffers' sizes
+        and values; changes nothing and does not communicate (:meth:`MomentumExchange.feedback_mismatch`)."""
+        return self.exchange.feedback_mismatch(state, self._ensure_buckets)
+
+    def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` with the
+        reason of :meth:`error_feedback_mismatch` (changing nothing) if they do not fit; callers can then fall back
+        to the default reset (:meth:`MomentumExchange.load_feedback_`)."""
+        self.exchange.load_feedback_(state, self._ensure_buckets)
+
+    def reset_error_feedback(self) -> float:
+        """Zero the compression error buffers; returns the L2 norm that was dropped."""
+        return self.compression.reset_error_feedback()
