@@ -121,8 +121,9 @@ def freeze_of(summary: dict[str, Any], optimizer_args: dict[str, Any]) -> dict[s
         return dict(freeze_step=None, freeze_kind=None, freeze_reason="no compression: DDP averages the fp32 "
                     "gradient every step", var_freeze_step=None)
     if summary.get("optimizer") == "ZeroOneAdam":
-        var_freeze = optimizer_args.get("var_freeze_step")
-        reason = (f"every step a variance step up to var_update_scaler={optimizer_args.get('var_update_scaler')}, "
+        # the run's own value (scaled to the run when the config leaves it out), else the config's
+        var_freeze = summary.get("var_freeze_step", optimizer_args.get("var_freeze_step"))
+        reason = (f"every step a variance step up to var_update_scaler={optimizer_args.get('var_update_scaler', 16)}, "
                   f"then 1-bit steps with variance steps at doubling intervals up to var_freeze_step={var_freeze}, "
                   "then local steps synced at doubling intervals")
         return dict(freeze_step=step, freeze_kind="0/1 Adam warmup", freeze_reason=reason, var_freeze_step=var_freeze)

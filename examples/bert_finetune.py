@@ -592,6 +592,8 @@ class BertFinetuneCLI(LightningCLI):
                 auto_freeze=None if optimizer.freeze_detector is None else optimizer.freeze_detector.describe(),
                 # why the warmup ended: "settled" (the rule decided) or "max_step" (the bound); None if it has not
                 auto_freeze_reason=None if optimizer.freeze_detector is None else optimizer.freeze_detector.reason,
+                # 0/1 Adam: the last step that could update the variance (local steps after it), as the run used it
+                var_freeze_step=getattr(optimizer, "var_freeze_step", None),
                 stage=optimizer.stage.value,
                 bytes_sent_warmup=warm.bytes_sent,
                 bytes_sent_compression=comp.bytes_sent,

@@ -134,3 +134,20 @@ def test_importing_the_package_emits_no_future_warning() -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_error_feedback_mechanics_live_in_the_strategy_layer_only() -> None:
+    """``ErrorFeedbackCheckpoint`` only chooses the policy: the save, load and cross-rank agreement moved down to
+    :mod:`lightning_onebit.strategy.error_feedback`, with no copy left in the callback's module."""
+    from lightning_onebit.callbacks import error_feedback as callback_module
+    from lightning_onebit.strategy import ERROR_FEEDBACK_KEY, ERROR_FEEDBACK_POLICIES
+    from lightning_onebit.strategy import error_feedback as strategy_module
+
+    assert strategy_module.ErrorFeedbackKeeper.__module__ == "lightning_onebit.strategy.error_feedback"
+    assert (ERROR_FEEDBACK_KEY, ERROR_FEEDBACK_POLICIES) == ("onebit_error_feedback", ("reset", "keep", "require"))
+    for name in ("failures_text", "gather_verdicts", "_failures_text", "_gather_verdicts", "PER_RANK_STATE_KEY"):
+        assert not hasattr(callback_module, name), name
+    from lightning.pytorch.callbacks import Callback
+
+    for hook in ("on_train_start", "on_save_checkpoint", "on_load_checkpoint", "state_dict"):
+        assert getattr(lightning_onebit.ErrorFeedbackCheckpoint, hook) is getattr(Callback, hook), hook

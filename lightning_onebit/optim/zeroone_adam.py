@@ -116,8 +116,8 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         bias_correction, amsgrad, bucket_cap_mb: as for :class:`~lightning_onebit.OnebitAdam`.
         process_group, kernel_backend, topology: as for :class:`~lightning_onebit.OnebitAdam`.
         var_freeze_step: the last step that may update the variance; local steps start after it. Default ``None``:
-            a quarter of the run under the Lightning strategies, which know its length (:meth:`fit_schedule_to_run`;
-            at least ``var_update_scaler``), else ``100000`` (DeepSpeed's default, which keeps runs shorter than that
+            half the run under the Lightning strategies, which know its length (:meth:`fit_schedule_to_run`; at
+            least ``var_update_scaler``), else ``100000`` (DeepSpeed's default, which keeps runs shorter than that
             from ever taking a local step). The paper freezes at the end of the learning-rate warmup (12500 of 125000
             steps for BERT-Large).
         var_update_scaler: ``kappa``, the number of variance steps at each ``var_interval`` before it doubles. Also

@@ -19,9 +19,10 @@ _SYNC_STATE = "zeroone"  # key of the schedule and sync state inside the optimiz
 
 #: DeepSpeed's defaults, used when the run's length is not known (no Lightning strategy).
 DEEPSPEED_VAR_FREEZE_STEP, DEEPSPEED_LOCAL_STEP_SCALER = 100000, 32678
-#: Without ``var_freeze_step``: the share of the run whose steps may update the variance (a fixed 1-bit Adam freeze at
-#: a quarter of the run held AdamW's accuracy in the real fine-tuning sweeps of docs/guides/freeze-step.md).
-VAR_FREEZE_SHARE = 0.25
+#: Without ``var_freeze_step``: the share of the run whose steps may update the variance, as ``freeze_step="auto"``'s
+#: bound (on the example from scratch, a quarter of the run froze the variance mid-transition and ended at chance;
+#: half reached 94.9%, docs/benchmarks.md). The variance steps are sparse by then, so a late freeze costs few bytes.
+VAR_FREEZE_SHARE = 0.5
 #: Without ``local_step_scaler``: how far into the local steps ``local_step_interval`` reaches ``local_step_clipper``.
 LOCAL_RAMP_SHARE = 0.25
 
@@ -43,8 +44,8 @@ class ZeroOneScheduleMixin:
     # ------------------------------------------------------------------ schedules
     def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
         """Scale the schedule arguments given as ``None`` to a run of ``total_steps`` optimizer steps (the Lightning
-        strategies call this at the start of ``fit`` with the Trainer's estimate): ``var_freeze_step`` a quarter of
-        the run (at least ``var_update_scaler``), ``local_step_scaler`` such that ``local_step_interval`` reaches
+        strategies call this at the start of ``fit`` with the Trainer's estimate): ``var_freeze_step`` half the run
+        (at least ``var_update_scaler``), ``local_step_scaler`` such that ``local_step_interval`` reaches
         ``local_step_clipper`` a quarter of the way into the remaining steps. Returns what was set, for the log
         (``None``: every argument was given). ``total_steps=None`` (a run of unknown length) raises ``ValueError``
         naming the arguments to give, unless every one was given."""

@@ -12,15 +12,20 @@ optimizer switches off after its warmup (1-bit Adam, 1-bit LAMB) or on chosen st
 * :mod:`~lightning_onebit.strategy.stage_log`: the stage announcements and the local-clipping warning;
 * :mod:`~lightning_onebit.strategy.checkpoint`: per-rank state in checkpoints, in the sidecar files of
   :mod:`~lightning_onebit.strategy.sidecar`;
+* :mod:`~lightning_onebit.strategy.error_feedback`: the compression error feedback across checkpoints (kept by
+  default, reset or required: the strategies' ``error_feedback``);
 * :mod:`~lightning_onebit.strategy.teardown`: process groups released at interpreter exit.
 """
 
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY
+from lightning_onebit.strategy.error_feedback import ERROR_FEEDBACK_KEY, ERROR_FEEDBACK_POLICIES
 from lightning_onebit.strategy.fsdp import OnebitFSDPStrategy
 from lightning_onebit.strategy.strategy import OnebitAdamStrategy, OnebitStrategy
 from lightning_onebit.strategy.teardown import _release_process_groups_at_exit
 
 __all__ = [
+    "ERROR_FEEDBACK_KEY",
+    "ERROR_FEEDBACK_POLICIES",
     "PER_RANK_STATE_KEY",
     "PER_RANK_STATUS_KEY",
     "OnebitAdamStrategy",

@@ -2,10 +2,11 @@
 removed with one sidecar file per rank (the file format is :mod:`lightning_onebit.strategy.sidecar`), and the run id
 that tells this run's checkpoints from another's.
 
-Lightning writes only rank 0's checkpoint under DDP, so callbacks put what differs per rank under
-:data:`PER_RANK_STATE_KEY`; every rank writes its own part next to the checkpoint, and the main checkpoint records
-which sidecars belong to it. A bad sidecar is never an exception on load: its reason goes to
-:data:`PER_RANK_STATUS_KEY`, and the callbacks that own the state agree across ranks what to do.
+Lightning writes only rank 0's checkpoint under DDP, so what differs per rank goes under :data:`PER_RANK_STATE_KEY`
+(the strategy's compression error feedback, :mod:`~lightning_onebit.strategy.error_feedback`, and any callback's);
+every rank writes its own part next to the checkpoint, and the main checkpoint records which sidecars belong to it.
+A bad sidecar is never an exception on load: its reason goes to :data:`PER_RANK_STATUS_KEY`, and the owner of the
+state (for the error feedback, the strategy at the start of training) agrees across ranks what to do.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import torch
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
 
-#: Checkpoint key under which callbacks put state that differs per rank (e.g. compression error feedback). The
-#: strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint, see
+#: Checkpoint key of the state that differs per rank (the strategy's compression error feedback; callbacks may add
+#: their own). The strategy writes it to one sidecar file per rank (Lightning writes only rank 0's checkpoint, see
 #: :mod:`lightning_onebit.strategy.sidecar`) and, on load, puts each rank's own validated sidecar back under this key.
 PER_RANK_STATE_KEY = "onebit_per_rank"
 #: Checkpoint key under which the strategy reports, on load, this rank's sidecar ``{"file": path, "reason": None or
-#: why it could not be restored}``.
+#: why it could not be restored}``, with ``"recorded": False`` (and ``"detail"``) when the checkpoint records none.
 PER_RANK_STATUS_KEY = "onebit_per_rank_status"
+#: The start of the status reason of a checkpoint that records no per-rank files (it was saved without per-rank state).
+NO_PER_RANK_FILES = "the checkpoint records no per-rank files"
 
 
 def agree_run_id(global_rank: int) -> str:
@@ -73,10 +76,10 @@ def restore_per_rank_state(
     record = checkpoint.pop(SIDECAR_RECORD_KEY, None)
     path = sidecar_path(checkpoint_path, rank)
     if record is None:
-        reason = "the checkpoint records no per-rank files (it was saved without ErrorFeedbackCheckpoint keep)"
-        if os.path.exists(path):
-            reason += f", but {os.path.basename(path)} exists next to it and is ignored"
-        checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": reason}
+        # "recorded": False lets the owner of the state say why (e.g. saved with error feedback policy "reset")
+        detail = f", but {os.path.basename(path)} exists next to it and is ignored" if os.path.exists(path) else ""
+        checkpoint[PER_RANK_STATUS_KEY] = {"file": path, "reason": NO_PER_RANK_FILES + detail, "recorded": False,
+                                           "detail": detail}
         return
     expected = {"checkpoint_id": record["checkpoint_id"], "rank": rank, "world_size": world_size}
     if record.get("world_size") != world_size:

@@ -46,6 +46,7 @@ from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
 from lightning_onebit.strategy.checkpoint import save_per_rank_state
+from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
 from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
 from lightning_onebit.strategy.sharded_checkpoint import (
     is_distributed_checkpoint,
@@ -113,10 +114,19 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             With ``configure_model`` pass ``mp_policy`` to ``fully_shard`` there. Default ``None`` (no policy: the
             Trainer's ``precision`` applies).
         timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        error_feedback: what happens to each rank's compression error feedback (the worker and server error of its
+            shards) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes it to a sidecar
+            file next to the checkpoint folder (``<checkpoint>.onebit-rank<r>``), and on resume every rank restores
+            it if every rank of its replicate group can, else they reset it, with one warning naming the ranks, files
+            and reasons (sidecars of another world size never restore). ``"reset"``: no sidecars; the
+            buffers restart from zero and rank 0's dropped norm is logged. ``"require"``: as ``"keep"``, but a rank
+            that cannot restore raises ``RuntimeError`` before any training step. Any other value is a
+            ``ValueError``. An :class:`~lightning_onebit.ErrorFeedbackCheckpoint` callback overrides it
+            (:attr:`error_feedback`, :mod:`~lightning_onebit.strategy.error_feedback`).
 
     Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
     ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
-    (:class:`~lightning_onebit.ErrorFeedbackCheckpoint`).
+    (``error_feedback``).
 
     1-bit LAMB's per-tensor norms and maxima are the whole tensor's: each rank's figures of its shards are reduced over
     the shard group, one collective per param group per step. An optimizer that cannot train sharded parameters is
@@ -132,7 +142,9 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         mixed_precision: Optional[Any] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        error_feedback: ErrorFeedbackPolicy = "keep",
     ) -> None:
+        self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         if ranks_per_node is not None and (
             isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
         ):
@@ -444,8 +456,9 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """A distributed checkpoint (a folder: model and optimizer shards, ``meta.pt``), and this rank's sidecar next to
-        it for per-rank state (``ErrorFeedbackCheckpoint(policy="keep")``'s error feedback)."""
+        it for per-rank state (the error feedback, unless :attr:`error_feedback` is ``"reset"``)."""
         path = Path(self.broadcast(filepath))
+        self._error_feedback.save(checkpoint, self._onebit_optimizer)
         self._save_index = save_per_rank_state(checkpoint, path, self._run_id, self._save_index, self.global_rank,
                                                self.world_size, None)
         super().save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -470,6 +483,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             load_sharded_optimizer_state(onebit, self.model, path, "optimizer_0")
             checkpoint = torch.load(path / "meta.pt", weights_only=weights_only)
         restore_per_rank_state(checkpoint, path, self.global_rank, self.world_size)
+        self._error_feedback.load(checkpoint)
         return checkpoint
 
     @override

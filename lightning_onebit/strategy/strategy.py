@@ -32,6 +32,7 @@ from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
+from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, note_bucket_cap, overlap_blocker, overlap_fallback
 from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology
@@ -57,7 +58,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     variance steps get their full-precision allreduce and its local steps send nothing; the strategy syncs 0/1 Adam's
     replicas before every checkpoint it saves and at the end of ``fit``.
 
-    The stage follows the optimizer's own step, so resuming from a checkpoint lands in the right stage.
+    The stage follows the optimizer's own step, so resuming from a checkpoint lands in the right stage; every rank's
+    compression error feedback is kept across checkpoints by default (``error_feedback``).
 
     Semantics worth knowing:
 
@@ -121,6 +123,16 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
             collective; the optimizer's own reason after ``configure_optimizers``), except manual optimization, where
             a second backward pass before ``step`` raises ``RuntimeError``. ``False``: off. Freezing or unfreezing
             parameters (``requires_grad``) between steps works: that step exchanges in ``step``.
+        error_feedback: what happens to each rank's compression error feedback (its worker and server error
+            buffers) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes its buffers to
+            a sidecar file next to each checkpoint (``<checkpoint>.onebit-rank<r>``, at most about ``(1 + 1/N)``
+            times the bytes of the compressed parameters, ``N`` the world size); on resume every rank restores them
+            if every rank can (the resumed run continues bitwise as the uninterrupted one), else every rank resets
+            them, with one warning naming the ranks, files and reasons. ``"reset"``: no sidecars; the buffers
+            restart from zero (DeepSpeed's behaviour) and rank 0's dropped norm is logged. ``"require"``: as
+            ``"keep"``, but a rank that cannot restore makes every rank raise ``RuntimeError`` before any training
+            step. Any other value is a ``ValueError``. An :class:`~lightning_onebit.ErrorFeedbackCheckpoint` callback
+            overrides it (:attr:`error_feedback`, :mod:`~lightning_onebit.strategy.error_feedback`).
     """
 
     strategy_name = "onebit_adam"
@@ -145,8 +157,10 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         overlap: Union[bool, Literal["auto"]] = "auto",
         ddp_comm_hook: Optional[Callable[..., Any]] = None,
         ddp_comm_state: Optional[object] = None,
+        error_feedback: ErrorFeedbackPolicy = "keep",
     ) -> None:
         check_options(overlap, topology, ranks_per_node)
+        self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         self.topology_mode = topology
         self.overlap = overlap
         self.overlap_state: Optional[OverlapState] = None
@@ -366,6 +380,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     ) -> None:
         # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
         # with it the checkpoint id, is the same on every rank without a collective.
+        self._error_feedback.save(checkpoint, self._onebit_optimizer)
         self._save_index = save_per_rank_state(
             checkpoint, filepath, self._run_id, self._save_index, self.global_rank, self.world_size, self.topology
         )
@@ -376,9 +391,11 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
         """Load the checkpoint and this rank's sidecar. A bad sidecar is never an exception here: its reason goes to
-        ``checkpoint[PER_RANK_STATUS_KEY]``, and the callbacks that own the state agree across ranks what to do."""
+        ``checkpoint[PER_RANK_STATUS_KEY]``, and the ranks agree at the start of training what to do (the error
+        feedback's policy, :attr:`error_feedback`)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         restore_per_rank_state(checkpoint, checkpoint_path, self.global_rank, self.world_size)
+        self._error_feedback.load(checkpoint)
         return checkpoint
 
     @override

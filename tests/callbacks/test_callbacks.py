@@ -353,13 +353,15 @@ def _read_csv(path: str) -> list[dict[str, float]]:
 
 # ======================================================================================== constructor checks
 def test_constructor_errors() -> None:
+    """ErrorFeedbackCheckpoint's default policy is now ``"keep"`` (it was ``"reset"``): keep is the default, with or
+    without the callback."""
     with pytest.raises(ValueError, match="masks.*auto"):
         MomentumMask()
     with pytest.raises(ValueError, match="masks.*auto"):
         MomentumMask(masks={})
     with pytest.raises(ValueError, match="'reset', 'keep', 'require'.*'bogus'"):
         ErrorFeedbackCheckpoint("bogus")  # type: ignore[arg-type]
-    assert ErrorFeedbackCheckpoint().policy == "reset"
+    assert ErrorFeedbackCheckpoint().policy == "keep"
     assert MomentumMask(auto=True).auto
 
 
@@ -512,6 +514,9 @@ def test_keep_resume_is_bitwise_an_uninterrupted_run_and_reset_is_not(session: l
 def test_keep_writes_one_sidecar_per_rank_and_removes_them_with_the_checkpoint(
     session: list[dict[str, Any]], workdir: str
 ) -> None:
+    """The norm recorded for the reset log is now in the main checkpoint under the strategy's key
+    ``onebit_error_feedback`` (with the policy), no longer in the callback's state, which the callback no longer
+    saves: the strategy saves the error feedback."""
     results = scenario_results(session, "together")
     expected = []
     for epoch in range(TOG_EPOCHS):
@@ -536,7 +541,8 @@ def test_keep_writes_one_sidecar_per_rank_and_removes_them_with_the_checkpoint(
     norm = math.sqrt(
         sum(float(b["worker_error"].square().sum() + b["server_error"].square().sum()) for b in w0.values())
     )
-    assert ckpt["callbacks"]["ErrorFeedbackCheckpoint"]["error_norm_rank0"] == pytest.approx(norm, rel=1e-6)
+    assert ckpt["onebit_error_feedback"]["error_norm_rank0"] == pytest.approx(norm, rel=1e-6)
+    assert ckpt["onebit_error_feedback"]["policy"] == "keep" and "ErrorFeedbackCheckpoint" not in ckpt["callbacks"]
     assert norm > 0
     assert any(f"reset (rank 0 norm at save: {norm:.4g})" in m for m in results[0]["C_reset"]["logs"])
     # ModelCheckpoint(save_top_k=1) removed the older checkpoints and, on every rank, their sidecars
@@ -693,8 +699,9 @@ def test_momentum_mask_reports_and_warns_about_heavily_masked_parameters(caplog:
 
 def test_keep_warning_names_every_failing_rank_and_file_once_per_reason() -> None:
     """A node without its sidecars: one reason for its ranks, not the same sentence once per rank (the warning stays
-    short); each rank and its file is still named."""
-    from lightning_onebit.callbacks.error_feedback import _failures_text
+    short); each rank and its file is still named. (The text is the strategy's now: the mechanics moved down from the
+    callback to :mod:`lightning_onebit.strategy.error_feedback`.)"""
+    from lightning_onebit.strategy.error_feedback import failures_text as _failures_text
 
     missing, corrupt = "the file does not exist", "the file is corrupt"
     text = _failures_text([(1, "a.onebit-rank1", missing), (2, "a.onebit-rank2", corrupt), (3, "a.onebit-rank3", missing)])

@@ -8,6 +8,8 @@
 * Activation checkpointing gives the same run, bit for bit.
 * Errors, raised on every rank before training: one node, uneven nodes, a model that is not sharded (or only partly:
   the unsharded parameters named), a shard mesh that spans nodes.
+* Checkpoints: the error feedback is kept by default (no callback), and a resume continues bitwise; a 4-rank checkpoint
+  loads resharded on 2 ranks and resets it; the ``error_feedback`` argument is checked and passed through.
 """
 
 from __future__ import annotations
@@ -264,12 +266,10 @@ class RecordStart(pl.Callback):
 
 
 def scenario_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    from lightning_onebit import ErrorFeedbackCheckpoint
-
-    keep = lambda: [ErrorFeedbackCheckpoint(policy="keep")]  # noqa: E731
-    whole = _fit(steps=10, callbacks=keep(), data_by_step=True)
-    saved = _fit(steps=6, callbacks=keep(), data_by_step=True, save_to=f"{folder}/step6.ckpt")
-    resumed = _fit(steps=10, callbacks=keep(), data_by_step=True, resume_from=f"{folder}/step6.ckpt")
+    # no ErrorFeedbackCheckpoint: the strategy keeps the error feedback by default (the callback used to be needed)
+    whole = _fit(steps=10, data_by_step=True)
+    saved = _fit(steps=6, data_by_step=True, save_to=f"{folder}/step6.ckpt")
+    resumed = _fit(steps=10, data_by_step=True, resume_from=f"{folder}/step6.ckpt")
     return dict(whole=whole, saved=saved, resumed=resumed)
 
 
@@ -291,6 +291,7 @@ def resumes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_a_resume_with_kept_error_feedback_continues_bitwise(resumes: dict[str, Any]) -> None:
+    """Saved and resumed without ``ErrorFeedbackCheckpoint("keep")`` (which it used to take): the strategy's default."""
     import os
 
     four = resumes["four"]
@@ -311,3 +312,28 @@ def test_a_checkpoint_of_4_ranks_loads_resharded_on_2_and_resets_the_error_feedb
         assert (r["steps"], r["stage"]) == (8, "compression")
         # the sidecars were written for world size 4: every rank resets its error feedback (and says why, once)
         assert r["restored"] is False
+
+
+def test_the_error_feedback_argument_is_checked_and_passed_through() -> None:
+    from lightning_onebit import ErrorFeedbackCheckpoint
+
+    assert OnebitFSDPStrategy().error_feedback == "keep"
+    for policy in ("reset", "require", "keep"):
+        strategy = OnebitFSDPStrategy(ranks_per_node=2, error_feedback=policy)
+        assert strategy.error_feedback == policy and strategy.error_feedback_restored is None
+    with pytest.raises(ValueError, match=r"OnebitFSDPStrategy\(error_feedback=...\) must be one of \('reset', 'keep', "
+                                         r"'require'\), got 'bogus'"):
+        OnebitFSDPStrategy(error_feedback="bogus")  # type: ignore[arg-type]
+    # the callback sets the policy it chose on the strategy at setup, and reads the strategy's outcome
+    strategy = OnebitFSDPStrategy(ranks_per_node=2, error_feedback="reset")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    callback = ErrorFeedbackCheckpoint("require")
+    callback.setup(trainer, Model(), "fit")
+    assert strategy.error_feedback == "require" and callback.restored is None
+    # saved with "reset": no per-rank state, only the policy and the norm in the main checkpoint
+    strategy.set_error_feedback("reset")
+    strategy._onebit_optimizer = OnebitAdam(nn.Linear(2, 2).parameters(), freeze_step=1)
+    checkpoint: dict[str, Any] = {"optimizer_states": []}
+    strategy._error_feedback.save(checkpoint, strategy.onebit_optimizer)
+    assert checkpoint == {"optimizer_states": [], "onebit_error_feedback": {"policy": "reset", "error_norm_rank0": 0.0}}

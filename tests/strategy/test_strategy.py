@@ -137,8 +137,7 @@ class TrainStartProbe(pl.Callback):
 
 class ResetErrorFeedbackAt(pl.Callback):
     """Zeroes the optimizer's compression error feedback before the batch of global step ``step``, as a resume from
-    the checkpoint of that step does by default (per-rank error feedback is not in Lightning's rank-0 checkpoint
-    unless a callback saves it per rank)."""
+    the checkpoint of that step does under ``OnebitStrategy(error_feedback="reset")``."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -291,13 +290,16 @@ def _ckpt_path(workdir: str, step: int) -> str:
 
 def scenario_checkpoint_resume(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     """Run A saves a checkpoint after every step (rank 0 writes into the shared ``workdir``); runs resumed from a
-    warmup step, from the last warmup step (the stage boundary) and from a compressed step continue to CKPT_STEPS."""
+    warmup step, from the last warmup step (the stage boundary) and from a compressed step continue to CKPT_STEPS.
+    With ``error_feedback="reset"``: the strategy keeps the error feedback by default now, and these runs check what
+    a resume without it does."""
     model = Regressor(freeze_step=CKPT_FREEZE, data_seed=rank)
     checkpoint = ModelCheckpoint(
         dirpath=os.path.join(workdir, "ckpt"), filename="{step}", every_n_train_steps=1, save_top_k=-1
     )
     trainer = pl.Trainer(
-        **trainer_kwargs(world_size, CKPT_STEPS, enable_checkpointing=True, callbacks=[checkpoint])
+        **trainer_kwargs(world_size, CKPT_STEPS, enable_checkpointing=True, callbacks=[checkpoint],
+                         strategy=OnebitStrategy(error_feedback="reset"))
     )
     trainer.fit(model, loader(rank, CKPT_STEPS))
     out: dict[str, Any] = dict(
@@ -314,7 +316,8 @@ def scenario_checkpoint_resume(rank: int, world_size: int, workdir: str) -> dict
         # a different init (the weights must come from the checkpoint), the same data per step as run A
         model = Regressor(freeze_step=CKPT_FREEZE, data_seed=rank, seed=1000)
         probe = TrainStartProbe()
-        trainer = pl.Trainer(**trainer_kwargs(world_size, CKPT_STEPS, callbacks=[probe]))
+        trainer = pl.Trainer(**trainer_kwargs(world_size, CKPT_STEPS, callbacks=[probe],
+                                              strategy=OnebitStrategy(error_feedback="reset")))
         trainer.fit(model, loader(rank, CKPT_STEPS), ckpt_path=_ckpt_path(workdir, step))
         onebit = trainer.strategy.onebit_optimizer
         out[step] = dict(
@@ -632,9 +635,9 @@ def test_checkpoint_resume_in_warmup_at_boundary_and_in_compression(main_session
                 for j, rec in enumerate(res["records"]):
                     assert torch.equal(rec["params_after"], run_a[rank]["records"][resume_at + j]["params_after"])
             else:
-                # by default (no callback saving it per rank) the error feedback is not in the checkpoint and restarts
-                # at zero: the resumed run is run A with its error feedback zeroed at that step, bit for bit (and
-                # differs from run A itself)
+                # with error_feedback="reset" the error feedback is not in the checkpoint and restarts at zero: the
+                # resumed run is run A with its error feedback zeroed at that step, bit for bit (and differs from run
+                # A itself)
                 assert torch.equal(res["final"], results[rank]["run_a_reset"]["final"])
                 assert results[rank]["run_a_reset"]["dropped_norm"] > 0
                 assert not torch.equal(res["final"], run_a[rank]["final"])
