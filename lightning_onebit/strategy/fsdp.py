@@ -117,12 +117,17 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         error_feedback: what happens to each rank's compression error feedback (the worker and server error of its
             shards) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes it to a sidecar
             file next to the checkpoint folder (``<checkpoint>.onebit-rank<r>``), and on resume every rank restores
-            it if every rank of its replicate group can, else they reset it, with one warning naming the ranks, files
-            and reasons (sidecars of another world size never restore). ``"reset"``: no sidecars; the
+            it if every rank can, else every rank resets it, with one warning naming the ranks, files and reasons
+            (sidecars of another world size never restore). ``"reset"``: no sidecars; the
             buffers restart from zero and rank 0's dropped norm is logged. ``"require"``: as ``"keep"``, but a rank
             that cannot restore raises ``RuntimeError`` before any training step. Any other value is a
             ``ValueError``. An :class:`~lightning_onebit.ErrorFeedbackCheckpoint` callback overrides it
             (:attr:`error_feedback`, :mod:`~lightning_onebit.strategy.error_feedback`).
+        save_distributed_checkpoint: ``True`` (default): checkpoints are distributed checkpoints (below).
+            ``False``: ``trainer.save_checkpoint(path, weights_only=True)`` (or ``ModelCheckpoint(save_weights_only=
+            True)``) writes one file on rank 0 with the whole, consolidated model weights, loadable by the plain
+            model's ``load_state_dict`` for inference. A checkpoint to resume training from stays distributed: with
+            ``False``, a ``ModelCheckpoint`` that saves more than the weights is refused at setup.
 
     Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
     ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
@@ -143,8 +148,11 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         error_feedback: ErrorFeedbackPolicy = "keep",
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
+        if not isinstance(save_distributed_checkpoint, bool):
+            raise ValueError(f"save_distributed_checkpoint must be True or False, got {save_distributed_checkpoint!r}")
         if ranks_per_node is not None and (
             isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
         ):
@@ -171,7 +179,8 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
                     "mixed_precision applies to the modules the strategy shards (shard_modules); with configure_model, "
                     "pass mp_policy=... to your fully_shard calls instead"
                 )
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout,
+                         save_distributed_checkpoint=save_distributed_checkpoint)
         self.ranks_per_node = ranks_per_node
         self.shard_modules = shard_modules
         self.mixed_precision = mixed_precision
@@ -238,6 +247,13 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
+        full = [type(c).__name__ for c in trainer.checkpoint_callbacks if not getattr(c, "save_weights_only", False)]
+        if not self._save_distributed_checkpoint and full and trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(
+                f"OnebitFSDPStrategy(save_distributed_checkpoint=False) writes consolidated model weights only, but "
+                f"{full[0]} saves the training state: give it save_weights_only=True (or enable_checkpointing=False), "
+                "or leave save_distributed_checkpoint=True for checkpoints to resume from"
+            )
         self.accelerator.setup(trainer)
         if self.shard_modules is not None:
             self._shard(self.model)
@@ -447,8 +463,9 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         if not self._save_distributed_checkpoint:
             raise ValueError(
-                "strategy='onebit_fsdp' saves distributed checkpoints (a folder, one shard per rank); "
-                "save_distributed_checkpoint=False is not supported yet"
+                "OnebitFSDPStrategy(save_distributed_checkpoint=False) writes consolidated model weights only: "
+                "trainer.save_checkpoint(path, weights_only=True); the training state (optimizer shards, error "
+                "feedback) is saved in distributed checkpoints (save_distributed_checkpoint=True)"
             )
         assert self.model is not None
         return sharded_optimizer_state(inner, self.model)

@@ -265,12 +265,37 @@ class RecordStart(pl.Callback):
         module.first_full = [p.full_tensor().detach().clone() for p in module.parameters()]
 
 
+def _consolidated(folder: str) -> dict[str, Any]:
+    """``save_distributed_checkpoint=False``: a fit, its consolidated weights saved, a full save and a fit with a
+    ModelCheckpoint that saves the training state refused."""
+    def trainer(strategy: OnebitFSDPStrategy, **kwargs: Any) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=4, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+    model = Model()
+    fit = trainer(OnebitFSDPStrategy(ranks_per_node=2, shard_modules=[Block], save_distributed_checkpoint=False),
+                  enable_checkpointing=False)
+    fit.fit(model)
+    fit.save_checkpoint(f"{folder}/weights.ckpt", weights_only=True)
+    errors = {}
+    try:
+        fit.save_checkpoint(f"{folder}/full.ckpt")
+    except ValueError as err:
+        errors["full_save"] = str(err)
+    try:
+        trainer(OnebitFSDPStrategy(ranks_per_node=2, shard_modules=[Block], save_distributed_checkpoint=False),
+                default_root_dir=folder).fit(Model())
+    except ValueError as err:
+        errors["model_checkpoint"] = str(err)
+    return dict(full=[p.full_tensor().detach().clone() for p in model.parameters()], errors=errors)
+
+
 def scenario_resume(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     # no ErrorFeedbackCheckpoint: the strategy keeps the error feedback by default (the callback used to be needed)
     whole = _fit(steps=10, data_by_step=True)
     saved = _fit(steps=6, data_by_step=True, save_to=f"{folder}/step6.ckpt")
     resumed = _fit(steps=10, data_by_step=True, resume_from=f"{folder}/step6.ckpt")
-    return dict(whole=whole, saved=saved, resumed=resumed)
+    return dict(whole=whole, saved=saved, resumed=resumed, consolidated=_consolidated(folder))
 
 
 def scenario_resharded(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -312,6 +337,26 @@ def test_a_checkpoint_of_4_ranks_loads_resharded_on_2_and_resets_the_error_feedb
         assert (r["steps"], r["stage"]) == (8, "compression")
         # the sidecars were written for world size 4: every rank resets its error feedback (and says why, once)
         assert r["restored"] is False
+
+
+def test_consolidated_weights_load_into_the_plain_model(resumes: dict[str, Any]) -> None:
+    """``save_distributed_checkpoint=False`` with ``weights_only=True``: one file (no folder, no per-rank files)
+    holding the whole tensors, which the unsharded model loads for inference, equal to the trained parameters. Saving
+    the training state that way, or a ModelCheckpoint that would, is refused with the way out."""
+    import os
+
+    path = os.path.join(resumes["folder"], "weights.ckpt")
+    assert os.path.isfile(path) and not any(f.startswith("weights.ckpt.") for f in os.listdir(resumes["folder"]))
+    plain = Model()
+    plain.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+    for r in resumes["four"]:
+        consolidated = r["consolidated"]
+        assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), consolidated["full"]))
+        assert "trainer.save_checkpoint(path, weights_only=True)" in consolidated["errors"]["full_save"]
+        assert "ModelCheckpoint saves the training state: give it save_weights_only=True" in \
+            consolidated["errors"]["model_checkpoint"]
+    with pytest.raises(ValueError, match="save_distributed_checkpoint must be True or False"):
+        OnebitFSDPStrategy(save_distributed_checkpoint="no")
 
 
 def test_the_error_feedback_argument_is_checked_and_passed_through() -> None:
