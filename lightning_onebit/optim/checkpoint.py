@@ -19,6 +19,7 @@ import torch
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.optim.auto_freeze import FreezeDetector
 from lightning_onebit.optim.bucket_plan import Plan
+from lightning_onebit.optim.masks import describe_param
 
 log = logging.getLogger(__name__)
 
@@ -279,14 +280,29 @@ class CheckpointMixin:
 
     def error_feedback_mismatch(self, state: Any) -> Optional[str]:
         """Why ``state`` (from :meth:`error_feedback_state_dict`, possibly of another rank or run) cannot be restored
-        here, or ``None`` if it can. Checks the world size, the topology, the bucket layouts and the buffers' sizes
-        and values; changes nothing and does not communicate (:meth:`MomentumExchange.feedback_mismatch`)."""
-        return self.exchange.feedback_mismatch(state, self._ensure_buckets)
+        here, or ``None`` if it can. Checks that the optimizer state fits the parameters (the buckets are built from
+        it), then the world size, the topology, the bucket layouts and the buffers' sizes and values; changes nothing
+        and does not communicate (:meth:`MomentumExchange.feedback_mismatch`)."""
+        return self._state_shape_mismatch() or self.exchange.feedback_mismatch(state, self._ensure_buckets)
+
+    def _state_shape_mismatch(self) -> Optional[str]:
+        """The first parameter whose state holds a tensor of another shape than the parameter's (a checkpoint of a
+        model that has changed since), described; ``None`` if none does."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                for key, value in (self.state[p] if p in self.state else {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                        return (f"the optimizer state {key!r} of {describe_param(group, g, i, p)} has shape "
+                                f"{tuple(value.shape)}: the model changed since the checkpoint")
+        return None
 
     def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
         """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` with the
         reason of :meth:`error_feedback_mismatch` (changing nothing) if they do not fit; callers can then fall back
         to the default reset (:meth:`MomentumExchange.load_feedback_`)."""
+        reason = self._state_shape_mismatch()
+        if reason is not None:
+            raise ValueError(reason)
         self.exchange.load_feedback_(state, self._ensure_buckets)
 
     def reset_error_feedback(self) -> float:

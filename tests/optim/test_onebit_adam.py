@@ -7,6 +7,7 @@ import copy
 import io
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -752,6 +753,26 @@ def test_error_feedback_round_trip_single_process():
     _train(net, opt, range(5, 8))
     _train(net_b, opt_b, range(5, 8))
     _assert_bitwise(_params(net), _params(net_b))
+
+
+def test_error_feedback_of_a_changed_model_is_refused_with_the_reason():
+    """A checkpoint of a model whose parameter has since changed shape: restoring the error feedback (which builds the
+    buckets from the loaded state) gives the reason, naming the parameter and the shapes, instead of a size-mismatch
+    RuntimeError from deep inside the bucket code, and changes nothing."""
+    emb = nn.Embedding(6, 2)
+    opt = OnebitAdam(emb.parameters(), freeze_step=1, dead_coordinates="ignore")
+    for _ in range(3):
+        opt.zero_grad()
+        emb(torch.tensor([0, 1, 2])).sum().backward()
+        opt.step()
+    grown = nn.Embedding(9, 2)
+    restored = OnebitAdam(grown.parameters(), freeze_step=1)
+    restored.load_state_dict(_roundtrip(opt.state_dict()))
+    reason = restored.error_feedback_mismatch(opt.error_feedback_state_dict())
+    assert reason == ("the optimizer state 'exp_avg' of parameter 0 of param group 0 (shape (9, 2)) has shape (6, 2): "
+                      "the model changed since the checkpoint"), reason
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        restored.load_error_feedback_state_dict(opt.error_feedback_state_dict())
 
 
 @pytest.mark.parametrize("when", [0, 2])
