@@ -48,8 +48,8 @@ class MomentumMask(Callback):
             checkpoint and restored on resume. Only parameters the optimizer holds in compressed param groups are
             watched (a ``compress=False`` group needs no mask: a zero gradient averages to an exact zero and its
             variance stays live; a saved auto mask of a parameter now in such a group is not applied), and the
-            optimizer's own dead-coordinate warning (``OnebitAdam(warn_dead_coordinates=...)``) is switched off, since
-            this masks every coordinate it would report.
+            optimizer's own dead-coordinate warning (``OnebitAdam(dead_coordinates=...)``, whose default keeps the
+            same coordinates at rest) is switched off, since this callback reports them.
         log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
         warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
             stay frozen for the rest of training, which may not be what you want (embedding rows not seen during

@@ -3,7 +3,7 @@
 A momentum mask (param-group option ``exp_avg_mask``, DeepSpeed's semantics) holds 0 where a coordinate is frozen and
 1 where it trains; it multiplies the averaged momentum every compressed step. Dead coordinates are those whose
 gradient stayed exactly zero in every warmup step: their variance is zero, and 1-bit compression cannot send zero, so
-from the first compressed step they would receive ``+-scale`` momentum and their updates explode unless masked.
+from the first compressed step they would receive ``+-scale`` momentum and their updates would explode unmasked.
 :func:`zero_variance_coordinates` finds them from the frozen variance (``v == 0``) at the first compressed step, and
 the optimizer keeps them at rest by default (``dead_coordinates="mask"``, :func:`apply_momentum_masks_`).
 """
