@@ -35,12 +35,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.accounting import CommunicationCounters
-from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, fsdp_modules, register_replica_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
-from lightning_onebit.optim.sharded import is_sharded
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
@@ -53,38 +50,19 @@ from lightning_onebit.strategy.sharded_checkpoint import (
     load_sharded_optimizer_state,
     sharded_optimizer_state,
 )
+from lightning_onebit.strategy.sharding import (
+    check_sharded,
+    fsdp_buckets,
+    node_mesh_ranks,
+    point_at_sharded_parameters,
+    shard_model,
+)
 from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.stepping import CompressedStepping
 
 log = logging.getLogger(__name__)
 
 __all__ = ["OnebitFSDPStrategy", "node_mesh_ranks"]
-
-
-def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optional[int]) -> list[list[int]]:
-    """The ``(M, L)`` rank grid of the ``("replicate", "shard")`` mesh: row ``n`` is node ``n``'s ranks by local index.
-    ``placements``: every rank's ``(node_rank, local_rank)``; ``ranks_per_node`` overrides them (ranks ``kL .. kL +
-    L - 1`` form node ``k``). Raises ``ValueError`` (pure: before any collective) for one node or uneven nodes, saying
-    what to use instead. One rank per node is allowed (nothing is sharded; ``onebit_adam`` does the same with less
-    overhead, which the strategy logs)."""
-    if ranks_per_node is not None and len(placements) % ranks_per_node:
-        raise ValueError(
-            f"strategy='onebit_fsdp' needs nodes of equal size, but ranks_per_node={ranks_per_node} does not divide "
-            f"the {len(placements)} ranks: pass a ranks_per_node that divides the world size"
-        )
-    topology = Topology.plan(placements, "auto", ranks_per_node=ranks_per_node)
-    sizes = topology.node_sizes
-    if topology.num_nodes == 1 or len(set(sizes)) != 1:
-        why = (f"all {topology.world_size} ranks are on one node" if topology.num_nodes == 1
-               else f"nodes have uneven numbers of ranks {list(sizes)}")
-        raise ValueError(
-            f"strategy='onebit_fsdp' shards the model inside each node and compresses across nodes, so it needs "
-            f"several nodes with the same number of ranks each, but {why}. On one node there is nothing to "
-            "compress: use FSDP2 with a plain optimizer (strategy=ModelParallelStrategy()), or strategy='onebit_adam' "
-            "to compress between the ranks; to simulate nodes on one host pass ranks_per_node. "
-            f"{docs_pointer('guides/sharded-training')}"
-        )
-    return [list(topology.node_ranks(node)) for node in range(topology.num_nodes)]
 
 
 class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
@@ -256,7 +234,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             )
         self.accelerator.setup(trainer)
         if self.shard_modules is not None:
-            self._shard(self.model)
+            shard_model(self.model, self.device_mesh["shard"], self.shard_modules, self.mixed_precision)
         elif not is_overridden("configure_model", self.lightning_module):
             raise TypeError(
                 "strategy='onebit_fsdp' needs the model sharded over the node: pass "
@@ -266,7 +244,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._check_sharded(self.model)
+        check_sharded(self.model, self.device_mesh["shard"])
         self._run_id = agree_run_id(self.global_rank)
         self.replica_sync = ReplicaAllReduceState(self.device_mesh["replicate"].get_group(), self._sync_predicate)
         register_replica_allreduce_hook(self.model, self.replica_sync)
@@ -277,54 +255,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _shard(self, model: Module) -> None:
-        """``fully_shard`` every instance of ``shard_modules`` (children before parents), then every direct child of
-        the LightningModule that still holds unsharded parameters (the modules ``training_step`` calls, e.g.
-        ``self.bert``: FSDP gathers a module's parameters in its own forward, and ``training_step`` need not call the
-        LightningModule's ``forward``), then the LightningModule itself if it holds parameters of its own."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        mesh = self.device_mesh["shard"]
-        kwargs = {} if self.mixed_precision is None else {"mp_policy": self.mixed_precision}
-        chosen = [m for m in model.modules() if isinstance(m, self.shard_modules) and not isinstance(m, FSDPModule)]
-        if not chosen:
-            names = ", ".join(c.__name__ for c in self.shard_modules)
-            raise ValueError(f"shard_modules ({names}) matched no module of {type(model).__name__}")
-        for module in reversed(chosen):  # modules() lists parents first
-            fully_shard(module, mesh=mesh, **kwargs)
-        for child in model.children():
-            if not isinstance(child, FSDPModule) and any(not is_sharded(p) for p in child.parameters()):
-                fully_shard(child, mesh=mesh, **kwargs)
-        if any(True for _ in model.parameters(recurse=False)) and not isinstance(model, FSDPModule):
-            fully_shard(model, mesh=mesh, **kwargs)
-
-    def _check_sharded(self, model: Module) -> None:
-        """Every parameter must be a ``DTensor`` sharded over this strategy's shard mesh: raise ``ValueError`` (on
-        every rank, before any collective of training) naming the modules that are not, or whose mesh spans nodes."""
-        shard_mesh = self.device_mesh["shard"]
-        node = set(dist.get_process_group_ranks(shard_mesh.get_group()))
-        unsharded, spanning = [], []
-        for name, p in model.named_parameters():
-            if not is_sharded(p):
-                unsharded.append(name)
-            elif p.device_mesh != shard_mesh:
-                ranks = set(p.device_mesh.mesh.flatten().tolist())
-                (spanning if not ranks <= node else unsharded).append(name)
-        if spanning:
-            raise ValueError(
-                f"parameters {_names(spanning)} are sharded over a mesh that spans nodes: their reduce-scatters and "
-                "all-gathers would cross the slow link in full precision. Shard with the node's mesh, "
-                "fully_shard(module, mesh=self.device_mesh['shard'])"
-            )
-        if unsharded:
-            raise ValueError(
-                f"parameters {_names(unsharded)} are not sharded over the strategy's shard mesh: wrap their modules "
-                "with fully_shard(module, mesh=self.device_mesh['shard']) in configure_model (or name their classes in "
-                "OnebitFSDPStrategy(shard_modules=[...])), and the root module last"
-            )
-        if not fsdp_modules(model):
-            raise ValueError("the model has no module sharded with fully_shard")
-
     # ------------------------------------------------------------------ the optimizer
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -333,7 +263,8 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             return
         optimizer = the_compressed_optimizer(self.optimizers)
         assert self.model is not None
-        self._point_at_sharded_parameters(optimizer, self.model)
+        point_at_sharded_parameters(optimizer, self.model, self._names_before_sharding)
+        self._names_before_sharding = {}
         if optimizer.sharded_unsupported_reason is not None:
             raise ValueError(
                 f"strategy='onebit_fsdp' cannot train with {type(optimizer).__name__} yet: "
@@ -346,7 +277,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             )
         optimizer.process_group = self.device_mesh["replicate"].get_group()
         assert self.model is not None
-        optimizer.set_bucket_plan(self._fsdp_groups(self.model, optimizer))
+        optimizer.set_bucket_plan(fsdp_buckets(self.model, optimizer))
         optimizer.agree_kernel_backend()
         default_auto_freeze_bound(trainer, optimizer, run_length)
         fit_schedule_to_run(trainer, optimizer, self.strategy_name, run_length)
@@ -354,52 +285,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         optimizer.observe_losses_from_caller()
         self._onebit_optimizer = optimizer
         self._stage_log.new_fit()
-
-    def _point_at_sharded_parameters(self, optimizer: CompressedOptimizer, model: Module) -> None:
-        """An optimizer built from the parameters as they were before sharding (LightningCLI builds its optimizer
-        from ``model.parameters()`` before ``fit``) gets the sharded ones of the same names, in the same groups. It
-        must not have stepped yet; any other foreign parameter is a ``ValueError``."""
-        current = dict(model.named_parameters())
-        held = {id(p) for p in current.values()}
-        groups = optimizer.param_groups
-        if all(optimizer.shards.dtensor_of(p) is not None or id(p) in held for g in groups for p in g["params"]):
-            return
-        if optimizer.state:
-            raise ValueError(f"{type(optimizer).__name__} holds parameters from before sharding and has state already: "
-                             "create it in configure_optimizers from self.parameters()")
-        rebuilt = []
-        for group in groups:
-            params = []
-            for p in group["params"]:
-                ref, name = self._names_before_sharding.get(id(p), (None, None))
-                if ref is None or ref() is not p or name not in current:
-                    raise ValueError(
-                        f"{type(optimizer).__name__} holds a parameter that is not the model's: create it in "
-                        "configure_optimizers from self.parameters()"
-                    )
-                params.append(current[name])
-            rebuilt.append({**{k: v for k, v in group.items() if k not in ("params", "exp_avg_mask")},
-                            "params": params})
-        optimizer.param_groups.clear()
-        for group in rebuilt:
-            optimizer.add_param_group(group)
-        self._names_before_sharding = {}
-        log.info("onebit_fsdp: %s was built from the parameters before sharding; it now holds the sharded ones",
-                 type(optimizer).__name__)
-
-    @staticmethod
-    def _fsdp_groups(model: Module, optimizer: CompressedOptimizer) -> list[list[torch.Tensor]]:
-        """One momentum bucket per FSDP group: each ``fully_shard`` module's own parameters (not those of a nested
-        FSDP module) that the optimizer compresses and trains."""
-        held = {id(p) for group in optimizer.param_groups if group["compress"] for p in group["params"]}
-        buckets = []
-        for module in fsdp_modules(model):
-            nested = {id(p) for child in fsdp_modules(module) if child is not module for p in child.parameters()}
-            own = [p for p in module.parameters() if id(p) not in nested and p.requires_grad]
-            own = [p for p in own if id(optimizer.shards.stand_in_of(p)) in held]
-            if own:
-                buckets.append(own)
-        return buckets
 
     def _sync_predicate(self) -> bool:
         return self._onebit_optimizer is None or self._onebit_optimizer.needs_gradient_allreduce
@@ -516,8 +401,3 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         strategy_registry.register(
             "onebit_fsdp", cls, description="FSDP2 inside each node, 1-bit Adam / 0/1 Adam across nodes"
         )
-
-
-def _names(names: list[str], shown: int = 6) -> str:
-    more = len(names) - shown
-    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
