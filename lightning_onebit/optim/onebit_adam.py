@@ -72,10 +72,11 @@ class OnebitAdam(CompressedOptimizer):
             ``(0.9, 0.999)``.
         eps: added to ``sqrt(v_hat)``; ``>= 0``. Default ``1e-8``.
         weight_decay: decoupled weight decay coefficient (AdamW's), ``>= 0``. Default ``0``.
-        freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step. No
-            default: the paper uses 15-25% of training; the variance must have settled by then. ``"auto"``: the warmup
+        freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step (the
+            paper uses 15-25% of training; the variance must have settled by then). ``"auto"`` (default): the warmup
             ends when the variance has stopped moving, decided by every rank together
-            (:class:`~lightning_onebit.AutoFreeze`); :attr:`freeze_step` is ``None`` until then.
+            (:class:`~lightning_onebit.AutoFreeze`; under the Lightning strategies at half the run at the latest);
+            :attr:`freeze_step` is ``None`` until then.
         auto_freeze: the settings of ``freeze_step="auto"`` (:class:`~lightning_onebit.AutoFreeze`); only with it.
             Default ``None``: ``AutoFreeze()``.
         bias_correction: see above; a bool (anything else is an error, not a truthy value). Default ``True``.
@@ -153,7 +154,7 @@ class OnebitAdam(CompressedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        freeze_step: Union[int, Literal["auto"]],
+        freeze_step: Union[int, Literal["auto"]] = "auto",
         auto_freeze: Optional[AutoFreeze] = None,
         bias_correction: bool = True,
         amsgrad: bool = False,

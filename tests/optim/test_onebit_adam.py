@@ -333,9 +333,11 @@ def test_invalid_group_options_raise_value_error():
         opt.add_param_group({"params": [net.b1], "weight_decay": -1.0})
 
 
-def test_missing_freeze_step_raises_type_error():
-    with pytest.raises(TypeError):
-        OnebitAdam(Net().parameters())
+def test_freeze_step_defaults_to_auto_and_is_keyword_only():
+    """``freeze_step`` defaults to ``"auto"`` (1-bit Adam; it was required), with the library's AutoFreeze settings;
+    it stays keyword-only."""
+    opt = OnebitAdam(Net().parameters())
+    assert opt.freeze_step is None and opt.auto_freeze is not None and opt.freeze_detector is not None
     with pytest.raises(TypeError):
         OnebitAdam(Net().parameters(), 1e-3, (0.9, 0.999), 1e-8, 0.0, 5)  # freeze_step is keyword-only
 
