@@ -125,13 +125,13 @@ def _maxima(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: list[torch.Tensor],
                    roots: list[torch.Tensor], denominators: list[torch.Tensor], params: list[torch.Tensor],
-                   group: dict[str, Any], bc1: float, squared: bool = False
+                   group: dict[str, Any], bc1: float, squared: bool = False, with_norms: bool = False
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The torch ops of the update's first part (any device, no host synchronisation): the fresh variance
     updated, ``u`` written into ``scratch``; returns per tensor the largest ratio (``-inf`` for an empty tensor) and,
-    with weight decay, the norms of ``u0`` and ``u`` (float64 device vectors; ``None`` without weight decay).
-    ``squared``: the squared norms instead, accumulated in float64 (:func:`_squared_norms`; what sharded parameters
-    add over the shard group)."""
+    with weight decay or ``with_norms``, the norms of ``u0`` and ``u`` (float64 device vectors, the same vector twice
+    without weight decay, where ``u = u0``; else ``None``). ``squared``: the squared norms instead, accumulated in
+    float64 (:func:`_squared_norms`; what sharded parameters add over the shard group)."""
     (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
     # g_rec = (m - b1 m_last) / (1 - b1), in place: (b1 m_last - m) / -(1 - b1) is the same number, bit for bit
     torch._foreach_mul_(scratch, b1)
@@ -150,10 +150,12 @@ def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: l
     for s, m in zip(scratch, ms):
         torch.div(m, bc1, out=s)
     torch._foreach_div_(scratch, denominators)
-    if not wd:
+    if not wd and not with_norms:
         return factor, None, None
     norms = _squared_norms if squared else (lambda ts: torch.stack(torch._foreach_norm(ts)).double())
     u0_norm = norms(scratch)
+    if not wd:
+        return factor, u0_norm, u0_norm
     # u0 + wd * p: addcmul multiplies p by wd (rounded) and then adds, as the two ops did
     torch._foreach_addcmul_(scratch, params, [_one(p) for p in params], value=wd)
     u_norm = norms(scratch)

@@ -59,7 +59,16 @@ class OnebitLamb(CompressedOptimizer):
         factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))          (per tensor, raw v)
         factor = rho factor + (1 - rho), rho = min(1, ||u0|| / ||u||)  (only with weight decay)
         factor = clip(factor, factor_min, factor_max), then within last_factor (1 +- factor_threshold)
-        p = p - lr coeff factor u
+        r = clip(||p|| / ||u||, min_coeff, max_coeff)      (the live trust ratio; with cap_trust_ratio only)
+        p = p - lr min(coeff, r) factor u                  (DeepSpeed's, cap_trust_ratio=False: p - lr coeff factor u)
+
+    The cap (``cap_trust_ratio=True``, the default; not in DeepSpeed) keeps each compressed step within LAMB's own
+    size, ``factor * lr * ||p||`` (unless ``r`` is clipped): the sign-compressed momentum gives every coordinate of a
+    chunk the same magnitude, so ``||u||`` can be many times its warmup value where ``v`` is small, and the frozen
+    ``coeff`` no longer offsets that. Measured on a pretrained MiniLM fine-tuned on a mail corpus (600 steps,
+    variance frozen at step 300): without the cap the whole model moved about 3x further per step than in warmup and
+    one tensor 18x, and the run ended at 67.7% (its uncompressed twin: 97.8%); with the cap, 97.8%
+    (``docs/guides/freeze-step.md``). Cost: one norm per parameter tensor per step, on the device.
 
     Everything after the exchange depends only on rank-identical values, so replicas stay bit-identical. Bias
     correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` and ``v`` by ``1 - b2^min(t, freeze_step)``,
@@ -109,6 +118,9 @@ class OnebitLamb(CompressedOptimizer):
         factor_max: upper clip of the compression-stage factor. Default ``4.0``.
         factor_min: lower clip of the factor, ``> 0``. Default ``0.5``.
         factor_threshold: the factor changes by at most this fraction per step, ``>= 0``. Default ``0.1``.
+        cap_trust_ratio: in the compression stage, cap the frozen trust ratio ``coeff`` by the live one,
+            ``clip(||p|| / ||u||, min_coeff, max_coeff)``, so a step is never larger than LAMB's. ``False``: DeepSpeed's
+            update, which can diverge late in fine-tuning (above). Default ``True``.
     """
 
     # its compression stage needs the trust-ratio coefficients only its own warmup computes (see load_state_dict)
@@ -130,6 +142,7 @@ class OnebitLamb(CompressedOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
+        cap_trust_ratio: bool = True,
         bias_correction: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
@@ -150,10 +163,13 @@ class OnebitLamb(CompressedOptimizer):
             raise ValueError(f"factor_threshold must be >= 0, got {factor_threshold}")
         if not 0 <= coeff_beta < 1:
             raise ValueError(f"coeff_beta must be in [0, 1), got {coeff_beta}")
+        if not isinstance(cap_trust_ratio, bool):
+            raise ValueError(f"cap_trust_ratio must be True or False, got {cap_trust_ratio!r}")
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             max_coeff=float(max_coeff), min_coeff=float(min_coeff), coeff_beta=float(coeff_beta),
             factor_max=float(factor_max), factor_min=float(factor_min), factor_threshold=float(factor_threshold),
+            cap_trust_ratio=cap_trust_ratio,
         )
         super().__init__(
             params,
@@ -300,23 +316,26 @@ class OnebitLamb(CompressedOptimizer):
         denominators = roots if bc2 == 1.0 else [_denominator(v, bc2, eps) for v in vs]
         native = kernels.uses_native_update((params, ms, vs, fresh, scratch), self.compression.backend)
         sharded = self._reduces_figures()
+        cap = group["cap_trust_ratio"]
         if native:  # the same quantities in one C pass per tensor (CPU float32): scratch = u
             # (an empty tensor, a shard of none of a small tensor's rows, reads nothing: -inf, 0, 0)
             figures = kernels.lamb_prepare_(ms, scratch, fresh, roots, denominators, params, (b1, b2), eps, bc1, wd)
-            if sharded:  # the squared norms, added over the shard group with the maxima maxed over it
-                factor, squares = self._whole_figures(params, figures[:, 0], figures[:, 1:] if wd else None)
-                assert factor is not None
-                u0_norm, u_norm = (squares[:, 0].sqrt(), squares[:, 1].sqrt()) if squares is not None else (None, None)
-            else:
-                factor, u0_norm, u_norm = figures[:, 0], figures[:, 1].sqrt(), figures[:, 2].sqrt()
+            factor, squares = figures[:, 0], figures[:, 1:]
         else:
             factor, u0_norm, u_norm = _lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1,
-                                                     squared=sharded)
-            if sharded:
-                stacked = torch.stack([u0_norm, u_norm], 1) if wd else None
-                factor, squares = self._whole_figures(params, factor, stacked)
-                assert factor is not None
-                u0_norm, u_norm = (squares[:, 0].sqrt(), squares[:, 1].sqrt()) if squares is not None else (None, None)
+                                                     squared=sharded, with_norms=cap)
+            squares = torch.stack([u0_norm, u_norm], 1) if u_norm is not None else None
+        p_norm = None
+        if sharded:  # the squared norms added over the shard group, the maxima maxed over it
+            if cap:
+                squares = torch.cat([squares, _squared_norms(params).unsqueeze(1)], 1)
+            factor, squares = self._whole_figures(params, factor, squares if wd or cap else None)
+            assert factor is not None
+        if squares is not None and (native or sharded):
+            squares = squares.sqrt()
+        if squares is not None:
+            u0_norm, u_norm = squares[:, 0], squares[:, 1]
+            p_norm = squares[:, 2] if sharded and cap else None
         if wd:
             rho = torch.where(u_norm > 0, _py_min(1.0, u0_norm / u_norm), 1.0)
             factor = rho * factor + (1 - rho)
@@ -325,7 +344,12 @@ class OnebitLamb(CompressedOptimizer):
         last, threshold = torch.stack(last_factors), group["factor_threshold"]
         factor = _py_min(_py_max(factor, last * (1 - threshold)), last * (1 + threshold))
         torch._foreach_copy_(last_factors, factor.unbind(0))
-        step = -lr * torch.stack([s["lamb_coeff"] for s in states]) * factor
+        coeff = torch.stack([s["lamb_coeff"] for s in states])
+        if cap:  # the frozen trust ratio, at most the live one: a step stays within factor * lr * ||p||
+            if p_norm is None:
+                p_norm = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).double()
+            coeff = _py_min(coeff, _clipped_ratios(p_norm, u_norm, group["min_coeff"], group["max_coeff"]))
+        step = -lr * coeff * factor
         if native:  # CPU tensors: reading the steps is no device synchronisation
             kernels.lamb_apply_(params, scratch, step.tolist())
         else:

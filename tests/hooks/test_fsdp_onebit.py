@@ -223,7 +223,10 @@ class LambStack(nn.Module):
         return torch.cat([self.head3(h), self.head1(h)], 1)
 
 
-LAMB_KWARGS: dict[str, Any] = dict(lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, dead_coordinates="ignore")
+# coeff_beta 0.5: the trust-ratio EMAs near the live ratios by the freeze, so that the compression stage's cap takes
+# effect (on whole-tensor norms under sharding) and the oracle covers it
+LAMB_KWARGS: dict[str, Any] = dict(lr=1e-2, weight_decay=0.01, freeze_step=FREEZE, dead_coordinates="ignore",
+                                   coeff_beta=0.5)
 
 
 def _lamb_layout(model: LambStack, layout: str) -> tuple[list[dict[str, Any]], list[list[torch.Tensor]]]:

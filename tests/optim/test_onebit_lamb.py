@@ -100,9 +100,12 @@ class _PerTensorLamb:
     the bits. World size 1: the exchange is the identity, but the momenta are multiplied by their scaling coefficients
     and divided again, as the optimizer does around it."""
 
-    def __init__(self, groups: list[dict[str, Any]], freeze_step: int, bias_correction: bool) -> None:
+    def __init__(self, groups: list[dict[str, Any]], freeze_step: int, bias_correction: bool,
+                 cap_trust_ratio: bool = True) -> None:
         self.groups = [dict(dict(lr=1e-2, weight_decay=0.0), **g) for g in groups]
         self.freeze_step, self.bias_correction, self.t = freeze_step, bias_correction, 0
+        self.cap_trust_ratio = cap_trust_ratio
+        self.capped = 0  # compression-stage steps of a tensor where the live trust ratio was the smaller
         self.b1, self.b2, self.eps = 0.9, 0.999, 1e-8
         self.state: dict[int, dict[str, Any]] = {}
         self.scales: dict[int, float] = {}
@@ -166,7 +169,13 @@ class _PerTensorLamb:
                 last = s.get("last_factor", 1.0)
                 factor = min(max(factor, last * 0.9), last * 1.1)
                 s["last_factor"] = factor
-                p.add_(u, alpha=-group["lr"] * s["coeff"] * factor)
+                coeff = s["coeff"]
+                if self.cap_trust_ratio:  # LAMB's trust ratio of this step, as in warmup
+                    p_norm, u_norm = float(p.float().norm()), float(u.float().norm())
+                    live = 1.0 if p_norm == 0 or u_norm == 0 else min(max(p_norm / u_norm, 0.01), 10.0)
+                    self.capped += live < coeff
+                    coeff = min(coeff, live)
+                p.add_(u, alpha=-group["lr"] * coeff * factor)
         for p in params:
             self.state[id(p)]["m_last"] = self.state[id(p)]["m"].clone()
 
@@ -183,19 +192,29 @@ def _lamb_batches(net: Net, opt: Any, steps: range) -> list[torch.Tensor]:
     return out
 
 
+# late enough for the trust-ratio EMAs (from 0) to reach the live ratios, so that the cap takes effect
+FREEZE_LATE = 30
+
+
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("wd", [0.0, 0.05])
-def test_every_step_is_the_per_tensor_python_float_version_bit_for_bit(bias_correction: bool, wd: float) -> None:
+@pytest.mark.parametrize("cap_trust_ratio", [True, False])
+def test_every_step_is_the_per_tensor_python_float_version_bit_for_bit(bias_correction: bool, wd: float,
+                                                                       cap_trust_ratio: bool) -> None:
     """Multi-tensor ops, device-side ratios and factors in float64, cached frozen denominators, the previous momentum
-    as scratch: in float32 the bits of the per-tensor version with Python floats, warmup and compression stage."""
+    as scratch: in float32 the bits of the per-tensor version with Python floats, warmup and compression stage, with
+    the live trust-ratio cap and without it (DeepSpeed's update)."""
     net, ref_net = Net(), Net()
-    opt = OnebitLamb(two_groups(net, wd), lr=1e-2, freeze_step=4, bias_correction=bias_correction,
-                     dead_coordinates="ignore", kernel_backend="torch")
+    opt = OnebitLamb(two_groups(net, wd), lr=1e-2, freeze_step=FREEZE_LATE, bias_correction=bias_correction,
+                     dead_coordinates="ignore", kernel_backend="torch", cap_trust_ratio=cap_trust_ratio)
     ref_groups = [dict(g, lr=g.get("lr", 1e-2)) for g in two_groups(ref_net, wd)]
-    reference = _PerTensorLamb(ref_groups, freeze_step=4, bias_correction=bias_correction)
-    ours, theirs = _lamb_batches(net, opt, range(1, 15)), _lamb_batches(ref_net, reference, range(1, 15))
+    reference = _PerTensorLamb(ref_groups, freeze_step=FREEZE_LATE, bias_correction=bias_correction,
+                               cap_trust_ratio=cap_trust_ratio)
+    ours, theirs = _lamb_batches(net, opt, range(1, FREEZE_LATE + 15)), _lamb_batches(ref_net, reference, range(1, FREEZE_LATE + 15))
     for t, (a, b) in enumerate(zip(ours, theirs), start=1):
         assert torch.equal(a, b), f"step {t}: max difference {float((a - b).abs().max())}"
+    if cap_trust_ratio:  # the cap took effect in this run, so the comparison above covers it
+        assert reference.capped > 0
     for p, q in zip(net.parameters(), ref_net.parameters()):
         state, ref = opt.state[p], reference.state[id(q)]
         assert state["lamb_coeff"].dtype == torch.float64 and state["lamb_coeff"].dim() == 0
