@@ -219,7 +219,10 @@ class VarianceTrace(L.Callback):
       ``sqrt(v_hat)`` is below 1e-4 of the median tensor's (numerically zero variance) are left out of the quantiles;
     * the freeze: step, and for ``freeze_step="auto"`` the detector's reason, last figures, description and settings;
     * the word-embedding coordinates ``MomentumMask`` masked at the freeze (its ``masked_coordinates``);
-    * every validation's accuracy and duration, and the training step time.
+    * every validation's accuracy and duration, and the training step time;
+    * the size of the optimizer's step every ``every`` steps and at each of the ``every`` steps after the freeze:
+      ``||p_after - p_before|| / ||p_before||`` over the whole model (``update_rel``) and the largest per tensor
+      (``update_rel_max``, its tensor in ``update_rel_max_name``); LAMB's warmup steps are ``lr`` in these units.
     """
 
     def __init__(self, out: str, every: int = TRACE_EVERY, window: int = TRACE_WINDOW, sample: int = TRACE_SAMPLE):
@@ -227,7 +230,9 @@ class VarianceTrace(L.Callback):
             raise ValueError(f"VarianceTrace window ({window}) must be a multiple of every ({every})")
         self.out, self.every, self.window, self.sample = out, every, window, sample
         self.trace: dict[str, Any] = dict(every=every, window=window, names=None, steps=[], sqrt_v=[], mean_v=[], loss=[],
-                                          rel_coord_med=[], rel_coord_p90=[], rel_mean_med=[], rel_mean_p90=[])
+                                          rel_coord_med=[], rel_coord_p90=[], rel_mean_med=[], rel_mean_p90=[],
+                                          update_steps=[], update_rel=[], update_rel_max=[], update_rel_max_name=[])
+        self._before: Optional[list[torch.Tensor]] = None  # the parameters before a measured step
         self.record: dict[str, Any] = dict(freeze=None, mask=None, validations=[], step_s=None)
         self._snapshots: dict[int, tuple[list[float], list[torch.Tensor]]] = {}  # step: (means, sample), sqrt(v_hat)
         self._indices: Optional[list[Optional[torch.Tensor]]] = None
@@ -243,9 +248,37 @@ class VarianceTrace(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._t_batch = time.perf_counter()
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not trainer.is_global_zero:
+            return
+        step = trainer.global_step + 1  # the step about to be made
+        frozen_at = getattr(self._optimizer(trainer), "freeze_step", None)
+        after_freeze = isinstance(frozen_at, int) and frozen_at < step <= frozen_at + self.every
+        if step % self.every == 0 or after_freeze:
+            self._before = [p.detach().clone() for _, p in pl_module.named_parameters()]
+
+    def _record_update(self, pl_module, step: int) -> None:
+        """The size of the step just made, against the parameters before it (see the class docstring)."""
+        moved = whole = 0.0
+        largest, largest_name = 0.0, None
+        with torch.no_grad():
+            for (name, p), before in zip(pl_module.named_parameters(), self._before):
+                delta, norm = float((p.detach() - before).double().norm()), float(before.double().norm())
+                moved, whole = moved + delta**2, whole + norm**2
+                if norm > 0 and delta / norm > largest:
+                    largest, largest_name = delta / norm, name
+        self._before = None
+        t = self.trace
+        t["update_steps"].append(step)
+        t["update_rel"].append(_round(math.sqrt(moved / whole)) if whole > 0 else None)
+        t["update_rel_max"].append(_round(largest))
+        t["update_rel_max_name"].append(largest_name)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.is_global_zero:
             return
+        if self._before is not None:
+            self._record_update(pl_module, trainer.global_step)
         self._step_times.append(time.perf_counter() - self._t_batch)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
@@ -653,6 +686,9 @@ def format_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+NO_CAP = " (no cap)"  # 1-bit LAMB runs made with DeepSpeed's update, before OnebitLamb(cap_trust_ratio=True)
+
+
 def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
     """Per task a panel: accuracy minus the same-seed reference against the freeze step; fixed freezes as lines per
     seed (1-bit Adam: circles, 1-bit LAMB: squares), ``auto``'s decisions as stars (Adam) and diamonds (LAMB), hollow
@@ -678,16 +714,17 @@ def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
         for family, marker, ls in (("onebit_adam", "o", "-"), ("onebit_lamb", "s", "--")):
             label = {"onebit_adam": "1-bit Adam", "onebit_lamb": "1-bit LAMB"}[family]
             for seed in seeds:
-                points = []
+                points, no_cap = [], False
                 for (t, name, s), r in runs.items():
                     fraction = _freeze_fraction(name) if name.startswith(family) else None
                     base = runs.get((t, reference_of(name) or "", s)) if name.startswith(family) else None
                     if t == task and s == seed and fraction is not None and base is not None:
                         points.append((r["freeze_step"], 100 * (r["val_acc"] - base["val_acc"])))
+                        no_cap = no_cap or bool(r.get("no_cap"))
                 if points:
                     points.sort()
                     ax.plot(*zip(*points), marker=marker, ls=ls, color=colours[seed], ms=5, lw=1.2,
-                            label=f"{label} fixed, seed {seed}")
+                            label=f"{label} fixed, seed {seed}{NO_CAP if no_cap else ''}")
                 auto = runs.get((task, f"{family}@auto", seed))
                 base = runs.get((task, reference_of(f"{family}@auto"), seed))
                 if auto is not None and base is not None:
@@ -700,11 +737,11 @@ def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
                                facecolor="none" if bound else colours[seed],
                                edgecolor=colours[seed] if bound else "black", linewidth=1.2, zorder=5,
                                label=f"{label} auto, seed {seed}"
-                                     + (" (never froze)" if never else " (max_step)" if bound else ""))
+                                     + (" (never froze)" if never else " (max_step)" if bound else "")
+                                     + (NO_CAP if auto.get("no_cap") else ""))
         adamw = [r["val_acc"] for (t, name, _), r in runs.items() if t == task and name == "adamw"]
         ax.set_title(f"{task}" + (f", {steps} steps" if steps else "")
-                     + (f"; AdamW {statistics.fmean(adamw):.2%} (mean of {len(adamw)})" if adamw else "")
-                     + "; grey: within 0.5 point; dotted: 25% of the run (the bytes reference)", fontsize=10)
+                     + (f"; AdamW {statistics.fmean(adamw):.2%} (mean of {len(adamw)})" if adamw else ""), fontsize=10)
         ax.set_xlabel("freeze step")
         ax.set_ylabel("accuracy - reference\n(points, same seed)", fontsize=9)
         if steps:
@@ -713,7 +750,8 @@ def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
         handles, labels = ax.get_legend_handles_labels()
         if handles:
             ax.legend(fontsize=7, ncol=2, loc="best")
-    fig.text(0.01, 0.002, "reference: the same-seed AdamW (1-bit Adam) or LAMB that never freezes (1-bit LAMB)",
+    fig.text(0.01, 0.002, "reference: the same-seed AdamW (1-bit Adam) or LAMB that never freezes (1-bit LAMB); "
+             "grey: within 0.5 point; dotted: 25% of the run",
              fontsize=8)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path)
@@ -722,10 +760,15 @@ def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
 
 
 def summarise(name: str) -> None:
+    """Print the table of ``results/NAME.json`` and draw its picture. For the library-defaults matrix
+    (``freeze_sweep_defaults``) both show what the docs' table shows: its runs with the reference runs and the later
+    1-bit LAMB runs of the other files (:func:`benchmarks.result_tables.freeze_defaults_runs`)."""
+    from benchmarks.result_tables import FREEZE_DEFAULTS, freeze_defaults_runs
+
     path = RESULTS_DIR / f"{name}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path}: nothing to summarise (run the sweep first)")
-    results = json.loads(path.read_text())
+    results = freeze_defaults_runs() if name == FREEZE_DEFAULTS else json.loads(path.read_text())
     print(format_table(results))
     for r in sorted(results.get("runs", {}).values(), key=lambda r: (r["task"], r["seed"], r["run"])):
         freeze = r.get("freeze") or {}

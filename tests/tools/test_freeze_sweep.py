@@ -181,6 +181,38 @@ def test_trace_records_adamw_variance_every_10_steps_and_its_change_over_50():
     assert all(isinstance(x, float) for x in t["loss"])
 
 
+def test_trace_records_the_step_size_every_10_steps_and_after_the_freeze():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = _FrozenAt(model.parameters(), freeze_step=23)
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, strategy=SimpleNamespace(), optimizers=[optimizer])
+    pl_module = SimpleNamespace(named_parameters=model.named_parameters)
+    trace = fs.VarianceTrace(out="unused")
+    expected = {}
+    for step in range(1, 41):
+        trace.on_train_batch_start(trainer, pl_module, None, step)
+        loss = model(torch.randn(32, 8)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        trace.on_before_optimizer_step(trainer, pl_module, optimizer)
+        optimizer.step()
+        trainer.global_step = step
+        trace.on_train_batch_end(trainer, pl_module, {"loss": loss.detach()}, None, step)
+        deltas = [float((p.detach() - b).norm() / b.norm()) for p, b in zip(model.parameters(), before)]
+        whole = math.sqrt(sum(float((p.detach() - b).norm()) ** 2 for p, b in zip(model.parameters(), before))
+                          / sum(float(b.norm()) ** 2 for b in before))
+        expected[step] = (whole, max(deltas), [n for n, _ in model.named_parameters()][deltas.index(max(deltas))])
+    t = trace.trace
+    # every 10 steps, and each of the 10 steps after the freeze at 23
+    assert t["update_steps"] == [10, 20, *range(24, 34), 40]
+    for i, step in enumerate(t["update_steps"]):
+        whole, largest, name = expected[step]
+        assert t["update_rel"][i] == pytest.approx(whole, rel=1e-3)
+        assert t["update_rel_max"][i] == pytest.approx(largest, rel=1e-3)
+        assert t["update_rel_max_name"][i] == name
+
+
 class _FrozenAt(torch.optim.AdamW):
     """An AdamW that reports a freeze as the compressed optimizers do (``stage``, ``freeze_step``, a detector)."""
 
