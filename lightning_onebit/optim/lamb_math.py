@@ -105,6 +105,17 @@ def _clipped_ratios(p_norms: torch.Tensor, u_norms: torch.Tensor, low: float, hi
     return torch.where((p_norms == 0) | (u_norms == 0), 1.0, ratios)
 
 
+def _scaling_coefficients(rms: torch.Tensor) -> torch.Tensor:
+    """1-bit LAMB's ``mean(rms) / rms`` per tensor over the tensors whose momentum ``rms`` is nonzero (1 for the
+    others, and a mean of 1 if there is none): a float64 vector. The mean is Python's ``sum(live) / len(live)``, the
+    live values added in order (a cumulative sum)."""
+    live = rms > 0
+    total = torch.cumsum(torch.where(live, rms, 0.0), 0)[-1]
+    count = live.sum().double()
+    mean = torch.where(count > 0, total / count, 1.0)
+    return torch.where(live, mean / rms, 1.0)
+
+
 def _squared_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per tensor the sum of its squared elements, accumulated in float64 (0 for an empty tensor): a float64 vector.
     Under sharding these are added over the shard group into whole-tensor squared norms."""

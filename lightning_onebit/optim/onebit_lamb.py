@@ -28,6 +28,7 @@ from lightning_onebit.optim.lamb_math import (
     _py_min,
     _root_eps,
     _scalar,
+    _scaling_coefficients,
     _squared_norms,
     _trust_ratios,
 )
@@ -239,7 +240,7 @@ class OnebitLamb(CompressedOptimizer):
                 if group["weight_decay"]:
                     torch._foreach_add_(us, ps, alpha=group["weight_decay"])
                 if sharded:
-                    _, squares = self._whole_figures(ps, None, torch.stack([_squared_norms(ps), _squared_norms(us)], 1))
+                    _, squares = self.shards.reduce_tensor_figures(ps, None, torch.stack([_squared_norms(ps), _squared_norms(us)], 1))
                     assert squares is not None
                     ratios = _clipped_ratios(squares[:, 0].sqrt(), squares[:, 1].sqrt(), group["min_coeff"],
                                              group["max_coeff"])
@@ -329,7 +330,7 @@ class OnebitLamb(CompressedOptimizer):
         if sharded:  # the squared norms added over the shard group, the maxima maxed over it
             if cap:
                 squares = torch.cat([squares, _squared_norms(params).unsqueeze(1)], 1)
-            factor, squares = self._whole_figures(params, factor, squares if wd or cap else None)
+            factor, squares = self.shards.reduce_tensor_figures(params, factor, squares if wd or cap else None)
             assert factor is not None
         if squares is not None and (native or sharded):
             squares = squares.sqrt()
@@ -361,23 +362,6 @@ class OnebitLamb(CompressedOptimizer):
         """Whether per-tensor figures are reduced over the shard group: some parameter is sharded (``DTensor``) over
         more than one rank. Otherwise every path is the unsharded one, bit for bit."""
         return bool(self.shards) and self.shards.reduces_figures()
-
-    def _whole_figures(self, params: Sequence[torch.Tensor], maxima: Optional[torch.Tensor],
-                       sums: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """This rank's per-tensor ``maxima`` and ``sums`` (row ``k`` for ``params[k]``) of its shards made the whole
-        tensors' over the shard group, in one collective (:meth:`ShardedParams.reduce_figures`; float64). A tensor
-        that is not sharded is whole on every rank of the group: it counts once (the group's first rank's figures;
-        a small host-to-device copy of which rows those are, only when a sharded optimizer holds such a tensor)."""
-        whole = [self.shards.dtensor_of(p) is None for p in params]
-        group = self.shards.shard_group
-        if any(whole) and dist.get_rank(group) != 0:
-            device = params[0].device
-            keep = torch.tensor([not w for w in whole], device=device)
-            if maxima is not None:
-                maxima = torch.where(keep, maxima, -math.inf)
-            if sums is not None:
-                sums = torch.where(keep.reshape(-1, *([1] * (sums.dim() - 1))), sums, 0.0)
-        return self.shards.reduce_figures(maxima, sums)
 
     def _remember_momenta(self, missing_only: bool = False) -> None:
         """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
@@ -428,12 +412,7 @@ class OnebitLamb(CompressedOptimizer):
                     else _scalar(0.0, home)
                     for p in trainable
                 ])
-            live = rms > 0
-            # Python's sum(live) / len(live): the live values added in order (a cumulative sum), over their count
-            total = torch.cumsum(torch.where(live, rms, 0.0), 0)[-1]
-            count = live.sum().double()
-            mean = torch.where(count > 0, total / count, 1.0)
-            coeffs = torch.where(live, mean / rms, 1.0)
+            coeffs = _scaling_coefficients(rms)
             index = {id(p): i for i, p in enumerate(trainable)}
             for p in missing:
                 self.state[p]["lamb_scaling_coeff"] = coeffs[index[id(p)]].to(p.device).clone()
@@ -446,7 +425,7 @@ class OnebitLamb(CompressedOptimizer):
         squares = dict(zip(map(id, with_m), _squared_norms([self.state[p]["exp_avg"] for p in with_m]).to(home)
                            if with_m else ()))
         local = torch.stack([squares[id(p)] if id(p) in squares else _scalar(0.0, home) for p in trainable])
-        _, total = self._whole_figures(trainable, None, local)
+        _, total = self.shards.reduce_tensor_figures(trainable, None, local)
         assert total is not None
         numels = [(self.shards.dtensor_of(p) if self.shards.dtensor_of(p) is not None else p).numel()
                   for p in trainable]

@@ -16,7 +16,8 @@ Every sharded parameter must be sharded along dimension 0 (``Shard(0)``, what ``
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import math
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -184,6 +185,20 @@ class ShardedParams:
                 out_sum = out_sum + other[split:]
             out_sum = out_sum.reshape(sums.shape)
         return out_max, out_sum
+
+    def reduce_tensor_figures(self, params: Sequence[torch.Tensor], maxima: Optional[torch.Tensor],
+                              sums: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """:meth:`reduce_figures` of per-tensor figures (row ``k`` for ``params[k]``, stand-ins or plain tensors): a
+        tensor that is not sharded is whole on every rank of the group and counts once (the group's first rank's
+        figures; a small host-to-device copy of which rows those are, only when such a tensor is among them)."""
+        whole = [self.dtensor_of(p) is None for p in params]
+        if any(whole) and self.reduces_figures() and dist.get_rank(self.shard_group) != 0:
+            keep = torch.tensor([not w for w in whole], device=params[0].device)
+            if maxima is not None:
+                maxima = torch.where(keep, maxima, -math.inf)
+            if sums is not None:
+                sums = torch.where(keep.reshape(-1, *([1] * (sums.dim() - 1))), sums, 0.0)
+        return self.reduce_figures(maxima, sums)
 
     def check_exchange_group(self, group: Optional[dist.ProcessGroup]) -> None:
         """Raise ``ValueError`` (before any collective) unless ``group``, which the momenta are averaged over, holds
