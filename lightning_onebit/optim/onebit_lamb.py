@@ -9,7 +9,6 @@ from typing import Any, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from lightning_onebit import kernels
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
@@ -22,11 +21,7 @@ from lightning_onebit.optim.lamb_math import (
     _as_scalar,
     _chunks,
     _clipped_ratios,
-    _denominator,
-    _lamb_figures_,
-    _py_max,
-    _py_min,
-    _root_eps,
+    compressed_lamb_update_,
     _scalar,
     _scaling_coefficients,
     _squared_norms,
@@ -288,74 +283,17 @@ class OnebitLamb(CompressedOptimizer):
         self._remember_momenta()
 
     def _compressed_update_(self, group: dict[str, Any], params: list[torch.Tensor], t: int, t_v: int) -> None:
-        """The update after the exchange, for these parameters (one device), with multi-tensor ops and no host
-        synchronisation. Scratch: each parameter's ``exp_avg_last`` (the previous momentum is only needed for the
-        reconstructed gradient, and :meth:`_remember_momenta` rewrites it after the step), so the step allocates no
-        full-size temporary; the frozen variance's ``sqrt(v) + eps`` and ``sqrt(v / bc2) + eps`` are computed once
-        and cached (:mod:`lightning_onebit.kernels.frozen`). With the torch kernels every op and its rounding is the
-        per-tensor version's except where a comment says otherwise. With the C kernels (CPU float32, kernel backend
-        ``"auto"`` or ``"cpu"``) the fresh variance, the ratios, ``u`` and its norms come from one fused pass per
-        tensor and the step from a second (:func:`~lightning_onebit.kernels.lamb_prepare_`), where the torch ops make
-        about thirteen: the same arithmetic per element, norms summed in float64 (last-bit differences).
-
-        Sharded parameters (:meth:`_reduces_figures`): the factor is the largest ratio over the whole tensor and the
-        norms of ``u0`` and ``u`` the whole tensor's (this rank's maxima and squared norms reduced over the shard
-        group, one collective for these parameters; an empty shard gives ``-inf`` and 0, the C kernel's figures of
-        no element)."""
-        b1, b2 = group["betas"]
-        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
-        bc1, bc2 = bias_corrections(group, t, t_v)
+        """The update after the exchange, for these parameters (one device): :func:`compressed_lamb_update_` on
+        their state, with the whole tensors' figures when they are sharded (:meth:`_reduces_figures`)."""
         states = [self.state[p] for p in params]
         for p, state in zip(params, states):
             if state.get("exp_avg_sq_fresh") is None:  # seeded at the first compressed step, whatever freeze_step was
                 state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
             if "lamb_last_factor" not in state:
                 state["lamb_last_factor"] = _scalar(1.0, p.device)
-        ms, vs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-        fresh, scratch = [s["exp_avg_sq_fresh"] for s in states], [s["exp_avg_last"] for s in states]
-        roots = [_root_eps(v, eps) for v in vs]
-        denominators = roots if bc2 == 1.0 else [_denominator(v, bc2, eps) for v in vs]
-        native = kernels.uses_native_update((params, ms, vs, fresh, scratch), self.compression.backend)
-        sharded = self._reduces_figures()
-        cap = group["cap_trust_ratio"]
-        if native:  # the same quantities in one C pass per tensor (CPU float32): scratch = u
-            # (an empty tensor, a shard of none of a small tensor's rows, reads nothing: -inf, 0, 0)
-            figures = kernels.lamb_prepare_(ms, scratch, fresh, roots, denominators, params, (b1, b2), eps, bc1, wd)
-            factor, squares = figures[:, 0], figures[:, 1:]
-        else:
-            factor, u0_norm, u_norm = _lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1,
-                                                     squared=sharded, with_norms=cap)
-            squares = torch.stack([u0_norm, u_norm], 1) if u_norm is not None else None
-        p_norm = None
-        if sharded:  # the squared norms added over the shard group, the maxima maxed over it
-            if cap:
-                squares = torch.cat([squares, _squared_norms(params).unsqueeze(1)], 1)
-            factor, squares = self.shards.reduce_tensor_figures(params, factor, squares if wd or cap else None)
-            assert factor is not None
-        if squares is not None and (native or sharded):
-            squares = squares.sqrt()
-        if squares is not None:
-            u0_norm, u_norm = squares[:, 0], squares[:, 1]
-            p_norm = squares[:, 2] if sharded and cap else None
-        if wd:
-            rho = torch.where(u_norm > 0, _py_min(1.0, u0_norm / u_norm), 1.0)
-            factor = rho * factor + (1 - rho)
-        factor = _py_min(_py_max(factor, group["factor_min"]), group["factor_max"])
-        last_factors = [s["lamb_last_factor"] for s in states]
-        last, threshold = torch.stack(last_factors), group["factor_threshold"]
-        factor = _py_min(_py_max(factor, last * (1 - threshold)), last * (1 + threshold))
-        torch._foreach_copy_(last_factors, factor.unbind(0))
-        coeff = torch.stack([s["lamb_coeff"] for s in states])
-        if cap:  # the frozen trust ratio, at most the live one: a step stays within factor * lr * ||p||
-            if p_norm is None:
-                p_norm = torch.stack(torch._foreach_norm([p.detach().float() for p in params])).double()
-            coeff = _py_min(coeff, _clipped_ratios(p_norm, u_norm, group["min_coeff"], group["max_coeff"]))
-        step = -lr * coeff * factor
-        if native:  # CPU tensors: reading the steps is no device synchronisation
-            kernels.lamb_apply_(params, scratch, step.tolist())
-        else:
-            # p - lr coeff factor u: addcmul with a device-side step (see _lamb_step_ for its bits)
-            torch._foreach_addcmul_(params, scratch, step.unbind(0))
+        reduce = self.shards.reduce_tensor_figures if self._reduces_figures() else None
+        compressed_lamb_update_(params, states, group, bias_corrections(group, t, t_v), self.compression.backend,
+                                reduce)
 
     # ------------------------------------------------------------------ sharded parameters: whole-tensor figures
     def _reduces_figures(self) -> bool:
