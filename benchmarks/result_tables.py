@@ -595,10 +595,21 @@ FREEZE_REFERENCES = {
 }
 
 
+#: Runs with a later library that replace the same task/run/seed of :data:`FREEZE_DEFAULTS`: 1-bit LAMB with the
+#: compression stage's trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the default since it was measured).
+FREEZE_SUPERSEDING = ("freeze_sweep_lamb_cap",)
+
+
 def freeze_defaults_runs() -> dict[str, Any]:
-    """The runs of :data:`FREEZE_DEFAULTS`, completed with the reference runs of :data:`FREEZE_REFERENCES` it lacks."""
+    """The runs of :data:`FREEZE_DEFAULTS`, those of :data:`FREEZE_SUPERSEDING` in place of the same keys, completed
+    with the reference runs of :data:`FREEZE_REFERENCES` it lacks."""
     data = _load(FREEZE_DEFAULTS)
     runs = dict(data["runs"])
+    # 1-bit LAMB runs made before its trust-ratio cap (DeepSpeed's update), unless a later run replaces them
+    runs = {key: dict(run, no_cap=True) if run["run"].startswith("onebit_lamb") else run for key, run in runs.items()}
+    for name in FREEZE_SUPERSEDING:
+        if (RESULTS / f"{name}.json").exists():
+            runs.update({key: dict(run, source=f"results/{name}.json") for key, run in _load(name)["runs"].items()})
     for name, kinds in FREEZE_REFERENCES.items():
         for key, run in _load(name)["runs"].items():
             if run["run"] in kinds and key not in runs:
@@ -616,6 +627,7 @@ def freeze_defaults_table() -> str:
     seeds = list(rows[0]["acc"]) if rows else []
     bound = {(r["task"], r["run"], int(r["seed"])) for r in results["runs"].values()
              if (r.get("freeze") or {}).get("reason") == "max_step"}
+    uncapped = {(r["task"], r["run"]) for r in results["runs"].values() if r.get("no_cap")}
     header = ["task", "run", *(f"seed {s}" for s in seeds), "vs reference (points)", "freeze step", "DDP bytes / run's"]
     table = []
     for r in rows:
@@ -626,19 +638,59 @@ def freeze_defaults_table() -> str:
         freeze = " / ".join("-" if r["freeze"][s] is None
                             else f"{r['freeze'][s]}{'*' if (r['task'], r['run'], s) in bound else ''}" for s in seeds)
         ratio = "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.2f}x"
-        table.append([r["task"], r["run"], *cells, diff, freeze, ratio])
+        name = r["run"]
+        if (r["task"], name) in uncapped:
+            name += " (no cap)"
+        table.append([r["task"], name, *cells, diff, freeze, ratio])
     sources = sorted({r["source"] for r in results["runs"].values() if "source" in r})
     return (
         "Each run is the example (`python -m benchmarks.freeze_sweep`, 2 CPU ranks) with the library's defaults for "
         "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at 25% of the "
         "run for `@0.25`; the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
         "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, DDP's fp32 "
-        "bytes over the run's (mean over seeds); `-`: not run yet. References from "
+        "bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its compression-stage "
+        "trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`; `(no cap)`: runs made before the cap, "
+        "DeepSpeed's update (`cap_trust_ratio=False`). Sources besides `freeze_sweep_defaults.json`: "
         + ", ".join(f"`{s}`" for s in sources) + ".\n\n" + _table(header, table)
     )
 
 
+#: 1-bit LAMB frozen at step 300 on mail, 400 steps, without and with the compression stage's trust-ratio cap
+LAMB_STEP_SIZE = {"DeepSpeed's update (cap_trust_ratio=False)": "lamb_step_size_deepspeed",
+                  "with the cap (the default)": "lamb_step_size_capped"}
+
+
+def lamb_step_size_table() -> str:
+    """The size of 1-bit LAMB's steps before and after its freeze, from the sweep's step-size trace: the whole
+    model's ``||dp|| / ||p||`` (mean over the records of a stretch) and the largest tensor's (its maximum there)."""
+    rows = []
+    lr = None
+    for label, name in LAMB_STEP_SIZE.items():
+        (run,) = _load(name)["runs"].values()
+        lr = float(run["settings"]["lamb_lr"])
+        t, freeze = run["trace"], run["freeze_step"]
+        stretches = (("last 50 warmup steps", freeze - 50, freeze), ("10 steps after the freeze", freeze, freeze + 10),
+                     (f"steps {freeze + 11}-{run['steps']}", freeze + 10, run["steps"]))
+        for stretch, start, end in stretches:
+            picked = [i for i, step in enumerate(t["update_steps"]) if start < step <= end]
+            whole = statistics.fmean(t["update_rel"][i] for i in picked)
+            top = max(picked, key=lambda i: t["update_rel_max"][i])
+            rows.append([label, stretch, f"{whole:.2e} ({whole / lr:.1f} lr)",
+                         f"{t['update_rel_max'][top]:.2e} ({t['update_rel_max'][top] / lr:.1f} lr), "
+                         f"`{t['update_rel_max_name'][top].removeprefix('bert.')}`"])
+    header = ["1-bit LAMB", "steps", "whole model: step norm / parameter norm (mean)", "largest tensor's (max)"]
+    return (
+        f"1-bit LAMB fine-tuning MiniLM on the mail corpus, variance frozen at step 300 of 400, seed 0, lr {lr:g} "
+        "(`python -m benchmarks.freeze_sweep --tasks mail --runs onebit_lamb@0.75 --steps 400`, the step size "
+        "recorded every 10 steps and at each of the 10 steps after the freeze as `norm(p_after - p_before) / "
+        "norm(p_before)`; results "
+        + ", ".join(f"`{name}.json`" for name in LAMB_STEP_SIZE.values()) + "). LAMB's warmup step is `lr` in "
+        "these units.\n\n" + _table(header, rows)
+    )
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
+    "lamb_step_size": lamb_step_size_table,
     "kernels": kernels_table,
     "bytes": bytes_table,
     "allreduce_sweep": allreduce_table,
