@@ -21,11 +21,11 @@ from lightning_onebit.optim.lamb_math import (
     _as_scalar,
     _chunks,
     _clipped_ratios,
-    compressed_lamb_update_,
     _scalar,
     _scaling_coefficients,
     _squared_norms,
     _trust_ratios,
+    compressed_lamb_update_,
 )
 from lightning_onebit.optim.masks import DeadCoordinates, mask_like
 
@@ -235,7 +235,8 @@ class OnebitLamb(CompressedOptimizer):
                 if group["weight_decay"]:
                     torch._foreach_add_(us, ps, alpha=group["weight_decay"])
                 if sharded:
-                    _, squares = self.shards.reduce_tensor_figures(ps, None, torch.stack([_squared_norms(ps), _squared_norms(us)], 1))
+                    local = torch.stack([_squared_norms(ps), _squared_norms(us)], 1)
+                    _, squares = self.shards.reduce_tensor_figures(ps, None, local)
                     assert squares is not None
                     ratios = _clipped_ratios(squares[:, 0].sqrt(), squares[:, 1].sqrt(), group["min_coeff"],
                                              group["max_coeff"])
