@@ -663,10 +663,10 @@ LAMB_STEP_SIZE = {"DeepSpeed's update (cap_trust_ratio=False)": "lamb_step_size_
 def lamb_step_size_table() -> str:
     """The size of 1-bit LAMB's steps before and after its freeze, from the sweep's step-size trace: the whole
     model's ``||dp|| / ||p||`` (mean over the records of a stretch) and the largest tensor's (its maximum there)."""
-    rows = []
-    lr = None
+    rows, runs = [], []
     for label, name in LAMB_STEP_SIZE.items():
         (run,) = _load(name)["runs"].values()
+        runs.append(run)
         lr = float(run["settings"]["lamb_lr"])
         t, freeze = run["trace"], run["freeze_step"]
         stretches = (("last 50 warmup steps", freeze - 50, freeze), ("10 steps after the freeze", freeze, freeze + 10),
@@ -680,7 +680,8 @@ def lamb_step_size_table() -> str:
                          f"`{t['update_rel_max_name'][top].removeprefix('bert.')}`"])
     header = ["1-bit LAMB", "steps", "whole model: step norm / parameter norm (mean)", "largest tensor's (max)"]
     return (
-        f"1-bit LAMB fine-tuning MiniLM on the mail corpus, variance frozen at step 300 of 400, seed 0, lr {lr:g} "
+        f"1-bit LAMB fine-tuning MiniLM on the mail corpus, variance frozen at step {runs[0]['freeze_step']} of "
+        f"{runs[0]['steps']}, seed {runs[0]['seed']}, lr {lr:g} "
         "(`python -m benchmarks.freeze_sweep --tasks mail --runs onebit_lamb@0.75 --steps 400`, the step size "
         "recorded every 10 steps and at each of the 10 steps after the freeze as `norm(p_after - p_before) / "
         "norm(p_before)`; results "

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 # Ranks start from a fork server that has imported these once (torch, Lightning and the library take seconds to
 # import, and every test spawns its ranks afresh): a rank then starts in about 0.1 s instead of about 4 s on 2 cores.
-# The server is started by the first run and never initialises a process group, threads or CUDA.
+# The server is started by the first run; it only imports (no process group, no CUDA).
 _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_onebit", "tests.distributed"]
 _START_METHOD = "forkserver"
 
