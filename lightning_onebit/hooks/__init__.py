@@ -5,7 +5,10 @@
   DDP's allreduce during warmup (or the user's ``ddp_comm_hook``), nothing afterwards;
 * :mod:`~lightning_onebit.hooks.overlap`: :class:`OverlapState` and :func:`overlapped_exchange_hook`, the compressed
   momentum exchange started during backward, and what decides whether it may (:func:`leaves_gradients_unchanged`,
-  :class:`OverlapFallbackReason`).
+  :class:`OverlapFallbackReason`);
+* :mod:`~lightning_onebit.hooks.fsdp` (imported on its own, it needs FSDP2): the FSDP2 counterparts,
+  :class:`~lightning_onebit.hooks.fsdp.ReplicaAllReduceState` (the warmup's average across nodes) and
+  :class:`~lightning_onebit.hooks.fsdp.ShardedOverlapState` (the exchange of each FSDP group started during backward).
 """
 
 from lightning_onebit.hooks.gradient_sync import GradientSyncState, switchable_allreduce_hook

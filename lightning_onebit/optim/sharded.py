@@ -134,6 +134,14 @@ class ShardedParams:
                 grad = p.grad
                 stand_in.grad = None if grad is None else grad.to_local().detach()
 
+    def follow_requires_grad_(self) -> None:
+        """Each stand-in's ``requires_grad`` becomes its ``DTensor``'s (what :meth:`bind_gradients_` also does), for
+        code that reads which parameters train before the step: the overlapped exchange, at the start of a backward
+        pass. No communication."""
+        for stand_in, p in self._pairs:
+            if stand_in.requires_grad != p.requires_grad:
+                stand_in.requires_grad_(p.requires_grad)
+
     def clear_gradients_(self, set_to_none: bool) -> None:
         """``zero_grad`` for the ``DTensor`` gradients (the stand-ins' are cleared by the optimizer itself)."""
         for _, p in self._pairs:

@@ -17,7 +17,7 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from datetime import timedelta
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Generator, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,10 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_onebit.comm.accounting import CommunicationCounters
-from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, fsdp_modules, register_replica_allreduce_hook
+from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
+from lightning_onebit.hooks import OverlapFallbackReason
+from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
+from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
@@ -44,6 +47,7 @@ from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
 from lightning_onebit.strategy.checkpoint import save_per_rank_state
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
+from lightning_onebit.strategy.overlap_policy import overlap_blocker, overlap_fallback
 from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
 from lightning_onebit.strategy.sharded_checkpoint import (
     is_distributed_checkpoint,
@@ -106,6 +110,13 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             True)``) writes one file on rank 0 with the whole, consolidated model weights, loadable by the plain
             model's ``load_state_dict`` for inference. A checkpoint to resume training from stays distributed: with
             ``False``, a ``ModelCheckpoint`` that saves more than the weights is refused at setup.
+        overlap: start each FSDP group's compressed momentum exchange during backward, as soon as FSDP has its
+            gradient shards (:class:`~lightning_onebit.hooks.fsdp.ShardedOverlapState`), rather than in
+            ``optimizer.step``. ``"auto"`` (default): overlap unless the run changes gradients after backward or
+            the optimizer cannot (the reasons of ``OnebitStrategy(overlap=...)``: clipping by norm, a GradScaler,
+            a gradient-editing hook, manual optimization, 0/1 Adam), which is logged once
+            (:attr:`overlap_fallback_reason`); ``True``: overlap, and a run it cannot serve is a ``ValueError`` at
+            setup; ``False``: exchange in ``optimizer.step``. Same bits either way.
 
     Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
     ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
@@ -127,7 +138,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         error_feedback: ErrorFeedbackPolicy = "keep",
         save_distributed_checkpoint: bool = True,
+        overlap: Union[bool, Literal["auto"]] = "auto",
     ) -> None:
+        if overlap not in (True, False, "auto") or not isinstance(overlap, (bool, str)):
+            raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
         self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         if not isinstance(save_distributed_checkpoint, bool):
             raise ValueError(f"save_distributed_checkpoint must be True or False, got {save_distributed_checkpoint!r}")
@@ -163,6 +177,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         self.shard_modules = shard_modules
         self.mixed_precision = mixed_precision
         self.replica_sync: Optional[ReplicaAllReduceState] = None
+        self.overlap = overlap
+        self.overlap_state: Optional[ShardedOverlapState] = None
+        self.overlap_fallback_reason: Optional[OverlapFallbackReason] = None
+        self._gather_group: Optional[Any] = None  # the overlapped exchange's second-phase group (this fit's)
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._stage_log = StageLog(
             "onebit_fsdp",
@@ -225,6 +243,8 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
+        if self.overlap is True and trainer.state.fn == TrainerFn.FITTING:  # before any collective
+            overlap_fallback(True, self._overlap_blocker(trainer), type(self).__name__, self.strategy_name)
         full = [type(c).__name__ for c in trainer.checkpoint_callbacks if not getattr(c, "save_weights_only", False)]
         if not self._save_distributed_checkpoint and full and trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(
@@ -285,6 +305,51 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         optimizer.observe_losses_from_caller()
         self._onebit_optimizer = optimizer
         self._stage_log.new_fit()
+        self._configure_overlap(trainer, optimizer)
+
+    # ------------------------------------------------------------------ overlap
+    def _overlap_blocker(self, trainer: "pl.Trainer") -> Optional[OverlapFallbackReason]:
+        return overlap_blocker(trainer, self.lightning_module, self.precision_plugin, {})
+
+    def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
+        """Register the overlapped exchange's hooks, or log once why the exchange stays in ``optimizer.step``."""
+        self._remove_overlap()
+        self.overlap_state, self.overlap_fallback_reason = None, None
+        if self.overlap is False:
+            return
+        reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or self._overlap_blocker(
+            trainer
+        )
+        self.overlap_fallback_reason = overlap_fallback(self.overlap, reason, type(self).__name__, self.strategy_name)
+        if self.overlap_fallback_reason is not None:
+            return
+        # the second phase in a group of its own: a copy of the replicate group (a collective over WORLD)
+        self._gather_group, _ = new_gather_groups(optimizer.process_group, None, self._timeout)
+        optimizer.compression.install_gather_groups(self._gather_group)
+        clip_value = trainer.gradient_clip_val if trainer.gradient_clip_val else None
+        self.overlap_state = ShardedOverlapState(optimizer, clip_value=clip_value)
+        self.overlap_state.register()
+
+    def _remove_overlap(self) -> None:
+        """Remove the hooks and destroy the second-phase group (no collective on gloo; every rank does it at the same
+        point, as NCCL wants). :attr:`overlap_state` stays, for its figures, until the next fit."""
+        if self.overlap_state is not None:
+            self.overlap_state.remove()
+            self.overlap_state.optimizer.compression.release_gather_groups()
+        if self._gather_group is not None:
+            destroy_groups([self._gather_group])
+            self._gather_group = None
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.overlap_state is not None:
+            self.overlap_state.new_backward()
+
+    @override
+    def teardown(self) -> None:
+        self._remove_overlap()
+        super().teardown()
 
     def _sync_predicate(self) -> bool:
         return self._onebit_optimizer is None or self._onebit_optimizer.needs_gradient_allreduce

@@ -93,25 +93,29 @@ def gradient_hooks(trainer: "pl.Trainer", module: Optional[pl.LightningModule]) 
     return found
 
 
-def explicit_overlap_message(reason: str) -> str:
-    """The error of ``OnebitStrategy(overlap=True)`` in a run it cannot serve."""
+def explicit_overlap_message(reason: str, strategy: str = "OnebitStrategy") -> str:
+    """The error of ``OnebitStrategy(overlap=True)`` (or ``strategy``'s) in a run it cannot serve."""
     return (
-        f"OnebitStrategy(overlap=True) cannot overlap the exchange with backward here: {reason}. "
+        f"{strategy}(overlap=True) cannot overlap the exchange with backward here: {reason}. "
         "Use overlap='auto' (falls back to exchanging in optimizer.step) or overlap=False."
     )
 
 
 def overlap_fallback(
-    overlap: Union[bool, Literal["auto"]], reason: Optional[OverlapFallbackReason]
+    overlap: Union[bool, Literal["auto"]],
+    reason: Optional[OverlapFallbackReason],
+    strategy: str = "OnebitStrategy",
+    prefix: str = "onebit_adam",
 ) -> Optional[OverlapFallbackReason]:
-    """What ``OnebitStrategy(overlap=...)`` does about ``reason`` (``None``: nothing stops the overlap): the reason to
-    exchange in ``optimizer.step`` instead, logged (``overlap="auto"``), or ``None`` to overlap. ``overlap=True``
-    raises ``ValueError`` instead, except for manual optimization (a second backward pass before ``step`` raises)."""
+    """What ``OnebitStrategy(overlap=...)`` (or ``strategy``'s) does about ``reason`` (``None``: nothing stops the
+    overlap): the reason to exchange in ``optimizer.step`` instead, logged with ``prefix`` (``overlap="auto"``), or
+    ``None`` to overlap. ``overlap=True`` raises ``ValueError`` instead, except for manual optimization (a second
+    backward pass before ``step`` raises)."""
     if reason is None or (overlap is True and reason.cause == "manual_optimization"):
         return None
     if overlap is True:
-        raise ValueError(explicit_overlap_message(reason))
-    rank_zero_info(f"onebit_adam: momentum exchange not overlapped with backward: {reason}; {_DOCS}")
+        raise ValueError(explicit_overlap_message(reason, strategy))
+    rank_zero_info(f"{prefix}: momentum exchange not overlapped with backward: {reason}; {_DOCS}")
     return reason
 
 

@@ -6,6 +6,8 @@
 * The oracle: the same model, data and seeds under DDP with the hierarchical exchange (``topology="hierarchical"``,
   one momentum bucket per parameter on both sides, so that a node's chunk of a bucket is exactly one FSDP shard) reach
   the same parameters after warmup and compressed steps, to rounding (the reason in the test).
+* The overlapped exchange (``ShardedOverlapState``) starts every FSDP group's exchange during backward and gives the
+  bits of the exchange in ``step``.
 * A momentum exchange over ranks that hold different shards is refused before any collective.
 * 1-bit LAMB on a model whose shards are uneven (3 rows over 2 ranks) or empty (1 row): same-shard ranks stay bitwise
   identical, every rank of a node holds the same per-tensor coefficients (whole-tensor figures), and the hierarchical
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_onebit import OnebitAdam, OnebitLamb, Topology, ZeroOneAdam, kernels
-from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, register_replica_allreduce_hook
+from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, register_replica_allreduce_hook
 from tests.distributed import run_distributed
 
 NODES, PER_NODE = 2, 2
@@ -66,7 +68,7 @@ def _sharded_model(mesh: Any) -> Stack:
     return model
 
 
-def _train_sharded(rank: int, optimizer_name: str) -> dict[str, Any]:
+def _train_sharded(rank: int, optimizer_name: str, overlap: bool = False) -> dict[str, Any]:
     mesh = _mesh()
     model = _sharded_model(mesh)
     replicate = mesh["replicate"].get_group()
@@ -81,23 +83,31 @@ def _train_sharded(rank: int, optimizer_name: str) -> dict[str, Any]:
         optimizer.set_bucket_plan([[p] for p in model.parameters()])  # as the DDP oracle's buckets (see there)
         state = ReplicaAllReduceState(replicate, lambda: optimizer.needs_gradient_allreduce)
     register_replica_allreduce_hook(model, state)
-    shards, in_sync = [], []
+    overlapped = ShardedOverlapState(optimizer) if overlap else None
+    if overlapped is not None:
+        assert overlapped.register() == 3
+    shards, in_sync, in_flight = [], [], []
     for step in range(1, STEPS + 1):
         x, y = _batch(rank, step)
         optimizer.zero_grad()
+        if overlapped is not None:
+            overlapped.new_backward()
         nn.functional.mse_loss(model(x), y).backward()
+        in_flight.append(getattr(optimizer, "exchanges_in_flight", 0))
         optimizer.step()
         shards.append(torch.cat([p.to_local().detach().reshape(-1).clone() for p in model.parameters()]))
         in_sync.append(getattr(optimizer, "replicas_in_sync", True))
     full = [p.full_tensor().detach().clone() for p in model.parameters()]  # gathered over the shard group
     return dict(shards=shards, in_sync=in_sync, full=full, skipped=state.skipped,
-                replica_bytes=state.counters.bytes_sent)
+                replica_bytes=state.counters.bytes_sent, in_flight=in_flight,
+                buckets_started=None if overlapped is None else overlapped.buckets_started)
 
 
 def scenario_everything(rank: int, world_size: int) -> dict[str, Any]:
     """Every scenario of this file on the same 4 processes (one spawn)."""
     return dict(onebit_adam=_oracle(rank), zeroone_adam=_train_sharded(rank, "zeroone_adam"),
-                adamw=_train_sharded(rank, "adamw"), wrong_group=_wrong_group(rank), lamb=_lamb_oracle(rank),
+                adamw=_train_sharded(rank, "adamw"), in_step=_train_sharded(rank, "onebit_adam"),
+                overlapped=_train_sharded(rank, "onebit_adam", overlap=True), wrong_group=_wrong_group(rank), lamb=_lamb_oracle(rank),
                 lamb_empty_torch=_train_lamb_sharded(rank, "empty", "torch"),
                 lamb_empty_auto=_train_lamb_sharded(rank, "empty", "auto"))
 
@@ -123,6 +133,18 @@ def test_ranks_holding_the_same_shard_stay_bitwise_identical(results: list[dict[
     if optimizer_name == "onebit_adam":
         # three FSDP groups averaged in warmup, nothing afterwards
         assert all(r["skipped"] == 3 * (STEPS - FREEZE) for r in results)
+
+
+def test_the_overlapped_exchange_starts_during_backward_with_the_bits_of_the_exchange_in_step(
+        results: list[dict[str, Any]]) -> None:
+    for r in results:
+        overlapped, in_step = r["overlapped"], r["in_step"]
+        # warmup and the first compressed step (it lays the momenta out) start nothing; then all 3 FSDP groups
+        assert overlapped["in_flight"] == [0] * (FREEZE + 1) + [3] * (STEPS - FREEZE - 1)
+        assert overlapped["buckets_started"] == 3 * (STEPS - FREEZE - 1)
+        assert in_step["in_flight"] == [0] * STEPS
+        for a, b in zip(overlapped["shards"], in_step["shards"]):
+            assert torch.equal(a, b)
 
 
 def test_the_warmup_equals_adamw_on_the_same_sharded_model(results: list[dict[str, Any]]) -> None:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 from lightning_onebit import OnebitAdam, OnebitFSDPStrategy, OnebitLamb
+from lightning_onebit.hooks import leaves_gradients_unchanged
 from lightning_onebit.strategy.fsdp import node_mesh_ranks
 from tests.distributed import run_distributed
 
@@ -101,17 +102,18 @@ class Model(pl.LightningModule):
 def _fit(shard_modules: Optional[list[type]] = (Block,), accumulate: int = 1, steps: int = 10,
          ranks_per_node: int = 2, devices: int = 4, save_to: Optional[str] = None, resume_from: Optional[str] = None,
          callbacks: Optional[list[Any]] = None, clip: Optional[float] = None, bf16: bool = False,
-         **model_kwargs: Any) -> dict[str, Any]:
+         overlap: Any = "auto", clip_by: str = "norm", **model_kwargs: Any) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = Model(**model_kwargs)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     strategy = OnebitFSDPStrategy(ranks_per_node=ranks_per_node,
                                   shard_modules=list(shard_modules) if shard_modules else None,
-                                  mixed_precision=policy)
+                                  mixed_precision=policy, overlap=overlap)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         accumulate_grad_batches=accumulate, callbacks=callbacks, gradient_clip_val=clip)
+                         accumulate_grad_batches=accumulate, callbacks=callbacks, gradient_clip_val=clip,
+                         gradient_clip_algorithm=clip_by)
     trainer.fit(model, ckpt_path=resume_from)
     optimizer = strategy.onebit_optimizer
     if save_to is not None:
@@ -128,13 +130,30 @@ def _fit(shard_modules: Optional[list[type]] = (Block,), accumulate: int = 1, st
         steps=optimizer.step_count, stage=optimizer.stage.value,
         skipped=strategy.replica_sync.skipped, replica_bytes=strategy.replica_sync.counters.bytes_sent,
         compressed_bytes=optimizer.communication.bytes_sent,
+        buckets_started=None if strategy.overlap_state is None else strategy.overlap_state.buckets_started,
+        overlap_fallback=None if strategy.overlap_fallback_reason is None else strategy.overlap_fallback_reason.cause,
+        in_flight_after_backward=[c.in_flight for c in callbacks or [] if isinstance(c, InFlight)],
     )
+
+
+class InFlight(pl.Callback):
+    """Records, after every backward, how many exchanges the overlapped hooks started (and left in flight)."""
+
+    def __init__(self) -> None:
+        self.in_flight: list[int] = []
+
+    @leaves_gradients_unchanged
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.in_flight.append(trainer.strategy.onebit_optimizer.exchanges_in_flight)
 
 
 def scenario_fits(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_onebit import CommunicationMonitor
 
-    return dict(by_strategy=_fit(callbacks=[CommunicationMonitor(prog_bar=False)]),
+    return dict(by_strategy=_fit(callbacks=[CommunicationMonitor(prog_bar=False), InFlight()]),
+                in_step=_fit(overlap=False), lamb_in_step=_fit(optimizer="onebit_lamb", overlap=False),
+                clip_by_value=_fit(clip=CLIP / 10, clip_by="value", overlap=True),
+                clip_by_value_in_step=_fit(clip=CLIP / 10, clip_by="value", overlap=False),
                 by_configure_model=_fit(shard_modules=None, shard_in_configure_model=True),
                 accumulated=_fit(accumulate=2, steps=8),
                 unclipped=_fit(steps=FREEZE, optimizer="recording"),
@@ -166,6 +185,27 @@ def test_a_fit_keeps_same_shard_ranks_identical_and_compresses_after_the_warmup(
         # (a compression ratio well below 32: in these small buckets the scales weigh)
         assert r["metrics"]["comm/stage"] == 1.0 and r["metrics"]["comm/compression_ratio"] > 4, r["metrics"]
         assert r["metrics"]["comm/bytes_sent_total"] == r["replica_bytes"] + r["compressed_bytes"]
+
+
+def test_the_overlapped_exchange_starts_in_backward_and_gives_the_bits_of_the_exchange_in_step(
+        fits: list[dict[str, Any]]) -> None:
+    for f in fits:
+        run = f["by_strategy"]
+        assert run["overlap_fallback"] is None
+        # the first compressed step lays the momenta out; each later one starts all 3 buckets during backward
+        assert run["buckets_started"] == 3 * (10 - FREEZE - 1)
+        assert run["in_flight_after_backward"] == [[0] * (FREEZE + 1) + [3] * (10 - FREEZE - 1)]
+        assert f["in_step"]["buckets_started"] is None and f["in_step"]["overlap_fallback"] is None
+        assert torch.equal(run["shards"], f["in_step"]["shards"])
+        assert run["compressed_bytes"] == f["in_step"]["compressed_bytes"]
+        assert f["lamb"]["buckets_started"] == 3 * (10 - FREEZE - 1)
+        assert torch.equal(f["lamb"]["shards"], f["lamb_in_step"]["shards"])
+        # clipping by value runs in the hook, elementwise: the same run as clipping in step
+        assert f["clip_by_value"]["buckets_started"] == 3 * (10 - FREEZE - 1)
+        assert torch.equal(f["clip_by_value"]["shards"], f["clip_by_value_in_step"]["shards"])
+        assert not torch.equal(f["clip_by_value"]["shards"], run["shards"])
+        # clipping by norm needs the whole gradient after backward: the exchange stays in step
+        assert f["clipped"]["overlap_fallback"] == "clip_by_norm" and f["clipped"]["buckets_started"] is None
 
 
 def test_sharding_by_configure_model_is_the_same_run(fits: list[dict[str, Any]]) -> None:
