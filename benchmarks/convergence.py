@@ -123,7 +123,8 @@ def freeze_of(summary: dict[str, Any], optimizer_args: dict[str, Any]) -> dict[s
     if summary.get("optimizer") == "ZeroOneAdam":
         # the run's own value (scaled to the run when the config leaves it out), else the config's
         var_freeze = summary.get("var_freeze_step", optimizer_args.get("var_freeze_step"))
-        reason = (f"every step a variance step up to var_update_scaler={optimizer_args.get('var_update_scaler', 16)}, "
+        # the run's own all-variance start (var_update_scaler, scaled to the run when the config leaves it out)
+        reason = (f"every step a variance step up to var_update_scaler={optimizer_args.get('var_update_scaler') or step}, "
                   f"then 1-bit steps with variance steps at doubling intervals up to var_freeze_step={var_freeze}, "
                   "then local steps synced at doubling intervals")
         return dict(freeze_step=step, freeze_kind="0/1 Adam warmup", freeze_reason=reason, var_freeze_step=var_freeze)

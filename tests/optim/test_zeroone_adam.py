@@ -89,24 +89,35 @@ def test_bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None
 
 
 def test_the_schedule_left_to_the_run_is_scaled_to_its_length() -> None:
-    """``var_freeze_step`` and ``local_step_scaler`` default to ``None``: DeepSpeed's 100000 and 32678 until the run's
-    length is known (a run shorter than 100000 steps then never took a local step), and scaled to it by
-    ``fit_schedule_to_run``: the variance frozen at half the run, the local-step interval at its largest a quarter of
-    the way into the rest. Given arguments are kept; an unknown length is refused, naming them."""
+    """``var_update_scaler``, ``var_freeze_step`` and ``local_step_scaler`` default to ``None``: DeepSpeed's 16, 100000
+    and 32678 until the run's length is known (a run shorter than 100000 steps then never took a local step), and
+    scaled to it by ``fit_schedule_to_run``: the first tenth of the run all variance steps, the variance frozen at half
+    the run, the local-step interval at its largest a quarter of the way into the rest. Given arguments are kept; an
+    unknown length is refused, naming them."""
     opt = ZeroOneAdam(Net().parameters())
-    assert (opt.var_freeze_step, opt.local_step_scaler, opt.freeze_step) == (100000, 32678, 16)
-    assert opt.fit_schedule_to_run(620) == "var_freeze_step 310, local_step_scaler 19 (scaled to 620 steps)"
-    assert (opt.var_freeze_step, opt.local_step_scaler) == (310, 19)  # 310 local steps; intervals 1, 2, 4, 8 -> 16
-    with pytest.raises(ValueError, match="scales local_step_scaler and var_freeze_step to the run"):
+    assert (opt.var_update_scaler, opt.var_freeze_step, opt.local_step_scaler, opt.freeze_step) == (16, 100000, 32678,
+                                                                                                    16)
+    assert opt.fit_schedule_to_run(620) == (
+        "var_update_scaler 62, var_freeze_step 310, local_step_scaler 19 (scaled to 620 steps)"
+    )
+    # 310 local steps; intervals 1, 2, 4, 8 -> 16; the first 62 steps are the warmup (no compression)
+    assert (opt.var_update_scaler, opt.var_freeze_step, opt.local_step_scaler, opt.freeze_step) == (62, 310, 19, 62)
+    with pytest.raises(ValueError, match="scales local_step_scaler, var_freeze_step, var_update_scaler to the run"):
         opt.fit_schedule_to_run(None)
     short = ZeroOneAdam(Net().parameters(), local_step_clipper=4)
     short.fit_schedule_to_run(24)
-    assert (short.var_freeze_step, short.local_step_scaler) == (16, 1)  # at least var_update_scaler; 2 doublings
-    given = ZeroOneAdam(Net().parameters(), var_freeze_step=50, local_step_scaler=7)
+    assert (short.var_update_scaler, short.var_freeze_step, short.local_step_scaler) == (2, 12, 2)  # 2 doublings
+    tiny = ZeroOneAdam(Net().parameters(), var_freeze_step=3)
+    tiny.fit_schedule_to_run(100)
+    assert (tiny.var_update_scaler, tiny.var_freeze_step, tiny.freeze_step) == (10, 3, 3)  # no step past the freeze
+    given = ZeroOneAdam(Net().parameters(), var_freeze_step=50, var_update_scaler=16, local_step_scaler=7)
     assert given.fit_schedule_to_run(620) is None and given.fit_schedule_to_run(None) is None
-    assert (given.var_freeze_step, given.local_step_scaler) == (50, 7)
-    half = ZeroOneAdam(Net().parameters(), var_freeze_step=300)
-    assert half.fit_schedule_to_run(620) == "var_freeze_step 300, local_step_scaler 20 (scaled to 620 steps)"
+    assert (given.var_update_scaler, given.var_freeze_step, given.local_step_scaler, given.freeze_step) == (16, 50, 7,
+                                                                                                          16)
+    half = ZeroOneAdam(Net().parameters(), var_freeze_step=300, var_update_scaler=16)
+    assert half.fit_schedule_to_run(620) == (
+        "var_update_scaler 16, var_freeze_step 300, local_step_scaler 20 (scaled to 620 steps)"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -462,12 +473,14 @@ def test_lightning_bf16_local_steps_silent_replica_checks_wait_for_syncs(
 
 
 def test_lightning_scales_the_default_schedule_to_the_run(lightning_session: list[dict[str, Any]]) -> None:
-    """``ZeroOneAdam()`` with its schedule defaults under the strategy, in a 40-step run: the first 16 steps update the
-    variance (``var_update_scaler``), it is frozen at step 20 (half the run) and local steps follow, silent between
-    syncs; with DeepSpeed's fixed defaults every step of such a run would have been a variance step."""
+    """``ZeroOneAdam()`` with its schedule defaults under the strategy, in a 40-step run: the first 4 steps (a tenth)
+    update the variance (``var_update_scaler``), then every second step, then every fourth, until it is frozen at
+    step 20 (half the run), and local steps follow, silent between syncs; with DeepSpeed's fixed defaults every step
+    of such a run would have been a variance step."""
     for r in _results(lightning_session, "scaled"):
         assert r["step_count"] == 40
-        assert r["kinds"][:16] == ["variance"] * 16 and "variance" in r["kinds"][16:20], r["kinds"]
+        variance_steps = [t for t, kind in enumerate(r["kinds"], 1) if kind == "variance"]
+        assert variance_steps == [1, 2, 3, 4, 6, 8, 10, 12, 16, 20], r["kinds"]
         assert set(r["kinds"][20:]) == {"local", "sync"}, r["kinds"]
         sent = [b - a for a, b in zip([0, *r["bytes_total"]], r["bytes_total"])]
         assert all(n == 0 for n, kind in zip(sent, r["kinds"]) if kind == "local")
