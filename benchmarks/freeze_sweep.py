@@ -32,7 +32,9 @@ Runs (``--runs``, names; default all of these), with exactly these arguments on 
   block);
 * ``onebit_lamb@F`` / ``onebit_lamb@auto``: ``bert_lamb.yaml``, ``-o.lr LAMB_LR`` and then as for 1-bit Adam;
 * ``lamb_uncompressed``: ``bert_lamb.yaml``, ``-o.lr LAMB_LR -o.freeze_step N+1 -o.auto_freeze null`` (never
-  freezes: plain LAMB on DDP at the same lr, 1-bit LAMB's twin).
+  freezes: plain LAMB on DDP at the same lr, 1-bit LAMB's twin);
+* ``zeroone_adam``: ``bert_zeroone.yaml``, nothing more (0/1 Adam with its schedule scaled to the run; not in the
+  default runs).
 
 Learning rates: on ``synthetic`` the configs' own (AdamW and 1-bit Adam 5e-4, LAMB 3e-3) unless ``--lr`` /
 ``--lamb-lr`` are given; on the real tasks ``-o.lr`` is ``--lr`` (default own_data's 1e-4) for the Adam runs and
@@ -95,7 +97,9 @@ REAL_TASK_ARGS = [a for flag, value in _OWN_DATA.items()
                   if not flag.startswith("--trainer.") and flag != "--optimizer.init_args.lr" for a in (flag, value)]
 LAMB_LR_RATIO = 6.0  # bert_lamb.yaml's lr over bert_onebit.yaml's: 3e-3 / 5e-4
 CONFIGS = {"adamw": "bert_adamw.yaml", "onebit_adam": "bert_onebit.yaml", "onebit_lamb": "bert_lamb.yaml",
-           "lamb_uncompressed": "bert_lamb.yaml"}
+           "lamb_uncompressed": "bert_lamb.yaml", "zeroone_adam": "bert_zeroone.yaml"}
+#: run families that take no ``@freeze`` (their schedule is their own)
+UNFROZEN_FAMILIES = ("adamw", "lamb_uncompressed", "zeroone_adam")
 TRACE_EVERY, TRACE_WINDOW, TRACE_SAMPLE = 10, 50, 4096
 
 
@@ -108,14 +112,14 @@ def default_runs(fractions: list[float]) -> list[str]:
 
 def parse_run(name: str) -> tuple[str, Optional[str]]:
     """``(family, freeze)``: ``"onebit_adam@0.25"`` -> ``("onebit_adam", "0.25")``; ``freeze`` is a fraction in
-    (0, 1), ``"auto"``, or ``None`` for ``adamw`` and ``lamb_uncompressed``."""
+    (0, 1), ``"auto"``, or ``None`` for ``adamw``, ``lamb_uncompressed`` and ``zeroone_adam``."""
     family, _, freeze = name.partition("@")
-    if family in ("adamw", "lamb_uncompressed"):
+    if family in UNFROZEN_FAMILIES:
         if freeze:
             raise ValueError(f"run {name!r}: {family} takes no @freeze")
         return family, None
     if family not in ("onebit_adam", "onebit_lamb") or not freeze:
-        raise ValueError(f"unknown run {name!r}: adamw, lamb_uncompressed, onebit_adam@F or onebit_lamb@F "
+        raise ValueError(f"unknown run {name!r}: adamw, lamb_uncompressed, zeroone_adam, onebit_adam@F or onebit_lamb@F "
                          "(F a fraction of the run in (0, 1), or auto)")
     if freeze != "auto":
         fraction = float(freeze)
@@ -528,7 +532,7 @@ def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[s
 def order_runs(names: set[str]) -> list[str]:
     """Run names in the default order: adamw, 1-bit Adam by freeze (auto last), 1-bit LAMB so, lamb_uncompressed."""
     fixed = lambda name: _freeze_fraction(name) if _freeze_fraction(name) is not None else 2.0  # noqa: E731
-    family_rank = {"adamw": 0, "onebit_adam": 1, "onebit_lamb": 2, "lamb_uncompressed": 3}
+    family_rank = {"adamw": 0, "onebit_adam": 1, "zeroone_adam": 2, "onebit_lamb": 3, "lamb_uncompressed": 4}
     return sorted(names, key=lambda n: (family_rank[parse_run(n)[0]], fixed(n), n))
 
 

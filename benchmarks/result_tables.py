@@ -262,6 +262,36 @@ def memory_table() -> str:
     return intro + table
 
 
+def largest_model_table() -> str:
+    data = _load("largest_model")
+    args = data["args"]
+    gib = 2**30
+    rows = []
+    for name, run in data["runs"].items():
+        best, failed = run["largest_trained"], run["smallest_failed"]
+        rows.append([
+            f"`{name}`",
+            f"**{best['numel'] / 1e6:.0f}M** ({best['layers']} layers), peak {best['cgroup_peak_bytes'] / gib:.1f} GiB"
+            if best else "none",
+            f"{failed['numel'] / 1e6:.0f}M ({failed['layers']} layers)" if failed else "not reached",
+            f"{run['bytes_per_param']:.1f} B" if run.get("bytes_per_param") else "-",
+        ])
+    runs = data["runs"]
+    ratio = ""
+    if all(runs.get(n, {}).get("largest_trained") for n in ("onebit_adam", "onebit_fsdp")):
+        times = runs["onebit_fsdp"]["largest_trained"]["numel"] / runs["onebit_adam"]["largest_trained"]["numel"]
+        ratio = f" `onebit_fsdp` trains a model {times:.2f}x as large."
+    intro = (f"{args['devices']} CPU ranks ({args['devices'] // args['ranks_per_node']} simulated nodes x "
+             f"{args['ranks_per_node']} under `onebit_fsdp`), a stack of `Linear({args['width']}, {args['width']})` "
+             f"blocks, 1-bit Adam, {args['freeze_step']} warmup and {args['steps'] - args['freeze_step']} compressed "
+             f"steps at batch {args['batch']}, the 4 processes capped together at "
+             f"{data['limit_bytes'] / gib:.1f} GiB (a memory cgroup; the machine has {data['memory_total_bytes'] / gib:.1f}"
+             f" GiB). Peak: the cgroup's, all 4 processes together. Memory per parameter: the slope of the peak between"
+             f" the two small trials, all 4 ranks together.{ratio}\n\n")
+    return intro + _table(["strategy", "largest that trained", "smallest that did not", "memory per parameter"],
+                          rows)
+
+
 def parity_table() -> str:
     data = _load("bert_parity")
     a = data["runs"]["ddp_adamw"]
@@ -595,9 +625,10 @@ FREEZE_REFERENCES = {
 }
 
 
-#: Runs with a later library that replace the same task/run/seed of :data:`FREEZE_DEFAULTS`: 1-bit LAMB with the
-#: compression stage's trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the default since it was measured).
-FREEZE_SUPERSEDING = ("freeze_sweep_lamb_cap",)
+#: Runs with a later library that replace the same task/run/seed of :data:`FREEZE_DEFAULTS`, or add to them: 1-bit
+#: LAMB with the compression stage's trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the default since it was
+#: measured); 0/1 Adam with its schedule scaled to the run (``var_update_scaler`` a tenth of it).
+FREEZE_SUPERSEDING = ("freeze_sweep_lamb_cap", "freeze_sweep_zeroone")
 
 
 def freeze_defaults_runs() -> dict[str, Any]:
@@ -712,11 +743,12 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "own_data": own_data_table,
     "headline": headline_figures,
     "freeze_defaults": freeze_defaults_table,
+    "largest_model": largest_model_table,
 }
 
 
 # Sections whose results files are not measured yet: no page has a block for them until one of the files exists.
-AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS}
+AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS, "largest_model": ("largest_model",)}
 
 
 def _block(name: str) -> re.Pattern[str]:

@@ -42,8 +42,9 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
     **Variance steps** (``t <= var_freeze_step`` and ``t % var_interval == 0``): the gradient is averaged in full
     precision (the strategy's DDP hook is on for exactly these steps, decided per step from
     :attr:`needs_gradient_allreduce`), and ``m``, ``v`` and ``p`` are updated as AdamW. ``var_interval`` starts at 1
-    and doubles after every ``var_update_scaler`` variance steps: with the default 16, steps 1-16 are all variance
-    steps (exactly AdamW), then every 2nd step up to step 48, every 4th up to 112, and so on.
+    and doubles after every ``var_update_scaler`` variance steps: with 16 (DeepSpeed's default), steps 1-16 are all
+    variance steps (exactly AdamW), then every 2nd step up to step 48, every 4th up to 112, and so on; under the
+    Lightning strategies it is a tenth of the run by default (62 in a 620-step run).
 
     **Compressed steps** (the other steps up to ``var_freeze_step``): each rank folds its *local* gradient into its
     momentum and the momenta are averaged by the error-compensated 1-bit compressed allreduce
