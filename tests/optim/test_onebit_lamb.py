@@ -468,3 +468,12 @@ def test_keep_resume_mid_stage_is_bitwise_the_uninterrupted_run(lightning_sessio
         assert resumed["restored"] is True
         assert torch.equal(resumed["final"], full["final"])
         assert resumed["losses"] == full["losses"][-len(resumed["losses"]):]
+
+
+def test_freeze_step_defaults_to_auto_and_is_keyword_only() -> None:
+    """``freeze_step`` defaults to ``"auto"`` (it was required), with the library's AutoFreeze settings; it stays
+    keyword-only."""
+    opt = OnebitLamb(Net().parameters())
+    assert opt.freeze_step is None and opt.auto_freeze is not None and opt.freeze_detector is not None
+    with pytest.raises(TypeError):
+        OnebitLamb(Net().parameters(), 1e-3, (0.9, 0.999), 1e-8, 0.0, 5)  # freeze_step is keyword-only
