@@ -24,7 +24,9 @@ rank, ``broadcast_buffers=False``: BERT's buffers are constant position / token-
                        nodes in fp32 every step, torch.optim.AdamW (foreach) on the shards
   fsdp_onebit          the same sharding, OnebitAdam(freeze_step=W) over the replicate group with one momentum bucket
                        per FSDP group (``onebit_fsdp``'s layout): the replica all-reduce in warmup only, then the 1-bit
-                       exchange of each rank's momentum shard across nodes; W warmup steps untimed
+                       exchange of each rank's momentum shard across nodes, in ``step``; W warmup steps untimed
+  fsdp_onebit_overlap  the same, each FSDP group's exchange started during backward
+                       (``lightning_onebit.hooks.fsdp.ShardedOverlapState``, ``onebit_fsdp``'s default)
   local_4proc          every process trains its own replica, no communication (compute reference under the same
                        4-process load on this host's cores)
 
@@ -79,8 +81,10 @@ from typing import Any, Iterator, Optional
 from benchmarks import netns
 from benchmarks.common import ROOT, argument_parser, module_command
 
-METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "fsdp_adamw", "fsdp_onebit", "local_4proc")
-FSDP_METHODS = ("fsdp_adamw", "fsdp_onebit")
+METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "fsdp_adamw", "fsdp_onebit", "fsdp_onebit_overlap",
+           "local_4proc")
+FSDP_METHODS = ("fsdp_adamw", "fsdp_onebit", "fsdp_onebit_overlap")
+FSDP_ONEBIT = ("fsdp_onebit", "fsdp_onebit_overlap")
 ONEBIT_MODES = {"onebit_flat": "flat", "onebit_hierarchical": "hierarchical"}
 NODES, RANKS_PER_NODE = netns.VETH_NODES, 2
 MASTER_PORT = 29611
@@ -103,7 +107,8 @@ def formula_bytes_per_node(n: int, nodes: int, ranks_per_node: int) -> dict[str,
 
 
 METHOD_FORMULA = dict(ddp_fp32="fp32_ring", onebit_flat="onebit_flat", onebit_hierarchical="onebit_hierarchical",
-                      fsdp_adamw="fp32_hierarchical", fsdp_onebit="onebit_hierarchical")
+                      fsdp_adamw="fp32_hierarchical", fsdp_onebit="onebit_hierarchical",
+                      fsdp_onebit_overlap="onebit_hierarchical")
 
 
 def formula_table(n: int) -> list[dict[str, Any]]:
@@ -194,7 +199,7 @@ def _worker(args: argparse.Namespace) -> None:
         for _ in range(args.calibration_barriers):
             dist.barrier()
 
-    def steps(model, opt, batches, n: int, meter=None) -> dict[str, Any]:
+    def steps(model, opt, batches, n: int, meter=None, before_backward=None) -> dict[str, Any]:
         times, losses = [], []
         before = meter() if meter else None
         for _ in range(n):
@@ -202,6 +207,8 @@ def _worker(args: argparse.Namespace) -> None:
             dist.barrier()
             t0 = time.perf_counter()
             loss = model(**batch).loss
+            if before_backward is not None:
+                before_backward()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -219,6 +226,7 @@ def _worker(args: argparse.Namespace) -> None:
                                 tensors=sum(1 for p in model.parameters() if p.requires_grad))
         extra: dict[str, Any] = {}
         meter: Optional[Any] = None
+        before_backward: Optional[Any] = None
         if method == "local_4proc":
             opt = make_adamw(model.parameters(), cfg)
         elif method == "ddp_fp32":
@@ -236,30 +244,33 @@ def _worker(args: argparse.Namespace) -> None:
             warm = steps(model, opt, batches, W)
             extra["warmup_times_s"] = warm["times_s"]
         elif method in FSDP_METHODS:
-            model, opt, sync, extra["mesh"] = _fsdp_method(method, model, node_rank, local_rank, W)
+            model, opt, sync, extra["mesh"], overlap = _fsdp_method(method, model, node_rank, local_rank, W)
+            before_backward = None if overlap is None else overlap.new_backward
             meter = lambda opt=opt, sync=sync: dict(  # noqa: E731
                 optimizer=_counter_dict(opt.communication) if hasattr(opt, "communication") else {},
                 hook=_counter_dict(sync.counters))
-            if method == "fsdp_onebit":
-                warm = steps(model, opt, batches, W)
+            if method in FSDP_ONEBIT:
+                warm = steps(model, opt, batches, W, before_backward=before_backward)
                 extra["warmup_times_s"] = warm["times_s"]
         else:  # pragma: no cover
             raise ValueError(method)
-        untimed = steps(model, opt, batches, U)
-        if (method in ONEBIT_MODES or method == "fsdp_onebit") and opt.needs_gradient_allreduce:
+        untimed = steps(model, opt, batches, U, before_backward=before_backward)
+        if (method in ONEBIT_MODES or method in FSDP_ONEBIT) and opt.needs_gradient_allreduce:
             raise RuntimeError(f"{method}: still in warmup after {W + U} steps")
-        warmed = W if method in ONEBIT_MODES or method == "fsdp_onebit" else 0
+        warmed = W if method in ONEBIT_MODES or method in FSDP_ONEBIT else 0
         log(f"{method}: {warmed} warmup + {U} untimed steps done "
             f"({time.perf_counter() - started:.0f} s); timing {N} steps")
         with windows(method) as info:
-            timed = steps(model, opt, batches, N, meter)
+            timed = steps(model, opt, batches, N, meter, before_backward)
             info["median_step_s_rank0"] = statistics.median(timed["times_s"])
         if method in ONEBIT_MODES:
             extra["skipped_grad_buckets"] = sync.skipped_buckets
             extra["stage"] = str(opt.stage)
-        if method == "fsdp_onebit":
+        if method in FSDP_ONEBIT:
             extra["skipped_grad_buckets"] = sync.skipped
             extra["stage"] = str(opt.stage)
+            if overlap is not None:
+                extra["buckets_started_in_backward"] = overlap.buckets_started
         out["methods"][method] = dict(untimed_times_s=untimed["times_s"], wall_s=time.perf_counter() - started,
                                       loadavg_1min_after=os.getloadavg()[0], **timed, **extra)
         del model, opt
@@ -270,9 +281,10 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _fsdp_method(method: str, model: Any, node_rank: int, local_rank: int, warmup: int
-                 ) -> tuple[Any, Any, Any, list[int]]:
+                 ) -> tuple[Any, Any, Any, list[int], Any]:
     """``model`` sharded with FSDP2 inside each node (every encoder layer, then the model), its optimizer, the replica
-    all-reduce hook's state and the mesh's shape: see the module docstring's fsdp_* methods."""
+    all-reduce hook's state, the mesh's shape and the overlapped exchange's state (``None`` without): see the module
+    docstring's fsdp_* methods."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -280,8 +292,9 @@ def _fsdp_method(method: str, model: Any, node_rank: int, local_rank: int, warmu
 
     from benchmarks.slow_link import LR, WEIGHT_DECAY
     from lightning_onebit import OnebitAdam
-    from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, fsdp_modules, register_replica_allreduce_hook
+    from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, register_replica_allreduce_hook
     from lightning_onebit.strategy.fsdp import node_mesh_ranks
+    from lightning_onebit.strategy.sharding import fsdp_buckets
 
     placements: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(placements, (node_rank, local_rank))
@@ -291,23 +304,20 @@ def _fsdp_method(method: str, model: Any, node_rank: int, local_rank: int, warmu
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     replicate = mesh["replicate"].get_group()
+    overlap = None
     if method == "fsdp_adamw":
         opt: Any = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
         sync = ReplicaAllReduceState(replicate)
     else:
         opt = OnebitAdam(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, freeze_step=warmup,
                          process_group=replicate)
-        # one momentum bucket per FSDP group, as OnebitFSDPStrategy lays them out
-        buckets = []
-        for module in fsdp_modules(model):
-            nested = {id(p) for child in fsdp_modules(module) if child is not module for p in child.parameters()}
-            own = [p for p in module.parameters() if id(p) not in nested and p.requires_grad]
-            if own:
-                buckets.append(own)
-        opt.set_bucket_plan(buckets)
+        opt.set_bucket_plan(fsdp_buckets(model, opt))  # one momentum bucket per FSDP group, as onebit_fsdp
         sync = ReplicaAllReduceState(replicate, lambda: opt.needs_gradient_allreduce)
+        if method == "fsdp_onebit_overlap":
+            overlap = ShardedOverlapState(opt)
+            overlap.register()
     register_replica_allreduce_hook(model, sync)
-    return model, opt, sync, [len(grid), len(grid[0])]
+    return model, opt, sync, [len(grid), len(grid[0])], overlap
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
@@ -453,15 +463,16 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             nodes=nodes,
             final_loss=[r["methods"][method]["losses"][-1] for r in per_rank],
         )
-        for key in ("topology", "skipped_grad_buckets", "stage", "mesh"):
+        for key in ("topology", "skipped_grad_buckets", "stage", "mesh", "buckets_started_in_backward"):
             if key in per_rank[0]["methods"][method]:
                 row[key] = per_rank[0]["methods"][method][key]
         rows[method] = row
     ref = rows.get("onebit_hierarchical", {}).get("step_s")
     for row in rows.values():
         row["ratio_to_hierarchical"] = row["step_s"] / ref if ref else None
-    if "fsdp_adamw" in rows and "fsdp_onebit" in rows:
-        rows["fsdp_onebit"]["speedup_over_fsdp_adamw"] = rows["fsdp_adamw"]["step_s"] / rows["fsdp_onebit"]["step_s"]
+    for name in FSDP_ONEBIT:
+        if "fsdp_adamw" in rows and name in rows:
+            rows[name]["speedup_over_fsdp_adamw"] = rows["fsdp_adamw"]["step_s"] / rows[name]["step_s"]
     return dict(rows=rows, barrier_bytes_per_node=barrier, barriers_per_window=f"steps + 2 = {steps + 2}")
 
 
@@ -490,9 +501,10 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
           f"per step; 'veth tc' = tbf qdisc Sent bytes (IP packets, headers per segment), 'veth tx' = link tx bytes.")
     print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* and fsdp_* measured bytes_sent_inter_node, summed "
           "per node; diff = veth tc / counters - 1, worst node")
-    if "speedup_over_fsdp_adamw" in rows.get("fsdp_onebit", {}):
-        speedup = rows["fsdp_onebit"]["speedup_over_fsdp_adamw"]
-        print(f"  fsdp_onebit compression-stage step: {speedup:.2f}x faster than fsdp_adamw")
+    for name in FSDP_ONEBIT:
+        if "speedup_over_fsdp_adamw" in rows.get(name, {}):
+            print(f"  {name} compression-stage step: {rows[name]['speedup_over_fsdp_adamw']:.2f}x faster than "
+                  "fsdp_adamw")
     drops = {name: sum(d["qdisc_drops"] for d in r["nodes"]) for name, r in rows.items()}
     if any(drops.values()):
         print(f"  tbf drops during the timed steps (TCP retransmits add to the veth figures): {drops}")
