@@ -261,7 +261,8 @@ def _errors() -> dict[str, str]:
     for name, kwargs in (("one_node", dict(ranks_per_node=4)), ("uneven", dict(ranks_per_node=3)),
                          ("unsharded", dict(shard_modules=None)),
                          ("spanning", dict(shard_modules=None, shard_in_configure_model="world")),
-                         ("partly", dict(shard_modules=None, shard_in_configure_model="blocks"))):
+                         ("partly", dict(shard_modules=None, shard_in_configure_model="blocks")),
+                         ("overlap_and_clip_by_norm", dict(clip=CLIP, overlap=True))):
         try:
             _fit(**kwargs)
             out[name] = "no error"
@@ -278,6 +279,8 @@ def test_bad_setups_are_refused_on_every_rank_before_training(fits: list[dict[st
         assert "spans nodes" in r["spanning"] and "blocks.0.linear.weight" in r["spanning"], r["spanning"]
         assert "not sharded" in r["partly"] and "head.weight" in r["partly"], r["partly"]
         assert "blocks.0" not in r["partly"], r["partly"]
+        message = r["overlap_and_clip_by_norm"]
+        assert "OnebitFSDPStrategy(overlap=True) cannot overlap" in message and "clipping by norm" in message, message
 
 
 def test_activation_checkpointing_gives_the_same_run(fits: list[dict[str, Any]]) -> None:
@@ -397,6 +400,12 @@ def test_consolidated_weights_load_into_the_plain_model(resumes: dict[str, Any])
             consolidated["errors"]["model_checkpoint"]
     with pytest.raises(ValueError, match="save_distributed_checkpoint must be True or False"):
         OnebitFSDPStrategy(save_distributed_checkpoint="no")
+
+
+@pytest.mark.parametrize("overlap", ["yes", 1, None])
+def test_a_bad_overlap_argument_is_refused(overlap: Any) -> None:
+    with pytest.raises(ValueError, match="overlap must be True, False or 'auto'"):
+        OnebitFSDPStrategy(overlap=overlap)
 
 
 def test_the_error_feedback_argument_is_checked_and_passed_through() -> None:
