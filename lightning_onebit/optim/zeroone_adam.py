@@ -77,11 +77,11 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
     themselves are averaged instead and its parameters stay at ``p_sync``. The error feedback restarts from zero when
     the local steps begin (it held momentum or gradient errors, it now holds update errors).
 
-    Between syncs the replicas differ (that is the point of local steps): validation runs on each rank's replica,
-    :attr:`replicas_in_sync` is false, and :meth:`synchronize` (a collective) syncs at once. The Lightning strategy
-    syncs before every checkpoint it saves (so a checkpoint holds the rank-identical model, and resuming from it
-    continues exactly as the run that saved it) and at the end of ``fit``; without Lightning call
-    :meth:`synchronize` on every rank before saving.
+    Between syncs the replicas differ (that is the point of local steps): :attr:`replicas_in_sync` is false, and
+    :meth:`synchronize` (a collective) syncs at once. The Lightning strategies sync before every validation (so the
+    metrics are those of the one model the ranks share), before every checkpoint they save (so a checkpoint holds the
+    rank-identical model, and resuming from it continues exactly as the run that saved it) and at the end of ``fit``;
+    without Lightning call :meth:`synchronize` on every rank before evaluating or saving.
 
     **Zero-variance coordinates.** A coordinate whose variance is still exactly zero (no variance step has seen a
     nonzero averaged gradient for it: embedding rows not looked up yet, position embeddings past the sequence length)

@@ -1,10 +1,11 @@
 """The Lightning hooks both strategies share around the optimizer's step: the phase announcements, the training
-losses that ``freeze_step="auto"`` reads, replicas made identical at the end of ``fit`` (0/1 Adam's local steps), and
-the compression error feedback restored or reset at the start of training after a resume
-(:mod:`~lightning_onebit.strategy.error_feedback`)."""
+losses that ``freeze_step="auto"`` reads, replicas made identical before each validation and at the end of ``fit``
+(0/1 Adam's local steps), and the compression error feedback restored or reset at the start of training after a
+resume (:mod:`~lightning_onebit.strategy.error_feedback`)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -16,6 +17,8 @@ import lightning.pytorch as pl
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
 from lightning_onebit.strategy.stage_log import StageLog
+
+log = logging.getLogger(__name__)
 
 
 class CompressedStepping:
@@ -73,6 +76,14 @@ class CompressedStepping:
         if self._onebit_optimizer is not None:
             self._onebit_optimizer.observe_loss(closure_loss)
         super().pre_backward(closure_loss)  # type: ignore[misc]
+
+    def on_validation_start(self) -> None:
+        # Validate the model the ranks share: after an optimizer's local steps (ZeroOneAdam) each rank holds its own
+        # replica until the next sync, and metrics synced over ranks would mix replicas that no checkpoint holds. A
+        # collective when it acts; every rank runs the validation loop.
+        super().on_validation_start()  # type: ignore[misc]
+        if self._onebit_optimizer is not None and self._onebit_optimizer.synchronize():
+            log.debug("%s: replicas synchronised before validation", self.strategy_name)
 
     def on_train_end(self) -> None:
         # An optimizer with local steps (ZeroOneAdam) ends fit with every rank's replica identical.

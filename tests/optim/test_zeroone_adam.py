@@ -366,6 +366,10 @@ class ZeroOneRegressor(Regressor):
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.0 if i >= zero_from else 1.0)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:  # the replica this rank validates, after the optimizer step it follows
+            self.__dict__.setdefault("validated", []).append((self.global_step, flat_params(self)))
+
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         opt = self.trainer.strategy.onebit_optimizer
@@ -378,11 +382,13 @@ def _zeroone_fit(rank: int, world_size: int, workdir: str, **kwargs: Any) -> dic
     callbacks = kwargs.pop("callbacks", [])
     ckpt_path = kwargs.pop("ckpt_path", None)
     n_batches = kwargs.pop("n_batches", 14)
+    validate = kwargs.pop("validate", False)
     model = ZeroOneRegressor(**model_kwargs)
     check = ReplicaCheck(every_n_steps=1)
     trainer = pl.Trainer(**trainer_kwargs(world_size, kwargs.pop("max_steps", 14), callbacks=[check, *callbacks],
                                           **kwargs))
-    trainer.fit(model, loader(rank, n_batches), ckpt_path=ckpt_path)
+    trainer.fit(model, loader(rank, n_batches), val_dataloaders=loader(rank, 2) if validate else None,
+                ckpt_path=ckpt_path)
     opt = trainer.strategy.onebit_optimizer
     records = [r for r in model.records if "kind" in r]  # (a skipped fp16 step records no kind)
     return dict(
@@ -391,6 +397,7 @@ def _zeroone_fit(rank: int, world_size: int, workdir: str, **kwargs: Any) -> dic
         params_after=[r["params_after"] for r in records], lrs=[r["lr"] for r in model.records],
         fallback=trainer.strategy.overlap_fallback_reason, in_sync=opt.replicas_in_sync,
         metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
+        validated=getattr(model, "validated", []), forced_syncs=opt.forced_syncs,
     )
 
 
@@ -423,6 +430,8 @@ def scenario_zeroone_lightning(rank: int, world_size: int, workdir: str) -> dict
     # the library's schedule defaults, scaled by the strategy to a 40-step run: variance frozen at 20, local steps
     out["scaled"] = _zeroone_fit(rank, world_size, workdir, max_steps=40, n_batches=40,
                                  model_kwargs=dict(default_schedule=True))
+    # a validation every 3 steps: some fall between syncs
+    out["validated"] = _zeroone_fit(rank, world_size, workdir, validate=True, val_check_interval=3)
     out["auto_mask_refused"] = _error_of(
         lambda: _zeroone_fit(rank, world_size, workdir, callbacks=[MomentumMask(auto=True)])
     )
@@ -484,6 +493,21 @@ def test_lightning_scales_the_default_schedule_to_the_run(lightning_session: lis
         assert set(r["kinds"][20:]) == {"local", "sync"}, r["kinds"]
         sent = [b - a for a, b in zip([0, *r["bytes_total"]], r["bytes_total"])]
         assert all(n == 0 for n, kind in zip(sent, r["kinds"]) if kind == "local")
+
+
+def test_lightning_validates_the_replica_the_ranks_share(lightning_session: list[dict[str, Any]]) -> None:
+    """A validation after a local step syncs the replicas first (the metrics are then those of one model, the one a
+    checkpoint would hold); a validation after a sync costs nothing."""
+    results = _results(lightning_session, "validated")
+    kinds = results[0]["kinds"]
+    steps = [step for step, _ in results[0]["validated"]]
+    assert steps == [3, 6, 9, 12]
+    after_local = [step for step in steps if kinds[step - 1] == "local"]
+    assert after_local, kinds  # at least one validation falls between syncs
+    at_end = kinds[-1] == "local"  # fit ends with a sync too
+    assert all(r["forced_syncs"] == len(after_local) + at_end for r in results), (kinds, after_local)
+    for (step, a), (_, b) in zip(results[0]["validated"], results[1]["validated"]):
+        assert torch.equal(a, b), f"the ranks validated different replicas after step {step}"
 
 
 def test_lightning_fp16_overflow_on_one_rank_skips_the_step_on_both(lightning_session: list[dict[str, Any]]) -> None:
