@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lightning_onebit import kernels
+from lightning_onebit.comm.full_precision import full_precision_allreduce_
 from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.optim.buckets import MomentumBucket
 from lightning_onebit.optim.error_feedback import stream_of
@@ -106,15 +107,23 @@ class LocalStepsMixin:
     @torch.no_grad()
     def synchronize(self) -> bool:
         """Sync now if local steps were taken since the last sync (every rank must call it; the next scheduled sync
-        still comes when the schedule says). Returns whether it synced."""
+        still comes when the schedule says). Returns whether it synced.
+
+        This sync averages the accumulated updates in full precision (one ``all_reduce`` of their size), not in 1
+        bit, and leaves the compression error feedback to the next scheduled sync. A 1-bit sync here, a step or two
+        after a scheduled one, would fold the compression error of a whole interval (up to ``local_step_clipper``
+        steps of updates) into an update of one step, and the momentum it sets (the average update over the summed
+        learning rate) would grow by that ratio: on the example, syncs before every validation so made the local
+        steps diverge."""
         if self.local_steps_since_sync == 0:
             return False
-        self._sync(self._step)
+        self._sync(self._step, exact=True)
         self.forced_syncs += 1
         return True
 
-    def _sync(self, t: int) -> None:
-        """Average the accumulated updates (1 bit) and move every replica to the same new point."""
+    def _sync(self, t: int, exact: bool = False) -> None:
+        """Average the accumulated updates (1 bit; ``exact``: in full precision) and move every replica to the same
+        new point."""
         buckets = self._ensure_buckets(carry=True)
         pairs = [(bucket, self._bucket_state_buffer(bucket, _UPDATE)) for bucket in buckets]
         assert self._lr_sum is not None and self._decay is not None
@@ -125,7 +134,10 @@ class LocalStepsMixin:
                     torch._foreach_copy_(
                         [self.state[p][_UPDATE] for p in params], [self.state[p]["exp_avg"] for p in params]
                     )
-        self._compressed_average_("update", pairs)
+        if exact:
+            full_precision_allreduce_(self.compression, [flat for _, flat in pairs])
+        else:
+            self._compressed_average_("update", pairs)
         for index, group in enumerate(self.param_groups):
             params = self._updated_params(group)
             if not params:

@@ -310,7 +310,8 @@ def run_case(case_name: str, rank: int, world_size: int, workdir: str) -> dict[s
         step_count=optimizer.step_count,
         losses=list(model.losses),
         param_bits_by_step=every_step.fingerprints,
-        steps_by_kind=dict(sorted(optimizer.steps_by_kind.items())),
+        # plain strings (StepKind is a str enum): the records load with torch.load(weights_only=True)
+        steps_by_kind={str(getattr(kind, "value", kind)): n for kind, n in sorted(optimizer.steps_by_kind.items())},
         bucket_layouts={k: tuple(layout.tensor_numels) for k, layout in sorted(optimizer.bucket_layouts().items())},
         optimizer_state_values=state_values,
     )

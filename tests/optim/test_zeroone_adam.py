@@ -285,7 +285,15 @@ def _train(rank: int, steps: range, state: Any = None, exchange: str = "momentum
         out["kinds"].append(opt.last_step_kind)
         out["after"].append(torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()]))
         if t == D_SAVE_AT:
+            params = [p for group in opt.param_groups for p in group["params"]]
+            out["before_sync"] = dict(
+                updates=[opt.state[p]["update_since_sync"].clone() for p in params],
+                lr_sums=[opt._lr_sum[i] for i, group in enumerate(opt.param_groups) for _ in group["params"]],
+                error_feedback=copy.deepcopy(opt.error_feedback_state_dict()),
+            )
             out["synchronized"] = opt.synchronize()
+            out["momenta_after_sync"] = [opt.state[p]["exp_avg"].clone() for p in params]
+            out["error_feedback_after_sync"] = copy.deepcopy(opt.error_feedback_state_dict())
             out["after_sync"] = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
             out["saved"] = dict(model={k: v.clone() for k, v in net.state_dict().items()},
                                 optimizer=copy.deepcopy(opt.state_dict()), scheduler=scheduler.state_dict(),
@@ -315,12 +323,39 @@ def test_replicas_identical_after_every_sync_local_steps_silent_resume_exact(wor
     # synchronize() between syncs made them identical; the resumed run continues exactly
     assert all(r["synchronized"] for r in full) and all(r["forced_syncs"] == 1 for r in full)
     assert all(torch.equal(full[0]["after_sync"], r["after_sync"]) for r in full[1:])
+    # ... in full precision: the momentum it sets is the exact mean of every rank's accumulated update over the summed
+    # lr (a 1-bit sync would add the compression error of the last interval), and the error feedback is left as it was
+    bc1 = 1 - 0.9**D_SAVE_AT
+    for index, lr_sum in enumerate(full[0]["before_sync"]["lr_sums"]):
+        mean = torch.stack([r["before_sync"]["updates"][index].double() for r in full]).mean(0)
+        for r in full:
+            torch.testing.assert_close(r["momenta_after_sync"][index].double(), mean * bc1 / lr_sum, rtol=1e-6,
+                                       atol=1e-9)
+    for r in full:
+        before, after = r["before_sync"]["error_feedback"], r["error_feedback_after_sync"]
+        assert repr(before.keys()) == repr(after.keys())
+        _assert_same_tensors(before, after)
     for r in results:
         resumed = r["resumed"]["after"]
         assert len(resumed) == D_STEPS - D_SAVE_AT
         for a, b in zip(resumed, r["full"]["after"][D_SAVE_AT:]):
             assert torch.equal(a, b), "the resumed run differs from the uninterrupted one"
         assert r["resumed"]["kinds"] == kinds[D_SAVE_AT:]
+
+
+def _assert_same_tensors(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same_tensors(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_tensors(x, y)
+    else:
+        assert a == b
 
 
 def _check_replicas(full: list[dict[str, Any]]) -> None:
