@@ -98,10 +98,11 @@ def test_the_schedule_left_to_the_run_is_scaled_to_its_length() -> None:
     assert (opt.var_update_scaler, opt.var_freeze_step, opt.local_step_scaler, opt.freeze_step) == (16, 100000, 32678,
                                                                                                     16)
     assert opt.fit_schedule_to_run(620) == (
-        "var_update_scaler 62, var_freeze_step 310, local_step_scaler 19 (scaled to 620 steps)"
+        "var_update_scaler 62, var_freeze_step 310, local_step_scaler 39 (scaled to 620 steps)"
     )
-    # 310 local steps; intervals 1, 2, 4, 8 -> 16; the first 62 steps are the warmup (no compression)
-    assert (opt.var_update_scaler, opt.var_freeze_step, opt.local_step_scaler, opt.freeze_step) == (62, 310, 19, 62)
+    # 310 local steps; intervals 1, 2 -> 4; the first 62 steps are the warmup (no compression)
+    assert (opt.var_update_scaler, opt.var_freeze_step, opt.local_step_scaler, opt.freeze_step) == (62, 310, 39, 62)
+    assert opt.local_step_clipper == 4
     with pytest.raises(ValueError, match="scales local_step_scaler, var_freeze_step, var_update_scaler to the run"):
         opt.fit_schedule_to_run(None)
     short = ZeroOneAdam(Net().parameters(), local_step_clipper=4)
@@ -114,7 +115,7 @@ def test_the_schedule_left_to_the_run_is_scaled_to_its_length() -> None:
     assert given.fit_schedule_to_run(620) is None and given.fit_schedule_to_run(None) is None
     assert (given.var_update_scaler, given.var_freeze_step, given.local_step_scaler, given.freeze_step) == (16, 50, 7,
                                                                                                           16)
-    half = ZeroOneAdam(Net().parameters(), var_freeze_step=300, var_update_scaler=16)
+    half = ZeroOneAdam(Net().parameters(), var_freeze_step=300, var_update_scaler=16, local_step_clipper=16)
     assert half.fit_schedule_to_run(620) == (
         "var_update_scaler 16, var_freeze_step 300, local_step_scaler 20 (scaled to 620 steps)"
     )
