@@ -127,7 +127,8 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
             Default ``None``: a tenth of the run under the Lightning strategies (:meth:`fit_schedule_to_run`), else
             ``16`` (DeepSpeed's default, made for pretraining behind a long learning-rate warmup; on the example
             from scratch, 16 compressed from step 17, in the middle of the loss's fall, and ended 4.8 points under
-            AdamW, a tenth of the run 0.1 point over it, docs/benchmarks.md).
+            AdamW; a tenth of the run, with ``local_step_clipper`` 4, within 0.4 point of it on two seeds,
+            docs/benchmarks.md).
         local_step_scaler: local steps at each ``local_step_interval`` before it doubles. Default ``None``: under the
             Lightning strategies, such that the interval reaches ``local_step_clipper`` a quarter of the way into the
             local steps (:meth:`fit_schedule_to_run`), else ``32678`` (DeepSpeed's default, which keeps syncing every
