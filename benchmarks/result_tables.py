@@ -681,7 +681,9 @@ def freeze_defaults_table() -> str:
         "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, DDP's fp32 "
         "bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its compression-stage "
         "trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`; `(no cap)`: runs made before the cap, "
-        "DeepSpeed's update (`cap_trust_ratio=False`). Sources besides `freeze_sweep_defaults.json`: "
+        "DeepSpeed's update (`cap_trust_ratio=False`). `zeroone_adam`: 0/1 Adam with its schedule scaled to the run "
+        "(`freeze_sweep_zeroone.json`; its freeze step is the last of the all-variance steps at the start, a tenth of "
+        "the run). Sources besides `freeze_sweep_defaults.json`: "
         + ", ".join(f"`{s}`" for s in sources) + ".\n\n" + _table(header, table)
     )
 
