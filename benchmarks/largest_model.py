@@ -21,6 +21,7 @@ quiet machine (another process's memory is not in the cgroup, but it is in the m
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -39,6 +40,11 @@ WIDTH = 4096
 DEVICES, RANKS_PER_NODE = 4, 2
 FREEZE, STEPS, BATCH = 2, 4, 8
 STEP_FACTOR = 1.08
+
+
+def _layers(n_params: float) -> int:
+    """``Linear(W, W)`` blocks of about ``n_params`` parameters (at least one)."""
+    return max(1, round(n_params / (WIDTH * WIDTH + WIDTH)))
 
 
 # ---------------------------------------------------------------------------------------------------------- a trial
@@ -75,7 +81,7 @@ def _trial(strategy_name: str, n_params: float, out_dir: str) -> None:
             x = torch.randn(DEVICES * STEPS * BATCH, WIDTH, generator=torch.Generator().manual_seed(0))
             return DataLoader(TensorDataset(x), batch_size=BATCH)
 
-    layers = max(1, round(n_params / (WIDTH * WIDTH + WIDTH)))
+    layers = _layers(n_params)
     strategy: Any = (OnebitFSDPStrategy(ranks_per_node=RANKS_PER_NODE, shard_modules=[Block])
                      if strategy_name == "onebit_fsdp" else strategy_name)
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, strategy=strategy, max_steps=STEPS, logger=False,
@@ -140,7 +146,7 @@ def run_trial(strategy: str, n_params: float, limit_bytes: int, timeout_s: int) 
         ranks = sorted((json.loads(p.read_text()) for p in Path(out_dir).glob("rank*.json")), key=lambda r: r["rank"])
     _remove_cgroup()
     trained = returncode == 0 and len(ranks) == DEVICES and all(r["steps"] == STEPS for r in ranks)
-    layers = max(1, round(n_params / (WIDTH * WIDTH + WIDTH)))
+    layers = _layers(n_params)
     result = dict(strategy=strategy, layers=layers, numel=layers * (WIDTH * WIDTH + WIDTH), trained=trained,
                   returncode=returncode, wall_s=round(wall_s, 1), cgroup_peak_bytes=peak,
                   rss_peak_bytes=[r["peak_rss_bytes"] for r in ranks],
@@ -154,10 +160,6 @@ def run_trial(strategy: str, n_params: float, limit_bytes: int, timeout_s: int) 
 
 
 # ----------------------------------------------------------------------------------------------------- the search
-def _layers(n_params: float) -> int:
-    return max(1, round(n_params / (WIDTH * WIDTH + WIDTH)))
-
-
 def search(strategy: str, limit_bytes: int, small: tuple[float, float], timeout_s: int, max_trials: int
            ) -> dict[str, Any]:
     """The largest size that trains under the limit, and the smallest that does not (see the module docstring)."""
@@ -208,9 +210,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-trials", type=int, default=6, help="trials per strategy after the two small ones")
     parser.add_argument("--timeout-s", type=int, default=900, help="per trial")
     parser.add_argument("--name", default="largest_model")
-    parser.add_argument("--trial", choices=STRATEGIES, help=argparse_suppress())
-    parser.add_argument("--params", type=float, help=argparse_suppress())
-    parser.add_argument("--out", help=argparse_suppress())
+    parser.add_argument("--trial", choices=STRATEGIES, help=argparse.SUPPRESS)
+    parser.add_argument("--params", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trial:
         _trial(args.trial, args.params, args.out)
@@ -231,12 +233,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     for strategy, run in runs.items():
         best = run["largest_trained"]
         print(f"{strategy}: largest trained {best['numel'] / 1e6:.0f}M parameters" if best else f"{strategy}: none")
-
-
-def argparse_suppress() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -223,10 +223,7 @@ def sharded_exchange_hook(state: ShardedOverlapState, param: torch.Tensor) -> No
     members = state._members[key]
     if len(ready) < len(members):
         return
-    del state._ready[key]
-    if any(p.grad is None for p in members):
-        optimizer.progress_exchanges()
-        return
+    del state._ready[key]  # every parameter of the bucket has its gradient (FSDP sets it before calling the hook)
     stand_ins = [optimizer.shards.stand_in_of(p) for p in members]
     gradients = [p.grad.to_local() for p in members]
     started = optimizer.start_bucket_exchange_(key, stand_ins, gradients, clip_value=state.clip_value)

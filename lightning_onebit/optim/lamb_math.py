@@ -174,6 +174,7 @@ def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: l
     u_norm = norms(scratch)
     return factor, u0_norm, u_norm
 
+
 def compressed_lamb_update_(params: list[torch.Tensor], states: list[dict[str, Any]], group: dict[str, Any],
                             corrections: tuple[float, float], backend: str,
                             reduce: Optional[Callable[..., tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]]

@@ -23,10 +23,20 @@ UNSUPPORTED_DDP_KWARGS = (
 
 def check_options(overlap: Any, topology: Any, ranks_per_node: Any) -> None:
     """Raise ``ValueError`` for an ``overlap``, ``topology`` or ``ranks_per_node`` the strategy does not take."""
-    if overlap not in ("auto", True, False) or (overlap != "auto" and not isinstance(overlap, bool)):
-        raise ValueError(f"overlap must be 'auto', True or False, got {overlap!r}")
+    check_overlap(overlap)
     if topology not in ("auto", "flat", "hierarchical"):
         raise ValueError(f"topology must be 'auto', 'flat' or 'hierarchical', got {topology!r}")
+    check_ranks_per_node(ranks_per_node)
+
+
+def check_overlap(overlap: Any) -> None:
+    """Raise ``ValueError`` unless ``overlap`` is ``"auto"``, ``True`` or ``False`` (both strategies take it)."""
+    if overlap not in ("auto", True, False) or (overlap != "auto" and not isinstance(overlap, bool)):
+        raise ValueError(f"overlap must be 'auto', True or False, got {overlap!r}")
+
+
+def check_ranks_per_node(ranks_per_node: Any) -> None:
+    """Raise ``ValueError`` unless ``ranks_per_node`` is an integer >= 1 or ``None`` (both strategies take it)."""
     if ranks_per_node is not None and (
         isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
     ):

@@ -41,13 +41,13 @@ from lightning_onebit.hooks import OverlapFallbackReason
 from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
 from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
-from lightning_onebit.strategy.arguments import the_compressed_optimizer
+from lightning_onebit.strategy.arguments import check_overlap, check_ranks_per_node, the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
 from lightning_onebit.strategy.checkpoint import save_per_rank_state
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
-from lightning_onebit.strategy.overlap_policy import overlap_blocker, overlap_fallback
+from lightning_onebit.strategy.overlap_policy import decide_overlap, overlap_blocker, overlap_fallback
 from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
 from lightning_onebit.strategy.sharded_checkpoint import (
     is_distributed_checkpoint,
@@ -140,15 +140,11 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         overlap: Union[bool, Literal["auto"]] = "auto",
     ) -> None:
-        if overlap not in (True, False, "auto") or not isinstance(overlap, (bool, str)):
-            raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        check_overlap(overlap)
+        check_ranks_per_node(ranks_per_node)
         self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         if not isinstance(save_distributed_checkpoint, bool):
             raise ValueError(f"save_distributed_checkpoint must be True or False, got {save_distributed_checkpoint!r}")
-        if ranks_per_node is not None and (
-            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
-        ):
-            raise ValueError(f"ranks_per_node must be an integer >= 1 or None, got {ranks_per_node!r}")
         if shard_modules is not None:
             shard_modules = tuple(shard_modules)
             bad = [m for m in shard_modules if not (isinstance(m, type) and issubclass(m, Module))]
@@ -314,14 +310,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
         """Register the overlapped exchange's hooks, or log once why the exchange stays in ``optimizer.step``."""
         self._remove_overlap()
-        self.overlap_state, self.overlap_fallback_reason = None, None
-        if self.overlap is False:
-            return
-        reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or self._overlap_blocker(
-            trainer
-        )
-        self.overlap_fallback_reason = overlap_fallback(self.overlap, reason, type(self).__name__, self.strategy_name)
-        if self.overlap_fallback_reason is not None:
+        self.overlap_state = None
+        self.overlap_fallback_reason = decide_overlap(self.overlap, optimizer, self._overlap_blocker(trainer),
+                                                      type(self).__name__, self.strategy_name)
+        if self.overlap is False or self.overlap_fallback_reason is not None:
             return
         # the second phase in a group of its own: a copy of the replicate group (a collective over WORLD)
         self._gather_group, _ = new_gather_groups(optimizer.process_group, None, self._timeout)

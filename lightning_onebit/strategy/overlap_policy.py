@@ -119,6 +119,25 @@ def overlap_fallback(
     return reason
 
 
+def decide_overlap(
+    overlap: Union[bool, Literal["auto"]],
+    optimizer: CompressedOptimizer,
+    run_reason: Optional[str],
+    strategy: str = "OnebitStrategy",
+    prefix: str = "onebit_adam",
+) -> Optional[OverlapFallbackReason]:
+    """Both strategies' decision at ``setup_optimizers``: the reason the exchange stays in ``optimizer.step``
+    (the optimizer's own first, then ``run_reason``, the run's from :func:`overlap_blocker` or an override), logged
+    once, or ``None`` to overlap; :func:`overlap_fallback` for ``overlap=True``. ``overlap=False``: ``None`` (the
+    caller does not overlap)."""
+    if overlap is False:
+        return None
+    reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or OverlapFallbackReason.of(
+        run_reason
+    )
+    return overlap_fallback(overlap, reason, strategy, prefix)
+
+
 def note_bucket_cap(optimizer: CompressedOptimizer) -> None:
     """Say that the optimizer's own ``bucket_cap_mb``, when not the default, lays out only the momenta outside DDP's
     gradient buckets once the exchange overlaps backward."""

@@ -33,7 +33,8 @@ from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_ST
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
-from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, note_bucket_cap, overlap_blocker, overlap_fallback
+from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, decide_overlap, note_bucket_cap, overlap_blocker
+from lightning_onebit.strategy.overlap_policy import overlap_fallback
 from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology
 from lightning_onebit.strategy.stage_log import StageLog
@@ -310,14 +311,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
 
     def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> Optional[OverlapState]:
         """The overlapped hook's state, or ``None`` with the reason logged once (``overlap='auto'``)."""
-        self.overlap_fallback_reason = None
-        if self.overlap is False:
-            return None
-        reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or (
-            OverlapFallbackReason.of(self.overlap_unsupported_reason(trainer))
-        )
-        self.overlap_fallback_reason = overlap_fallback(self.overlap, reason)
-        if self.overlap_fallback_reason is not None:
+        self.overlap_fallback_reason = decide_overlap(self.overlap, optimizer, self.overlap_unsupported_reason(trainer))
+        if self.overlap is False or self.overlap_fallback_reason is not None:
             return None
         assert isinstance(self.model, DistributedDataParallel)
         note_bucket_cap(optimizer)

@@ -404,7 +404,7 @@ def test_consolidated_weights_load_into_the_plain_model(resumes: dict[str, Any])
 
 @pytest.mark.parametrize("overlap", ["yes", 1, None])
 def test_a_bad_overlap_argument_is_refused(overlap: Any) -> None:
-    with pytest.raises(ValueError, match="overlap must be True, False or 'auto'"):
+    with pytest.raises(ValueError, match="overlap must be 'auto', True or False"):
         OnebitFSDPStrategy(overlap=overlap)
 
 
