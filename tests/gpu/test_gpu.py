@@ -17,7 +17,6 @@ torch *fake* process group (no data move; for stream-ordering and host-sync chec
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -34,7 +33,7 @@ from tests.gpu_scenarios import (
     resume_scenario,
     warmup_against_fused_adamw,
 )
-from tests.paths import ASSETS, ROOT
+from tests.paths import ASSETS, ROOT, script_env
 
 pytestmark = [
     pytest.mark.gpu,
@@ -149,7 +148,7 @@ def _run_asset(*args: str, env: dict[str, str] | None = None) -> str:
     result = subprocess.run(
         [sys.executable, str(ASSETS / "cuda_fake_group.py"), *args],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env=script_env(**(env or {})),
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import torch
 
 from lightning_onebit import kernels
 from lightning_onebit.kernels import Segments, cpu_kernels
-from tests.paths import ROOT as REPO_ROOT
+from tests.paths import ROOT as REPO_ROOT, script_env
 
 BLOCK = 4096  # elements per block of the fused C loops (cpu_native.c)
 
@@ -511,7 +510,7 @@ _PROBE = _IMPORT_KERNELS + textwrap.dedent(
 
 
 def probe_env(**env_changes: Optional[str]) -> dict[str, str]:
-    env = dict(os.environ)
+    env = script_env()
     env.pop("LIGHTNING_ONEBIT_NATIVE", None)
     for key, value in env_changes.items():
         if value is None:

@@ -1,14 +1,13 @@
 """LightningCLI: the strategy by name or class_path and OnebitAdam from the `optimizer:` section, on 2 CPU processes."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.paths import ASSETS
+from tests.paths import ASSETS, script_env
 
 APP = ASSETS / "cli_app.py"
 
@@ -42,7 +41,7 @@ def _run_cli(tmp_path: Path, strategy: str) -> list[dict]:
     # Not in the run directory: LightningCLI saves the resolved config there and refuses to overwrite.
     config = tmp_path / "onebit.yaml"
     config.write_text(CONFIG.format(strategy=strategy))
-    env = dict(os.environ, CLI_REPORT_DIR=str(tmp_path), MASTER_ADDR="127.0.0.1")
+    env = script_env(CLI_REPORT_DIR=str(tmp_path), MASTER_ADDR="127.0.0.1")
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
         [sys.executable, str(APP), "fit", "--config", str(config)],

@@ -6,14 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.paths import ROOT
+from tests.paths import ROOT, script_env
 
 
 def test_docs_build_without_warnings(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
          str(ROOT / "docs"), str(tmp_path / "html")],
-        capture_output=True, text=True, timeout=600,
+        env=script_env(), capture_output=True, text=True, timeout=600,
     )
     # (without the docs extra: "No module named sphinx"; pip install -e ".[docs]")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]

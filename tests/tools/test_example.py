@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.paths import EXAMPLE, ROOT
+from tests.paths import EXAMPLE, ROOT, script_env
 
 CONFIG = ROOT / "examples" / "configs" / "bert_onebit.yaml"
 DDP_CONFIG = ROOT / "examples" / "configs" / "bert_adamw.yaml"
@@ -208,7 +208,7 @@ def test_short_two_process_run_learns_and_reaches_the_compression_stage(tmp_path
     epochs, freeze = 5, 200
     steps = epochs * 62  # 4000 examples, 2 ranks, batch 32, drop_last
     command = [{"EPOCHS": str(epochs), "FREEZE": str(freeze)}.get(a, a) for a in command]
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(summary.read_text())
     assert result["strategy"] == "OnebitStrategy" and result["optimizer"] == "OnebitAdam"
@@ -237,7 +237,7 @@ def test_the_sharded_config_trains_on_4_processes_as_2_nodes(tmp_path):
                "--optimizer.init_args.freeze_step", "6", "--model.num_layers", "2", "--model.hidden_size", "64",
                "--model.intermediate_size", "256", "--data.num_val", "100", "--trainer.enable_progress_bar", "false",
                "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(summary.read_text())
     assert result["strategy"] == "OnebitFSDPStrategy" and result["optimizer"] == "OnebitAdam", result
@@ -299,7 +299,7 @@ def test_ddp_baseline_is_counted_by_the_communication_monitor(example, tmp_path)
                "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
                "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
     command += [f"--model.{k}={v}" for k, v in sizes.items()] + [f"--data.{k}={v}" for k, v in data_sizes.items()]
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(summary.read_text())
     assert set(result) == DDP_SUMMARY_KEYS, result
@@ -332,7 +332,7 @@ def test_family_configs_resolve_under_their_strategy_names(tmp_path, config, exp
     strategy name users of that optimizer look for."""
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "fit", "--config", str(ROOT / "examples" / "configs" / config), "--print_config"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert all(text in proc.stdout for text in expected), proc.stdout

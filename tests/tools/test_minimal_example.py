@@ -4,12 +4,12 @@ import re
 import subprocess
 import sys
 
-from tests.paths import MINIMAL_EXAMPLE
+from tests.paths import MINIMAL_EXAMPLE, script_env
 
 
 def test_minimal_example_runs_on_two_cpu_processes_and_reaches_the_compression_stage(tmp_path):
-    proc = subprocess.run([sys.executable, str(MINIMAL_EXAMPLE)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, str(MINIMAL_EXAMPLE)], cwd=tmp_path, env=script_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # its last line, from rank 0 only: loss, stage and bytes against DDP
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("train_loss ")]
