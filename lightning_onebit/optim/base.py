@@ -231,6 +231,11 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         ``None``: only the variance."""
         return None
 
+    def _steps_capped(self) -> bool:
+        """Whether no compressed step can be larger than a warmup step whatever the gradients do (see
+        ``VarianceReading.steps_capped``): then an automatic freeze does not wait for the gradient excess."""
+        return False
+
     def agree_kernel_backend(self) -> str:
         """Agree the kernel backend with every rank of :attr:`process_group` (a collective; see ``kernel_backend``).
         Returns the backend every rank now runs. Called at the first compressed step if nobody called it before."""

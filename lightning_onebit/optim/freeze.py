@@ -64,7 +64,8 @@ class AutoFreezeMixin:
     _step: int
     compression: CompressedAllreduceState
     process_group: Optional[dist.ProcessGroup]
-    _settling_figures: Callable[[], Optional[torch.Tensor]]  # the optimizer's subclass hook
+    _settling_figures: Callable[[], Optional[torch.Tensor]]  # the optimizer's subclass hooks
+    _steps_capped: Callable[[], bool]
 
     def _init_freeze(self, freeze_step: Union[int, str], auto_freeze: Optional[AutoFreeze]) -> None:
         """Set the freeze attributes above from the options (checked by :func:`check_freeze_options`)."""
@@ -118,7 +119,7 @@ class AutoFreezeMixin:
         # sharded parameters: every rank measures its own shard, so every rank (not only the replicate group, which
         # holds one shard) must agree, or the shards of a node would end their warmups at different steps
         agree_over = None if self.shards else self.process_group
-        return VarianceReading(variances, self._settling_figures(), device, agree_over)
+        return VarianceReading(variances, self._settling_figures(), device, agree_over, self._steps_capped())
 
     def _observe_variance(self) -> None:
         """freeze_step='auto': measure after this warmup step; end the warmup here if the detector says so."""

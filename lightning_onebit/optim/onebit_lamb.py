@@ -258,6 +258,10 @@ class OnebitLamb(CompressedOptimizer):
     def _on_freeze(self) -> None:
         self._remember_momenta()  # the first compressed step reconstructs the gradient from them
 
+    def _steps_capped(self) -> bool:
+        """With ``cap_trust_ratio`` in every compressed group, each tensor's compressed step is at most LAMB's."""
+        return all(group["cap_trust_ratio"] for group in self.param_groups if group["compress"])
+
     def _settling_figures(self) -> torch.Tensor:
         """freeze_step='auto' also waits for every compressed tensor's trust-ratio EMA (the coefficient that gets
         frozen; ``compress=False`` groups keep updating theirs): one tensor on the first parameter's device (the

@@ -15,6 +15,7 @@ training loss has left its initial plateau.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Optional
 
 import pytest
@@ -70,7 +71,11 @@ def _run(optimizer_class: type, steps: int, state: Optional[dict] = None, start:
     return out
 
 
-@pytest.mark.parametrize("optimizer_class", [OnebitAdam, OnebitLamb])
+# 1-bit LAMB without the trust-ratio cap (DeepSpeed's update): its compressed steps grow with the gradients, as Adam's
+UNCAPPED_LAMB = functools.partial(OnebitLamb, cap_trust_ratio=False)
+
+
+@pytest.mark.parametrize("optimizer_class", [OnebitAdam, UNCAPPED_LAMB], ids=["OnebitAdam", "OnebitLamb-uncapped"])
 def test_freezes_after_the_statistics_stop_changing_and_not_before(optimizer_class: type) -> None:
     result = _run(optimizer_class, 200)
     detector = result["detector"]
@@ -85,6 +90,21 @@ def test_freezes_after_the_statistics_stop_changing_and_not_before(optimizer_cla
     # the figures the rule uses were failing while the scale grew: the decision is not min_step's
     grown = _run(optimizer_class, GROWS_UNTIL)
     assert grown["freeze_step"] is None and grown["detector"].last["sample_excess"] > 0.3
+
+
+def test_capped_lamb_does_not_wait_for_growing_gradients() -> None:
+    """With the trust-ratio cap no compressed step can exceed LAMB's, so gradients that keep outgrowing the variance
+    (a uniform 10% a step here, which leaves the trust ratio unchanged) do not hold the warmup; the loss guard and the
+    trust ratio still do. The excess is measured and reported as not required."""
+    capped = _run(OnebitLamb, GROWS_UNTIL)
+    detector = capped["detector"]
+    assert capped["freeze_step"] is not None and capped["freeze_step"] < GROWS_UNTIL and detector.reason == "settled"
+    last = detector.last
+    assert last["sample_excess"] > 0.3 and not last["excess_required"] and last["coeff_change"] < 1.0
+    assert "(not required: steps capped)" in detector.describe()
+    # the same gradients on a loss plateau: the loss guard still holds it
+    plateau = _run(OnebitLamb, 100, plateau_until=80)
+    assert 80 < plateau["freeze_step"] <= 80 + 3 * plateau["detector"].window, plateau["freeze_step"]
 
 
 @pytest.mark.parametrize("optimizer_class", [OnebitAdam, OnebitLamb])
