@@ -224,6 +224,7 @@ class VarianceTrace(L.Callback):
     * the freeze: step, and for ``freeze_step="auto"`` the detector's reason, last figures, description and settings;
     * the word-embedding coordinates ``MomentumMask`` masked at the freeze (its ``masked_coordinates``);
     * every validation's accuracy and duration, and the training step time;
+    * with ``freeze_step="auto"``, the figures of every check of the rule (``checks``: the detector's ``last``);
     * the size of the optimizer's step every ``every`` steps and at each of the ``every`` steps after the freeze:
       ``||p_after - p_before|| / ||p_before||`` over the whole model (``update_rel``) and the largest per tensor
       (``update_rel_max``, its tensor in ``update_rel_max_name``); LAMB's warmup steps are ``lr`` in these units.
@@ -235,7 +236,8 @@ class VarianceTrace(L.Callback):
         self.out, self.every, self.window, self.sample = out, every, window, sample
         self.trace: dict[str, Any] = dict(every=every, window=window, names=None, steps=[], sqrt_v=[], mean_v=[], loss=[],
                                           rel_coord_med=[], rel_coord_p90=[], rel_mean_med=[], rel_mean_p90=[],
-                                          update_steps=[], update_rel=[], update_rel_max=[], update_rel_max_name=[])
+                                          update_steps=[], update_rel=[], update_rel_max=[], update_rel_max_name=[],
+                                          checks=[])
         self._before: Optional[list[torch.Tensor]] = None  # the parameters before a measured step
         self.record: dict[str, Any] = dict(freeze=None, mask=None, validations=[], step_s=None)
         self._snapshots: dict[int, tuple[list[float], list[torch.Tensor]]] = {}  # step: (means, sample), sqrt(v_hat)
@@ -290,6 +292,10 @@ class VarianceTrace(L.Callback):
         optimizer = self._optimizer(trainer)
         step = trainer.global_step
         frozen_at = getattr(optimizer, "freeze_step", None) if hasattr(optimizer, "stage") else None
+        detector = getattr(optimizer, "freeze_detector", None)
+        checks = self.trace["checks"]
+        if detector is not None and detector.last and (not checks or checks[-1]["step"] != detector.last["step"]):
+            checks.append(_plain(detector.last))
         if frozen_at is not None and step >= frozen_at and self.record["freeze"] is None:
             self._record_freeze(optimizer, frozen_at, step)
         # every `every` steps while the variance is live, and at the freeze itself (the variance then frozen)

@@ -229,7 +229,7 @@ def test_trace_stops_at_the_freeze_records_it_and_the_masked_embedding_rows(tmp_
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(10, 4)
     model = torch.nn.Sequential(embedding, torch.nn.Linear(4, 1))
-    detector = SimpleNamespace(reason="rule", last={"step": 25, "sample_excess": torch.tensor(0.25)}, window=20,
+    detector = SimpleNamespace(reason="rule", last=None, window=20,
                                check_every=5, min_step=20, max_step=40, config=SimpleNamespace(threshold=0.3),
                                describe=lambda: "at step 25, ...")
     optimizer = _FrozenAt(model.parameters(), freeze_step=None, detector=detector)
@@ -246,6 +246,8 @@ def test_trace_stops_at_the_freeze_records_it_and_the_masked_embedding_rows(tmp_
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if step in (20, 25):  # the rule's checks
+            detector.last = {"step": step, "sample_excess": torch.tensor(0.5 if step == 20 else 0.25)}
         if step == 25:
             optimizer.freeze_step = 25  # decided at this step, as freeze_step="auto" does
         trainer.global_step = step
@@ -257,6 +259,7 @@ def test_trace_stops_at_the_freeze_records_it_and_the_masked_embedding_rows(tmp_
     assert t["rel_mean_med"][:2] == [None, None] and t["rel_mean_med"][2] is None  # no record at step 5
     assert saved["freeze"]["step"] == 25 and saved["freeze"]["reason"] == "rule"
     assert saved["freeze"]["figures"] == {"step": 25, "sample_excess": 0.25}
+    assert t["checks"] == [{"step": 20, "sample_excess": 0.5}, {"step": 25, "sample_excess": 0.25}]  # each once
     assert saved["freeze"]["settings"]["window"] == 20 and saved["freeze"]["settings"]["threshold"] == 0.3
     assert saved["mask"]["param"] == "0.weight" and saved["mask"]["rows"] == 3 and saved["mask"]["share"] == 0.3
     assert saved["step_s"]["steps"] == 38
