@@ -27,11 +27,12 @@ variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and 
   the coordinates (each tensor's change weighted by its size) against ``threshold``, and at its largest tensor against
   ``tensor_threshold``. A small tensor's ratio ``||p|| / ||u||`` can swing by half within a window while the
   coordinates' average has settled (AG News: 0.664 at the largest tensor when the run reached its bound). With the
-  trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the default) the backtest is reported but not required
-  (:attr:`VarianceReading.steps_capped`): every tensor's compressed step is at most LAMB's, so gradients that
-  outgrow the frozen variance cannot enlarge it. On the synthetic example the backtest held 1-bit LAMB's warmup
-  to its bound (excess 1.5 at half the run), while a warmup fixed at a quarter of the run ended within 0.3 point
-  of LAMB that never freezes.
+  trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the default) only that average and the loss guard are
+  required; the backtest and the largest tensor's change are reported (:attr:`VarianceReading.steps_capped`). Every
+  tensor's compressed step is then at most LAMB's, so gradients that outgrow the frozen variance, or a frozen ratio
+  above the live one, cannot enlarge it. On the synthetic example the backtest held 1-bit LAMB's warmup to its
+  bound (excess 1.5 at half the run), while a warmup fixed at a quarter of the run ended within 0.3 point of LAMB
+  that never freezes.
 
 The ranks take the maximum of each figure with one ``all_reduce`` of a few floats, so every rank sees the same
 figures and decides the same step. The warmup ends after the check where all of them have passed for ``patience``
@@ -79,8 +80,9 @@ class VarianceReading:
         process_group: the ranks that decide together (``None``: WORLD).
         steps_capped: the optimizer's compressed steps can never be larger than its warmup steps, whatever the
             gradients do after the freeze (1-bit LAMB with ``cap_trust_ratio``: every tensor's step is at most
-            LAMB's). The gradient excess then guards against nothing, so it is measured and reported but does not
-            hold the freeze back. Default ``False``.
+            LAMB's). A gradient excess, or one tensor's trust ratio still moving, can then only make steps smaller
+            than the warmup's, never larger, so these figures are measured and reported but do not hold the freeze;
+            the loss guard and the coordinates' mean trust-ratio change still do. Default ``False``.
     """
 
     variances: Sequence[tuple[int, Optional[torch.Tensor], float, float]]
@@ -244,11 +246,13 @@ class FreezeDetector:
                     )
                 config = self.config
                 drop_ok = config.loss_drop is None or loss_ratio <= 1 - config.loss_drop
-                settled = reading.steps_capped or (sample < config.threshold and tensor < config.tensor_threshold)
-                passed = settled and coeff_mean < config.threshold and coeff_max < config.tensor_threshold
+                # with capped steps only growth of the ratio-weighted mean holds the freeze (see VarianceReading)
+                passed = coeff_mean < config.threshold and (reading.steps_capped or (
+                    sample < config.threshold and tensor < config.tensor_threshold and coeff_max < config.tensor_threshold
+                ))
                 self.streak = self.streak + 1 if passed and drop_ok else 0
                 self.last = dict(step=t, sample_excess=sample, tensor_excess=tensor, coeff_change_mean=coeff_mean,
-                                 coeff_change=coeff_max, excess_required=not reading.steps_capped,
+                                                  coeff_change=coeff_max, largest_required=not reading.steps_capped,
                                  loss_ratio=loss_ratio if config.loss_drop is not None else None,
                                  streak=self.streak)
                 if self.streak >= config.patience and t >= self.min_step:
@@ -271,9 +275,11 @@ class FreezeDetector:
             figures = (
                 f"at step {last['step']}: {self.window}-step gradient excess {last['sample_excess']:.3g} (sample), "
                 f"{last['tensor_excess']:.3g} (largest tensor)"
-                + ("" if last.get("excess_required", True) else " (not required: steps capped)")
+                + ("" if last.get("largest_required", True) else " (not required: steps capped)")
                 + (f"; trust-ratio change {last.get('coeff_change_mean', last['coeff_change']):.3g} (mean), "
-                   f"{last['coeff_change']:.3g} (largest tensor)" if last["coeff_change"] > 0 else "")
+                   f"{last['coeff_change']:.3g} (largest tensor"
+                   + (")" if last.get("largest_required", True) else ", not required)")
+                   if last["coeff_change"] > 0 else "")
                 + (f"; loss at {last['loss_ratio']:.3g} of its start" if last.get("loss_ratio") is not None else "")
                 + f"; {last['streak']} passing check{'' if last['streak'] == 1 else 's'} in a row"
             )

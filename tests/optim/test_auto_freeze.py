@@ -100,11 +100,42 @@ def test_capped_lamb_does_not_wait_for_growing_gradients() -> None:
     detector = capped["detector"]
     assert capped["freeze_step"] is not None and capped["freeze_step"] < GROWS_UNTIL and detector.reason == "settled"
     last = detector.last
-    assert last["sample_excess"] > 0.3 and not last["excess_required"] and last["coeff_change"] < 1.0
+    assert last["sample_excess"] > 0.3 and not last["largest_required"]
     assert "(not required: steps capped)" in detector.describe()
     # the same gradients on a loss plateau: the loss guard still holds it
     plateau = _run(OnebitLamb, 100, plateau_until=80)
     assert 80 < plateau["freeze_step"] <= 80 + 3 * plateau["detector"].window, plateau["freeze_step"]
+
+
+class OneRatioMovingLamb(OnebitLamb):
+    """The trust ratio of the smallest tensor (5 of 1235 coordinates) keeps growing 20% a step (or, with
+    ``all_moving``, every tensor's); the other figures are OnebitLamb's."""
+
+    all_moving = False
+
+    def _settling_figures(self) -> torch.Tensor:
+        figures = super()._settling_figures()
+        moving = torch.ones_like(figures, dtype=torch.bool) if self.all_moving else torch.arange(len(figures)) == 2
+        return torch.where(moving, figures * 1.2**self._step, figures)
+
+
+@pytest.mark.parametrize("cap_trust_ratio", [True, False])
+def test_one_small_tensors_trust_ratio_holds_only_uncapped_lamb(cap_trust_ratio: bool) -> None:
+    """Under the cap a tensor whose frozen ratio ends up below its live one only steps less than LAMB's, so one small
+    tensor still moving does not hold the warmup (the ratio-weighted mean does); DeepSpeed's update waits for it."""
+    optimizer = functools.partial(OneRatioMovingLamb, cap_trust_ratio=cap_trust_ratio)
+    run = _run(optimizer, 200, grows_until=0)
+    last = run["detector"].last
+    assert last["coeff_change"] > 1.0 and last["coeff_change_mean"] < 0.3
+    if cap_trust_ratio:
+        assert run["freeze_step"] < 40 and "(largest tensor, not required)" in run["detector"].describe()
+    else:
+        assert run["freeze_step"] is None
+    # every tensor moving holds the capped optimizer too
+    everything = functools.partial(type("AllRatiosMovingLamb", (OneRatioMovingLamb,), {"all_moving": True}),
+                                   cap_trust_ratio=cap_trust_ratio)
+    held = _run(everything, 200, grows_until=0)
+    assert held["freeze_step"] is None and held["detector"].last["coeff_change_mean"] > 0.3
 
 
 @pytest.mark.parametrize("optimizer_class", [OnebitAdam, OnebitLamb])
