@@ -625,10 +625,12 @@ FREEZE_REFERENCES = {
 }
 
 
-#: Runs with a later library that replace the same task/run/seed of :data:`FREEZE_DEFAULTS`, or add to them: 1-bit
-#: LAMB with the compression stage's trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the default since it was
-#: measured); 0/1 Adam with its schedule scaled to the run (``var_update_scaler`` a tenth of it).
-FREEZE_SUPERSEDING = ("freeze_sweep_lamb_cap", "freeze_sweep_zeroone")
+#: Runs with a later library that replace the same task/run/seed of :data:`FREEZE_DEFAULTS`, or add to them, later
+#: files winning: 1-bit LAMB with the compression stage's trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the
+#: default since it was measured); its ``auto`` runs with the rule that needs only the loss guard and the averaged
+#: trust-ratio change under the cap; 0/1 Adam with its schedule scaled to the run (``var_update_scaler`` a tenth of
+#: it).
+FREEZE_SUPERSEDING = ("freeze_sweep_lamb_cap", "freeze_sweep_lamb_capped_rule", "freeze_sweep_zeroone")
 
 
 def freeze_defaults_runs() -> dict[str, Any]:
@@ -680,11 +682,50 @@ def freeze_defaults_table() -> str:
         "run for `@0.25`; the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
         "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, DDP's fp32 "
         "bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its compression-stage "
-        "trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`; `(no cap)`: runs made before the cap, "
-        "DeepSpeed's update (`cap_trust_ratio=False`). `zeroone_adam`: 0/1 Adam with its schedule scaled to the run "
+        "trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`, and its `@auto` runs with the rule "
+        "for capped steps (the loss guard and the averaged trust-ratio change only) from "
+        "`freeze_sweep_lamb_capped_rule.json`; `(no cap)`: runs made before the cap, DeepSpeed's update "
+        "(`cap_trust_ratio=False`). `zeroone_adam`: 0/1 Adam with its schedule scaled to the run "
         "(`freeze_sweep_zeroone.json`; its freeze step is the last of the all-variance steps at the start, a tenth of "
         "the run). Sources besides `freeze_sweep_defaults.json`: "
         + ", ".join(f"`{s}`" for s in sources) + ".\n\n" + _table(header, table)
+    )
+
+
+#: 0/1 Adam on the example and the real tasks: the library's defaults, and the settings ``bert_zeroone.yaml`` gave it
+#: before they were scaled to the run (given on the command line, with the library of the same run)
+ZEROONE_SETTINGS = {"library defaults": "freeze_sweep_zeroone", "settings before": "freeze_sweep_zeroone_before"}
+
+
+def zeroone_settings_table() -> str:
+    """0/1 Adam with the library's defaults against the settings before, on the example and the real tasks: accuracy
+    per seed against the same-seed AdamW, and the whole-run bytes against DDP's."""
+    references = freeze_defaults_runs()["runs"]
+    loaded = {label: _load(name) for label, name in ZEROONE_SETTINGS.items()}
+    seeds = sorted({int(r["seed"]) for data in loaded.values() for r in data["runs"].values()})
+    header = ["task", "0/1 Adam", *(f"seed {s}" for s in seeds), "vs AdamW (points)", "DDP bytes / run's"]
+    rows, commands = [], []
+    for task in ("synthetic", "mail", "agnews"):
+        for label, data in loaded.items():
+            runs = {int(r["seed"]): r for r in data["runs"].values() if r["task"] == task}
+            if not runs:
+                continue
+            adamw = {s: references.get(f"{task}/adamw/{s}") for s in seeds}
+            acc = ["-" if s not in runs else f"{runs[s]['val_acc']:.2%}" for s in seeds]
+            diff = " / ".join("-" if s not in runs or adamw[s] is None
+                              else f"{100 * (runs[s]['val_acc'] - adamw[s]['val_acc']):+.2f}" for s in seeds)
+            ratio = statistics.fmean(r["bytes_fp32_equivalent"] / r["bytes_sent"] for r in runs.values())
+            rows.append([task, label, *acc, diff, f"{ratio:.2f}x"])
+    for label, data in loaded.items():
+        run = next(iter(data["runs"].values()))
+        extra = " ".join(run["settings"]["extra"])
+        commands.append(f"{label}: `bert_zeroone.yaml`" + (f" with `{extra}`" if extra else ""))
+    return (
+        "The example's fresh 4-layer BERT on its synthetic reviews (620 steps) and the pretrained MiniLM on mail and "
+        "AG News (600 steps), 2 CPU ranks (`python -m benchmarks.freeze_sweep --runs zeroone_adam --val-checks 2`; "
+        + "; ".join(commands) + "). AdamW: the same seed's run of the freeze-step sweep; bytes: the "
+        "whole run's, mean over seeds (they depend on the schedule, not the seed); `-`: not run.\n\n"
+        + _table(header, rows)
     )
 
 
@@ -746,6 +787,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "headline": headline_figures,
     "freeze_defaults": freeze_defaults_table,
     "largest_model": largest_model_table,
+    "zeroone_settings": zeroone_settings_table,
 }
 
 

@@ -106,8 +106,10 @@ class OnebitLamb(CompressedOptimizer):
             as in LAMB.
         freeze_step, auto_freeze: as for :class:`~lightning_onebit.OnebitAdam` (``"auto"`` by default: within 0.5
             point of LAMB that never freezes on a synthetic task from scratch and on two real fine-tuning tasks, two
-            seeds each, docs/guides/freeze-step.md); ``freeze_step="auto"`` also waits for every tensor's trust-ratio
-            EMA to settle.
+            seeds each, docs/guides/freeze-step.md); ``freeze_step="auto"`` also waits for the trust-ratio EMAs to
+            settle: on average over the coordinates, and, without ``cap_trust_ratio``, at every tensor. With the cap
+            (the default) it does not wait for the gradient backtest either: no compressed step can then be larger
+            than LAMB's.
         bias_correction, bucket_cap_mb, process_group: as for :class:`~lightning_onebit.OnebitAdam`.
         kernel_backend, topology, dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`.
         max_coeff: upper clip of the warmup trust ratio ``r``. Default ``10.0``.
@@ -263,7 +265,7 @@ class OnebitLamb(CompressedOptimizer):
         return all(group["cap_trust_ratio"] for group in self.param_groups if group["compress"])
 
     def _settling_figures(self) -> torch.Tensor:
-        """freeze_step='auto' also waits for every compressed tensor's trust-ratio EMA (the coefficient that gets
+        """freeze_step='auto' also waits for the compressed tensors' trust-ratio EMAs (the coefficients that get
         frozen; ``compress=False`` groups keep updating theirs): one tensor on the first parameter's device (the
         detector reads it with its other figures, once per check)."""
         params = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]

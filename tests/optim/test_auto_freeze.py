@@ -258,6 +258,7 @@ def _train(rank: int, world_size: int, until: int, loss_flat_until: int = 0) -> 
     sync = GradientSyncState(sync_predicate=lambda: opt.needs_gradient_allreduce)
     ddp.register_comm_hook(sync, switchable_allreduce_hook)
     synced_steps = []
+    first_loss = 0.0  # the loss of step 1, set there
     for t in range(1, 151):
         # different data on every rank, the same batch every step: the averaged gradient changes slowly
         x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1000 * rank)) * (1 + 0.01 * (-1) ** t)
@@ -265,7 +266,8 @@ def _train(rank: int, world_size: int, until: int, loss_flat_until: int = 0) -> 
         opt.zero_grad()
         loss = nn.functional.mse_loss(ddp(x), torch.sin(x.sum(1, keepdim=True)))
         loss.backward()
-        first_loss = loss.item() if t == 1 else first_loss
+        if t == 1:
+            first_loss = loss.item()
         # rank 1 may report a loss stuck at its first value (a plateau) until step loss_flat_until
         opt.observe_loss(first_loss if rank == 1 and t < loss_flat_until else loss)
         if sync.skipped_buckets == skipped:
