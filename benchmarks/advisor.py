@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks import netns
-from benchmarks.common import EXAMPLE, EXAMPLE_CONFIGS, argument_parser, write_results
+from benchmarks.common import EXAMPLE, EXAMPLE_CONFIGS, argument_parser, script_env, write_results
 
 
 def run_example(rate: str, freeze_step: int, steps: int, workdir: str) -> dict:
@@ -37,7 +36,7 @@ def run_example(rate: str, freeze_step: int, steps: int, workdir: str) -> dict:
         "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
         "--summary_json", str(summary),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    env = script_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
     with contextlib.ExitStack() as stack:
         space = None if rate == "unshaped" else stack.enter_context(netns.ShapedLoopback("advisor", rate))
         netns.run(command, timeout=1800, inside=space, cwd=workdir, env=env)

@@ -17,7 +17,6 @@ Extra arguments are passed to every run (e.g. ``--trainer.max_steps 300``).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from benchmarks.common import (
     load_example,
     merge_runs,
     previous_results,
+    script_env,
     write_results,
 )
 
@@ -39,11 +39,12 @@ def run_example(config: str, extra: list[str], workdir: Path, log: Optional[Path
                 env: Optional[dict[str, str]] = None) -> dict:
     """One run of the example (``python examples/bert_finetune.py fit --config examples/configs/CONFIG ...`` in
     ``workdir``, with ``env`` added to the environment); its summary. With ``log``, its output also goes to that
-    file."""
+    file. The repository root comes first on the run's ``PYTHONPATH``, so that the example imports this checkout's
+    library (not another copy pip installed) and the benchmarks' callbacks."""
     summary = workdir / f"{Path(config).stem}.json"
     command = [sys.executable, str(EXAMPLE), "fit", "--config", str(EXAMPLE_CONFIGS / config), "--summary_json",
                str(summary), "--trainer.enable_progress_bar", "false", *extra]
-    environment = None if env is None else dict(os.environ, **env)
+    environment = script_env(**(env or {}))
     print("$", " ".join(command), flush=True)
     if log is None:
         subprocess.run(command, check=True, cwd=workdir, env=environment)

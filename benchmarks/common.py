@@ -48,6 +48,14 @@ def load_example() -> ModuleType:
     return module
 
 
+def script_env(**changes: str) -> dict[str, str]:
+    """The environment for a script this package starts (the example, a worker): this process's, with the repository
+    root first on ``PYTHONPATH``, so that the script imports this checkout's library (not another copy pip installed)
+    and the benchmarks' callbacks, plus ``changes``."""
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return dict(os.environ, PYTHONPATH=path, **changes)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

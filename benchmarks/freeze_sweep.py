@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import statistics
 import subprocess
@@ -488,12 +487,6 @@ def library_version() -> str:
     return git("rev-parse", "--short", "HEAD").strip() + (" + uncommitted lightning_onebit changes" if dirty else "")
 
 
-def _example_env() -> dict[str, str]:
-    """The example's environment additions: the repository root on ``PYTHONPATH``, so that its callbacks import
-    ``benchmarks.freeze_sweep.VarianceTrace`` (the example runs as a script in the run's directory)."""
-    return dict(PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-
-
 def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[str, Any], workdir: Path) -> dict:
     steps = settings["steps"]
     config, kind_args = run_args(name, steps, settings["lamb_lr"], settings["auto_max_share"])
@@ -507,8 +500,8 @@ def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[s
               "--trainer.check_val_every_n_epoch", "null", f"--trainer.callbacks+={callback}"]
     log = rundir / "run.log"
     started = time.perf_counter()
-    summary = run_example(config, [*common, *length, *kind_args, *settings["extra"]], rundir, log=log,
-                          env=_example_env())
+    # (run_example puts the repository root on the run's PYTHONPATH: the VarianceTrace callback is imported there)
+    summary = run_example(config, [*common, *length, *kind_args, *settings["extra"]], rundir, log=log)
     wall_total = time.perf_counter() - started
     extra = json.loads(trace_path.read_text())
     validations = extra.pop("validations")
