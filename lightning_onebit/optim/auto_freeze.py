@@ -246,13 +246,14 @@ class FreezeDetector:
                     )
                 config = self.config
                 drop_ok = config.loss_drop is None or loss_ratio <= 1 - config.loss_drop
-                # with capped steps only growth of the ratio-weighted mean holds the freeze (see VarianceReading)
+                # capped steps: only the mean trust-ratio change (and the loss) holds the freeze; see VarianceReading
                 passed = coeff_mean < config.threshold and (reading.steps_capped or (
-                    sample < config.threshold and tensor < config.tensor_threshold and coeff_max < config.tensor_threshold
+                    sample < config.threshold and tensor < config.tensor_threshold
+                    and coeff_max < config.tensor_threshold
                 ))
                 self.streak = self.streak + 1 if passed and drop_ok else 0
                 self.last = dict(step=t, sample_excess=sample, tensor_excess=tensor, coeff_change_mean=coeff_mean,
-                                                  coeff_change=coeff_max, largest_required=not reading.steps_capped,
+                                 coeff_change=coeff_max, largest_required=not reading.steps_capped,
                                  loss_ratio=loss_ratio if config.loss_drop is not None else None,
                                  streak=self.streak)
                 if self.streak >= config.patience and t >= self.min_step:

@@ -233,7 +233,8 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
 
     def _steps_capped(self) -> bool:
         """Whether no compressed step can be larger than a warmup step whatever the gradients do (see
-        ``VarianceReading.steps_capped``): then an automatic freeze does not wait for the gradient excess."""
+        ``VarianceReading.steps_capped``): then an automatic freeze waits neither for the gradient excess nor for the
+        largest tensor's settling figure."""
         return False
 
     def agree_kernel_backend(self) -> str:
