@@ -611,6 +611,16 @@ def _by_key(results: dict[str, Any]) -> dict[tuple[str, str, int], dict]:
     return {(r["task"], r["run"], int(r["seed"])): r for r in results.get("runs", {}).values()}
 
 
+def ddp_bytes_ratio(results: dict[str, Any], run: dict[str, Any]) -> float:
+    """How many times fewer bytes ``run`` sent than DDP: the same task's AdamW-DDP runs of the same length (their mean
+    ``bytes_sent``; DDP's bytes do not depend on the seed) over the run's. Without such a run, the fp32-equivalent
+    count of the run's own traffic, which is the same for the 1-bit optimizers (they communicate every step) but
+    leaves out 0/1 Adam's local steps, which send nothing where DDP would allreduce."""
+    ddp = [r["bytes_sent"] for r in results.get("runs", {}).values()
+           if r["task"] == run["task"] and r["run"] == "adamw" and r["settings"]["steps"] == run["settings"]["steps"]]
+    return (statistics.fmean(ddp) if ddp else run["bytes_fp32_equivalent"]) / run["bytes_sent"]
+
+
 def _freeze_fraction(run: str) -> Optional[float]:
     _, freeze = parse_run(run)
     return None if freeze in (None, "auto") else float(freeze)
@@ -648,8 +658,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 diff=diff if ref is not None else None,
                 diff_mean=statistics.fmean(diffs) if diffs else None,
                 bytes_sent=statistics.fmean(r["bytes_sent"] for r in present) if present else None,
-                bytes_ratio=(statistics.fmean(r["bytes_fp32_equivalent"] / r["bytes_sent"] for r in present)
-                             if present else None),
+                bytes_ratio=statistics.fmean(ddp_bytes_ratio(results, r) for r in present) if present else None,
                 # the step the variance froze at; None where it never did (adamw, lamb_uncompressed, an auto warmup
                 # that outlasted the run)
                 freeze={s: None if r is None else _frozen_at(r) for s, r in got.items()},
@@ -684,7 +693,7 @@ def format_table(results: dict[str, Any]) -> str:
                 + f"  {r['reference'] or ''}"
             )
     lines.append("\nd: accuracy minus the same-seed reference (last column), in points; GB sent: whole run, per rank, "
-                 "mean over seeds; DDP/x: fp32-equivalent (DDP's) bytes over the run's; emb. masked: share of the "
+                 "mean over seeds; DDP/x: the same task's AdamW-DDP bytes over the run's; emb. masked: share of the "
                  "word embedding MomentumMask(auto=True) masked at the freeze")
     return "\n".join(lines)
 

@@ -680,8 +680,8 @@ def freeze_defaults_table() -> str:
         "Each run is the example (`python -m benchmarks.freeze_sweep`, 2 CPU ranks) with the library's defaults for "
         "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at 25% of the "
         "run for `@0.25`; the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
-        "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, DDP's fp32 "
-        "bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its compression-stage "
+        "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, the same "
+        "task's AdamW-DDP bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its compression-stage "
         "trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`, and its `@auto` runs with the rule "
         "for capped steps (the loss guard and the averaged trust-ratio change only) from "
         "`freeze_sweep_lamb_capped_rule.json`; `(no cap)`: runs made before the cap, DeepSpeed's update "
@@ -700,7 +700,9 @@ ZEROONE_SETTINGS = {"library defaults": "freeze_sweep_zeroone", "settings before
 def zeroone_settings_table() -> str:
     """0/1 Adam with the library's defaults against the settings before, on the example and the real tasks: accuracy
     per seed against the same-seed AdamW, and the whole-run bytes against DDP's."""
-    references = freeze_defaults_runs()["runs"]
+    from benchmarks.freeze_sweep import ddp_bytes_ratio
+
+    references = freeze_defaults_runs()
     loaded = {label: _load(name) for label, name in ZEROONE_SETTINGS.items()}
     seeds = sorted({int(r["seed"]) for data in loaded.values() for r in data["runs"].values()})
     header = ["task", "0/1 Adam", *(f"seed {s}" for s in seeds), "vs AdamW (points)", "DDP bytes / run's"]
@@ -710,11 +712,11 @@ def zeroone_settings_table() -> str:
             runs = {int(r["seed"]): r for r in data["runs"].values() if r["task"] == task}
             if not runs:
                 continue
-            adamw = {s: references.get(f"{task}/adamw/{s}") for s in seeds}
+            adamw = {s: references["runs"].get(f"{task}/adamw/{s}") for s in seeds}
             acc = ["-" if s not in runs else f"{runs[s]['val_acc']:.2%}" for s in seeds]
             diff = " / ".join("-" if s not in runs or adamw[s] is None
                               else f"{100 * (runs[s]['val_acc'] - adamw[s]['val_acc']):+.2f}" for s in seeds)
-            ratio = statistics.fmean(r["bytes_fp32_equivalent"] / r["bytes_sent"] for r in runs.values())
+            ratio = statistics.fmean(ddp_bytes_ratio(references, r) for r in runs.values())
             rows.append([task, label, *acc, diff, f"{ratio:.2f}x"])
     for label, data in loaded.items():
         run = next(iter(data["runs"].values()))
@@ -724,7 +726,8 @@ def zeroone_settings_table() -> str:
         "The example's fresh 4-layer BERT on its synthetic reviews (620 steps) and the pretrained MiniLM on mail and "
         "AG News (600 steps), 2 CPU ranks (`python -m benchmarks.freeze_sweep --runs zeroone_adam --val-checks 2`; "
         + "; ".join(commands) + "). AdamW: the same seed's run of the freeze-step sweep; bytes: the "
-        "whole run's, mean over seeds (they depend on the schedule, not the seed); `-`: not run.\n\n"
+        "whole run's against that AdamW-DDP run's, mean over seeds (they depend on the schedule, not the seed); `-`: "
+        "not run.\n\n"
         + _table(header, rows)
     )
 

@@ -343,3 +343,16 @@ def test_keys_are_ordered_by_task_seed_and_run():
     assert fs.ordered_keys(keys) == ["synthetic/lamb_uncompressed/0", "agnews/onebit_adam@0.05/0",
                                      "agnews/onebit_adam@0.5/0", "agnews/adamw/1", "agnews/onebit_adam@auto/1",
                                      "mail/adamw/0"]
+
+
+def test_bytes_are_compared_with_the_same_tasks_ddp_run():
+    """0/1 Adam's local steps send nothing, so its fp32-equivalent count leaves out what DDP would send there: the
+    ratio is taken against the AdamW-DDP run of the same task and length, and only without one from that count."""
+    zeroone = _run("mail", "zeroone_adam", 0, 0.98, bytes_sent=50)  # fp32-equivalent 400
+    ddp = [_run("mail", "adamw", s, 0.98, bytes_sent=500) for s in (0, 1)]
+    other_length = dict(_run("mail", "adamw", 2, 0.98, bytes_sent=900), settings=dict(steps=300))
+    results = {"runs": {fs.key_of(r["task"], r["run"], r["seed"]): r for r in [zeroone, *ddp, other_length]}}
+    assert fs.ddp_bytes_ratio(results, zeroone) == 10.0  # 500 / 50
+    assert fs.ddp_bytes_ratio({"runs": {"mail/zeroone_adam/0": zeroone}}, zeroone) == 8.0  # 400 / 50
+    (row,) = [r for r in fs.table_rows(results) if r["run"] == "zeroone_adam"]
+    assert row["bytes_ratio"] == 10.0
