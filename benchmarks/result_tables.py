@@ -681,8 +681,8 @@ def freeze_defaults_table() -> str:
         "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at 25% of the "
         "run for `@0.25`; the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
         "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, the same "
-        "task's AdamW-DDP bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its compression-stage "
-        "trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`, and its `@auto` runs with the rule "
+        "task's AdamW-DDP bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its "
+        "compression-stage trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`, and its `@auto` runs with the rule "
         "for capped steps (the loss guard and the averaged trust-ratio change only) from "
         "`freeze_sweep_lamb_capped_rule.json`; `(no cap)`: runs made before the cap, DeepSpeed's update "
         "(`cap_trust_ratio=False`). `zeroone_adam`: 0/1 Adam with its schedule scaled to the run "
@@ -700,24 +700,24 @@ ZEROONE_SETTINGS = {"library defaults": "freeze_sweep_zeroone", "settings before
 def zeroone_settings_table() -> str:
     """0/1 Adam with the library's defaults against the settings before, on the example and the real tasks: accuracy
     per seed against the same-seed AdamW, and the whole-run bytes against DDP's."""
-    from benchmarks.freeze_sweep import ddp_bytes_ratio
+    from benchmarks.freeze_sweep import TASKS, table_rows
 
-    references = freeze_defaults_runs()
+    adamw = {key: run for key, run in freeze_defaults_runs()["runs"].items() if run["run"] == "adamw"}
     loaded = {label: _load(name) for label, name in ZEROONE_SETTINGS.items()}
+    # the sweep's own rows (accuracy, difference to the same-seed AdamW, bytes against its DDP run), one file at a time
+    rows_of = {label: {r["task"]: r for r in table_rows({"runs": {**adamw, **data["runs"]}})
+                       if r["run"] == "zeroone_adam"} for label, data in loaded.items()}
     seeds = sorted({int(r["seed"]) for data in loaded.values() for r in data["runs"].values()})
     header = ["task", "0/1 Adam", *(f"seed {s}" for s in seeds), "vs AdamW (points)", "DDP bytes / run's"]
     rows, commands = [], []
-    for task in ("synthetic", "mail", "agnews"):
-        for label, data in loaded.items():
-            runs = {int(r["seed"]): r for r in data["runs"].values() if r["task"] == task}
-            if not runs:
+    for task in TASKS:
+        for label, by_task in rows_of.items():
+            if task not in by_task:
                 continue
-            adamw = {s: references["runs"].get(f"{task}/adamw/{s}") for s in seeds}
-            acc = ["-" if s not in runs else f"{runs[s]['val_acc']:.2%}" for s in seeds]
-            diff = " / ".join("-" if s not in runs or adamw[s] is None
-                              else f"{100 * (runs[s]['val_acc'] - adamw[s]['val_acc']):+.2f}" for s in seeds)
-            ratio = statistics.fmean(ddp_bytes_ratio(references, r) for r in runs.values())
-            rows.append([task, label, *acc, diff, f"{ratio:.2f}x"])
+            r = by_task[task]
+            acc = ["-" if r["acc"].get(s) is None else f"{r['acc'][s]:.2%}" for s in seeds]
+            diff = " / ".join("-" if r["diff"].get(s) is None else f"{r['diff'][s]:+.2f}" for s in seeds)
+            rows.append([task, label, *acc, diff, f"{r['bytes_ratio']:.2f}x"])
     for label, data in loaded.items():
         run = next(iter(data["runs"].values()))
         extra = " ".join(run["settings"]["extra"])

@@ -11,12 +11,6 @@ ASSETS = TESTS / "assets"  # scripts the tests run in a subprocess
 EXAMPLE = ROOT / "examples" / "bert_finetune.py"  # the BERT example (tests/tools)
 MINIMAL_EXAMPLE = ROOT / "examples" / "minimal.py"  # the minimal example (tests/tools)
 
-
-def script_env(**changes: str) -> dict[str, str]:
-    """The environment for a subprocess that imports the library: this process's, with the repository root first on
-    ``PYTHONPATH``, so that the script tests the same source as the test that starts it (not whatever copy pip last
-    installed, e.g. another checkout's editable install), plus ``changes``."""
-    import os
-
-    path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}", **changes)
+# Scripts a test starts get the repository root first on PYTHONPATH, so that they run the source under test (not
+# whatever copy pip last installed, e.g. another checkout's editable install): the benchmarks' helper does just that.
+from benchmarks.common import script_env  # noqa: E402,F401

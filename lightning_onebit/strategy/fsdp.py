@@ -311,7 +311,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         """Register the overlapped exchange's hooks, or log once why the exchange stays in ``optimizer.step``."""
         self._remove_overlap()
         self.overlap_state = None
-        self.overlap_fallback_reason = decide_overlap(self.overlap, optimizer, self._overlap_blocker(trainer),
+        self.overlap_fallback_reason = decide_overlap(self.overlap, optimizer, lambda: self._overlap_blocker(trainer),
                                                       type(self).__name__, self.strategy_name)
         if self.overlap is False or self.overlap_fallback_reason is not None:
             return

@@ -8,7 +8,7 @@ several backward passes per step) would be lost: those runs exchange in ``optimi
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -122,18 +122,18 @@ def overlap_fallback(
 def decide_overlap(
     overlap: Union[bool, Literal["auto"]],
     optimizer: CompressedOptimizer,
-    run_reason: Optional[str],
+    run_reason: Callable[[], Optional[str]],
     strategy: str = "OnebitStrategy",
     prefix: str = "onebit_adam",
 ) -> Optional[OverlapFallbackReason]:
     """Both strategies' decision at ``setup_optimizers``: the reason the exchange stays in ``optimizer.step``
-    (the optimizer's own first, then ``run_reason``, the run's from :func:`overlap_blocker` or an override), logged
-    once, or ``None`` to overlap; :func:`overlap_fallback` for ``overlap=True``. ``overlap=False``: ``None`` (the
-    caller does not overlap)."""
+    (the optimizer's own first, then ``run_reason()``, the run's from :func:`overlap_blocker` or an override, asked
+    only when needed), logged once, or ``None`` to overlap; :func:`overlap_fallback` for ``overlap=True``.
+    ``overlap=False``: ``None`` (the caller does not overlap)."""
     if overlap is False:
         return None
     reason = OverlapFallbackReason.of(optimizer.overlap_unsupported_reason, "optimizer") or OverlapFallbackReason.of(
-        run_reason
+        run_reason()
     )
     return overlap_fallback(overlap, reason, strategy, prefix)
 

@@ -311,7 +311,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
 
     def _configure_overlap(self, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> Optional[OverlapState]:
         """The overlapped hook's state, or ``None`` with the reason logged once (``overlap='auto'``)."""
-        self.overlap_fallback_reason = decide_overlap(self.overlap, optimizer, self.overlap_unsupported_reason(trainer))
+        self.overlap_fallback_reason = decide_overlap(self.overlap, optimizer,
+                                                      lambda: self.overlap_unsupported_reason(trainer))
         if self.overlap is False or self.overlap_fallback_reason is not None:
             return None
         assert isinstance(self.model, DistributedDataParallel)

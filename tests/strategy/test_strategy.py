@@ -732,3 +732,24 @@ def test_bf16_mixed_trains_through_both_stages_with_identical_replicas(main_sess
     # Local gradients (compression stage) differ across ranks: each rank has its own data.
     last = [r["records"][-1]["grad"] for r in results]
     assert not torch.equal(last[0], last[1])
+
+
+def test_overlap_decision_asks_the_run_only_when_the_exchange_could_overlap():
+    """``decide_overlap`` takes the run's reason as a callable: with ``overlap=False``, or when the optimizer alone
+    rules overlap out, a strategy's ``overlap_unsupported_reason`` (which users may override) is not called."""
+    from types import SimpleNamespace
+
+    from lightning_onebit.strategy.overlap_policy import decide_overlap
+
+    asked = []
+
+    def run_reason(reason: Optional[str]) -> Callable[[], Optional[str]]:
+        return lambda: asked.append(reason) or reason
+
+    free, busy = SimpleNamespace(overlap_unsupported_reason=None), SimpleNamespace(overlap_unsupported_reason="local")
+    assert decide_overlap(False, free, run_reason("never")) is None
+    assert decide_overlap("auto", busy, run_reason("never")).cause == "optimizer"
+    assert asked == []
+    assert decide_overlap("auto", free, run_reason(None)) is None and asked == [None]
+    assert decide_overlap("auto", free, run_reason("manual optimization")) is not None
+    assert asked == [None, "manual optimization"]
