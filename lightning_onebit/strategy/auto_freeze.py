@@ -28,10 +28,10 @@ def run_length(trainer: "pl.Trainer") -> Optional[int]:
 
 
 def default_auto_freeze_bound(
-    trainer: "pl.Trainer", optimizer: CompressedOptimizer, length: RunLength = run_length
+    trainer: "pl.Trainer", optimizer: CompressedOptimizer, length: RunLength = run_length, name: str = "onebit_adam"
 ) -> None:
     """freeze_step='auto' without ``AutoFreeze(max_step=...)``: end the warmup by half the run at the latest
-    (``length``: the run's length, asked only then)."""
+    (``length``: the run's length, asked only then), said on rank 0 by the strategy ``name``."""
     detector = optimizer.freeze_detector
     if detector is None or detector.max_step is not None:
         return
@@ -44,7 +44,8 @@ def default_auto_freeze_bound(
         )
     bound = detector.bound_by_run(total)
     rank_zero_info(
-        f"onebit_adam: freeze_step='auto' ends the warmup at step {bound} at the latest ({DEFAULT_BOUND_SHARE:.0%} of {total} steps)"
+        f"{name}: freeze_step='auto' ends the warmup at step {bound} at the latest "
+        f"({DEFAULT_BOUND_SHARE:.0%} of {total} steps)"
     )
 
 
@@ -60,10 +61,11 @@ def fit_schedule_to_run(
 
 
 def warn_if_run_ends_in_warmup(
-    trainer: "pl.Trainer", optimizer: CompressedOptimizer, length: RunLength = run_length
+    trainer: "pl.Trainer", optimizer: CompressedOptimizer, length: RunLength = run_length, name: str = "onebit_adam"
 ) -> None:
     """Warn when the warmup cannot end before the run does (a fixed ``freeze_step``: the whole run is plain DDP)
-    or is only bounded past its end (``freeze_step='auto'``: plain DDP unless the detector decides earlier)."""
+    or is only bounded past its end (``freeze_step='auto'``: plain DDP unless the detector decides earlier), in the
+    name of the strategy ``name``."""
     detector = optimizer.freeze_detector
     last_warmup = optimizer.freeze_step if detector is None else detector.max_step
     total = length(trainer)
@@ -72,12 +74,12 @@ def warn_if_run_ends_in_warmup(
     if detector is not None:
         # the detector may still end the warmup before its bound: only the worst case is known at fit start
         rank_zero_warn(
-            f"onebit_adam: freeze_step='auto' with AutoFreeze(max_step={last_warmup}), but the run has {total} "
+            f"{name}: freeze_step='auto' with AutoFreeze(max_step={last_warmup}), but the run has {total} "
             "optimizer steps: compression starts only if the detector ends the warmup earlier (else compression "
             f"never starts). Lower max_step, or train longer; {_DOCS}"
         )
         return
     rank_zero_warn(
-        f"onebit_adam: freeze_step={last_warmup}, but the run has {total} optimizer steps: it ends in the warmup, "
+        f"{name}: freeze_step={last_warmup}, but the run has {total} optimizer steps: it ends in the warmup, "
         f"so it is plain DDP and compression never starts. Lower freeze_step, or train longer; {_DOCS}"
     )

@@ -295,9 +295,9 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         assert self.model is not None
         optimizer.set_bucket_plan(fsdp_buckets(self.model, optimizer))
         optimizer.agree_kernel_backend()
-        default_auto_freeze_bound(trainer, optimizer, run_length)
+        default_auto_freeze_bound(trainer, optimizer, run_length, self.strategy_name)
         fit_schedule_to_run(trainer, optimizer, self.strategy_name, run_length)
-        warn_if_run_ends_in_warmup(trainer, optimizer, run_length)
+        warn_if_run_ends_in_warmup(trainer, optimizer, run_length, self.strategy_name)
         optimizer.observe_losses_from_caller()
         self._onebit_optimizer = optimizer
         self._stage_log.new_fit()

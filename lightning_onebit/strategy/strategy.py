@@ -284,11 +284,11 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
 
     @classmethod
     def _default_auto_freeze_bound(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        default_auto_freeze_bound(trainer, optimizer, cls._run_length)
+        default_auto_freeze_bound(trainer, optimizer, cls._run_length, cls.strategy_name)
 
     @classmethod
     def _warn_if_run_ends_in_warmup(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        warn_if_run_ends_in_warmup(trainer, optimizer, cls._run_length)
+        warn_if_run_ends_in_warmup(trainer, optimizer, cls._run_length, cls.strategy_name)
 
     # ------------------------------------------------------------------ overlap
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:

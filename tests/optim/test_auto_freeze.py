@@ -440,6 +440,26 @@ def test_the_default_bound_refuses_a_run_of_unknown_length(total: float) -> None
     assert opt.freeze_detector.max_step is None
 
 
+@pytest.mark.parametrize("name", ["onebit_adam", "onebit_fsdp"])
+def test_the_bound_and_the_warmup_warning_speak_in_the_strategys_name(name: str, caplog: Any) -> None:
+    """Under ``onebit_fsdp`` the bound and the run-ends-in-warmup warning named ``onebit_adam``, a strategy the user
+    did not choose."""
+    import logging
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, warn_if_run_ends_in_warmup
+
+    trainer = SimpleNamespace(estimated_stepping_batches=40)
+    with caplog.at_level(logging.INFO):
+        default_auto_freeze_bound(trainer, OnebitAdam(_params(), lr=1e-3, freeze_step="auto"), name=name)
+    assert f"{name}: freeze_step='auto' ends the warmup at step 20 at the latest" in caplog.text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_run_ends_in_warmup(trainer, OnebitAdam(_params(), lr=1e-3, freeze_step=40), name=name)
+    assert [str(w.message).split(":")[0] for w in caught if "compression never starts" in str(w.message)] == [name]
+
+
 def test_the_loss_sum_stays_on_the_losses_device_after_a_resume() -> None:
     """A resumed detector holds its pending loss sum as a number and adds it on the device of the next loss: with a
     CPU tensor there, every micro-batch on a GPU copied its loss to the host (a synchronisation) until the next check.
