@@ -629,8 +629,11 @@ FREEZE_REFERENCES = {
 #: files winning: 1-bit LAMB with the compression stage's trust-ratio cap (``OnebitLamb(cap_trust_ratio=True)``, the
 #: default since it was measured); its ``auto`` runs with the rule that needs only the loss guard and the averaged
 #: trust-ratio change under the cap; 0/1 Adam with its schedule scaled to the run (``var_update_scaler`` a tenth of
-#: it).
-FREEZE_SUPERSEDING = ("freeze_sweep_lamb_cap", "freeze_sweep_lamb_capped_rule", "freeze_sweep_zeroone")
+#: it); every synthetic run again with one library, 829e63a (results of the same settings had moved
+#: with the library since the first runs: AdamW seed 0 99.8% then, 99.6% now; the same library gives the same bits),
+#: with 1-bit Adam frozen at 20% of the run besides.
+FREEZE_SUPERSEDING = ("freeze_sweep_lamb_cap", "freeze_sweep_lamb_capped_rule", "freeze_sweep_zeroone",
+                      "freeze_sweep_synthetic_rerun")
 
 
 def freeze_defaults_runs() -> dict[str, Any]:
@@ -678,8 +681,8 @@ def freeze_defaults_table() -> str:
     sources = sorted({r["source"] for r in results["runs"].values() if "source" in r})
     return (
         "Each run is the example (`python -m benchmarks.freeze_sweep`, 2 CPU ranks) with the library's defaults for "
-        "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at 25% of the "
-        "run for `@0.25`; the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
+        "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at a share of "
+        "the run for `@0.25` (25%) and `@0.2` (20%); the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
         "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, the same "
         "task's AdamW-DDP bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its "
         "compression-stage trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`, and its `@auto` runs "
@@ -687,7 +690,8 @@ def freeze_defaults_table() -> str:
         "`freeze_sweep_lamb_capped_rule.json`; `(no cap)`: runs made before the cap, DeepSpeed's update "
         "(`cap_trust_ratio=False`). `zeroone_adam`: 0/1 Adam with its schedule scaled to the run "
         "(`freeze_sweep_zeroone.json`; its freeze step is the last of the all-variance steps at the start, a tenth of "
-        "the run). Sources besides `freeze_sweep_defaults.json`: "
+        "the run). The synthetic rows are all from one library (829e63a): `freeze_sweep_synthetic_rerun.json`, and "
+        "0/1 Adam's `freeze_sweep_zeroone.json`. Sources besides `freeze_sweep_defaults.json`: "
         + ", ".join(f"`{s}`" for s in sources) + ".\n\n" + _table(header, table)
     )
 

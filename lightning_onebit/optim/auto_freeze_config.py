@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 #: Without ``AutoFreeze(max_step=...)`` the Lightning strategy bounds the warmup by this share of the run. Half: on
 #: the synthetic example from scratch the gradients still grow after the loss leaves its plateau at about 13% of the
-#: run (1-bit Adam frozen at 25% of it ended 0.6 point under AdamW on one seed, and 1-bit LAMB without its
-#: trust-ratio cap at chance); the rule itself decides before the bound on the real fine-tuning tasks.
+#: run (1-bit Adam frozen at 20% of it collapsed to chance on one seed, and 1-bit LAMB without its trust-ratio cap
+#: frozen at 25%); the rule itself decides before the bound on the real fine-tuning tasks.
 DEFAULT_BOUND_SHARE = 0.5
 #: The default window is this fraction of ``max_step``: 1/12 of the run under the default bound.
 _WINDOW_SHARE_OF_BOUND = 6
