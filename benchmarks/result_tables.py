@@ -682,9 +682,9 @@ def freeze_defaults_table() -> str:
     return (
         "Each run is the example (`python -m benchmarks.freeze_sweep`, 2 CPU ranks) with the library's defaults for "
         "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at a share of "
-        "the run for `@0.25` (25%) and `@0.2` (20%); the word embeddings of the 1-bit runs are a `sparse_rows` group. Differences per seed are "
-        "in points against the same-seed reference; `*`: the bound decided; bytes are the whole run's, the same "
-        "task's AdamW-DDP bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its "
+        "the run for `@0.25` (25%) and `@0.2` (20%); the word embeddings of the 1-bit runs are a `sparse_rows` group. "
+        "Differences per seed are in points against the same-seed reference; `*`: the bound decided; bytes are the "
+        "whole run's, the same task's AdamW-DDP bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB runs with its "
         "compression-stage trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`, and its `@auto` runs "
         "with the rule for capped steps (the loss guard and the averaged trust-ratio change only) from "
         "`freeze_sweep_lamb_capped_rule.json`; `(no cap)`: runs made before the cap, DeepSpeed's update "
