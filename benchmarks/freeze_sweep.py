@@ -226,7 +226,11 @@ class VarianceTrace(L.Callback):
     * with ``freeze_step="auto"``, the figures of every check of the rule (``checks``: the detector's ``last``);
     * the size of the optimizer's step every ``every`` steps and at each of the ``every`` steps after the freeze:
       ``||p_after - p_before|| / ||p_before||`` over the whole model (``update_rel``) and the largest per tensor
-      (``update_rel_max``, its tensor in ``update_rel_max_name``); LAMB's warmup steps are ``lr`` in these units.
+      (``update_rel_max``, its tensor in ``update_rel_max_name``); LAMB's warmup steps are ``lr`` in these units;
+    * in the compression stage of 1-bit Adam and 1-bit LAMB, at the same steps: the share of the compressed
+      coordinates whose ``|m_hat| / (sqrt(v_hat) + eps)`` exceeds ``adam_step_bound(betas)``, the largest any Adam
+      step can reach (the coordinates ``cap_update`` clips, or would clip when it is off): over the whole model
+      (``clip_share``) and the largest per tensor (``clip_share_max``, its tensor in ``clip_share_max_name``).
     """
 
     def __init__(self, out: str, every: int = TRACE_EVERY, window: int = TRACE_WINDOW, sample: int = TRACE_SAMPLE):
@@ -236,6 +240,7 @@ class VarianceTrace(L.Callback):
         self.trace: dict[str, Any] = dict(every=every, window=window, names=None, steps=[], sqrt_v=[], mean_v=[], loss=[],
                                           rel_coord_med=[], rel_coord_p90=[], rel_mean_med=[], rel_mean_p90=[],
                                           update_steps=[], update_rel=[], update_rel_max=[], update_rel_max_name=[],
+                                          clip_steps=[], clip_share=[], clip_share_max=[], clip_share_max_name=[],
                                           checks=[])
         self._before: Optional[list[torch.Tensor]] = None  # the parameters before a measured step
         self.record: dict[str, Any] = dict(freeze=None, mask=None, validations=[], step_s=None)
@@ -279,10 +284,44 @@ class VarianceTrace(L.Callback):
         t["update_rel_max"].append(_round(largest))
         t["update_rel_max_name"].append(largest_name)
 
+    def _record_clipped(self, optimizer, pl_module, step: int, frozen_at: int) -> None:
+        """The share of compressed coordinates above the Adam bound at this compression-stage step (see above)."""
+        from lightning_onebit.optim.functional import adam_step_bound
+
+        names = {p: n for n, p in pl_module.named_parameters()}
+        above = total = 0
+        largest, largest_name = 0.0, None
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                if "cap_update" not in group or not group.get("compress", True):
+                    continue
+                (b1, b2), eps = group["betas"], group["eps"]
+                bc1, bc2 = (1 - b1**step, 1 - b2**frozen_at) if group["bias_correction"] else (1.0, 1.0)
+                bound = adam_step_bound((b1, b2))
+                for p in group["params"]:
+                    state = optimizer.state.get(p, {})
+                    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+                    if m is None or v is None:
+                        continue
+                    ratio = (m.double() / bc1).abs() / ((v.double() / bc2).sqrt() + eps)
+                    count = int((ratio > bound).sum())
+                    above, total = above + count, total + m.numel()
+                    if count / m.numel() > largest:
+                        largest, largest_name = count / m.numel(), names.get(p)
+        if total:
+            t = self.trace
+            t["clip_steps"].append(step)
+            t["clip_share"].append(_round(above / total))
+            t["clip_share_max"].append(_round(largest))
+            t["clip_share_max_name"].append(largest_name)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.is_global_zero:
             return
         if self._before is not None:
+            frozen_at = getattr(self._optimizer(trainer), "freeze_step", None)
+            if isinstance(frozen_at, int) and trainer.global_step > frozen_at:
+                self._record_clipped(self._optimizer(trainer), pl_module, trainer.global_step, frozen_at)
             self._record_update(pl_module, trainer.global_step)
         self._step_times.append(time.perf_counter() - self._t_batch)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs

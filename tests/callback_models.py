@@ -50,14 +50,14 @@ class TokenRegressor(pl.LightningModule):
     """Records the training loss of every step and the embedding weight after every optimizer step."""
 
     def __init__(self, lr: float = 1e-2, freeze_step: int = 4, seed: int = 0, vocab: int = VOCAB,
-                 dead_coordinates: str = "mask") -> None:
+                 dead_coordinates: str = "mask", cap_update: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.emb = nn.Embedding(vocab, DIM)
         self.head = nn.Linear(DIM, 1)
         self.lr = lr
         self.freeze_step = freeze_step
-        self.dead_coordinates = dead_coordinates
+        self.dead_coordinates, self.cap_update = dead_coordinates, cap_update
         self.losses: list[float] = []
         self.emb_trace: list[torch.Tensor] = []  # emb.weight after each optimizer step of this fit
 
@@ -76,7 +76,7 @@ class TokenRegressor(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         # weight_decay 0: masked coordinates must not move at all
         return OnebitAdam(self.parameters(), lr=self.lr, weight_decay=0.0, freeze_step=self.freeze_step,
-                          dead_coordinates=self.dead_coordinates)
+                          dead_coordinates=self.dead_coordinates, cap_update=self.cap_update)
 
     def eval_loss(self, loader: DataLoader) -> float:
         """Mean MSE over ``loader`` at the current parameters."""

@@ -238,13 +238,19 @@ def frozen_adam_update_(
     step: float,
     backend: Backend = "auto",
     frozen: bool = False,
+    limit: Optional[float] = None,
 ) -> None:
     """The parameter update of Adam with a frozen variance, in place on ``params``::
 
         p <- p * decay                     (skipped when decay is None)
-        p <- p + (step * m) / (sqrt(v) / bias_correction2_sqrt + eps)
+        d = sqrt(v) / bias_correction2_sqrt + eps
+        m' = clip(m, -limit d, limit d)    (m itself when limit is None; the stored momentum is not changed)
+        p <- p + (step * m') / d
 
-    ``step`` is ``-lr / bias_correction1``. The ``"cpu"`` backend makes one pass per parameter (all tensors float32
+    ``step`` is ``-lr / bias_correction1``, so ``limit / bias_correction1`` bounds ``|m_hat| / d``, the size of every
+    coordinate of the update in units of ``lr`` (:func:`~lightning_onebit.optim.functional.adam_update_` passes the
+    bound times ``bias_correction1``).
+    Wherever ``m`` lies inside the bounds its bits are used as they are: a limit that never binds changes nothing. The ``"cpu"`` backend makes one pass per parameter (all tensors float32
     and contiguous in CPU memory) with a correctly rounded ``sqrt``; otherwise the ``torch._foreach`` sequence of
     AdamW runs. They can differ in the last bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about
     1 element in 140); every rank runs the same backend, so replicas stay identical.
@@ -260,11 +266,11 @@ def frozen_adam_update_(
     if not params:
         return
     if _uses_native_adam(params, exp_avgs, exp_avg_sqs, backend):
-        cpu_kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step)
+        cpu_kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step, limit)
         return
     denominators = frozen_adam_denominators(exp_avg_sqs, bias_correction2_sqrt, eps) if frozen else None
     torch_kernels.frozen_adam_update_(
-        params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step, denominators=denominators
+        params, exp_avgs, exp_avg_sqs, decay, bias_correction2_sqrt, eps, step, denominators=denominators, limit=limit
     )
 
 

@@ -49,8 +49,9 @@ _SIGNATURES = {
     "onebit_pack_and_subtract": [_p, _i64, _p, _p, _p],
     "onebit_decode": [_p, _i64, _p, _p, _p, ctypes.c_int],
     "onebit_add_mean_of_signs": [_p, _i64, _p, _p, _p, _i64],
-    "onebit_frozen_adam_update": [_p, _p, _p, _i64, _f32, ctypes.c_int, _f32, _f32, _f32],
-    "onebit_lamb_prepare": [_p, _p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _f32, ctypes.c_int, _p],
+    "onebit_frozen_adam_update": [_p, _p, _p, _i64, _f32, ctypes.c_int, _f32, _f32, _f32, _f32, ctypes.c_int],
+    "onebit_lamb_prepare": [_p, _p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _f32, ctypes.c_int, _f32,
+                            ctypes.c_int, _p],
     "onebit_lamb_apply": [_p, _p, _i64, _f32],
 }
 
@@ -213,8 +214,11 @@ def frozen_adam_update_(
     bias_correction2_sqrt: float,
     eps: float,
     step: float,
+    limit: Optional[float] = None,
 ) -> None:
-    """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / (sqrt(v) / bias_correction2_sqrt + eps)``.
+    """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / d`` with
+    ``d = sqrt(v) / bias_correction2_sqrt + eps``; with ``limit``, ``m`` is first clipped to ``[-limit d, limit d]``
+    (the bits of ``m`` wherever it lies inside, so a clip that never binds changes nothing).
 
     One pass per parameter. Every operation is correctly rounded IEEE float32 (numpy's float32 sequence gives the same
     bits); torch's own CPU ``sqrt`` is not always, so the torch path can differ in the last bit.
@@ -230,7 +234,7 @@ def frozen_adam_update_(
     for p, m, v in zip(params, exp_avgs, exp_avg_sqs):
         update(
             p.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), 1.0 if decay is None else decay, decay is not None,
-            bias_correction2_sqrt, eps, step,
+            bias_correction2_sqrt, eps, step, 0.0 if limit is None else limit, limit is not None,
         )
         increment_version(p)  # as an in-place torch op would: autograd must see that p changed
 
@@ -246,6 +250,7 @@ def lamb_prepare_(
     eps: float,
     bias_correction1: float,
     weight_decay: float,
+    limit: Optional[float] = None,
 ) -> torch.Tensor:
     """1-bit LAMB's compression-stage first pass in one C pass per parameter (CPU float32; check with
     :func:`lightning_onebit.kernels.uses_native_update`). Per element, each a float32 IEEE operation, with ``m`` the
@@ -253,7 +258,8 @@ def lamb_prepare_(
 
         g = (b1 last - m) / -(1 - b1);   f = b2 f + (1 - b2) g g          (the fresh variance, in place)
         ratio = root / (sqrt(f) + eps)                                   (root: the frozen sqrt(v) + eps)
-        u0 = (m / bias_correction1) / denominator;   u = u0 + weight_decay p;   scratch = u
+        u0 = (m / bias_correction1) / denominator   (then clipped to [-limit, limit], with a limit)
+        u = u0 + weight_decay p;   scratch = u
 
     Returns a float64 ``(len(params), 3)`` CPU tensor: per parameter the largest ratio (NaN if any is), the sum of
     ``u0^2`` and the sum of ``u^2`` (accumulated in float64). The torch ops of
@@ -272,7 +278,7 @@ def lamb_prepare_(
         m, s, f, root, denominator, p = tensors
         prepare(m.data_ptr(), s.data_ptr(), f.data_ptr(), root.data_ptr(), denominator.data_ptr(), p.data_ptr(), n,
                 b1, -(1 - b1), b2, 1 - b2, eps, bias_correction1, weight_decay, bool(weight_decay),
-                out[k].data_ptr())
+                0.0 if limit is None else limit, limit is not None, out[k].data_ptr())
         increment_version(s)
         increment_version(f)
     return out

@@ -28,6 +28,13 @@
 
 static inline float signed_scale(float y, float scale) { return y >= 0.0f ? scale : -scale; }
 
+/* x clipped to [-bound, bound]; NaN in x stays NaN, and a NaN bound (0 * inf) leaves x as it is. */
+static inline float clip_to(float x, float bound) {
+    if (x > bound) return bound;
+    if (x < -bound) return -bound;
+    return x;
+}
+
 /* ------------------------------------------------------------------ scalar reference loops */
 
 static void pack_scalar(const float *y, int64_t n_bytes, uint8_t *packed) {
@@ -101,19 +108,28 @@ __attribute__((target("avx2"))) static void decode_avx2(const uint8_t *packed, i
     decode_scalar(packed, i, stop, scale, out + (i - start), accumulate);
 }
 
+/* x clipped to [-bound, bound] as clip_to() does: an ordered compare, so NaN in x (or in bound) leaves x as it is. */
+__attribute__((target("avx2"))) static inline __m256 clip_to_avx2(__m256 x, __m256 bound) {
+    __m256 negative = _mm256_xor_ps(bound, _mm256_set1_ps(-0.0f)); /* -bound, exactly */
+    x = _mm256_blendv_ps(x, bound, _mm256_cmp_ps(x, bound, _CMP_GT_OQ));
+    return _mm256_blendv_ps(x, negative, _mm256_cmp_ps(x, negative, _CMP_LT_OQ));
+}
+
 /* Returns how many leading elements it updated (a multiple of 8); the caller finishes the rest. */
 __attribute__((target("avx2"))) static int64_t frozen_adam_update_avx2(float *p, const float *m, const float *v,
                                                                        int64_t n, float decay, int apply_decay,
                                                                        float bias_correction2_sqrt, float eps,
-                                                                       float step) {
+                                                                       float step, float limit, int clip) {
     const __m256 decay_v = _mm256_set1_ps(decay), bc2 = _mm256_set1_ps(bias_correction2_sqrt),
-                 eps_v = _mm256_set1_ps(eps), step_v = _mm256_set1_ps(step);
+                 eps_v = _mm256_set1_ps(eps), step_v = _mm256_set1_ps(step), limit_v = _mm256_set1_ps(limit);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 q = _mm256_loadu_ps(p + i);
         if (apply_decay) q = _mm256_mul_ps(q, decay_v);
         __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(_mm256_loadu_ps(v + i)), bc2), eps_v);
-        _mm256_storeu_ps(p + i, _mm256_add_ps(q, _mm256_div_ps(_mm256_mul_ps(step_v, _mm256_loadu_ps(m + i)), d)));
+        __m256 mi = _mm256_loadu_ps(m + i);
+        if (clip) mi = clip_to_avx2(mi, _mm256_mul_ps(limit_v, d));
+        _mm256_storeu_ps(p + i, _mm256_add_ps(q, _mm256_div_ps(_mm256_mul_ps(step_v, mi), d)));
     }
     return i;
 }
@@ -207,19 +223,22 @@ void onebit_add_mean_of_signs(float *target, int64_t n, const int64_t *offsets, 
     }
 }
 
-/* Adam step with frozen variance, in the order of operations of the torch reference (OnebitAdam._apply_update), each
- * operation correctly rounded (torch's vectorised sqrt is not always, so that path may differ in the last bit):
- * p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps; p <- p + (step * m) / d. */
+/* Adam step with frozen variance, in the order of operations of the torch reference (torch_kernels.frozen_adam_update_),
+ * each operation correctly rounded (torch's vectorised sqrt is not always, so that path may differ in the last bit):
+ * p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps; with clip, m is clipped to
+ * [-limit d, limit d] first (the bits of m wherever it is inside); p <- p + (step * m) / d. */
 void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t n, float decay, int apply_decay,
-                               float bias_correction2_sqrt, float eps, float step) {
+                               float bias_correction2_sqrt, float eps, float step, float limit, int clip) {
     int64_t i = 0;
 #ifdef ONEBIT_X86
-    if (has_avx2()) i = frozen_adam_update_avx2(p, m, v, n, decay, apply_decay, bias_correction2_sqrt, eps, step);
+    if (has_avx2())
+        i = frozen_adam_update_avx2(p, m, v, n, decay, apply_decay, bias_correction2_sqrt, eps, step, limit, clip);
 #endif
     for (; i < n; ++i) {
         float q = apply_decay ? p[i] * decay : p[i];
         float d = sqrtf(v[i]) / bias_correction2_sqrt + eps;
-        p[i] = q + (step * m[i]) / d;
+        float mi = clip ? clip_to(m[i], limit * d) : m[i];
+        p[i] = q + (step * mi) / d;
     }
 }
 
@@ -227,7 +246,8 @@ void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t
 
 /* One element of the first pass: the averaged gradient reconstructed from the momenta, g = (b1 last - m) / -(1 - b1);
  * the fresh variance f <- b2 f + (1 - b2) g^2; the factor's ratio (sqrt(v) + eps) / (sqrt(f) + eps) with `root` the
- * cached sqrt(v) + eps; the update u0 = (m / bc1) / denominator (cached sqrt(v / bc2) + eps), u = u0 + wd p. */
+ * cached sqrt(v) + eps; the update u0 = (m / bc1) / denominator (cached sqrt(v / bc2) + eps), clipped to
+ * [-limit, limit] with clip, u = u0 + wd p. */
 #define LAMB_PREPARE_ELEMENT(i)                                                                                      \
     do {                                                                                                             \
         float g = (last[i] * b1 - m[i]) / neg_one_minus_b1;                                                          \
@@ -236,6 +256,7 @@ void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t
         float r = root[i] / (sqrtf(f) + eps);                                                                        \
         if (r != r) nan_seen = 1; else if (r > max_ratio) max_ratio = r;                                            \
         float u0 = (m[i] / bc1) / denominator[i];                                                                    \
+        if (clip) u0 = clip_to(u0, limit);                                                                           \
         u0_sq += (double)u0 * (double)u0;                                                                            \
         float u = use_wd ? u0 + wd * p[i] : u0;                                                                      \
         u_sq += (double)u * (double)u;                                                                               \
@@ -246,10 +267,10 @@ void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t
 __attribute__((target("avx2"))) static int64_t lamb_prepare_avx2(
     const float *m, float *last, float *fresh, const float *root, const float *denominator, const float *p, int64_t n,
     float b1, float neg_one_minus_b1, float b2, float one_minus_b2, float eps, float bc1, float wd, int use_wd,
-    float *max_out, int *nan_out, double *u0_sq_out, double *u_sq_out) {
+    float limit, int clip, float *max_out, int *nan_out, double *u0_sq_out, double *u_sq_out) {
     const __m256 b1_v = _mm256_set1_ps(b1), neg_v = _mm256_set1_ps(neg_one_minus_b1), b2_v = _mm256_set1_ps(b2),
                  omb2_v = _mm256_set1_ps(one_minus_b2), eps_v = _mm256_set1_ps(eps), bc1_v = _mm256_set1_ps(bc1),
-                 wd_v = _mm256_set1_ps(wd);
+                 wd_v = _mm256_set1_ps(wd), limit_v = _mm256_set1_ps(limit);
     __m256 max_v = _mm256_set1_ps(-INFINITY), nan_v = _mm256_setzero_ps();
     __m256d u0_lo = _mm256_setzero_pd(), u0_hi = _mm256_setzero_pd(), u_lo = _mm256_setzero_pd(),
             u_hi = _mm256_setzero_pd();
@@ -264,6 +285,7 @@ __attribute__((target("avx2"))) static int64_t lamb_prepare_avx2(
         nan_v = _mm256_or_ps(nan_v, _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
         max_v = _mm256_max_ps(max_v, r);
         __m256 u0 = _mm256_div_ps(_mm256_div_ps(mi, bc1_v), _mm256_loadu_ps(denominator + i));
+        if (clip) u0 = clip_to_avx2(u0, limit_v);
         __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(u0)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(u0, 1));
         u0_lo = _mm256_add_pd(u0_lo, _mm256_mul_pd(a, a));
         u0_hi = _mm256_add_pd(u0_hi, _mm256_mul_pd(b, b));
@@ -293,7 +315,7 @@ __attribute__((target("avx2"))) static int64_t lamb_prepare_avx2(
  * any ratio is NaN), sum u0^2 and sum u^2 (accumulated in double). Every element op is one float32 IEEE op. */
 void onebit_lamb_prepare(const float *m, float *last, float *fresh, const float *root, const float *denominator,
                          const float *p, int64_t n, float b1, float neg_one_minus_b1, float b2, float one_minus_b2,
-                         float eps, float bc1, float wd, int use_wd, double *out) {
+                         float eps, float bc1, float wd, int use_wd, float limit, int clip, double *out) {
     float max_ratio = -INFINITY;
     int nan_seen = 0;
     double u0_sq = 0.0, u_sq = 0.0;
@@ -301,7 +323,7 @@ void onebit_lamb_prepare(const float *m, float *last, float *fresh, const float 
 #ifdef ONEBIT_X86
     if (has_avx2())
         i = lamb_prepare_avx2(m, last, fresh, root, denominator, p, n, b1, neg_one_minus_b1, b2, one_minus_b2, eps, bc1,
-                              wd, use_wd, &max_ratio, &nan_seen, &u0_sq, &u_sq);
+                              wd, use_wd, limit, clip, &max_ratio, &nan_seen, &u0_sq, &u_sq);
 #endif
     for (; i < n; ++i) LAMB_PREPARE_ELEMENT(i);
     out[0] = nan_seen ? (double)NAN : (double)max_ratio;

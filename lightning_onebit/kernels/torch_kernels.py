@@ -219,20 +219,57 @@ def frozen_adam_update_(
     eps: float,
     step: float,
     denominators: Optional[Sequence[torch.Tensor]] = None,
+    limit: Optional[float] = None,
 ) -> None:
-    """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / (sqrt(v) / bias_correction2_sqrt + eps)``,
-    as the ``_foreach`` sequence of :class:`torch.optim.AdamW`.
+    """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / d`` with
+    ``d = sqrt(v) / bias_correction2_sqrt + eps``, as the ``_foreach`` sequence of :class:`torch.optim.AdamW`.
 
-    ``denominators``: ``sqrt(v) / bias_correction2_sqrt + eps`` per tensor, already computed (by
-    :func:`frozen_adam_denominators_into`, the same ops, so the same bits): a frozen variance's, cached. The update is
-    then two passes (decay, ``addcdiv``) instead of five and allocates nothing."""
+    ``denominators``: ``d`` per tensor, already computed (by :func:`frozen_adam_denominators_into`, the same ops, so
+    the same bits): a frozen variance's, cached. The update is then two passes (decay, ``addcdiv``) instead of five and
+    allocates nothing.
+
+    ``limit``: ``m`` is first clipped to ``[-limit d, limit d]`` (a copy: the momentum itself is not changed; its bits
+    wherever it lies inside, so a clip that never binds gives the unclipped bits). The copies and the bounds are
+    temporaries of at most :data:`CLIP_RUN_NUMEL` elements each, made run by run."""
     if decay is not None:
         torch._foreach_mul_(params, decay)
     if denominators is None:
         denominators = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denominators, bias_correction2_sqrt)
         torch._foreach_add_(denominators, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denominators, value=step)
+    if limit is None:
+        torch._foreach_addcdiv_(params, exp_avgs, denominators, value=step)
+        return
+    for run in _runs(params, CLIP_RUN_NUMEL):
+        ps, ms, ds = [params[i] for i in run], [exp_avgs[i] for i in run], [denominators[i] for i in run]
+        bounds = torch._foreach_mul(ds, limit)
+        clipped = torch._foreach_minimum(ms, bounds)  # NaN in m stays NaN, as in the C kernel
+        torch._foreach_neg_(bounds)
+        torch._foreach_maximum_(clipped, bounds)
+        del bounds
+        torch._foreach_addcdiv_(ps, clipped, ds, value=step)
+
+
+#: The clipped update of :func:`frozen_adam_update_` makes its temporaries for runs of tensors of at most this many
+#: elements (a larger tensor alone): two of them, 128 MiB in float32.
+CLIP_RUN_NUMEL = 2**24
+
+
+def _runs(tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
+    """Indices into ``tensors`` in consecutive runs of at most ``limit`` elements (a larger tensor alone), each run on
+    one device (the ``_foreach`` ops take one device per call)."""
+    out: list[list[int]] = []
+    size, device = 0, None
+    for i, t in enumerate(tensors):
+        if out and (size + t.numel() > limit or t.device != device):
+            out.append([])
+            size = 0
+        if not out:
+            out.append([])
+        out[-1].append(i)
+        size += t.numel()
+        device = t.device
+    return [run for run in out if run]
 
 
 def frozen_adam_denominators_into(

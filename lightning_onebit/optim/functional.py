@@ -27,6 +27,43 @@ def bias_corrections(group: dict[str, Any], t: int, t_v: int) -> tuple[float, fl
     return 1 - b1**t, 1 - b2**t_v
 
 
+def adam_step_bound(betas: tuple[float, float], t: Optional[int] = None, bias_correction: bool = True) -> float:
+    """The largest size a coordinate of an Adam update can have, in units of ``lr``: ``max |m_hat_t| / sqrt(v_hat_t)``
+    over every sequence of gradients (``eps`` and weight decay aside), at step ``t``, or at any step (``t=None``).
+
+    With ``m_t = (1 - b1) sum_k b1^k g_(t-k)`` and ``v_t = (1 - b2) sum_k b2^k g_(t-k)^2`` (``k = 0 .. t-1``), the
+    Cauchy-Schwarz inequality over the pairs ``(b1^k / b2^(k/2), b2^(k/2) |g_(t-k)|)`` gives::
+
+        |m_t| / sqrt(v_t) <= (1 - b1) sqrt(S_t / (1 - b2)),   S_t = sum_k (b1^2 / b2)^k
+
+    and bias correction multiplies the ratio by ``sqrt(1 - b2^t) / (1 - b1^t)``. The bound is attained (by gradients
+    ``|g_(t-k)|`` proportional to ``(b1 / b2)^k``). It grows with ``t`` (bias-corrected: 1 at step 1, 2.24 at step 100,
+    5.78 at step 1000 for betas (0.9, 0.999)) towards, for ``b1^2 < b2``, the bound over all steps::
+
+        B = (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))          (7.27 for (0.9, 0.999), 1.70 for (0.9, 0.98))
+
+    The typical size is well below 1. ``inf`` where no bound exists (``b1^2 >= b2`` over all steps, ``b2 = 0``)."""
+    b1, b2 = betas
+    if b2 == 0:  # v_t = g_t^2: |m_t| / |g_t| is unbounded unless b1 = 0
+        return 1.0 if b1 == 0 else math.inf
+    ratio = b1 * b1 / b2
+    if t is None:
+        return (1 - b1) / math.sqrt((1 - b2) * (1 - ratio)) if ratio < 1 else math.inf
+    if ratio == 1:
+        total = float(t)
+    else:
+        try:
+            total = (1 - ratio**t) / (1 - ratio)
+        except OverflowError:
+            return math.inf
+    if not math.isfinite(total):
+        return math.inf
+    bound = (1 - b1) * math.sqrt(total / (1 - b2))
+    if bias_correction:
+        bound *= math.sqrt(1 - b2**t) / (1 - b1**t)
+    return bound
+
+
 def fold_gradients_(exp_avgs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], beta1: float) -> None:
     """``m = b1 m + (1 - b1) g`` (as ``lerp``, AdamW's form), in place."""
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -46,10 +83,15 @@ def adam_update_(
     t: int,
     t_v: int,
     backend: Backend = "torch",
+    bound: Optional[float] = None,
 ) -> None:
     """``p = p (1 - lr wd) - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``, in AdamW's order of operations, with
     ``bc1 = 1 - b1^t`` and ``bc2 = 1 - b2^t_v`` (``t_v``: the number of updates ``v`` received), or neither without
     ``bias_correction``.
+
+    ``bound``: every coordinate of ``m_hat / (sqrt(v_hat) + eps)`` is clipped to ``[-bound, bound]`` before it is
+    applied (the stored momentum is not changed; where the clip does not bind, the bits are the unclipped update's).
+    ``None`` (default): no clip.
 
     Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
     compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
@@ -71,6 +113,7 @@ def adam_update_(
         step=-lr / bias_correction1,
         backend=backend,
         frozen=t_v < t,
+        limit=None if bound is None or math.isinf(bound) else bound * bias_correction1,
     )
 
 

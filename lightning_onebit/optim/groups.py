@@ -60,6 +60,9 @@ def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
             "exactly every step, and sparse_rows sends only their nonzero rows (embedding tables). Give the group "
             '"compress": False as well, e.g. {"params": [embedding.weight], "compress": False, "sparse_rows": True}'
         )
+    if "cap_update" in group:  # OnebitAdam's and OnebitLamb's
+        _flag(group, "cap_update", True, where, "cap_update=True clips every coordinate of a compressed update at the "
+              "largest one an Adam step can have")
     group["exp_avg_mask"] = normalise_masks(group.get("exp_avg_mask"), group, index)
 
 

@@ -138,10 +138,11 @@ def _maxima(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: list[torch.Tensor],
                    roots: list[torch.Tensor], denominators: list[torch.Tensor], params: list[torch.Tensor],
-                   group: dict[str, Any], bc1: float, squared: bool = False, with_norms: bool = False
-                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                   group: dict[str, Any], bc1: float, squared: bool = False, with_norms: bool = False,
+                   bound: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The torch ops of the update's first part (any device, no host synchronisation): the fresh variance
-    updated, ``u`` written into ``scratch``; returns per tensor the largest ratio (``-inf`` for an empty tensor) and,
+    updated, ``u`` written into ``scratch`` (``u0`` clipped to ``[-bound, bound]`` first, with a ``bound``); returns
+    per tensor the largest ratio (``-inf`` for an empty tensor) and,
     with weight decay or ``with_norms``, the norms of ``u0`` and ``u`` (float64 device vectors, the same vector twice
     without weight decay, where ``u = u0``; else ``None``). ``squared``: the squared norms instead, accumulated in
     float64 (:func:`_squared_norms`; what sharded parameters add over the shard group)."""
@@ -163,6 +164,9 @@ def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: l
     for s, m in zip(scratch, ms):
         torch.div(m, bc1, out=s)
     torch._foreach_div_(scratch, denominators)
+    if bound is not None:  # clamp keeps NaN, as the C kernel's ordered compares do
+        torch._foreach_clamp_min_(scratch, -bound)
+        torch._foreach_clamp_max_(scratch, bound)
     if not wd and not with_norms:
         return factor, None, None
     norms = _squared_norms if squared else (lambda ts: torch.stack(torch._foreach_norm(ts)).double())
@@ -177,14 +181,15 @@ def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: l
 
 def compressed_lamb_update_(params: list[torch.Tensor], states: list[dict[str, Any]], group: dict[str, Any],
                             corrections: tuple[float, float], backend: str,
-                            reduce: Optional[Callable[..., tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]]
-                            ) -> None:
+                            reduce: Optional[Callable[..., tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]],
+                            bound: Optional[float] = None) -> None:
     """1-bit LAMB's update after the exchange (:class:`~lightning_onebit.OnebitLamb`'s compression stage), for these
     parameters (one device) and their optimizer ``states`` (the averaged ``exp_avg``, the frozen ``exp_avg_sq``,
     ``exp_avg_sq_fresh``, ``exp_avg_last``, ``lamb_coeff`` and ``lamb_last_factor``), with multi-tensor ops and no
     host synchronisation. ``corrections``: the bias corrections ``(bc1, bc2)``; ``backend``: the kernel backend;
     ``reduce``: for sharded parameters, what makes this rank's per-tensor maxima and sums the whole tensors'
-    (:meth:`~lightning_onebit.optim.sharded.ShardedParams.reduce_tensor_figures`), else ``None``.
+    (:meth:`~lightning_onebit.optim.sharded.ShardedParams.reduce_tensor_figures`), else ``None``; ``bound``: every
+    coordinate of ``u0 = m_hat / (sqrt(v_hat) + eps)`` is clipped to ``[-bound, bound]`` (``None``: not clipped).
 
     Scratch: each parameter's ``exp_avg_last`` (the previous momentum is only needed for the reconstructed gradient,
     and the optimizer rewrites it after the step), so the step allocates no full-size temporary; the frozen
@@ -210,11 +215,11 @@ def compressed_lamb_update_(params: list[torch.Tensor], states: list[dict[str, A
     cap = group["cap_trust_ratio"]
     if native:  # the same quantities in one C pass per tensor (CPU float32): scratch = u
         # (an empty tensor, a shard of none of a small tensor's rows, reads nothing: -inf, 0, 0)
-        figures = kernels.lamb_prepare_(ms, scratch, fresh, roots, denominators, params, (b1, b2), eps, bc1, wd)
+        figures = kernels.lamb_prepare_(ms, scratch, fresh, roots, denominators, params, (b1, b2), eps, bc1, wd, bound)
         factor, squares = figures[:, 0], figures[:, 1:]
     else:
         factor, u0_norm, u_norm = _lamb_figures_(ms, scratch, fresh, roots, denominators, params, group, bc1,
-                                                 squared=sharded, with_norms=cap)
+                                                 squared=sharded, with_norms=cap, bound=bound)
         squares = torch.stack([u0_norm, u_norm], 1) if u_norm is not None else None
     p_norm = None
     if sharded:  # the squared norms added over the shard group, the maxima maxed over it

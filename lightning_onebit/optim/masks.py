@@ -172,7 +172,8 @@ def zero_variance_coordinates(
 
 def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, masked: bool) -> None:
     """Say, in two lines, how many dead coordinates :func:`zero_variance_coordinates` found and what happens to them:
-    kept at rest (``masked``), or free to take the ``lr * scale / eps`` updates 1-bit noise gives them.
+    kept at rest (``masked``), or free to take the updates 1-bit noise gives them (up to ``lr * B`` a step under
+    ``cap_update``, about ``lr * scale / eps`` without).
 
     Called from the optimizer's ``_average_momenta_``: ``stacklevel=4`` points the warning at the caller of ``step``."""
     total = sum(count for _, count, _ in report)
@@ -181,7 +182,8 @@ def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, maske
     fate = (
         "stay at rest; to train them, use a \"compress\": False param group"
         if masked
-        else "are not masked (dead_coordinates='warn'): their updates can explode"
+        else "are not masked (dead_coordinates='warn'): 1-bit noise moves them every step (without cap_update, "
+        "by about lr * scale / eps)"
     )
     warnings.warn(
         f"{owner}: {total} coordinate(s) had no gradient in warmup ({name}: {count} of {numel}{more}) and {fate}. "

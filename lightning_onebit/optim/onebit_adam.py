@@ -11,7 +11,7 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
-from lightning_onebit.optim.functional import adam_update_
+from lightning_onebit.optim.functional import adam_step_bound, adam_update_
 from lightning_onebit.optim.masks import DeadCoordinates
 
 
@@ -31,7 +31,18 @@ class OnebitAdam(CompressedOptimizer):
     applied with the variance frozen at its step-``freeze_step`` value::
 
         m = CompressedAllreduce(b1 m + (1 - b1) g_local) * mask
-        p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat_frozen) + eps)
+        p = p (1 - lr wd) - lr clip(m_hat / (sqrt(v_hat_frozen) + eps), -B, B)
+
+    ``B = (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))`` (``cap_update=True``, the default; not in the paper or
+    DeepSpeed) is the largest size a coordinate of an Adam update can reach at any step, whatever the gradients
+    (:func:`~lightning_onebit.optim.functional.adam_step_bound`: 7.27 for betas (0.9, 0.999), 1.70 for (0.9, 0.98);
+    typical coordinates stay well below 1). The 1-bit exchange gives every coordinate of a segment the same magnitude
+    (its scale), so a coordinate whose frozen variance is tiny but not zero (a position-embedding row that few warmup
+    batches reached) would step by ``lr * scale / sqrt(v)``, a step no Adam run could take: on the example's fresh
+    BERT frozen at a fifth of its run the position embeddings moved by up to 7.4 times their own norm in one step
+    (docs/guides/freeze-step.md). The clip leaves every other coordinate's bits as they are; the momentum and the
+    error feedback are not clipped, so a clipped coordinate moves in the direction error feedback gives it, more
+    slowly. ``cap_update=False``: the paper's update.
 
     Bias correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` (``t`` the current step) and ``v`` by
     ``1 - b2^t_v`` with ``t_v = min(t, freeze_step)``, the number of updates ``v`` received. With
@@ -96,6 +107,9 @@ class OnebitAdam(CompressedOptimizer):
             (about ``N/8`` bytes per node per step instead of ``N/4`` or more); any topology splits the byte counters
             into intra- and inter-node bytes. ``None`` (default): flat exchange. The strategy sets it from its
             ``topology`` argument.
+        cap_update: in the compression stage, clip every coordinate of ``m_hat / (sqrt(v_hat) + eps)`` at ``B``, the
+            largest an Adam update can reach (see above; per param group, from its betas). A bool. Default ``True``;
+            ``False``: the paper's (and DeepSpeed's) update.
         dead_coordinates: what happens to the dead coordinates (see above) at the first compressed step:
             ``"mask"`` keeps them at rest and warns (default; one bool per element of the parameters that have any,
             for the rest of training); ``"warn"`` only warns, and lets 1-bit noise move them (DeepSpeed's behaviour);
@@ -158,6 +172,7 @@ class OnebitAdam(CompressedOptimizer):
         auto_freeze: Optional[AutoFreeze] = None,
         bias_correction: bool = True,
         amsgrad: bool = False,
+        cap_update: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
@@ -168,7 +183,10 @@ class OnebitAdam(CompressedOptimizer):
             raise ValueError(f"amsgrad must be False (OnebitAdam does not support amsgrad), got {amsgrad!r}")
         if amsgrad:
             raise ValueError("OnebitAdam does not support amsgrad=True: the variance is frozen after warmup")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        if not isinstance(cap_update, bool):
+            raise ValueError(f"cap_update must be True or False, got {cap_update!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        cap_update=cap_update)
         super().__init__(
             params,
             defaults,
@@ -196,4 +214,5 @@ class OnebitAdam(CompressedOptimizer):
             if params:
                 exp_avgs = [self.state[p]["exp_avg"] for p in params]
                 exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-                adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend)
+                bound = adam_step_bound(group["betas"]) if group["cap_update"] else None
+                adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t_v, self.compression.backend, bound)

@@ -14,7 +14,7 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
-from lightning_onebit.optim.functional import bias_corrections
+from lightning_onebit.optim.functional import adam_step_bound, bias_corrections
 from lightning_onebit.optim.groups import is_real
 from lightning_onebit.optim.lamb_math import (
     _SCALAR_STATE,
@@ -51,7 +51,7 @@ class OnebitLamb(CompressedOptimizer):
         m = CompressedAllreduce((b1 m + (1 - b1) g_local) scaling_coeff) / scaling_coeff * mask
         g_rec = (m - b1 m_last) / (1 - b1)                 (the averaged gradient, reconstructed)
         v_fresh = b2 v_fresh + (1 - b2) g_rec^2            (seeded with v at the first compressed step)
-        u0 = m_hat / (sqrt(v_hat_frozen) + eps);  u = u0 + wd p
+        u0 = clip(m_hat / (sqrt(v_hat_frozen) + eps), -B, B);  u = u0 + wd p
         factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))          (per tensor, raw v)
         factor = rho factor + (1 - rho), rho = min(1, ||u0|| / ||u||)  (only with weight decay)
         factor = clip(factor, factor_min, factor_max), then within last_factor (1 +- factor_threshold)
@@ -65,6 +65,12 @@ class OnebitLamb(CompressedOptimizer):
     step 300): without the cap the whole model moved 2.5-2.9x further per step than in warmup (one tensor up to 19x)
     and a 600-step run ended at 67.7% (its uncompressed twin: 97.8%); with the cap it moved as far as in warmup and
     ended at 98.1% (``docs/guides/freeze-step.md``). Cost: one norm per parameter tensor per step, on the device.
+
+    ``B`` (``cap_update=True``, the default; not in DeepSpeed) clips every coordinate of ``u0`` at the largest size
+    it can reach in warmup, whatever the gradients (see :class:`~lightning_onebit.OnebitAdam`): a coordinate whose
+    frozen variance is tiny would otherwise get ``scale / sqrt(v)`` from the sign-compressed momentum, lengthen
+    ``||u||`` by itself and push the live trust ratio of its whole tensor to ``min_coeff``, where the step
+    ``lr min_coeff factor ||u||`` is no longer bounded by ``lr ||p||``.
 
     Everything after the exchange depends only on rank-identical values, so replicas stay bit-identical. Bias
     correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` and ``v`` by ``1 - b2^min(t, freeze_step)``,
@@ -121,6 +127,8 @@ class OnebitLamb(CompressedOptimizer):
         cap_trust_ratio: in the compression stage, cap the frozen trust ratio ``coeff`` by the live one,
             ``clip(||p|| / ||u||, min_coeff, max_coeff)``, so a step is never larger than LAMB's. ``False``: DeepSpeed's
             update, which can diverge late in fine-tuning (above). Default ``True``.
+        cap_update: in the compression stage, clip every coordinate of ``u0`` at ``B`` (above). A bool. Default
+            ``True``; ``False``: DeepSpeed's ``u0``.
     """
 
     # its compression stage needs the trust-ratio coefficients only its own warmup computes (see load_state_dict)
@@ -143,6 +151,7 @@ class OnebitLamb(CompressedOptimizer):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         cap_trust_ratio: bool = True,
+        cap_update: bool = True,
         bias_correction: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
@@ -163,13 +172,14 @@ class OnebitLamb(CompressedOptimizer):
             raise ValueError(f"factor_threshold must be >= 0, got {factor_threshold}")
         if not 0 <= coeff_beta < 1:
             raise ValueError(f"coeff_beta must be in [0, 1), got {coeff_beta}")
-        if not isinstance(cap_trust_ratio, bool):
-            raise ValueError(f"cap_trust_ratio must be True or False, got {cap_trust_ratio!r}")
+        for name, flag in (("cap_trust_ratio", cap_trust_ratio), ("cap_update", cap_update)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             max_coeff=float(max_coeff), min_coeff=float(min_coeff), coeff_beta=float(coeff_beta),
             factor_max=float(factor_max), factor_min=float(factor_min), factor_threshold=float(factor_threshold),
-            cap_trust_ratio=cap_trust_ratio,
+            cap_trust_ratio=cap_trust_ratio, cap_update=cap_update,
         )
         super().__init__(
             params,
@@ -301,8 +311,9 @@ class OnebitLamb(CompressedOptimizer):
             if "lamb_last_factor" not in state:
                 state["lamb_last_factor"] = _scalar(1.0, p.device)
         reduce = self.shards.reduce_tensor_figures if self._reduces_figures() else None
+        bound = adam_step_bound(group["betas"]) if group["cap_update"] else None
         compressed_lamb_update_(params, states, group, bias_corrections(group, t, t_v), self.compression.backend,
-                                reduce)
+                                reduce, None if bound is None or math.isinf(bound) else bound)
 
     # ------------------------------------------------------------------ sharded parameters: whole-tensor figures
     def _reduces_figures(self) -> bool:

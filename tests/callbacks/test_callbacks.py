@@ -74,8 +74,9 @@ MASK_FREEZE, MASK_STEPS = 4, 14
 
 
 def scenario_mask(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
-    """The same model, data and seeds without any mask (``dead_coordinates="ignore"``), with the optimizer's default
-    (``"mask"``), with an explicit mask (glob + callable) and with auto=True."""
+    """The same model, data and seeds without any mask (``dead_coordinates="ignore"``, and ``cap_update=False``:
+    DeepSpeed's update), with the optimizer's default (``"mask"``), with an explicit mask (glob + callable) and with
+    auto=True."""
     callbacks: dict[str, Callable[[], list[pl.Callback]]] = {
         "none": lambda: [],
         "default": lambda: [],
@@ -84,7 +85,8 @@ def scenario_mask(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for name, make in callbacks.items():
-        model = TokenRegressor(freeze_step=MASK_FREEZE, dead_coordinates="ignore" if name == "none" else "mask")
+        model = TokenRegressor(freeze_step=MASK_FREEZE, dead_coordinates="ignore" if name == "none" else "mask",
+                               cap_update=name != "none")
         init = model.emb.weight.detach().clone()
         cbs = make()
         trainer = pl.Trainer(**trainer_kwargs(world_size, MASK_STEPS, callbacks=cbs))

@@ -328,41 +328,77 @@ def adam_tensors(n: int, seed: int):
 ADAM_HYPER = dict(bias_correction2_sqrt=math.sqrt(1 - 0.999 ** 7), eps=1e-8, step=-1e-3 / (1 - 0.9 ** 7))
 
 
-def numpy_frozen_adam(p, m, v, decay: Optional[float], bias_correction2_sqrt: float, eps: float, step: float):
+def numpy_frozen_adam(p, m, v, decay: Optional[float], bias_correction2_sqrt: float, eps: float, step: float,
+                      limit: Optional[float] = None):
     p, m, v = p.numpy().copy(), m.numpy(), v.numpy()
     if decay is not None:
         p = p * np.float32(decay)
     d = np.sqrt(v) / np.float32(bias_correction2_sqrt) + np.float32(eps)
+    if limit is not None:  # m clipped to [-limit d, limit d]; NaN stays NaN
+        bound = np.float32(limit) * d
+        m = np.where(m > bound, bound, np.where(m < -bound, -bound, m))
     p = p + (np.float32(step) * m) / d
     assert p.dtype == np.float32
     return torch.from_numpy(p)
 
 
+#: clips about a fifth of adam_tensors' coordinates (the ones with |m| / d above it), every eleventh (v = 0) among them
+ADAM_LIMIT = 0.5
+
+
 @requires_native
+@pytest.mark.parametrize("limit", [None, ADAM_LIMIT])
 @pytest.mark.parametrize("decay", [None, 0.999])
-def test_frozen_adam_update_bits_equal_numpy_float32(decay):
+def test_frozen_adam_update_bits_equal_numpy_float32(decay, limit):
     params, exp_avgs, exp_avg_sqs = zip(*(adam_tensors(n, seed=n) for n in ADAM_SIZES))
     before = [p.clone() for p in params]
     versions = [p._version for p in params]
-    kernels.frozen_adam_update_(list(params), list(exp_avgs), list(exp_avg_sqs), decay, backend="cpu", **ADAM_HYPER)
+    kernels.frozen_adam_update_(list(params), list(exp_avgs), list(exp_avg_sqs), decay, backend="cpu", limit=limit,
+                                **ADAM_HYPER)
+    clipped = 0
     for n, p, p0, m, v, version in zip(ADAM_SIZES, params, before, exp_avgs, exp_avg_sqs, versions):
-        expected = numpy_frozen_adam(p0, m, v, decay, **ADAM_HYPER)
+        expected = numpy_frozen_adam(p0, m, v, decay, **ADAM_HYPER, limit=limit)
         assert_same_bits(p, expected, f"size {n}, decay {decay}")
         assert p._version > version, f"size {n}: the autograd version counter must move"
         assert not torch.equal(p, p0)
+        if limit is not None:
+            clipped += int(torch.ne(p, numpy_frozen_adam(p0, m, v, decay, **ADAM_HYPER)).sum())
+    if limit is not None:
+        assert clipped > 1000  # the limit bound, on both the vector and the scalar paths' sizes
 
 
 @requires_native
+@pytest.mark.parametrize("limit", [None, ADAM_LIMIT])
 @pytest.mark.parametrize("decay", [None, 0.999])
-def test_frozen_adam_update_close_to_torch_backend(decay):
+def test_frozen_adam_update_close_to_torch_backend(decay, limit):
     cpu_state = [adam_tensors(n, seed=n + 1) for n in ADAM_SIZES]
     torch_state = [tuple(t.clone() for t in group) for group in cpu_state]
     for state, backend in ((cpu_state, "cpu"), (torch_state, "torch")):
         params, exp_avgs, exp_avg_sqs = (list(x) for x in zip(*state))
-        kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, backend=backend, **ADAM_HYPER)
+        kernels.frozen_adam_update_(params, exp_avgs, exp_avg_sqs, decay, backend=backend, limit=limit, **ADAM_HYPER)
     for n, (p_cpu, m, v), (p_torch, m2, v2) in zip(ADAM_SIZES, cpu_state, torch_state):
         torch.testing.assert_close(p_cpu, p_torch, rtol=1e-6, atol=1e-9, msg=f"size {n}, decay {decay}")
         assert torch.equal(m, m2) and torch.equal(v, v2), "the Adam state is read only"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_frozen_adam_update_limit_keeps_nan_and_the_unclipped_bits(backend):
+    """A NaN momentum stays NaN through the clip (it is not turned into a bound), and where the limit does not bind
+    the update has the unclipped update's bits, cached denominators (``frozen``) or not."""
+    if backend == "cpu" and not kernels.cpu_kernels.is_available():
+        pytest.skip("no C compiler")
+    p, m, v = adam_tensors(1003, seed=5)
+    m[::7] = float("nan")
+    ratio = (m.double().abs() / (v.double().sqrt() / ADAM_HYPER["bias_correction2_sqrt"] + ADAM_HYPER["eps"]))
+    inside = ratio < ADAM_LIMIT  # False at NaN
+    for frozen in (False, True):
+        clipped, plain = p.clone(), p.clone()
+        kernels.frozen_adam_update_([clipped], [m], [v], 0.999, backend=backend, limit=ADAM_LIMIT, frozen=frozen,
+                                    **ADAM_HYPER)
+        kernels.frozen_adam_update_([plain], [m], [v], 0.999, backend=backend, frozen=frozen, **ADAM_HYPER)
+        assert bool(clipped[::7].isnan().all())
+        assert_same_bits(clipped[inside], plain[inside], f"{backend}, frozen={frozen}")
+        assert not torch.equal(clipped[~inside & ~m.isnan()], plain[~inside & ~m.isnan()])
 
 
 @requires_native

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_onebit import OnebitAdam, OnebitStage
+from lightning_onebit.optim.functional import adam_step_bound
 from tests.distributed import run_distributed
 
 N_IN = 7  # the last input feature is always 0: its first-layer weights never get a gradient (the "dead" column)
@@ -110,12 +111,20 @@ class _Reference:
 
     Parameters without a gradient in a compressed step contribute a zero gradient (their momentum decays)."""
 
-    def __init__(self, groups: list[dict], freeze_step: int, bias_correction: bool = True) -> None:
+    def __init__(self, groups: list[dict], freeze_step: int, bias_correction: bool = True,
+                 cap_update: bool = True) -> None:
         self.groups = groups
         self.freeze_step = freeze_step
         self.bias_correction = bias_correction
+        self.cap_update = cap_update
         self.t = 0
         self.state: dict[int, dict[str, torch.Tensor]] = {}
+        self.clipped = 0  # coordinates the cap clipped, over all compressed steps
+
+    @staticmethod
+    def bound(b1: float, b2: float) -> float:
+        """The largest |m_hat / sqrt(v_hat)| Adam reaches at any step (Cauchy-Schwarz, the geometric sum's limit)."""
+        return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -141,7 +150,12 @@ class _Reference:
                 else:
                     bc1 = bc2 = 1.0
                 p.mul_(1 - lr * wd)
-                p.sub_(lr / bc1 * st["m"] / (st["v"].sqrt() / math.sqrt(bc2) + eps))
+                update = st["m"] / bc1 / (st["v"].sqrt() / math.sqrt(bc2) + eps)
+                if self.cap_update and not warmup:
+                    bound = self.bound(b1, b2)
+                    self.clipped += int((update.abs() > bound).sum())
+                    update = update.clamp(-bound, bound)
+                p.sub_(lr * update)
 
 
 # ---------------------------------------------------------------------------------------------------- warmup
@@ -254,14 +268,15 @@ def test_freeze_step_semantics():
     assert opt.stage == "compression"
 
 
-def test_compression_stage_single_process_is_adam_with_frozen_variance():
+@pytest.mark.parametrize("cap_update", [True, False])
+def test_compression_stage_single_process_is_adam_with_frozen_variance(cap_update: bool):
     net_a, net_b = Net(dtype=torch.float64), Net(dtype=torch.float64)
     freeze = 5
-    opt = OnebitAdam(_groups(net_a), betas=(0.85, 0.995), eps=1e-6, freeze_step=freeze)
+    opt = OnebitAdam(_groups(net_a), betas=(0.85, 0.995), eps=1e-6, freeze_step=freeze, cap_update=cap_update)
     groups_b = _groups(net_b)
     for g in groups_b:
         g["betas"], g["eps"] = (0.85, 0.995), 1e-6
-    ref = _Reference(groups_b, freeze_step=freeze)
+    ref = _Reference(groups_b, freeze_step=freeze, cap_update=cap_update)
     for s in range(25):
         for net, o in ((net_a, opt), (net_b, ref)):
             for p in net.parameters():
@@ -273,13 +288,16 @@ def test_compression_stage_single_process_is_adam_with_frozen_variance():
             torch.testing.assert_close(opt.state[p]["exp_avg"], ref.state[id(q)]["m"], rtol=0, atol=1e-6)
     # nothing was communicated with one process
     assert opt.communication.calls == 0 and opt.communication.bytes_sent == 0
+    if cap_update:  # the cap clipped coordinates in this run, so the comparison above covers it
+        assert ref.clipped > 0
 
 
 def test_compression_stage_uses_current_step_for_momentum_correction_and_freeze_step_for_variance():
     """One parameter, constant gradient: the compressed update is lr/(1-b1^t) m / (sqrt(v)/sqrt(1-b2^F) + eps)."""
     p = nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
     b1, b2, lr, freeze = 0.9, 0.99, 0.1, 3
-    opt = OnebitAdam([p], lr=lr, betas=(b1, b2), eps=0.0, freeze_step=freeze)
+    # the paper's update: the growing gradient takes m_hat / sqrt(v_hat) past the cap (tested below)
+    opt = OnebitAdam([p], lr=lr, betas=(b1, b2), eps=0.0, freeze_step=freeze, cap_update=False)
     m = v = 0.0
     value = 1.0
     for t in range(1, 8):
@@ -291,6 +309,67 @@ def test_compression_stage_uses_current_step_for_momentum_correction_and_freeze_
             v = b2 * v + (1 - b2) * g * g
         value -= lr / (1 - b1**t) * m / (math.sqrt(v) / math.sqrt(1 - b2 ** min(t, freeze)))
         assert float(p.detach()) == pytest.approx(value, rel=1e-12, abs=1e-12), t
+
+
+def _adam_ratios(grads: torch.Tensor, betas: tuple[float, float], bias_correction: bool) -> torch.Tensor:
+    """``|m_hat_t| / sqrt(v_hat_t)`` of Adam after the last of ``grads`` (one row per step, one column per sequence)."""
+    b1, b2 = betas
+    m = torch.zeros(grads.shape[1], dtype=torch.float64)
+    v = torch.zeros_like(m)
+    for g in grads:
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+    t = grads.shape[0]
+    if bias_correction:
+        m, v = m / (1 - b1**t), v / (1 - b2**t)
+    return m.abs() / v.sqrt()
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.85, 0.995), (0.9, 0.98), (0.0, 0.999)])
+@pytest.mark.parametrize("t", [1, 2, 7, 60, 400])
+def test_adam_step_bound_holds_for_every_gradient_sequence_and_is_attained(betas, t, bias_correction):
+    """``adam_step_bound``: no gradient sequence takes Adam's ``|m_hat| / sqrt(v_hat)`` past it (random, heavy-tailed,
+    growing and rare-spike sequences), the sequence ``|g_(t-k)| = (b1 / b2)^k`` reaches it, it is the sum of the
+    docstring written out, and the bound over all steps (what ``cap_update`` clips at) is above it."""
+    b1, b2 = betas
+    bound = adam_step_bound(betas, t, bias_correction)
+    written_out = (1 - b1) * math.sqrt(sum((b1 * b1 / b2) ** k for k in range(t)) / (1 - b2))
+    if bias_correction:
+        written_out *= math.sqrt(1 - b2**t) / (1 - b1**t)
+    assert bound == pytest.approx(written_out, rel=1e-12)
+    assert bound <= adam_step_bound(betas) * (1 + 1e-12) == _Reference.bound(b1, b2) * (1 + 1e-12)
+    g = torch.Generator().manual_seed(t)
+    steps = torch.arange(t, dtype=torch.float64).unsqueeze(1)
+    grads = torch.cat([
+        torch.randn(t, 2000, generator=g, dtype=torch.float64),
+        torch.randn(t, 500, generator=g, dtype=torch.float64) ** 5,  # heavy tails
+        torch.exp(steps * torch.rand(1, 500, generator=g, dtype=torch.float64)),  # growing
+        torch.where(torch.rand(t, 500, generator=g) < 0.05, 1.0, 1e-3).double(),  # rare large gradients
+    ], 1)
+    assert float(_adam_ratios(grads, betas, bias_correction).max()) <= bound * (1 + 1e-12)
+    worst = ((b1 / b2) ** (t - 1 - steps)).expand(t, 1)  # g_(t-k) = (b1 / b2)^k
+    assert float(_adam_ratios(worst, betas, bias_correction)[0]) == pytest.approx(bound, rel=1e-9)
+
+
+def test_adam_step_bound_over_all_steps():
+    """The bound over all steps is the limit of the per-step bounds, above every one of them (bias-corrected or not,
+    over a grid of betas and steps), and ``inf`` where the sum grows without bound."""
+    assert adam_step_bound((0.9, 0.999)) == pytest.approx(7.2703, abs=1e-4)
+    assert adam_step_bound((0.9, 0.98)) == pytest.approx(1.6977, abs=1e-4)
+    for b1 in (0.0, 0.5, 0.8, 0.9, 0.95, 0.99):
+        for b2 in (0.9, 0.98, 0.99, 0.999, 0.9999):
+            limit = adam_step_bound((b1, b2))
+            if b1 * b1 >= b2:
+                assert limit == math.inf
+                continue
+            per_step = [adam_step_bound((b1, b2), t, bc) for t in (*range(1, 300, 7), 10**4, 10**6)
+                        for bc in (True, False)]
+            assert max(per_step) <= limit * (1 + 1e-12), (b1, b2)
+            assert adam_step_bound((b1, b2), 10**6, False) == pytest.approx(limit, rel=1e-6)
+    assert adam_step_bound((0.95, 0.9), 10**6) == math.inf  # b1^2 > b2: the sum grows without bound
+    assert adam_step_bound((0.9, 0.0), 5) == math.inf  # b2 = 0: v is the last gradient's square alone
+    assert adam_step_bound((0.0, 0.0), 5) == 1.0
 
 
 # ---------------------------------------------------------------------------------------------------- validation
@@ -844,11 +923,11 @@ def _dist_steps(rank, world_size, net, opt, steps, history, local_grads=None):
 def _dist_scenario(rank: int, world_size: int, bucket_cap_mb: float) -> dict:
     torch.manual_seed(0)
 
-    def make(mask=True):
+    def make(mask=True, cap_update=True):
         net = Net()
         # without the mask the optimizer's own dead-coordinate masking is off too: the control below shows why both
         return net, OnebitAdam(_groups(net, mask=mask), freeze_step=FREEZE, bucket_cap_mb=bucket_cap_mb,
-                               dead_coordinates="mask" if mask else "ignore")
+                               dead_coordinates="mask" if mask else "ignore", cap_update=cap_update)
 
     out: dict = {}
     # uninterrupted run, checkpoint at RESUME_AT
@@ -906,11 +985,12 @@ def _dist_scenario(rank: int, world_size: int, bucket_cap_mb: float) -> dict:
     out["resumed_at_freeze"] = []
     _dist_steps(rank, world_size, net_f, opt_f, range(FREEZE, TOTAL), out["resumed_at_freeze"])
 
-    # without the mask, the always-zero-gradient column gets +-scale momentum and blows up (why masks exist)
-    net_n, opt_n = make(mask=False)
-    nomask = []
-    _dist_steps(rank, world_size, net_n, opt_n, range(FREEZE + 2), nomask)
-    out["nomask"] = nomask
+    # without the mask, the always-zero-gradient column gets +-scale momentum and blows up (why masks exist), unless
+    # the update's cap holds it to lr * B a step
+    for name, cap_update in (("nomask", False), ("nomask_capped", True)):
+        net_n, opt_n = make(mask=False, cap_update=cap_update)
+        out[name] = []
+        _dist_steps(rank, world_size, net_n, opt_n, range(FREEZE + 2), out[name])
     return out
 
 
@@ -973,12 +1053,22 @@ def test_distributed_compression_stage_invariants(dist_run):
 
 def test_distributed_unmasked_dead_coordinates_explode(dist_run):
     """Control for the mask test: without the mask (and with ``dead_coordinates="ignore"``) the dead column's
-    momentum is nonzero after compression."""
+    momentum is nonzero after compression, and without the update's cap (``cap_update=False``, the paper's update) it
+    jumps by ``lr * scale / eps``; with the cap each compressed step moves it by at most ``lr * B``."""
     _, results = dist_run
+    lr, wd = 0.03, 0.01  # _groups' for w1
     for res in results:
+        for name in ("nomask", "nomask_capped"):
+            assert bool((res[name][-1]["exp_avg"]["w1"][:, -1] != 0).all()), name
         last = res["nomask"][-1]
-        assert bool((last["exp_avg"]["w1"][:, -1] != 0).all())
         assert float((last["params"]["w1"][:, -1] - res["nomask"][FREEZE - 1]["params"]["w1"][:, -1]).abs().max()) > 1
+        capped = res["nomask_capped"]
+        for k in range(FREEZE, FREEZE + 2):  # records k - 1 -> k: compressed step k + 1
+            before = capped[k - 1]["params"]["w1"][:, -1]
+            moved = (capped[k]["params"]["w1"][:, -1] - before).abs()
+            decay = lr * wd * before.abs()
+            assert bool((moved > 0).all()), k
+            assert bool((moved <= (lr * adam_step_bound((0.9, 0.999)) + decay) * (1 + 1e-3)).all()), k
 
 
 def test_distributed_error_feedback_seam(dist_run):

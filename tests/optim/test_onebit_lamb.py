@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -21,7 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning.pytorch as pl
-from lightning_onebit import OnebitLamb, ReplicaCheck
+from lightning_onebit import OnebitLamb, ReplicaCheck, kernels
+from lightning_onebit.optim.functional import adam_step_bound
 from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
@@ -101,11 +102,12 @@ class _PerTensorLamb:
     and divided again, as the optimizer does around it."""
 
     def __init__(self, groups: list[dict[str, Any]], freeze_step: int, bias_correction: bool,
-                 cap_trust_ratio: bool = True) -> None:
+                 cap_trust_ratio: bool = True, cap_update: bool = True) -> None:
         self.groups = [dict(dict(lr=1e-2, weight_decay=0.0), **g) for g in groups]
         self.freeze_step, self.bias_correction, self.t = freeze_step, bias_correction, 0
-        self.cap_trust_ratio = cap_trust_ratio
+        self.cap_trust_ratio, self.cap_update = cap_trust_ratio, cap_update
         self.capped = 0  # compression-stage steps of a tensor where the live trust ratio was the smaller
+        self.clipped = 0  # coordinates of u0 the update's cap clipped
         self.b1, self.b2, self.eps = 0.9, 0.999, 1e-8
         self.state: dict[int, dict[str, Any]] = {}
         self.scales: dict[int, float] = {}
@@ -159,6 +161,10 @@ class _PerTensorLamb:
                 g_rec = (m - b1 * s["m_last"]) / (1 - b1)
                 s["v_fresh"].mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
                 u0 = (m / bc1) / (v / bc2).sqrt_().add_(eps)
+                if self.cap_update:
+                    bound = adam_step_bound((b1, b2))
+                    self.clipped += int((u0.abs() > bound).sum())
+                    u0 = u0.clamp(-bound, bound)
                 u = u0 + wd * p if wd else u0
                 factor = float(((v.sqrt() + eps) / (s["v_fresh"].sqrt() + eps)).max())
                 if wd:
@@ -180,13 +186,16 @@ class _PerTensorLamb:
             self.state[id(p)]["m_last"] = self.state[id(p)]["m"].clone()
 
 
-def _lamb_batches(net: Net, opt: Any, steps: range) -> list[torch.Tensor]:
+def _lamb_batches(net: Net, opt: Any, steps: range, grow_after: Optional[int] = None) -> list[torch.Tensor]:
+    """Train on ``steps``; ``grow_after``: from that step on the loss, and so the gradients, are 30 times larger (a
+    variance frozen before it is too small for them)."""
     out = []
     for t in steps:
         for p in net.parameters():
             p.grad = None
         x, y = rank_batch(0, t)
-        nn.functional.mse_loss(net(x), y).backward()
+        scale = 30.0 if grow_after is not None and t > grow_after else 1.0
+        (scale * nn.functional.mse_loss(net(x), y)).backward()
         opt.step()
         out.append(torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()]))
     return out
@@ -220,6 +229,31 @@ def test_every_step_is_the_per_tensor_python_float_version_bit_for_bit(bias_corr
         assert state["lamb_coeff"].dtype == torch.float64 and state["lamb_coeff"].dim() == 0
         assert float(state["lamb_coeff"]) == ref["coeff"] and float(state["lamb_last_factor"]) == ref["last_factor"]
         assert float(state["lamb_scaling_coeff"]) == reference.scales[id(q)]
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "cpu"])
+@pytest.mark.parametrize("cap_update", [True, False])
+def test_compressed_update_is_clipped_at_the_adam_bound(kernel_backend: str, cap_update: bool) -> None:
+    """Gradients 30 times larger after the freeze than during warmup: ``u0 = m_hat / (sqrt(v_hat) + eps)`` outgrows
+    every value it could take in warmup, and ``cap_update`` clips each coordinate at ``adam_step_bound`` (the per-tensor
+    version's bits with the torch ops; the C kernel's fused pass clips the same coordinates, its norms summed in
+    another order). Without the cap, the paper's u0."""
+    if kernel_backend == "cpu" and not kernels.cpu_kernels.is_available():
+        pytest.skip("no C compiler")
+    net, ref_net = Net(), Net()
+    opt = OnebitLamb(two_groups(net, 0.05), lr=1e-2, freeze_step=FREEZE_LATE, dead_coordinates="ignore",
+                     kernel_backend=kernel_backend, cap_update=cap_update)
+    ref_groups = [dict(g, lr=g.get("lr", 1e-2)) for g in two_groups(ref_net, 0.05)]
+    reference = _PerTensorLamb(ref_groups, freeze_step=FREEZE_LATE, bias_correction=True, cap_update=cap_update)
+    steps = range(1, FREEZE_LATE + 10)
+    ours = _lamb_batches(net, opt, steps, grow_after=FREEZE_LATE)
+    theirs = _lamb_batches(ref_net, reference, steps, grow_after=FREEZE_LATE)
+    for t, (a, b) in enumerate(zip(ours, theirs), start=1):
+        if kernel_backend == "torch":
+            assert torch.equal(a, b), f"step {t}: max difference {float((a - b).abs().max())}"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+    assert (reference.clipped > 0) is cap_update  # the cap bound in this run, so the comparison covers it
 
 
 def test_steady_steps_do_not_synchronise_the_host() -> None:

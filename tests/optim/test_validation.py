@@ -21,6 +21,7 @@ from torch import nn
 import lightning.pytorch as pl
 import lightning_onebit  # noqa: F401  (registers the strategies)
 from lightning_onebit import MomentumMask, OnebitAdam
+from lightning_onebit.optim.functional import adam_step_bound
 from tests.callback_models import DIM, USED_ROWS, VOCAB, TokenRegressor, token_loader, unused_rows_mask
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import trainer_kwargs
@@ -137,8 +138,11 @@ def scenario_dead(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     return dict(
         default=_fit(rank, world_size, OptionsRegressor(), []),
         named=_fit(rank, world_size, OptionsRegressor(named=True), []),
-        warn=_fit(rank, world_size, OptionsRegressor(dead_coordinates="warn"), []),
-        off=_fit(rank, world_size, OptionsRegressor(dead_coordinates="ignore"), []),
+        # DeepSpeed's behaviour: no mask and no cap on the update
+        warn=_fit(rank, world_size, OptionsRegressor(dead_coordinates="warn", cap_update=False), []),
+        off=_fit(rank, world_size, OptionsRegressor(dead_coordinates="ignore", cap_update=False), []),
+        # no mask, the update capped (the default)
+        warn_capped=_fit(rank, world_size, OptionsRegressor(dead_coordinates="warn"), []),
         auto=_fit(rank, world_size, OptionsRegressor(), [MomentumMask(auto=True)]),
         half=_fit(rank, world_size, OptionsRegressor(), [MomentumMask({"emb.weight": half})]),
     )
@@ -299,14 +303,22 @@ def test_dead_coordinates_are_kept_at_rest_by_default_with_a_short_warning(sessi
 
 
 def test_dead_coordinates_warn_ignore_and_momentum_mask_auto(session: list[dict[str, Any]]) -> None:
-    """``dead_coordinates="warn"`` keeps DeepSpeed's behaviour (the rows jump) and says so on rank 0;
-    ``"ignore"`` neither looks nor warns (the jump, silently); ``MomentumMask(auto=True)`` masks the rows itself and
-    reports them, so the optimizer does not warn a second time."""
+    """``dead_coordinates="warn"`` with ``cap_update=False`` keeps DeepSpeed's behaviour (the rows jump) and says so
+    on rank 0; ``"ignore"`` neither looks nor warns (the jump, silently); with the update's cap (the default) the
+    unmasked rows move, but by at most ``lr * B`` per compressed step (``adam_step_bound``), not ``lr * scale / eps``;
+    ``MomentumMask(auto=True)`` masks the rows itself and reports them, so the optimizer does not warn a second
+    time."""
     for rank, result in enumerate(scenario_results(session, "dead")):
         for name in ("warn", "off"):
             r = result[name]
             assert r["error"] is None and r["steps"] == STEPS and r["kept"] == 0, (name, r)
             assert max(r["unused"][:FREEZE]) < 10 and r["unused"][FREEZE] > 1000, (name, r["unused"])  # the jump
+        capped = result["warn_capped"]
+        assert capped["error"] is None and capped["steps"] == STEPS and capped["kept"] == 0, capped
+        lr = TokenRegressor().lr
+        for t in range(FREEZE + 1, STEPS + 1):  # each compressed step moves them, within lr * B
+            moved = abs(capped["unused"][t - 1] - capped["unused"][t - 2])
+            assert 0 < moved <= lr * adam_step_bound((0.9, 0.999)) * (1 + 1e-3), (t, capped["unused"])
         warned = result["warn"]["warnings"]
         if rank == 0:
             assert len(warned) == 1 and "are not masked (dead_coordinates='warn')" in warned[0], warned
