@@ -242,15 +242,15 @@ def frozen_adam_update_(
 ) -> None:
     """The parameter update of Adam with a frozen variance, in place on ``params``::
 
-        p <- p * decay                     (skipped when decay is None)
+        p <- p * decay                                  (skipped when decay is None)
         d = sqrt(v) / bias_correction2_sqrt + eps
-        m' = clip(m, -limit d, limit d)    (m itself when limit is None; the stored momentum is not changed)
-        p <- p + (step * m') / d
+        p <- p + (step * m) / d                         (limit None)
+        p <- p + step * clip(m / d, -limit, limit)      (with a limit; the stored momentum is not changed)
 
     ``step`` is ``-lr / bias_correction1``, so ``limit / bias_correction1`` bounds ``|m_hat| / d``, the size of every
     coordinate of the update in units of ``lr`` (:func:`~lightning_onebit.optim.functional.adam_update_` passes the
-    bound times ``bias_correction1``).
-    Wherever ``m`` lies inside the bounds its bits are used as they are: a limit that never binds changes nothing. The ``"cpu"`` backend makes one pass per parameter (all tensors float32
+    bound times ``bias_correction1``). The two forms round differently (``(s m) / d`` against ``s (m / d)``), so
+    with a limit the update is the unclipped one to the last bit where the limit does not bind. The ``"cpu"`` backend makes one pass per parameter (all tensors float32
     and contiguous in CPU memory) with a correctly rounded ``sqrt``; otherwise the ``torch._foreach`` sequence of
     AdamW runs. They can differ in the last bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about
     1 element in 140); every rank runs the same backend, so replicas stay identical.

@@ -217,8 +217,7 @@ def frozen_adam_update_(
     limit: Optional[float] = None,
 ) -> None:
     """``p <- p * decay`` (unless ``None``), then ``p <- p + (step * m) / d`` with
-    ``d = sqrt(v) / bias_correction2_sqrt + eps``; with ``limit``, ``m`` is first clipped to ``[-limit d, limit d]``
-    (the bits of ``m`` wherever it lies inside, so a clip that never binds changes nothing).
+    ``d = sqrt(v) / bias_correction2_sqrt + eps``, or with ``limit`` ``p <- p + step * clip(m / d, -limit, limit)``.
 
     One pass per parameter. Every operation is correctly rounded IEEE float32 (numpy's float32 sequence gives the same
     bits); torch's own CPU ``sqrt`` is not always, so the torch path can differ in the last bit.

@@ -127,9 +127,12 @@ __attribute__((target("avx2"))) static int64_t frozen_adam_update_avx2(float *p,
         __m256 q = _mm256_loadu_ps(p + i);
         if (apply_decay) q = _mm256_mul_ps(q, decay_v);
         __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(_mm256_loadu_ps(v + i)), bc2), eps_v);
-        __m256 mi = _mm256_loadu_ps(m + i);
-        if (clip) mi = clip_to_avx2(mi, _mm256_mul_ps(limit_v, d));
-        _mm256_storeu_ps(p + i, _mm256_add_ps(q, _mm256_div_ps(_mm256_mul_ps(step_v, mi), d)));
+        __m256 mi = _mm256_loadu_ps(m + i), u;
+        if (clip)
+            u = _mm256_mul_ps(step_v, clip_to_avx2(_mm256_div_ps(mi, d), limit_v));
+        else
+            u = _mm256_div_ps(_mm256_mul_ps(step_v, mi), d);
+        _mm256_storeu_ps(p + i, _mm256_add_ps(q, u));
     }
     return i;
 }
@@ -225,8 +228,8 @@ void onebit_add_mean_of_signs(float *target, int64_t n, const int64_t *offsets, 
 
 /* Adam step with frozen variance, in the order of operations of the torch reference (torch_kernels.frozen_adam_update_),
  * each operation correctly rounded (torch's vectorised sqrt is not always, so that path may differ in the last bit):
- * p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps; with clip, m is clipped to
- * [-limit d, limit d] first (the bits of m wherever it is inside); p <- p + (step * m) / d. */
+ * p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps; p <- p + (step * m) / d, or with
+ * clip p <- p + step * clip(m / d, -limit, limit). */
 void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t n, float decay, int apply_decay,
                                float bias_correction2_sqrt, float eps, float step, float limit, int clip) {
     int64_t i = 0;
@@ -237,8 +240,7 @@ void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t
     for (; i < n; ++i) {
         float q = apply_decay ? p[i] * decay : p[i];
         float d = sqrtf(v[i]) / bias_correction2_sqrt + eps;
-        float mi = clip ? clip_to(m[i], limit * d) : m[i];
-        p[i] = q + (step * mi) / d;
+        p[i] = q + (clip ? step * clip_to(m[i] / d, limit) : (step * m[i]) / d);
     }
 }
 

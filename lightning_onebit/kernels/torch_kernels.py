@@ -228,9 +228,9 @@ def frozen_adam_update_(
     the same bits): a frozen variance's, cached. The update is then two passes (decay, ``addcdiv``) instead of five and
     allocates nothing.
 
-    ``limit``: ``m`` is first clipped to ``[-limit d, limit d]`` (a copy: the momentum itself is not changed; its bits
-    wherever it lies inside, so a clip that never binds gives the unclipped bits). The copies and the bounds are
-    temporaries of at most :data:`CLIP_RUN_NUMEL` elements each, made run by run."""
+    ``limit``: the update is ``p <- p + step * clip(m / d, -limit, limit)`` instead (the momentum itself is not
+    changed), made run by run with one temporary ``m / d`` of at most :data:`CLIP_RUN_NUMEL` elements: four passes
+    over the run, against five for the unclipped update without ``denominators``."""
     if decay is not None:
         torch._foreach_mul_(params, decay)
     if denominators is None:
@@ -241,17 +241,14 @@ def frozen_adam_update_(
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=step)
         return
     for run in _runs(params, CLIP_RUN_NUMEL):
-        ps, ms, ds = [params[i] for i in run], [exp_avgs[i] for i in run], [denominators[i] for i in run]
-        bounds = torch._foreach_mul(ds, limit)
-        clipped = torch._foreach_minimum(ms, bounds)  # NaN in m stays NaN, as in the C kernel
-        torch._foreach_neg_(bounds)
-        torch._foreach_maximum_(clipped, bounds)
-        del bounds
-        torch._foreach_addcdiv_(ps, clipped, ds, value=step)
+        ratios = torch._foreach_div([exp_avgs[i] for i in run], [denominators[i] for i in run])
+        torch._foreach_clamp_min_(ratios, -limit)  # clamp keeps NaN, as the C kernel's ordered compares do
+        torch._foreach_clamp_max_(ratios, limit)
+        torch._foreach_add_([params[i] for i in run], ratios, alpha=step)
 
 
-#: The clipped update of :func:`frozen_adam_update_` makes its temporaries for runs of tensors of at most this many
-#: elements (a larger tensor alone): two of them, 128 MiB in float32.
+#: The clipped update of :func:`frozen_adam_update_` makes its temporary for runs of tensors of at most this many
+#: elements (a larger tensor alone): 64 MiB in float32.
 CLIP_RUN_NUMEL = 2**24
 
 

@@ -90,8 +90,8 @@ def adam_update_(
     ``bias_correction``.
 
     ``bound``: every coordinate of ``m_hat / (sqrt(v_hat) + eps)`` is clipped to ``[-bound, bound]`` before it is
-    applied (the stored momentum is not changed; where the clip does not bind, the bits are the unclipped update's).
-    ``None`` (default): no clip.
+    applied (the stored momentum is not changed; where the clip does not bind, the update is the unclipped one to the
+    last bit). ``None`` (default): no clip.
 
     Warmup without torch's fused AdamW kernel uses the torch ``_foreach`` ops here (as AdamW does); the
     compression stage passes its kernel backend, which on CPU makes this one fused pass per parameter.
