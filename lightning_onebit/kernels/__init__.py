@@ -250,16 +250,18 @@ def frozen_adam_update_(
     ``step`` is ``-lr / bias_correction1``, so ``limit / bias_correction1`` bounds ``|m_hat| / d``, the size of every
     coordinate of the update in units of ``lr`` (:func:`~lightning_onebit.optim.functional.adam_update_` passes the
     bound times ``bias_correction1``). The two forms round differently (``(s m) / d`` against ``s (m / d)``), so
-    with a limit the update is the unclipped one to the last bit where the limit does not bind. The ``"cpu"`` backend makes one pass per parameter (all tensors float32
-    and contiguous in CPU memory) with a correctly rounded ``sqrt``; otherwise the ``torch._foreach`` sequence of
-    AdamW runs. They can differ in the last bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about
-    1 element in 140); every rank runs the same backend, so replicas stay identical.
+    with a limit the update is the unclipped one to the last bit where the limit does not bind.
 
-    ``frozen=True`` says that ``exp_avg_sqs`` will not change before the next call (the compression stage): the torch
-    path then caches the denominators (:func:`frozen_adam_denominators`, one tensor per variance while it lives) and
-    updates in two passes instead of five, with the same bits. The C kernel ignores it: its one pass reads ``v``
-    where a cached denominator would be read instead, the same memory traffic (``python -m benchmarks.kernels`` measures
-    both), so it keeps no cache and no extra memory.
+    The ``"cpu"`` backend makes one pass per parameter (all tensors float32 and contiguous in CPU memory) with a
+    correctly rounded ``sqrt``; otherwise the ``torch._foreach`` sequence of AdamW runs. They can differ in the last
+    bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about 1 element in 140); every rank runs the
+    same backend, so replicas stay identical.
+
+    ``frozen=True`` says that ``exp_avg_sqs`` will not change before the next call (the compression stage): the
+    torch path then caches the denominators (:func:`frozen_adam_denominators`, one tensor per variance while it
+    lives) and updates in two passes instead of five (five with a limit, two of them the clip's), with the same
+    bits. The C kernel ignores it: its one pass reads ``v`` where a cached denominator would be read instead, the
+    same memory traffic (``python -m benchmarks.kernels`` measures both), so it keeps no cache and no extra memory.
     """
     if not len(params) == len(exp_avgs) == len(exp_avg_sqs):
         raise ValueError(f"got {len(params)} params, {len(exp_avgs)} exp_avgs and {len(exp_avg_sqs)} exp_avg_sqs")

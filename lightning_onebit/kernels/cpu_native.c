@@ -226,9 +226,9 @@ void onebit_add_mean_of_signs(float *target, int64_t n, const int64_t *offsets, 
     }
 }
 
-/* Adam step with frozen variance, in the order of operations of the torch reference (torch_kernels.frozen_adam_update_),
- * each operation correctly rounded (torch's vectorised sqrt is not always, so that path may differ in the last bit):
- * p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps; p <- p + (step * m) / d, or with
+/* Adam step with frozen variance, in the order of operations of the torch reference
+ * (torch_kernels.frozen_adam_update_), each operation correctly rounded (torch's vectorised sqrt is not always, so
+ * that path may differ in the last bit): p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps; p <- p + (step * m) / d, or with
  * clip p <- p + step * clip(m / d, -limit, limit). */
 void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t n, float decay, int apply_decay,
                                float bias_correction2_sqrt, float eps, float step, float limit, int clip) {

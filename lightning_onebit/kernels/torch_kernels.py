@@ -229,8 +229,8 @@ def frozen_adam_update_(
     allocates nothing.
 
     ``limit``: the update is ``p <- p + step * clip(m / d, -limit, limit)`` instead (the momentum itself is not
-    changed), made run by run with one temporary ``m / d`` of at most :data:`CLIP_RUN_NUMEL` elements: four passes
-    over the run, against five for the unclipped update without ``denominators``."""
+    changed), made run by run with one temporary ``m / d`` of at most :data:`CLIP_RUN_NUMEL` elements: five passes
+    with ``denominators`` (decay, divide, two clamps, add), against two without the limit."""
     if decay is not None:
         torch._foreach_mul_(params, decay)
     if denominators is None:
@@ -256,17 +256,14 @@ def _runs(tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
     """Indices into ``tensors`` in consecutive runs of at most ``limit`` elements (a larger tensor alone), each run on
     one device (the ``_foreach`` ops take one device per call)."""
     out: list[list[int]] = []
-    size, device = 0, None
+    size = 0
     for i, t in enumerate(tensors):
-        if out and (size + t.numel() > limit or t.device != device):
+        if not out or size + t.numel() > limit or t.device != tensors[out[-1][0]].device:
             out.append([])
             size = 0
-        if not out:
-            out.append([])
         out[-1].append(i)
         size += t.numel()
-        device = t.device
-    return [run for run in out if run]
+    return out
 
 
 def frozen_adam_denominators_into(

@@ -139,7 +139,8 @@ def _maxima(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: list[torch.Tensor],
                    roots: list[torch.Tensor], denominators: list[torch.Tensor], params: list[torch.Tensor],
                    group: dict[str, Any], bc1: float, squared: bool = False, with_norms: bool = False,
-                   bound: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                   bound: Optional[float] = None
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The torch ops of the update's first part (any device, no host synchronisation): the fresh variance
     updated, ``u`` written into ``scratch`` (``u0`` clipped to ``[-bound, bound]`` first, with a ``bound``); returns
     per tensor the largest ratio (``-inf`` for an empty tensor) and,

@@ -213,6 +213,48 @@ def test_trace_records_the_step_size_every_10_steps_and_after_the_freeze():
         assert t["update_rel_max_name"][i] == name
 
 
+def test_trace_records_the_share_of_coordinates_above_the_adam_bound_after_the_freeze():
+    """In the compression stage of 1-bit Adam (here without the cap, which does not change the momenta the share is
+    read from), at the steps whose update size is recorded: the share of coordinates whose ``|m_hat| / (sqrt(v_hat)
+    + eps)`` exceeds ``adam_step_bound``, over the model and at its largest tensor. Gradients 100 times larger after
+    the freeze take most coordinates past the bound; none is in warmup (nothing recorded there)."""
+    from lightning_onebit import OnebitAdam
+    from lightning_onebit.optim.functional import adam_step_bound
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = OnebitAdam(model.parameters(), lr=1e-3, freeze_step=6, cap_update=False)
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, strategy=SimpleNamespace(), optimizers=[optimizer])
+    pl_module = SimpleNamespace(named_parameters=model.named_parameters)
+    trace = fs.VarianceTrace(out="unused")
+    expected = {}
+    bound = adam_step_bound((0.9, 0.999))
+    for step in range(1, 21):
+        trace.on_train_batch_start(trainer, pl_module, None, step)
+        loss = model(torch.randn(32, 8)).pow(2).mean() * (100.0 if step > 6 else 1.0)
+        optimizer.zero_grad()
+        loss.backward()
+        trace.on_before_optimizer_step(trainer, pl_module, optimizer)
+        optimizer.step()
+        trainer.global_step = step
+        trace.on_train_batch_end(trainer, pl_module, {"loss": loss.detach()}, None, step)
+        shares = {}
+        for name, p in model.named_parameters():
+            m, v = optimizer.state[p]["exp_avg"].double(), optimizer.state[p]["exp_avg_sq"].double()
+            ratio = (m / (1 - 0.9**step)).abs() / ((v / (1 - 0.999**6)).sqrt() + 1e-8)
+            shares[name] = (int((ratio > bound).sum()), p.numel())
+        above, total = sum(a for a, _ in shares.values()), sum(n for _, n in shares.values())
+        largest = max(shares, key=lambda n: shares[n][0] / shares[n][1])
+        expected[step] = (above / total, shares[largest][0] / shares[largest][1], largest)
+    t = trace.trace
+    assert t["clip_steps"] == [*range(7, 17), 20]  # the 10 steps after the freeze at 6, and step 20
+    for i, step in enumerate(t["clip_steps"]):
+        share, largest, name = expected[step]
+        assert t["clip_share"][i] == pytest.approx(share, rel=1e-3)
+        assert t["clip_share_max"][i] == pytest.approx(largest, rel=1e-3) and t["clip_share_max_name"][i] == name
+    assert max(t["clip_share"]) > 0.5
+
+
 class _FrozenAt(torch.optim.AdamW):
     """An AdamW that reports a freeze as the compressed optimizers do (``stage``, ``freeze_step``, a detector)."""
 
