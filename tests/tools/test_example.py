@@ -287,15 +287,28 @@ def test_freeze_note_says_how_the_warmup_ended(example):
     assert example.freeze_note(optimizer(object(), 400, "max_step")) == "auto: bound reached (max_step 400)"
 
 
+#: Runs the example as ``python EXAMPLE ARGS...`` would, and says at the very end of the interpreter's exit (the first
+#: atexit handler registered runs last) whether a process group is still initialised
+_EXIT_PROBE = (
+    "import atexit, runpy, sys, torch.distributed as dist\n"
+    "atexit.register(lambda: print('process group initialised at exit:', dist.is_initialized(), flush=True))\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
 def test_ddp_baseline_is_counted_by_the_communication_monitor(example, tmp_path):
     """bert_adamw.yaml (strategy='ddp', no callbacks): the example adds a CommunicationMonitor, whose count is the
-    fp32 ring allreduce of every gradient at every step; the summary JSON keeps the keys the benchmarks read."""
+    fp32 ring allreduce of every gradient at every step; the summary JSON keeps the keys the benchmarks read. The
+    example destroys DDP's gloo process group before the interpreter exits (Lightning leaves it initialised; left to
+    the interpreter's finalisation it can abort the process after a successful run)."""
     from lightning_onebit.comm import ring_allreduce_bytes
 
     sizes = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     data_sizes = dict(num_train=512, num_val=64)
     summary = tmp_path / "summary.json"
-    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(DDP_CONFIG), "--trainer.max_epochs", "1",
+    command = [sys.executable, "-c", _EXIT_PROBE, str(EXAMPLE), "fit", "--config", str(DDP_CONFIG),
+               "--trainer.max_epochs", "1",
                "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
                "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
     command += [f"--model.{k}={v}" for k, v in sizes.items()] + [f"--data.{k}={v}" for k, v in data_sizes.items()]
@@ -310,6 +323,7 @@ def test_ddp_baseline_is_counted_by_the_communication_monitor(example, tmp_path)
     assert result["bytes_sent"] == result["bytes_fp32_equivalent"] == ring_allreduce_bytes(numel, 4, 2) * 8, result
     assert result["rounds_per_100_steps"] == 100.0
     assert "(= DDP fp32)" in proc.stdout and re.search(r"accuracy +\d+\.\d\d %", proc.stdout), proc.stdout[-3000:]
+    assert "process group initialised at exit: False" in proc.stdout, proc.stdout[-3000:]
     # the monitor logged the baseline under the metric names of the 1-bit runs' warmup
     (metrics,) = tmp_path.glob("bert_adamw/version_*/metrics.csv")
     assert "comm/bytes_sent" in metrics.read_text().splitlines()[0]
