@@ -19,6 +19,10 @@ For one flat float32 buffer cut into BERT-like tensor segments (the momentum buc
                         where it would read the cached denominator, the same memory traffic; a C variant reading a
                         cached denominator was measured 0-10% faster, within this machine's noise, for 4 bytes per
                         parameter more memory, and not adopted
+  frozen Adam update, cached denominator, clipped
+                        the same with the clip of ``cap_update`` (``limit``, OnebitAdam's default): the torch path
+                        divides into one temporary per run of tensors, clamps it and adds it (five passes); the C
+                        kernel clips inside its one pass
   1-bit LAMB update     ``OnebitLamb``'s compression-stage update of all parameters after the exchange (fresh
                         variance, ratios, the update and its norms, trust factor, step): about thirteen torch passes,
                         or one fused C pass per tensor plus the step
@@ -38,6 +42,7 @@ import torch
 from benchmarks.common import argument_parser, bert_like_shapes, momentum_buckets, write_results
 from lightning_onebit import kernels
 from lightning_onebit.comm import BucketLayout
+from lightning_onebit.optim.functional import adam_step_bound
 
 
 
@@ -112,6 +117,9 @@ def main() -> None:
         # _best_ms's untimed first call); the C kernel ignores it, so its row is its plain pass measured again
         timings["frozen Adam update, cached denominator"] = lambda: kernels.frozen_adam_update_(
             params, exp_avgs, exp_avg_sqs, 0.999, 0.9, 1e-8, -1e-4, backend, frozen=True)
+        timings["frozen Adam update, cached denominator, clipped"] = lambda: kernels.frozen_adam_update_(
+            params, exp_avgs, exp_avg_sqs, 0.999, 0.9, 1e-8, -1e-4, backend, frozen=True,
+            limit=adam_step_bound((0.9, 0.999)))
         timings["1-bit LAMB update"] = _lamb_update(numels, backend)
         for name, fn in timings.items():
             ms = _best_ms(fn, args.repeats)

@@ -594,7 +594,7 @@ def headline_figures() -> str:
         f"averaged in bf16 ({ddp['bytes_sent'] / fp32_warmup['bytes_sent']:.1f}x and {fp32_warmup['val_acc']:.1%} "
         "with an fp32 warmup)."
     ]
-    runs = freeze_defaults_runs()["runs"]
+    runs = _load(FREEZE_CAPPED)["runs"]
     real, reference = runs.get("agnews/onebit_adam@auto/0"), runs.get("agnews/adamw/0")
     if real is not None and reference is not None:
         lines.append(
@@ -615,8 +615,10 @@ def headline_figures() -> str:
     return "\n".join(lines)
 
 
-#: The library-defaults matrix of freeze_step="auto" (issue 26), and the reference runs it reuses from earlier files
-#: (same task, seed, steps and settings; the reference optimizers do not depend on the freeze rule).
+#: The library-defaults matrix of freeze_step="auto" (issue 26) as it was before the update's cap (``cap_update``),
+#: from several libraries, and the reference runs it reuses from earlier files (same task, seed, steps and settings;
+#: the reference optimizers do not depend on the freeze rule). The 0/1 Adam settings table still compares with its
+#: AdamW runs; the freeze table is :data:`FREEZE_CAPPED`'s.
 FREEZE_DEFAULTS = "freeze_sweep_defaults"
 FREEZE_REFERENCES = {
     "freeze_sweep": ("adamw", "lamb_uncompressed"),
@@ -653,17 +655,28 @@ def freeze_defaults_runs() -> dict[str, Any]:
     return dict(data, runs=runs)
 
 
+#: Issue 26's matrix with the library as it is now (the update's cap, ``cap_update=True``): every task, both seeds, one
+#: library, references included
+FREEZE_CAPPED = "freeze_sweep_capped"
+#: The example from scratch over six seeds (0 and 1 from :data:`FREEZE_CAPPED`, 2-5 beside them), with the update's
+#: cap (the default), and without it (``cap_update=False``, the same runs otherwise)
+FREEZE_SEEDS = {True: ("freeze_sweep_capped", "freeze_sweep_seeds"), False: ("freeze_sweep_seeds_uncapped",)}
+#: accuracy at or under this is a collapse (the tasks have 2 to 4 classes; chance is 25-50%)
+COLLAPSED = 0.6
+
+
 def freeze_defaults_table() -> str:
-    """Per task and run: accuracy per seed, the difference to the same-seed reference, the freeze step per seed (auto:
-    the decided step, starred where the bound decided) and the whole-run bytes against DDP's."""
+    """Per task and run (:data:`FREEZE_CAPPED`): accuracy per seed, the difference to the same-seed reference, the
+    freeze step per seed (auto: the decided step, starred where the bound decided) and the whole-run bytes against
+    the same task's DDP run."""
     from benchmarks.freeze_sweep import table_rows
 
-    results = freeze_defaults_runs()
+    results = _load(FREEZE_CAPPED)
     rows = table_rows(results)
     seeds = list(rows[0]["acc"]) if rows else []
     bound = {(r["task"], r["run"], int(r["seed"])) for r in results["runs"].values()
              if (r.get("freeze") or {}).get("reason") == "max_step"}
-    uncapped = {(r["task"], r["run"]) for r in results["runs"].values() if r.get("no_cap")}
+    libraries = sorted({r["library"] for r in results["runs"].values() if r.get("library")})
     header = ["task", "run", *(f"seed {s}" for s in seeds), "vs reference (points)", "freeze step", "DDP bytes / run's"]
     table = []
     for r in rows:
@@ -674,25 +687,105 @@ def freeze_defaults_table() -> str:
         freeze = " / ".join("-" if r["freeze"][s] is None
                             else f"{r['freeze'][s]}{'*' if (r['task'], r['run'], s) in bound else ''}" for s in seeds)
         ratio = "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.2f}x"
-        name = r["run"]
-        if (r["task"], name) in uncapped:
-            name += " (no cap)"
-        table.append([r["task"], name, *cells, diff, freeze, ratio])
-    sources = sorted({r["source"] for r in results["runs"].values() if "source" in r})
+        table.append([r["task"], r["run"], *cells, diff, freeze, ratio])
     return (
-        "Each run is the example (`python -m benchmarks.freeze_sweep`, 2 CPU ranks) with the library's defaults for "
-        "`@auto` (no AutoFreeze setting: bounded at half the run, window 1/12 of it) and a fixed freeze at a share of "
-        "the run for `@0.25` (25%) and `@0.2` (20%); the word embeddings of the 1-bit runs are a `sparse_rows` group. "
-        "Differences per seed are in points against the same-seed reference; `*`: the bound decided; bytes are the "
-        "whole run's, the same task's AdamW-DDP bytes over the run's (mean over seeds); `-`: not run yet. 1-bit LAMB "
-        "runs with its compression-stage trust-ratio cap (the default) are from `freeze_sweep_lamb_cap.json`, and its "
-        "`@auto` runs with the rule for capped steps (the loss guard and the averaged trust-ratio change only) from "
-        "`freeze_sweep_lamb_capped_rule.json`; `(no cap)`: runs made before the cap, DeepSpeed's update "
-        "(`cap_trust_ratio=False`). `zeroone_adam`: 0/1 Adam with its schedule scaled to the run "
-        "(`freeze_sweep_zeroone.json`; its freeze step is the last of the all-variance steps at the start, a tenth of "
-        "the run). The synthetic rows are all from one library (829e63a): `freeze_sweep_synthetic_rerun.json`, and "
-        "0/1 Adam's `freeze_sweep_zeroone.json`. Sources besides `freeze_sweep_defaults.json`: "
-        + ", ".join(f"`{s}`" for s in sources) + ".\n\n" + _table(header, table)
+        "Each run is the example (`python -m benchmarks.freeze_sweep --name freeze_sweep_capped`, 2 CPU ranks; "
+        "`--val-checks 2` on the real tasks) with the library's defaults: `@auto` sets no AutoFreeze field (bounded "
+        "at half the run, window 1/12 of it), `@0.25` and `@0.2` freeze at that share of the run; the word embeddings "
+        "of the 1-bit runs are a `sparse_rows` group; `zeroone_adam` is 0/1 Adam with its schedule scaled to the run "
+        "(its freeze step is the last of the all-variance steps at the start, a tenth of the run). Differences per "
+        "seed are in points against the same-seed reference (AdamW-DDP; for 1-bit LAMB, LAMB that never freezes); "
+        "`*`: the bound decided; bytes are the whole run's, the same task's AdamW-DDP bytes over the run's (mean over "
+        "seeds); `-`: not run. One library for every run: "
+        + ", ".join(libraries) + f" (`results/{FREEZE_CAPPED}.json`).\n\n" + _table(header, table)
+    )
+
+
+def _seed_runs() -> dict[bool, dict[tuple[str, int], dict[str, Any]]]:
+    """The synthetic runs of :data:`FREEZE_SEEDS` by cap and (run, seed)."""
+    out: dict[bool, dict[tuple[str, int], dict[str, Any]]] = {}
+    for cap, names in FREEZE_SEEDS.items():
+        out[cap] = {}
+        for name in names:
+            if (RESULTS / f"{name}.json").exists():
+                for run in _load(name)["runs"].values():
+                    if run["task"] == "synthetic":
+                        out[cap][(run["run"], int(run["seed"]))] = run
+    return out
+
+
+def freeze_seeds_table() -> str:
+    """The example from scratch over six seeds: 1-bit Adam frozen at 20% and 25% of the run and by ``auto``, 1-bit
+    LAMB at 25% and by ``auto``, with the update's cap and without: the difference to the same-seed reference per seed,
+    the runs within 0.5 point of it, the collapses, and the freeze step and bytes (means over seeds)."""
+    from benchmarks.freeze_sweep import ddp_bytes_ratio, reference_of
+
+    runs = _seed_runs()
+    seeds = sorted({seed for by_run in runs.values() for _, seed in by_run})
+    references = {key: run for key, run in runs[True].items() if reference_of(key[0]) is None
+                  or key[0] == "lamb_uncompressed"}
+    header = ["run", "cap_update", *(f"seed {s}" for s in seeds), "within 0.5", "collapsed", "freeze step (mean)",
+              "DDP bytes / run's"]
+    names = ["onebit_adam@0.2", "onebit_adam@0.25", "onebit_adam@auto", "onebit_lamb@0.25", "onebit_lamb@auto"]
+    table = []
+    for name in names:
+        for cap in (True, False):
+            got = {s: runs[cap].get((name, s)) for s in seeds}
+            if not any(got.values()):
+                continue
+            cells, within, collapsed, freezes, ratios = [], 0, 0, [], []
+            for s in seeds:
+                run, ref = got[s], references.get((reference_of(name), s))
+                if run is None or ref is None:
+                    cells.append("-")
+                    continue
+                diff = round(100 * (run["val_acc"] - ref["val_acc"]), 6)  # -0.5 is within, float noise aside
+                cells.append(f"{diff:+.1f}" if diff >= -0.5 else f"**{diff:+.1f}**")
+                within += diff >= -0.5
+                collapsed += run["val_acc"] <= COLLAPSED
+                freezes.append(run["freeze_step"])
+                ratios.append(ddp_bytes_ratio({"runs": {str(k): r for k, r in references.items()}}, run))
+            done = sum(c != "-" for c in cells)
+            table.append([name, str(cap), *cells, f"{within} of {done}", str(collapsed),
+                          f"{statistics.fmean(freezes):.0f}" if freezes else "-",
+                          f"{statistics.fmean(ratios):.2f}x" if ratios else "-"])
+    for ref_name in ("adamw", "lamb_uncompressed"):
+        accs = [references.get((ref_name, s)) for s in seeds]
+        table.append([ref_name, "", *("-" if r is None else f"{r['val_acc']:.1%}" for r in accs), "", "", "", "1.00x"])
+    libraries = sorted({r["library"] for by_run in runs.values() for r in by_run.values() if r.get("library")})
+    return (
+        "The example from scratch (a fresh 4-layer BERT, 620 steps, 2 CPU ranks), seeds 0-5: points against the "
+        "same-seed reference (AdamW-DDP; for 1-bit LAMB, LAMB that never freezes; their accuracies in the last two "
+        "rows), bold where more than 0.5 point under it; `collapsed`: runs that ended at or under "
+        f"{COLLAPSED:.0%}. `cap_update=False` runs are the same runs with `-- --optimizer.init_args.cap_update false` "
+        "(the paper's update). Sources: `results/freeze_sweep_capped.json` (seeds 0 and 1), "
+        "`results/freeze_sweep_seeds.json` (2-5), `results/freeze_sweep_seeds_uncapped.json`; library "
+        + ", ".join(libraries) + ".\n\n" + _table(header, table)
+    )
+
+
+def clipped_share_table() -> str:
+    """How often ``cap_update`` binds: per task and 1-bit run of :data:`FREEZE_CAPPED`, the share of the compressed
+    coordinates above the bound (mean over the compression-stage records of the trace) and the tensor with the largest
+    share at any record."""
+    results = _load(FREEZE_CAPPED)
+    header = ["task", "run", "seed", "freeze step", "coordinates clipped per step (mean)",
+              "largest share of one tensor", "that tensor"]
+    table = []
+    for key, run in results["runs"].items():
+        trace = run.get("trace") or {}
+        shares = trace.get("clip_share") or []
+        if not shares:
+            continue
+        top = max(range(len(shares)), key=lambda i: trace["clip_share_max"][i])
+        table.append([run["task"], run["run"], str(run["seed"]), str(run["freeze_step"]),
+                      f"{statistics.fmean(shares):.3%}", f"{trace['clip_share_max'][top]:.2%}",
+                      f"`{(trace['clip_share_max_name'][top] or '').removeprefix('bert.')}`"])
+    return (
+        "The coordinates `cap_update` clipped in the runs above: the share of the compressed coordinates whose "
+        "`|m_hat| / (sqrt(v_hat) + eps)` is above `B` (7.27 for betas (0.9, 0.999)), read every 10 steps and at each "
+        "of the 10 steps after the freeze by the sweep's trace (`clip_share`), and the largest share of one tensor at "
+        f"any of those steps (`results/{FREEZE_CAPPED}.json`).\n\n" + _table(header, table)
     )
 
 
@@ -793,6 +886,8 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "own_data": own_data_table,
     "headline": headline_figures,
     "freeze_defaults": freeze_defaults_table,
+    "freeze_seeds": freeze_seeds_table,
+    "clipped_share": clipped_share_table,
     "largest_model": largest_model_table,
     "zeroone_settings": zeroone_settings_table,
 }

@@ -23,3 +23,29 @@ def test_render_replaces_only_marked_blocks():
     stale = dict(current, **{page: current[page].replace("| 1/32.0 |", "| 1/99.0 |", 1)})
     assert stale[page] != current[page]
     assert result_tables.render(stale) == current
+
+
+def _run(task: str, run: str, seed: int, val_acc: float, freeze_step=None, bytes_sent: float = 1.0) -> dict:
+    return {"task": task, "run": run, "seed": seed, "val_acc": val_acc, "freeze_step": freeze_step,
+            "bytes_sent": bytes_sent, "bytes_fp32_equivalent": 4.0, "settings": {"steps": 620}, "library": "abc1234"}
+
+
+def test_freeze_seeds_table_counts_runs_within_half_a_point_and_collapses(tmp_path, monkeypatch):
+    import json
+
+    capped = {
+        f"synthetic/{r['run']}/{r['seed']}": r for r in [
+            _run("synthetic", "adamw", 0, 0.996, bytes_sent=4.0), _run("synthetic", "adamw", 1, 0.998, bytes_sent=4.0),
+            _run("synthetic", "onebit_adam@0.2", 0, 0.991, 124),  # -0.5 point: within
+            _run("synthetic", "onebit_adam@0.2", 1, 0.500, 124, bytes_sent=2.0),  # collapsed
+        ]}
+    uncapped = {"synthetic/onebit_adam@0.2/0": _run("synthetic", "onebit_adam@0.2", 0, 0.990, 124)}  # -0.6: not
+    (tmp_path / "freeze_sweep_capped.json").write_text(json.dumps({"tasks": {}, "runs": capped}))
+    (tmp_path / "freeze_sweep_seeds_uncapped.json").write_text(json.dumps({"tasks": {}, "runs": uncapped}))
+    monkeypatch.setattr(result_tables, "RESULTS", tmp_path)
+
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
+            for line in result_tables.freeze_seeds_table().splitlines() if line.startswith("| onebit")}
+    assert rows[("onebit_adam@0.2", "True")] == ["-0.5", "**-49.8**", "1 of 2", "1", "124", "3.00x"]
+    assert rows[("onebit_adam@0.2", "False")] == ["**-0.6**", "-", "0 of 1", "0", "124", "4.00x"]
+    assert ("onebit_adam@0.25", "True") not in rows
