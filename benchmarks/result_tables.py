@@ -16,6 +16,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from benchmarks.common import RESULTS_DIR, ROOT, argument_parser
@@ -696,9 +697,24 @@ def freeze_defaults_table() -> str:
         "(its freeze step is the last of the all-variance steps at the start, a tenth of the run). Differences per "
         "seed are in points against the same-seed reference (AdamW-DDP; for 1-bit LAMB, LAMB that never freezes); "
         "`*`: the bound decided; bytes are the whole run's, the same task's AdamW-DDP bytes over the run's (mean over "
-        "seeds); `-`: not run. One library for every run: "
-        + ", ".join(libraries) + f" (`results/{FREEZE_CAPPED}.json`).\n\n" + _table(header, table)
+        "seeds); `-`: not run. " + _library_note(results["runs"].values()) + "\n\n" + _table(header, table)
     )
+
+
+def _library_note(runs: Iterable[dict[str, Any]]) -> str:
+    """Which library made the runs of :data:`FREEZE_CAPPED`, and which reference runs were copied into it from
+    earlier files (their ``source``) rather than rerun."""
+    runs = list(runs)
+    own = sorted({r["library"] for r in runs if r.get("library") and not r.get("source")})
+    copied = sorted((r["task"], r["run"], int(r["seed"]), r["source"], r.get("library", "?"))
+                    for r in runs if r.get("source"))
+    note = f"Library {', '.join(own)} for every run (`results/{FREEZE_CAPPED}.json`)"
+    if not copied:
+        return note + "."
+    return note + ", except these references, copied from earlier runs of the same settings (AdamW-DDP and LAMB " \
+        "that never freezes run neither the freeze rule nor the update's cap): " + "; ".join(
+            f"{task} {run} seed {seed} (`{source}`, library {library})" for task, run, seed, source, library in copied) \
+        + "."
 
 
 def _seed_runs() -> dict[bool, dict[tuple[str, int], dict[str, Any]]]:

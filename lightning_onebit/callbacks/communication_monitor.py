@@ -134,6 +134,16 @@ class CommunicationMonitor(Callback):
         if stage == "fit":
             _monitored_strategy(trainer)
 
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        # Under strategy="ddp" the counting hook's state holds DDP's process group. Lightning drops its DDP wrapper at
+        # teardown, but this callback lives as long as the trainer, often until the interpreter finalises; a gloo
+        # group destroyed then can abort a finished run ("terminate called without an active exception"). The
+        # counts stay readable; the next fit hooks its new wrapper with a new state.
+        if self._ddp_sync is not None:
+            self._ddp_sync.settle_timings()
+            self._ddp_sync.process_group = None
+            self._ddp_sync.topology = None
+
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = self._strategy = _monitored_strategy(trainer)
         if isinstance(strategy, OnebitFSDPStrategy):  # counted by the strategy; no advice (yet) under sharding

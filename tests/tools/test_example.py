@@ -288,10 +288,18 @@ def test_freeze_note_says_how_the_warmup_ended(example):
 
 
 #: Runs the example as ``python EXAMPLE ARGS...`` would, and says at the very end of the interpreter's exit (the first
-#: atexit handler registered runs last) whether a process group is still initialised
+#: atexit handler registered runs last) whether a process group is still initialised, and which objects that hold one
+#: (DDP's wrapper, a communication hook's state with a group) are still alive, collectable or not
 _EXIT_PROBE = (
-    "import atexit, runpy, sys, torch.distributed as dist\n"
-    "atexit.register(lambda: print('process group initialised at exit:', dist.is_initialized(), flush=True))\n"
+    "import atexit, gc, runpy, sys, torch.distributed as dist\n"
+    "from torch.nn.parallel import DistributedDataParallel\n"
+    "from lightning_onebit.hooks.gradient_sync import GradientSyncState\n"
+    "def probe():\n"
+    "    print('process group initialised at exit:', dist.is_initialized(), flush=True)\n"
+    "    alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, DistributedDataParallel)\n"
+    "             or isinstance(o, GradientSyncState) and o.process_group is not None]\n"
+    "    print('holders of the process group alive at exit:', sorted(alive), flush=True)\n"
+    "atexit.register(probe)\n"
     "sys.argv = sys.argv[1:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
@@ -324,6 +332,7 @@ def test_ddp_baseline_is_counted_by_the_communication_monitor(example, tmp_path)
     assert result["rounds_per_100_steps"] == 100.0
     assert "(= DDP fp32)" in proc.stdout and re.search(r"accuracy +\d+\.\d\d %", proc.stdout), proc.stdout[-3000:]
     assert "process group initialised at exit: False" in proc.stdout, proc.stdout[-3000:]
+    assert "holders of the process group alive at exit: []" in proc.stdout, proc.stdout[-3000:]
     # the monitor logged the baseline under the metric names of the 1-bit runs' warmup
     (metrics,) = tmp_path.glob("bert_adamw/version_*/metrics.csv")
     assert "comm/bytes_sent" in metrics.read_text().splitlines()[0]
