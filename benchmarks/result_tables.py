@@ -749,7 +749,7 @@ def freeze_seeds_table() -> str:
             got = {s: runs[cap].get((name, s)) for s in seeds}
             if not any(got.values()):
                 continue
-            cells, within, collapsed, freezes, ratios = [], 0, 0, [], []
+            cells, within, collapsed, bound, freezes, ratios = [], 0, 0, 0, [], []
             for s in seeds:
                 run, ref = got[s], references.get((reference_of(name), s))
                 if run is None or ref is None:
@@ -760,10 +760,12 @@ def freeze_seeds_table() -> str:
                 within += diff >= -0.5
                 collapsed += run["val_acc"] <= COLLAPSED
                 freezes.append(run["freeze_step"])
+                bound += (run.get("freeze") or {}).get("reason") == "max_step"
                 ratios.append(ddp_bytes_ratio({"runs": {str(k): r for k, r in references.items()}}, run))
             done = sum(c != "-" for c in cells)
             table.append([name, str(cap), *cells, f"{within} of {done}", str(collapsed),
-                          f"{statistics.fmean(freezes):.0f}" if freezes else "-",
+                          (f"{statistics.fmean(freezes):.0f}" + (f" ({bound} at the bound)" if bound else ""))
+                          if freezes else "-",
                           f"{statistics.fmean(ratios):.2f}x" if ratios else "-"])
     for ref_name in ("adamw", "lamb_uncompressed"):
         accs = [references.get((ref_name, s)) for s in seeds]

@@ -30,14 +30,15 @@ def _run(task: str, run: str, seed: int, val_acc: float, freeze_step=None, bytes
             "bytes_sent": bytes_sent, "bytes_fp32_equivalent": 4.0, "settings": {"steps": 620}, "library": "abc1234"}
 
 
-def test_freeze_seeds_table_counts_runs_within_half_a_point_and_collapses(tmp_path, monkeypatch):
+def test_freeze_seeds_table_counts_runs_within_half_a_point_collapses_and_bound_decisions(tmp_path, monkeypatch):
     import json
 
     capped = {
         f"synthetic/{r['run']}/{r['seed']}": r for r in [
             _run("synthetic", "adamw", 0, 0.996, bytes_sent=4.0), _run("synthetic", "adamw", 1, 0.998, bytes_sent=4.0),
             _run("synthetic", "onebit_adam@0.2", 0, 0.991, 124),  # -0.5 point: within
-            _run("synthetic", "onebit_adam@0.2", 1, 0.500, 124, bytes_sent=2.0),  # collapsed
+            dict(_run("synthetic", "onebit_adam@0.2", 1, 0.500, 124, bytes_sent=2.0),  # collapsed, at the bound
+                 freeze={"reason": "max_step"}),
         ]}
     uncapped = {"synthetic/onebit_adam@0.2/0": _run("synthetic", "onebit_adam@0.2", 0, 0.990, 124)}  # -0.6: not
     (tmp_path / "freeze_sweep_capped.json").write_text(json.dumps({"tasks": {}, "runs": capped}))
@@ -46,6 +47,6 @@ def test_freeze_seeds_table_counts_runs_within_half_a_point_and_collapses(tmp_pa
 
     rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
             for line in result_tables.freeze_seeds_table().splitlines() if line.startswith("| onebit")}
-    assert rows[("onebit_adam@0.2", "True")] == ["-0.5", "**-49.8**", "1 of 2", "1", "124", "3.00x"]
+    assert rows[("onebit_adam@0.2", "True")] == ["-0.5", "**-49.8**", "1 of 2", "1", "124 (1 at the bound)", "3.00x"]
     assert rows[("onebit_adam@0.2", "False")] == ["**-0.6**", "-", "0 of 1", "0", "124", "4.00x"]
     assert ("onebit_adam@0.25", "True") not in rows
