@@ -661,9 +661,14 @@ def freeze_defaults_runs() -> dict[str, Any]:
 FREEZE_CAPPED = "freeze_sweep_capped"
 #: The example from scratch over six seeds (0 and 1 from :data:`FREEZE_CAPPED`, 2-5 beside them), with the update's
 #: cap (the default), and without it (``cap_update=False``, the same runs otherwise)
-FREEZE_SEEDS = {True: ("freeze_sweep_capped", "freeze_sweep_seeds"), False: ("freeze_sweep_seeds_uncapped",)}
+FREEZE_SEEDS = {True: (FREEZE_CAPPED, "freeze_sweep_seeds"), False: ("freeze_sweep_seeds_uncapped",)}
 #: accuracy at or under this is a collapse (the tasks have 2 to 4 classes; chance is 25-50%)
 COLLAPSED = 0.6
+
+
+def _decided_at_bound(run: dict[str, Any]) -> bool:
+    """Whether ``freeze_step="auto"`` reached its bound (``max_step``) rather than deciding before it."""
+    return (run.get("freeze") or {}).get("reason") == "max_step"
 
 
 def freeze_defaults_table() -> str:
@@ -675,9 +680,7 @@ def freeze_defaults_table() -> str:
     results = _load(FREEZE_CAPPED)
     rows = table_rows(results)
     seeds = list(rows[0]["acc"]) if rows else []
-    bound = {(r["task"], r["run"], int(r["seed"])) for r in results["runs"].values()
-             if (r.get("freeze") or {}).get("reason") == "max_step"}
-    libraries = sorted({r["library"] for r in results["runs"].values() if r.get("library")})
+    bound = {(r["task"], r["run"], int(r["seed"])) for r in results["runs"].values() if _decided_at_bound(r)}
     header = ["task", "run", *(f"seed {s}" for s in seeds), "vs reference (points)", "freeze step", "DDP bytes / run's"]
     table = []
     for r in rows:
@@ -738,8 +741,8 @@ def freeze_seeds_table() -> str:
 
     runs = _seed_runs()
     seeds = sorted({seed for by_run in runs.values() for _, seed in by_run})
-    references = {key: run for key, run in runs[True].items() if reference_of(key[0]) is None
-                  or key[0] == "lamb_uncompressed"}
+    references = {key: run for key, run in runs[True].items() if key[0] in ("adamw", "lamb_uncompressed")}
+    reference_runs = {"runs": {str(key): run for key, run in references.items()}}  # ddp_bytes_ratio's form
     header = ["run", "cap_update", *(f"seed {s}" for s in seeds), "within 0.5", "collapsed", "freeze step (mean)",
               "DDP bytes / run's"]
     names = ["onebit_adam@0.2", "onebit_adam@0.25", "onebit_adam@auto", "onebit_lamb@0.25", "onebit_lamb@auto"]
@@ -760,8 +763,8 @@ def freeze_seeds_table() -> str:
                 within += diff >= -0.5
                 collapsed += run["val_acc"] <= COLLAPSED
                 freezes.append(run["freeze_step"])
-                bound += (run.get("freeze") or {}).get("reason") == "max_step"
-                ratios.append(ddp_bytes_ratio({"runs": {str(k): r for k, r in references.items()}}, run))
+                bound += _decided_at_bound(run)
+                ratios.append(ddp_bytes_ratio(reference_runs, run))
             done = sum(c != "-" for c in cells)
             table.append([name, str(cap), *cells, f"{within} of {done}", str(collapsed),
                           (f"{statistics.fmean(freezes):.0f}" + (f" ({bound} at the bound)" if bound else ""))

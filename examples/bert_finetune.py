@@ -651,10 +651,10 @@ class BertFinetuneCLI(LightningCLI):
 def main() -> None:
     torch.set_float32_matmul_precision("high")
     BertFinetuneCLI(BertClassifier, TextClassificationData, save_config_kwargs={"overwrite": True})
-    # Lightning leaves a gloo process group initialised after fit (it destroys NCCL's only). A gloo group whose threads
-    # still run when the interpreter finalises can abort the process after a successful run ("terminate called
-    # without an active exception"; seen once in a freeze sweep's AdamW-DDP run). The onebit strategies release their
-    # groups at exit themselves; plain DDP (bert_adamw.yaml) needs this.
+    # Lightning leaves a gloo process group initialised after fit (it destroys NCCL's only). A gloo group destroyed
+    # while the interpreter finalises can abort a finished run ("terminate called without an active exception", seen in
+    # the freeze sweep's AdamW-DDP runs). The onebit strategies release their groups at exit themselves, and
+    # CommunicationMonitor lets go of DDP's at teardown; plain DDP (bert_adamw.yaml) needs this too.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -140,7 +140,6 @@ class CommunicationMonitor(Callback):
         # group destroyed then can abort a finished run ("terminate called without an active exception"). The
         # counts stay readable; the next fit hooks its new wrapper with a new state.
         if self._ddp_sync is not None:
-            self._ddp_sync.settle_timings()
             self._ddp_sync.process_group = None
             self._ddp_sync.topology = None
 

@@ -308,8 +308,9 @@ _EXIT_PROBE = (
 def test_ddp_baseline_is_counted_by_the_communication_monitor(example, tmp_path):
     """bert_adamw.yaml (strategy='ddp', no callbacks): the example adds a CommunicationMonitor, whose count is the
     fp32 ring allreduce of every gradient at every step; the summary JSON keeps the keys the benchmarks read. The
-    example destroys DDP's gloo process group before the interpreter exits (Lightning leaves it initialised; left to
-    the interpreter's finalisation it can abort the process after a successful run)."""
+    example destroys DDP's gloo process group before the interpreter exits (Lightning leaves it initialised), and
+    nothing holds it then: the monitor's hook state lets go of it at teardown (a group destroyed during the
+    interpreter's finalisation can abort the process after a successful run)."""
     from lightning_onebit.comm import ring_allreduce_bytes
 
     sizes = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
