@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -26,6 +27,13 @@ def bucket_buffer(layout: BucketLayout, magnitudes, seed: int) -> torch.Tensor:
         buffer[offset : offset + n] = torch.randn(n, generator=g) * mag
         offset += n
     return buffer
+
+
+def exact_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a CPU float32/float64 tensor (numpy's: the processor's IEEE instruction),
+    the reference for the library's square roots. torch's own CPU ``sqrt`` is not correctly rounded, and its bits
+    depend on the processor."""
+    return torch.from_numpy(np.sqrt(t.detach().cpu().numpy()))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ Three implementations give identical bits:
 
 * ``"torch"``: pure torch, any device and floating dtype; the reference.
 * ``"cpu"``: fused C kernels (AVX2 where available) for float32 tensors in CPU memory, compiled on first use (see
-  :mod:`lightning_onebit.kernels.cpu_kernels`); one pass over memory where the torch path makes several.
+  :mod:`lightning_onebit.kernels.native`); one pass over memory where the torch path makes several.
 * ``"cupy"``: sign packing for CUDA tensors with cupy (only when asked for).
 
 Every entry point takes ``backend="auto" | "torch" | "cpu" | "cupy"``; ``"auto"`` follows :func:`set_default_backend`
@@ -23,7 +23,7 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
-from lightning_onebit.kernels import cpu_kernels, cupy_kernels, torch_kernels
+from lightning_onebit.kernels import cpu_kernels, cupy_kernels, native, torch_kernels
 from lightning_onebit.kernels.frozen import cached as _cached_frozen
 from lightning_onebit.kernels.segments import Segments
 from lightning_onebit.kernels.workspace import Workspace
@@ -44,11 +44,19 @@ __all__ = [
     "effective_backend",
     "frozen_adam_denominators",
     "frozen_adam_update_",
+    "foreach_sqrt",
+    "foreach_sqrt_",
     "pack_signs",
     "resolve_backend",
     "set_default_backend",
+    "sqrt_into",
     "unpack_signs",
 ]
+
+# correctly rounded square roots (the same bits on every machine; see kernels.native)
+sqrt_into = native.sqrt_into
+foreach_sqrt = native.foreach_sqrt
+foreach_sqrt_ = native.foreach_sqrt_
 
 
 def set_default_backend(backend: Backend) -> None:
@@ -252,10 +260,10 @@ def frozen_adam_update_(
     bound times ``bias_correction1``). The two forms round differently (``(s m) / d`` against ``s (m / d)``), so
     with a limit the update is the unclipped one to the last bit where the limit does not bind.
 
-    The ``"cpu"`` backend makes one pass per parameter (all tensors float32 and contiguous in CPU memory) with a
-    correctly rounded ``sqrt``; otherwise the ``torch._foreach`` sequence of AdamW runs. They can differ in the last
-    bit where torch's vectorised CPU ``sqrt`` is not correctly rounded (about 1 element in 140); every rank runs the
-    same backend, so replicas stay identical.
+    The ``"cpu"`` backend makes one pass per parameter (all tensors float32 and contiguous in CPU memory); otherwise
+    the ``torch._foreach`` sequence of AdamW runs. Both take correctly rounded square roots (:func:`sqrt_into`: torch's
+    own CPU ``sqrt`` is not correctly rounded, and its bits depend on the processor), so the bits do not depend on the
+    machine; every rank runs the same backend, so replicas stay identical.
 
     ``frozen=True`` says that ``exp_avg_sqs`` will not change before the next call (the compression stage): the
     torch path then caches the denominators (:func:`frozen_adam_denominators`, one tensor per variance while it

@@ -1,127 +1,25 @@
-"""Fused 1-bit kernels for float32 tensors in CPU memory, compiled from ``cpu_native.c`` on first use.
+"""Fused 1-bit kernels for float32 tensors in CPU memory, from the native library (``cpu_native.c``, built on first
+use by :mod:`lightning_onebit.kernels.native`, which says how and where).
 
 The pure-torch kernels make several passes over memory per operation (``torch.ge``, a bool buffer, a multiply-pack, a
 table decode, one ``sub_`` per segment). These C kernels make one, with AVX2 where the CPU has it, and the compression
-kernels give exactly the same bits (tests compare them byte for byte). They are optional: :func:`is_available` is ``False`` when no C compiler
-is found or the build fails, and the dispatcher in :mod:`lightning_onebit.kernels` then uses the torch kernels.
-
-Build: one ``cc -O3 -shared`` call (well under a second) into a cache directory, keyed by a hash of the source, the
-compiler and its flags, and written atomically, so concurrent ranks neither rebuild each other's file nor load a half
-written one. Environment variables:
-
-* ``LIGHTNING_ONEBIT_NATIVE=0``: never build or load the library (the torch kernels are used).
-* ``LIGHTNING_ONEBIT_CACHE_DIR``: where the library goes (default ``$XDG_CACHE_HOME/lightning_onebit``, else
-  ``~/.cache/lightning_onebit``).
-* ``CC``: the C compiler (default ``cc``).
-
-The functions run with the GIL released (ctypes does so for every foreign call).
+kernels give exactly the same bits (tests compare them byte for byte). They are optional: :func:`is_available` is
+``False`` when no C compiler is found or the build fails, and the dispatcher in :mod:`lightning_onebit.kernels` then
+uses the torch kernels. The functions run with the GIL released (ctypes does so for every foreign call).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 from torch.autograd.graph import increment_version
 
+from lightning_onebit.kernels.native import is_available, library
 from lightning_onebit.kernels.segments import Segments
 from lightning_onebit.kernels.torch_kernels import segment_scales
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("cpu_native.c")
-# No -ffast-math and no contraction: every element must be the same IEEE operation as in the torch reference.
-_CFLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-std=c11")
-_p = ctypes.c_void_p
-_i64 = ctypes.c_int64
-_f32 = ctypes.c_float
-_SIGNATURES = {
-    "onebit_pack_and_subtract": [_p, _i64, _p, _p, _p],
-    "onebit_decode": [_p, _i64, _p, _p, _p, ctypes.c_int],
-    "onebit_add_mean_of_signs": [_p, _i64, _p, _p, _p, _i64],
-    "onebit_frozen_adam_update": [_p, _p, _p, _i64, _f32, ctypes.c_int, _f32, _f32, _f32, _f32, ctypes.c_int],
-    "onebit_lamb_prepare": [_p, _p, _p, _p, _p, _p, _i64, _f32, _f32, _f32, _f32, _f32, _f32, _f32, ctypes.c_int, _f32,
-                            ctypes.c_int, _p],
-    "onebit_lamb_apply": [_p, _p, _i64, _f32],
-}
-
-
-def cache_dir() -> Path:
-    """Directory holding the compiled library."""
-    explicit = os.environ.get("LIGHTNING_ONEBIT_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lightning_onebit"
-
-
-def _compiler() -> Optional[list[str]]:
-    command = shlex.split(os.environ.get("CC", "cc"))
-    if not command or shutil.which(command[0]) is None:
-        return None
-    return command
-
-
-def _build(compiler: list[str]) -> Path:
-    source = _SOURCE.read_bytes()
-    try:
-        version = subprocess.run([*compiler, "--version"], capture_output=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = b""
-    digest = hashlib.sha256(b"\0".join([source, version, " ".join(_CFLAGS).encode()])).hexdigest()[:16]
-    target = cache_dir() / f"onebit_cpu_{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [*compiler, *_CFLAGS, "-o", scratch, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(compiler)} failed:\n{result.stderr.strip()}")
-        os.replace(scratch, target)  # atomic: another rank either sees no file or a complete one
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return target
-
-
-@functools.lru_cache(maxsize=1)
-def _library() -> Optional[ctypes.CDLL]:
-    if os.environ.get("LIGHTNING_ONEBIT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        log.debug("native CPU kernels disabled by LIGHTNING_ONEBIT_NATIVE")
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        log.info("no C compiler found (set CC); using the torch CPU kernels")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except Exception as error:  # a broken toolchain must not stop training: the torch kernels give the same bits
-        log.warning("could not build the native CPU kernels, using the torch kernels instead: %s", error)
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.argtypes = argtypes
-        function.restype = None
-    return library
-
-
-def is_available() -> bool:
-    """True when the native library is built (or buildable now) and loads."""
-    return _library() is not None
 
 
 def supports(tensor: torch.Tensor) -> bool:
@@ -130,13 +28,13 @@ def supports(tensor: torch.Tensor) -> bool:
 
 
 def _lib() -> ctypes.CDLL:
-    library = _library()
-    if library is None:
+    native = library()
+    if native is None:
         raise RuntimeError(
             "the native CPU kernels are unavailable (no working C compiler, or LIGHTNING_ONEBIT_NATIVE=0); "
             "use kernel_backend='torch' or 'auto'"
         )
-    return library
+    return native
 
 
 def _check(tensor: torch.Tensor, name: str, dtype: torch.dtype = torch.float32) -> None:
@@ -220,7 +118,8 @@ def frozen_adam_update_(
     ``d = sqrt(v) / bias_correction2_sqrt + eps``, or with ``limit`` ``p <- p + step * clip(m / d, -limit, limit)``.
 
     One pass per parameter. Every operation is correctly rounded IEEE float32 (numpy's float32 sequence gives the same
-    bits); torch's own CPU ``sqrt`` is not always, so the torch path can differ in the last bit.
+    bits), as is the torch path's (its square root is :func:`~lightning_onebit.kernels.native.sqrt_into`'s): without
+    a limit the two give the same bits.
     """
     update = _lib().onebit_frozen_adam_update
     if not len(params) == len(exp_avgs) == len(exp_avg_sqs):
@@ -263,8 +162,8 @@ def lamb_prepare_(
     Returns a float64 ``(len(params), 3)`` CPU tensor: per parameter the largest ratio (NaN if any is), the sum of
     ``u0^2`` and the sum of ``u^2`` (accumulated in float64). The torch ops of
     :func:`~lightning_onebit.optim.lamb_math.compressed_lamb_update_` compute the same quantities; the norms differ in
-    their summation order and torch's CPU ``sqrt`` is not always correctly rounded, so the two can differ in the last bits
-    (every rank runs the same backend, so replicas stay identical)."""
+    their summation order, so the two can differ in the last bits (every rank runs the same backend, so replicas stay
+    identical)."""
     prepare = _lib().onebit_lamb_prepare
     b1, b2 = betas
     out = torch.empty((len(params), 3), dtype=torch.float64)

@@ -1,6 +1,6 @@
 /* Fused 1-bit compression kernels for float32 buffers in CPU memory.
  *
- * Built on first use by lightning_onebit/kernels/cpu_kernels.py (one `cc` call, cached); loaded with ctypes, so the
+ * Built on first use by lightning_onebit/kernels/native.py (one `cc` call, cached); loaded with ctypes, so the
  * GIL is released while they run. The compression kernels produce exactly the bits of the pure-torch reference
  * (torch_kernels.py): each output element is the same single IEEE operation (a compare, an add of +-scale, a
  * division by P), so the file must be compiled without floating-point contraction or fast-math. The Adam update is
@@ -227,9 +227,9 @@ void onebit_add_mean_of_signs(float *target, int64_t n, const int64_t *offsets, 
 }
 
 /* Adam step with frozen variance, in the order of operations of the torch reference
- * (torch_kernels.frozen_adam_update_), each operation correctly rounded (torch's vectorised sqrt is not always, so
- * that path may differ in the last bit): p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps; p <- p + (step * m) / d, or with
- * clip p <- p + step * clip(m / d, -limit, limit). */
+ * (torch_kernels.frozen_adam_update_), each operation correctly rounded, as the reference's (its sqrt is
+ * native.sqrt_into's): p <- p * decay (when apply_decay); d = sqrt(v) / bias_correction2_sqrt + eps;
+ * p <- p + (step * m) / d, or with clip p <- p + step * clip(m / d, -limit, limit). */
 void onebit_frozen_adam_update(float *p, const float *m, const float *v, int64_t n, float decay, int apply_decay,
                                float bias_correction2_sqrt, float eps, float step, float limit, int clip) {
     int64_t i = 0;
@@ -340,4 +340,16 @@ void onebit_lamb_apply(float *p, const float *u, int64_t n, float step) {
     if (has_avx2()) i = axpy_avx2(p, u, n, step);
 #endif
     for (; i < n; ++i) p[i] = p[i] + step * u[i];
+}
+
+/* ------------------------------------------------------------------ correctly rounded square roots */
+
+/* out[i] = sqrt(x[i]): the IEEE square root (correctly rounded on every machine; -fno-math-errno lets the compiler
+ * use the instruction). torch's own CPU sqrt is not correctly rounded and depends on the processor. */
+void onebit_sqrt_f32(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = sqrtf(x[i]);
+}
+
+void onebit_sqrt_f64(const double *x, int64_t n, double *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = sqrt(x[i]);
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -73,7 +74,8 @@ class Segments:
     def sqrt_lengths(self, device: torch.device) -> torch.Tensor:
         """``sqrt(len_s)`` as a float32 tensor on ``device`` (cached)."""
         return self._on_device(
-            "sqrt_lengths", device, lambda d: torch.tensor(self.lengths, dtype=torch.float32, device=d).sqrt_()
+            # numpy's sqrt is correctly rounded (torch's CPU sqrt is not, and its bits depend on the processor)
+            "sqrt_lengths", device, lambda d: torch.from_numpy(np.sqrt(np.asarray(self.lengths, np.float32))).to(d)
         )
 
     def offsets_tensor(self, device: torch.device) -> torch.Tensor:

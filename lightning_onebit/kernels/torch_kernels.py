@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from lightning_onebit.kernels.native import foreach_sqrt, sqrt_into
 from lightning_onebit.kernels.segments import Segments
 from lightning_onebit.kernels.workspace import Workspace
 
@@ -134,7 +135,7 @@ def segment_scales(y: torch.Tensor, segments: Segments) -> torch.Tensor:
     norm_dtype = torch.promote_types(y.dtype, NORM_ACCUMULATE_DTYPE.get(y.device.type, torch.float32))
     norms = torch.stack(torch._foreach_norm(views, 2, dtype=norm_dtype)).to(torch.float64)
     sum_squares = segments.sum_per_segment(norms.square_())
-    return sum_squares.sqrt_().div_(segments.sqrt_lengths(y.device)).to(torch.float32)
+    return sqrt_into(sum_squares, sum_squares).div_(segments.sqrt_lengths(y.device)).to(torch.float32)
 
 
 def compress_in_place(
@@ -234,7 +235,7 @@ def frozen_adam_update_(
     if decay is not None:
         torch._foreach_mul_(params, decay)
     if denominators is None:
-        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        denominators = foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denominators, bias_correction2_sqrt)
         torch._foreach_add_(denominators, eps)
     if limit is None:
@@ -271,6 +272,6 @@ def frozen_adam_denominators_into(
 ) -> torch.Tensor:
     """``out = sqrt(v) / bias_correction2_sqrt + eps``: the ops of :func:`frozen_adam_update_`'s denominator, one
     tensor, written into ``out`` (no temporary)."""
-    torch.sqrt(v, out=out)
+    sqrt_into(v, out)
     out.div_(bias_correction2_sqrt)
     return out.add_(eps)

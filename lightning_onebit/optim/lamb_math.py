@@ -76,7 +76,7 @@ def _root_eps(v: torch.Tensor, eps: float) -> torch.Tensor:
     """The frozen variance's ``sqrt(v) + eps`` (the ops of ``v.sqrt() + eps``), cached while ``v`` and ``eps`` stay."""
 
     def into(x: torch.Tensor, out: torch.Tensor) -> None:
-        torch.sqrt(x, out=out)
+        kernels.sqrt_into(x, out)
         out.add_(eps)
 
     return frozen_cache.cached(v, "lamb_root_eps", (float(eps),), into)
@@ -87,7 +87,7 @@ def _denominator(v: torch.Tensor, bc2: float, eps: float) -> torch.Tensor:
 
     def into(x: torch.Tensor, out: torch.Tensor) -> None:
         torch.div(x, bc2, out=out)
-        out.sqrt_().add_(eps)
+        kernels.sqrt_into(out, out).add_(eps)
 
     return frozen_cache.cached(v, "lamb_denominator", (float(bc2), float(eps)), into)
 
@@ -156,7 +156,7 @@ def _lamb_figures_(ms: list[torch.Tensor], scratch: list[torch.Tensor], fresh: l
     torch._foreach_addcmul_(fresh, scratch, scratch, value=1 - b2)
     # factor = max((sqrt(v) + eps) / (sqrt(v_fresh) + eps))
     for s, v_fresh in zip(scratch, fresh):
-        torch.sqrt(v_fresh, out=s)
+        kernels.sqrt_into(v_fresh, s)
     torch._foreach_add_(scratch, eps)
     for s, root in zip(scratch, roots):
         torch.div(root, s, out=s)
@@ -229,7 +229,7 @@ def compressed_lamb_update_(params: list[torch.Tensor], states: list[dict[str, A
         factor, squares = reduce(params, factor, squares if wd or cap else None)
         assert factor is not None
     if squares is not None and (native or sharded):
-        squares = squares.sqrt()
+        squares = kernels.sqrt_into(squares, torch.empty_like(squares))
     if squares is not None:
         u0_norm, u_norm = squares[:, 0], squares[:, 1]
         p_norm = squares[:, 2] if sharded and cap else None

@@ -9,6 +9,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit import kernels
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
@@ -242,7 +243,7 @@ class OnebitLamb(CompressedOptimizer):
                 # u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p)
                 us = torch._foreach_div(ms, bc1)
                 denominators = torch._foreach_div(vs, bc2)
-                torch._foreach_sqrt_(denominators)
+                kernels.foreach_sqrt_(denominators)
                 torch._foreach_add_(denominators, group["eps"])
                 torch._foreach_div_(us, denominators)
                 del denominators
@@ -252,8 +253,8 @@ class OnebitLamb(CompressedOptimizer):
                     local = torch.stack([_squared_norms(ps), _squared_norms(us)], 1)
                     _, squares = self.shards.reduce_tensor_figures(ps, None, local)
                     assert squares is not None
-                    ratios = _clipped_ratios(squares[:, 0].sqrt(), squares[:, 1].sqrt(), group["min_coeff"],
-                                             group["max_coeff"])
+                    norms = kernels.sqrt_into(squares, torch.empty_like(squares))
+                    ratios = _clipped_ratios(norms[:, 0], norms[:, 1], group["min_coeff"], group["max_coeff"])
                 else:
                     ratios = _trust_ratios(ps, us, group["min_coeff"], group["max_coeff"])
                 coeffs = [s["lamb_coeff"] for s in states]
@@ -387,7 +388,8 @@ class OnebitLamb(CompressedOptimizer):
         assert total is not None
         numels = [(self.shards.dtensor_of(p) if self.shards.dtensor_of(p) is not None else p).numel()
                   for p in trainable]
-        return torch.stack([norm / math.sqrt(max(n, 1)) for norm, n in zip(total.sqrt().unbind(0), numels)])
+        norms = kernels.sqrt_into(total, torch.empty_like(total))
+        return torch.stack([norm / math.sqrt(max(n, 1)) for norm, n in zip(norms.unbind(0), numels)])
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -158,7 +158,7 @@ class LocalStepsMixin:
             exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
             if kernels._uses_native_adam(params, exp_avgs, exp_avg_sqs, self.compression.backend):
                 # the C kernel's local steps keep no cached denominator: a temporary per tensor, as they need none
-                denominators = [v.sqrt().div_(bc2_sqrt).add_(eps) for v in exp_avg_sqs]
+                denominators = [kernels.sqrt_into(v, torch.empty_like(v)).div_(bc2_sqrt).add_(eps) for v in exp_avg_sqs]
             else:  # the torch path's local steps cached them (the frozen variance's): the same bits, no pass
                 denominators = kernels.frozen_adam_denominators(exp_avg_sqs, bc2_sqrt, eps)
             torch._foreach_copy_(params, synced)

@@ -15,8 +15,14 @@ compression-stage steps. One rank's record (:func:`run_case`) holds CPU tensors 
   compressed bucket layouts, the optimizer state's non-tensor entries, and per mode: the overlap hook's bucket count
   and the fallback reason (overlapped), the forced syncs (0/1 Adam).
 
-The ranks run with the CPU pinned to ISA-independent code paths (:func:`deterministic_cpu_env`), so that a record made
-on one x86 machine replays bit for bit on another.
+The ranks run with the CPU pinned to ISA-independent code paths (:func:`deterministic_cpu_env`), and the library takes
+correctly rounded square roots (torch's own CPU ``sqrt`` is neither correctly rounded nor the same bits on every CPU:
+:mod:`lightning_onebit.kernels.native`), so that a record made on one x86 machine replays bit for bit on another: an
+emulated Intel Haswell (``qemu-x86_64 -cpu Haswell-noTSX``: no AVX-512, another vendor) replays the record of an
+AVX-512 AMD EPYC bit for bit (``tests/strategy/test_behaviour_replay.py``). The record names the processor it was made
+on (:func:`cpu_description`); a replay on a processor with other instruction-set features cannot be held to every bit
+(some library a dependency uses may still choose its code by processor), and compares what is portable instead (the
+replay test's module docstring says what).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import dataclasses
 import functools
 import hashlib
 import os
-from typing import Any, Callable, Iterator
+import platform
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -68,11 +75,12 @@ DETERMINISTIC_CPU_ENV = {
 
 
 @contextlib.contextmanager
-def deterministic_cpu_env() -> Iterator[None]:
-    """Put :data:`DETERMINISTIC_CPU_ENV` into ``os.environ`` (overriding what the shell set) for the ranks spawned
-    inside the block; the caller's environment is restored after it."""
-    saved = {key: os.environ.get(key) for key in DETERMINISTIC_CPU_ENV}
-    os.environ.update(DETERMINISTIC_CPU_ENV)
+def deterministic_cpu_env(environment: Optional[dict[str, str]] = None) -> Iterator[None]:
+    """Put ``environment`` (default :data:`DETERMINISTIC_CPU_ENV`) into ``os.environ`` (overriding what the shell set)
+    for the ranks spawned inside the block; the caller's environment is restored after it."""
+    environment = DETERMINISTIC_CPU_ENV if environment is None else environment
+    saved = {key: os.environ.get(key) for key in environment}
+    os.environ.update(environment)
     try:
         yield
     finally:
@@ -83,15 +91,48 @@ def deterministic_cpu_env() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _check_rank_environment() -> None:
-    """In a rank: fail the case if it does not run under :data:`DETERMINISTIC_CPU_ENV` (spawned outside
+def cpu_description() -> dict[str, Any]:
+    """The processor this process runs on, as the record keeps it: ``features``, the instruction-set extensions the
+    process sees (numpy's CPUID probe, sorted: under an emulator the emulated processor's), which decide whether a
+    replay can be held to every bit; and, for the reader, ``vendor`` and ``model`` and the ``flags`` that
+    ``/proc/cpuinfo`` lists (Linux; under a user-mode emulator the host's), the machine and the C library."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as probed
+    except ImportError:  # numpy < 2
+        from numpy.core._multiarray_umath import __cpu_features__ as probed
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return dict(
+        features=sorted(name for name, present in probed.items() if present),
+        vendor=info.get("vendor_id", ""),
+        model=info.get("model name", ""),
+        flags=sorted(info.get("flags", "").split()),
+        machine=platform.machine(),
+        libc=" ".join(platform.libc_ver()),
+    )
+
+
+def processor_features(rank: int, world_size: int, workdir: str) -> list[str]:
+    """A ``run_scenarios`` scenario: the instruction-set features this rank's process sees."""
+    return cpu_description()["features"]
+
+
+def _check_rank_environment(environment: dict[str, str]) -> None:
+    """In a rank: fail the case if it does not run under ``environment`` (spawned outside
     :func:`deterministic_cpu_env`): its numbers would not be comparable with the record."""
-    wrong = {k: os.environ.get(k) for k, v in DETERMINISTIC_CPU_ENV.items() if os.environ.get(k) != v}
+    wrong = {k: os.environ.get(k) for k, v in environment.items() if os.environ.get(k) != v}
     capability = torch.backends.cpu.get_cpu_capability()
-    if wrong or capability != "DEFAULT" or torch.get_num_threads() != 1:
+    wanted = environment["ATEN_CPU_CAPABILITY"].upper()
+    if wrong or capability != wanted or torch.get_num_threads() != 1:
         raise RuntimeError(
             f"behaviour cases must run under tests.behaviour.cases.deterministic_cpu_env(): environment {wrong}, "
-            f"torch CPU capability {capability!r}, {torch.get_num_threads()} threads"
+            f"torch CPU capability {capability!r} (wanted {wanted!r}), {torch.get_num_threads()} threads"
         )
 
 
@@ -268,9 +309,12 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, names: list[str]) -> tupl
     return tensors, values
 
 
-def run_case(case_name: str, rank: int, world_size: int, workdir: str) -> dict[str, Any]:
-    """Run one case on this rank (every rank calls it) and return this rank's record."""
-    _check_rank_environment()
+def run_case(
+    case_name: str, rank: int, world_size: int, workdir: str, environment: Optional[dict[str, str]] = None
+) -> dict[str, Any]:
+    """Run one case on this rank (every rank calls it) and return this rank's record; ``environment``: the one the
+    ranks were spawned under (default :data:`DETERMINISTIC_CPU_ENV`), checked."""
+    _check_rank_environment(DETERMINISTIC_CPU_ENV if environment is None else environment)
     case = CASES_BY_NAME[case_name]
     if world_size != case.world_size:
         raise ValueError(f"{case_name} runs at world size {case.world_size}, not {world_size}")
@@ -325,9 +369,14 @@ def run_case(case_name: str, rank: int, world_size: int, workdir: str) -> dict[s
     return dict(tensors=tensors, values=values)
 
 
-def scenarios(world_size: int) -> tuple[tuple[str, Callable[[int, int, str], dict]], ...]:
-    """``run_scenarios`` entries for every case at ``world_size`` (one spawn runs them all, one after another)."""
-    return tuple((case.name, functools.partial(run_case, case.name)) for case in cases_at(world_size))
+def scenarios(
+    world_size: int, environment: Optional[dict[str, str]] = None
+) -> tuple[tuple[str, Callable[[int, int, str], dict]], ...]:
+    """``run_scenarios`` entries for every case at ``world_size`` (one spawn runs them all, one after another), for
+    ranks spawned under ``environment`` (default :data:`DETERMINISTIC_CPU_ENV`)."""
+    return tuple(
+        (case.name, functools.partial(run_case, case.name, environment=environment)) for case in cases_at(world_size)
+    )
 
 
 # ======================================================================================== on-disk form

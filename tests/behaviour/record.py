@@ -4,7 +4,8 @@ Runs every case of :mod:`tests.behaviour.cases` (OnebitAdam, ZeroOneAdam and One
 overlapped exchange; ``32-true`` and ``bf16-mixed``: Lightning fits on gloo CPU ranks, a warmup then compression-stage
 steps) and writes ``tests/behaviour/records.pt``: ``{"cases": {case name: [record of rank 0, rank 1, ...]},
 "metadata": {...}}``. The metadata hold the git commit whose code made the recording (``git rev-parse HEAD``;
-library files that differed from it, if any, under ``dirty``), the torch and lightning versions, the CPU environment
+library files that differed from it, if any, under ``dirty``), the torch and lightning versions, the CPU environment,
+the processor (:func:`tests.behaviour.cases.cpu_description`: model, vendor, flags, the features a replay compares)
 and the case table. Each record (stored packed, :func:`tests.behaviour.cases.pack_record`) holds every parameter, the
 error-feedback buffers, the optimizer state, the step count and the per-step losses (see :mod:`tests.behaviour.cases`).
 ``tests/strategy/test_behaviour_replay.py`` replays the same runs and requires every recorded tensor and value to match
@@ -36,6 +37,7 @@ from tests.behaviour.cases import (
     CASES,
     DETERMINISTIC_CPU_ENV,
     cases_at,
+    cpu_description,
     deterministic_cpu_env,
     pack_record,
     scenarios,
@@ -78,6 +80,7 @@ def metadata() -> dict[str, Any]:
         torch=str(torch.__version__),
         lightning=str(lightning.__version__),
         environment=dict(DETERMINISTIC_CPU_ENV),
+        cpu=cpu_description(),
         cases={case.name: dict(optimizer=case.optimizer, mode=case.mode, precision=case.precision,
                                world_size=case.world_size, steps=case.steps) for case in CASES},
     )

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lightning_onebit import kernels
-from lightning_onebit.kernels import Segments, cpu_kernels
+from lightning_onebit.kernels import Segments, cpu_kernels, native
 from tests.paths import ROOT as REPO_ROOT, script_env
 
 BLOCK = 4096  # elements per block of the fused C loops (cpu_native.c)
@@ -472,7 +472,7 @@ def test_explicit_cpu_backend_on_other_dtype_raises_before_touching_error(dtype)
 def test_cpu_backend_runs_the_native_kernels(monkeypatch):
     """Guard for the comparisons above: backend="cpu" (and "auto" on float32) really calls the C functions."""
     calls: list[str] = []
-    library = cpu_kernels._library()
+    library = native.library()
 
     class Spy:
         def __getattr__(self, name):
@@ -497,7 +497,7 @@ def test_cpu_backend_runs_the_native_kernels(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ build, fallbacks
-# Each probe runs in a fresh interpreter (``_library`` is cached per process). It imports the ``kernels`` subpackage
+# Each probe runs in a fresh interpreter (``native.library`` is cached per process). It imports the ``kernels`` subpackage
 # without running ``lightning_onebit/__init__.py``, which imports Lightning (several seconds per process); the kernels
 # depend on torch only.
 _IMPORT_KERNELS = textwrap.dedent(
@@ -522,7 +522,7 @@ _PROBE = _IMPORT_KERNELS + textwrap.dedent(
     logging.getLogger("lightning_onebit").addHandler(Keep())
     logging.getLogger("lightning_onebit").setLevel(logging.DEBUG)
     from lightning_onebit import kernels
-    from lightning_onebit.kernels import Segments, cpu_kernels
+    from lightning_onebit.kernels import Segments, cpu_kernels, native
 
     segments = Segments([0, 3, 40])
     x = torch.randn(40, generator=torch.Generator().manual_seed(0))
@@ -536,7 +536,7 @@ _PROBE = _IMPORT_KERNELS + textwrap.dedent(
         explicit_cpu = "ok"
     except Exception as error:
         explicit_cpu = type(error).__name__
-    cache = cpu_kernels.cache_dir()
+    cache = native.cache_dir()
     print(json.dumps(dict(
         available=cpu_kernels.is_available(),
         backends=list(kernels.available_backends()),

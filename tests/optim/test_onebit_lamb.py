@@ -27,6 +27,7 @@ from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_e
 from tests.distributed import run_distributed
 from tests.lightning_models import Regressor, fit_save_and_resume, flat_params, loader, trainer_kwargs
 from tests.optim_models import Net, rank_batch, two_groups
+from tests.tensors import exact_sqrt
 
 
 # ------------------------------------------------------------------------------------------------ warmup reference
@@ -56,7 +57,7 @@ def _reference_lamb(net: Net, steps: int, lr: float, wd: float, bias_correction:
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g * g
             bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
-            u = (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps) + wd_i * params[i]
+            u = (m[i] / bc1) / (exact_sqrt(v[i] / bc2) + eps) + wd_i * params[i]
             pn, un = float(params[i].norm()), float(u.norm())
             r = 1.0 if pn == 0 or un == 0 else min(max(pn / un, min_coeff), max_coeff)
             params[i] = params[i] - lr_i * r * u
@@ -130,7 +131,7 @@ class _PerTensorLamb:
                     m, v, g = s["m"], s["v"], p.grad
                     m.lerp_(g, 1 - b1)
                     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                    u = (m / bc1) / ((v / bc2).sqrt_().add_(eps))
+                    u = (m / bc1) / (exact_sqrt(v / bc2).add_(eps))
                     if group["weight_decay"]:
                         u.add_(p, alpha=group["weight_decay"])
                     p_norm, u_norm = float(p.float().norm()), float(u.float().norm())
@@ -160,13 +161,13 @@ class _PerTensorLamb:
                     s["v_fresh"] = v.clone()
                 g_rec = (m - b1 * s["m_last"]) / (1 - b1)
                 s["v_fresh"].mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
-                u0 = (m / bc1) / (v / bc2).sqrt_().add_(eps)
+                u0 = (m / bc1) / exact_sqrt(v / bc2).add_(eps)
                 if self.cap_update:
                     bound = adam_step_bound((b1, b2))
                     self.clipped += int((u0.abs() > bound).sum())
                     u0 = u0.clamp(-bound, bound)
                 u = u0 + wd * p if wd else u0
-                factor = float(((v.sqrt() + eps) / (s["v_fresh"].sqrt() + eps)).max())
+                factor = float(((exact_sqrt(v) + eps) / (exact_sqrt(s["v_fresh"]) + eps)).max())
                 if wd:
                     u_norm = float(u.norm())
                     rho = min(1.0, float(u0.norm()) / u_norm) if u_norm > 0 else 1.0
