@@ -51,7 +51,7 @@ class MomentumMask(Callback):
             variance stays live; a saved auto mask of a parameter now in such a group is not applied), and the
             optimizer's own dead-coordinate warning (``OnebitAdam(dead_coordinates=...)``, whose default keeps the
             same coordinates at rest) is switched off, since this callback reports them.
-        log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
+        log_level: logging level (an int) of the per-parameter report of masked coordinates. Default ``logging.INFO``.
         warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
             stay frozen for the rest of training, which may not be what you want (embedding rows not seen during
             warmup, for instance); the warning names the remedy, a param group with ``"compress": False`` (for an

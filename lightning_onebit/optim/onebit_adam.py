@@ -102,7 +102,8 @@ class OnebitAdam(CompressedOptimizer):
             (torch's fused AdamW in the warmup where it applies, ``kernel_backend`` for the compressed steps) and the
             results do not depend on it: ``None`` (default) is accepted as is, ``True`` or ``False`` with a
             ``UserWarning`` saying that they have no effect.
-        bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype). Default ``25``.
+        bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype), a number ``> 0``
+            below ``2**43``. Default ``25``.
         process_group: group whose ranks average momenta; ``None`` (default) means WORLD, resolved at step time.
             The Lightning strategy sets its data-parallel group here.
         kernel_backend: ``"auto"`` (default), ``"torch"``, ``"cpu"`` (fused C kernels for float32 CPU tensors) or
