@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_onebit._checks import check_flag, check_integer
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
 from lightning_onebit.callbacks.advice import CompressionAdvice
@@ -95,10 +96,8 @@ class CommunicationMonitor(Callback):
 
     def __init__(self, prog_bar: bool = True, advise: bool = True, advise_steps: int = 20) -> None:
         for name, value in (("prog_bar", prog_bar), ("advise", advise)):
-            if not isinstance(value, bool):  # "yes", "no", 0 and 1 would all read as a truth value
-                raise ValueError(f"CommunicationMonitor {name} must be True or False, got {value!r}")
-        if isinstance(advise_steps, bool) or not isinstance(advise_steps, int) or advise_steps < 1:
-            raise ValueError(f"CommunicationMonitor advise_steps must be an integer >= 1, got {advise_steps!r}")
+            check_flag(value, f"CommunicationMonitor {name}")
+        check_integer(advise_steps, "CommunicationMonitor advise_steps")
         self.prog_bar = prog_bar
         self.advise = advise
         self.advise_steps = advise_steps

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_onebit._checks import check_flag, check_integer, check_real
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.callbacks._common import _compressed_ids, _onebit_optimizer, _onebit_strategy
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage, check_exp_avg_mask
@@ -50,7 +51,7 @@ class MomentumMask(Callback):
             variance stays live; a saved auto mask of a parameter now in such a group is not applied), and the
             optimizer's own dead-coordinate warning (``OnebitAdam(dead_coordinates=...)``, whose default keeps the
             same coordinates at rest) is switched off, since this callback reports them.
-        log_level: logging level of the per-parameter report of masked coordinates. Default ``logging.INFO``.
+        log_level: logging level (an int) of the per-parameter report of masked coordinates. Default ``logging.INFO``.
         warn_share: warn (on rank 0) when ``auto`` masks more than this share of any parameter's coordinates: they
             stay frozen for the rest of training, which may not be what you want (embedding rows not seen during
             warmup, for instance); the warning names the remedy, a param group with ``"compress": False`` (for an
@@ -68,11 +69,20 @@ class MomentumMask(Callback):
         log_level: int = logging.INFO,
         warn_share: float = 0.01,
     ) -> None:
+        check_flag(auto, "MomentumMask auto")
+        what = "a dict {parameter name or glob: mask tensor, or callable(parameter) -> mask tensor}"
+        if masks is not None and not isinstance(masks, Mapping):
+            raise ValueError(f"MomentumMask masks must be {what}, e.g. {{'emb.weight': mask}}; got a "
+                             f"{type(masks).__name__}")
+        for pattern, spec in (masks or {}).items():
+            if not isinstance(pattern, str) or not (isinstance(spec, torch.Tensor) or callable(spec)):
+                raise ValueError(f"MomentumMask masks must be {what}, e.g. {{'emb.weight': mask}}; got the entry "
+                                 f"{pattern!r}: {type(spec).__name__}")
         if not masks and not auto:
             raise ValueError("MomentumMask needs explicit `masks`, `auto=True`, or both")
-        if isinstance(warn_share, bool) or not isinstance(warn_share, (int, float)) or not 0 <= warn_share <= 1:
-            raise ValueError(f"MomentumMask warn_share must be a number in [0, 1], got {warn_share!r}")
-        self.warn_share = float(warn_share)
+        self.warn_share = check_real(warn_share, "MomentumMask warn_share", at_least=0.0, at_most=1.0)
+        check_integer(log_level, "MomentumMask log_level", at_least=None, what="a logging level, an int",
+                      fix="e.g. logging.INFO (20) or logging.DEBUG (10)")
         self.masks = dict(masks or {})
         self.auto = auto
         self.log_level = log_level

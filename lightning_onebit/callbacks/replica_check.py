@@ -7,6 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from lightning_onebit._checks import check_integer
 from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
 
 
@@ -26,9 +27,7 @@ class ReplicaCheck(Callback):
     """
 
     def __init__(self, every_n_steps: int = 100) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"ReplicaCheck every_n_steps must be an integer >= 1, got {every_n_steps!r}")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_integer(every_n_steps, "ReplicaCheck every_n_steps")
         self.checks = 0
         self._last_step = -1
         self._due = False  # a check fell between two syncs of an optimizer with local steps

@@ -31,6 +31,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch.distributed as dist
 
 # defined in comm.groups; imported here too, where callers have always imported them from
+from lightning_onebit._checks import check_integer
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.groups import (
     destroy_groups,
@@ -188,8 +189,7 @@ class Topology:
         world_size = len(placements)
         uneven_override = None  # why ranks_per_node cannot give equal nodes, if it cannot
         if ranks_per_node is not None:
-            if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-                raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+            check_integer(ranks_per_node, "ranks_per_node")
             if world_size % ranks_per_node:
                 uneven_override = _uneven_override(ranks_per_node, world_size)
                 if mode == "hierarchical":

@@ -51,12 +51,13 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit._checks import is_real
+
 # AutoFreeze and its defaults are defined in auto_freeze_config; imported here too, where callers import them from
 from lightning_onebit.optim.auto_freeze_config import (
     _WINDOW_SHARE_OF_BOUND,
     DEFAULT_BOUND_SHARE,
     AutoFreeze,
-    _is_number,
 )
 from lightning_onebit.optim.auto_freeze_figures import _agree_max, _draw_sample, _excesses, _read_on_host
 
@@ -152,7 +153,7 @@ class FreezeDetector:
             if self._loss_sum is not None and self._loss_sum.device != value.device:
                 # the sum follows the losses' device (moved once; to a GPU without waiting for it)
                 self._loss_sum = self._loss_sum.to(value.device, non_blocking=value.device.type != "cpu")
-        elif _is_number(loss):
+        elif is_real(loss):
             value = float(loss)
             if self._loss_sum is None:
                 value = torch.tensor(value, dtype=torch.float64)

@@ -5,9 +5,9 @@ that depend on the run's length. The rule that uses them is :mod:`lightning_oneb
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from typing import Any, Optional
+from typing import Optional
+
+from lightning_onebit._checks import check_integer, check_real
 
 #: Without ``AutoFreeze(max_step=...)`` the Lightning strategy bounds the warmup by this share of the run. Half: on
 #: the synthetic example from scratch the gradients still grow after the loss leaves its plateau at about 13% of the
@@ -50,7 +50,8 @@ class AutoFreeze:
         max_step: end the warmup at this step at the latest. Default ``None``: under the Lightning strategy half of
             ``trainer.estimated_stepping_batches``; without it a number is required (checked at the first step).
         sample_size: coordinates in the fixed random sample (the same on every rank). Default ``2**20``.
-        seed: seed of the sample. Default ``0``.
+        seed: seed of the sample, an integer in ``[-2**63, 2**64 - 1]`` (``torch.Generator.manual_seed``'s range).
+            Default ``0``.
 
     Cost while measuring: ``W / check_every + 1`` snapshots of ``sample_size + number of tensors`` float64 values
     (about 40 MiB with the defaults), one pass over the variance per check, the losses summed on their device (read
@@ -71,28 +72,19 @@ class AutoFreeze:
 
     def __post_init__(self) -> None:
         for name in ("window", "check_every", "min_step", "max_step"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"AutoFreeze {name} must be an integer >= 1 or None, got {value!r}")
+            check_integer(getattr(self, name), f"AutoFreeze {name}", none=True)
         for name in ("patience", "sample_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AutoFreeze {name} must be an integer >= 1, got {value!r}")
+            check_integer(getattr(self, name), f"AutoFreeze {name}")
+        # the seed of torch.Generator.manual_seed, which takes this range (negative seeds wrap around)
+        check_integer(self.seed, "AutoFreeze seed", at_least=-(2**63), at_most=2**64 - 1,
+                      what="an integer (the seed of the coordinate sample, in [-2**63, 2**64 - 1])", fix="e.g. seed=0")
         for name in ("threshold", "tensor_threshold"):
-            value = getattr(self, name)
-            if not _is_number(value) or not 0 < value < math.inf:
-                raise ValueError(f"AutoFreeze {name} must be a number > 0, got {value!r}")
-        if self.loss_drop is not None and (not _is_number(self.loss_drop) or not 0 <= self.loss_drop < 1):
-            raise ValueError(
-                f"AutoFreeze loss_drop must be a fraction in [0, 1) or None (no loss guard), got {self.loss_drop!r}"
-            )
+            check_real(getattr(self, name), f"AutoFreeze {name}", above=0.0)
+        check_real(self.loss_drop, "AutoFreeze loss_drop", at_least=0.0, below=1.0, none=True,
+                   fix="a fraction of the initial loss; None switches the loss guard off")
         if self.window is not None and self.check_every is not None and self.window % self.check_every:
             raise ValueError(
                 f"AutoFreeze window ({self.window}) must be a multiple of check_every ({self.check_every})"
             )
         if self.min_step is not None and self.max_step is not None and self.min_step > self.max_step:
             raise ValueError(f"AutoFreeze min_step ({self.min_step}) is after max_step ({self.max_step})")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
+from lightning_onebit._checks import check_bucket_cap_mb
 from lightning_onebit.comm.agreement import agree_kernel_backend
 from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
@@ -40,7 +41,7 @@ from lightning_onebit.optim.buckets import BucketSource, MomentumBucket, Momentu
 from lightning_onebit.optim.checkpoint import CheckpointMixin, state_family
 from lightning_onebit.optim.exchange import MomentumExchange
 from lightning_onebit.optim.freeze import AutoFreezeMixin, check_freeze_options
-from lightning_onebit.optim.groups import check_param_group, is_real
+from lightning_onebit.optim.groups import check_param_group
 from lightning_onebit.optim.masks import DeadCoordinates, set_exp_avg_mask
 from lightning_onebit.optim.phase import phase_sentence
 from lightning_onebit.optim.process_group import ProcessGroupMixin
@@ -104,8 +105,11 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         dead_coordinates: DeadCoordinates = "mask",
     ) -> None:
         auto_freeze = check_freeze_options(freeze_step, auto_freeze, type(self).__name__)
-        if not is_real(bucket_cap_mb) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a number > 0 (MB), got {bucket_cap_mb!r}")
+        check_bucket_cap_mb(bucket_cap_mb, "bucket_cap_mb")
+        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise ValueError(
+                f"process_group must be a torch.distributed.ProcessGroup or None (WORLD), got {process_group!r}"
+            )
         if dead_coordinates not in get_args(DeadCoordinates):
             raise ValueError(
                 f"dead_coordinates must be one of {get_args(DeadCoordinates)}, got {dead_coordinates!r}"

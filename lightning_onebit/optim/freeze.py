@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit._checks import check_integer
 from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.optim.auto_freeze import FreezeDetector, VarianceReading
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
@@ -30,13 +31,9 @@ def check_freeze_options(
     An integer ``freeze_step`` wins over ``auto_freeze`` settings given with it (a config that ships an ``auto_freeze``
     block, overridden on the command line with ``--optimizer.init_args.freeze_step=60``): they are dropped with a
     warning that says so, and ``None`` is returned."""
-    if freeze_step != "auto" and (
-        isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1
-    ):
-        raise ValueError(
-            f"freeze_step must be an integer >= 1 (the number of warmup steps that estimate the variance) or "
-            f"'auto', got {freeze_step!r}"
-        )
+    if not (isinstance(freeze_step, str) and freeze_step == "auto"):
+        check_integer(freeze_step, "freeze_step",
+                      what="an integer >= 1 (the number of warmup steps that estimate the variance) or 'auto'")
     if auto_freeze is not None and not isinstance(auto_freeze, AutoFreeze):
         raise ValueError(f"auto_freeze must be a lightning_onebit.AutoFreeze, got {type(auto_freeze).__name__}")
     if auto_freeze is not None and freeze_step != "auto":

@@ -3,11 +3,11 @@ parameters are trained and compressed."""
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 
+from lightning_onebit._checks import check_flag, check_real, is_real
 from lightning_onebit.optim.masks import describe_param, normalise_masks
 
 
@@ -18,29 +18,21 @@ def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
     ``None`` per parameter). Raises ``ValueError``
     naming the option and the group."""
     where = f" (param group {index})"
-    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    lr, betas = group["lr"], group["betas"]
     if isinstance(lr, torch.Tensor):
-        raise ValueError(f"{owner} takes lr as a float, not a tensor")
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
-        if not is_real(value):
-            raise ValueError(f"{name} must be a float, got {value!r} ({type(value).__name__}){where}")
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}{where}")
+        raise ValueError(f"{owner} takes lr as a float, not a tensor{where}; pass lr=float(lr)")
+    # finite: a learning rate, eps or weight decay of inf turns the parameters to NaN within two steps (or stops them)
+    check_real(lr, "lr", at_least=0.0, where=where, fix="e.g. lr=1e-3")
+    check_real(group["eps"], "eps", at_least=0.0, where=where, fix="e.g. eps=1e-8 (AdamW's)")
+    check_real(group["weight_decay"], "weight_decay", at_least=0.0, where=where,
+               fix="e.g. weight_decay=0.01 (torch.optim.AdamW's default; this optimizer's is 0)")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(is_real(b) for b in betas)):
         raise ValueError(f"betas must be a pair of floats (b1, b2), e.g. (0.9, 0.999); got {betas!r}{where}")
     b1, b2 = betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ValueError(f"betas must each be in [0, 1), got {betas}{where}")
     group["betas"] = (float(b1), float(b2))
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}{where}")
-    if not wd >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {wd}{where}")
-    if not isinstance(group["bias_correction"], bool):
-        raise ValueError(
-            f"bias_correction must be True or False, got {group['bias_correction']!r}{where}; a string or "
-            "number is not read as a flag"
-        )
+    check_flag(group["bias_correction"], "bias_correction", where=where)
     for i, p in enumerate(group["params"]):
         if not p.is_floating_point():
             raise ValueError(
@@ -68,13 +60,8 @@ def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
 
 def _flag(group: dict[str, Any], name: str, default: bool, where: str, meaning: str) -> bool:
     """The group's bool option ``name`` (set to ``default`` when absent); anything but a bool is a ``ValueError``."""
-    value = group.setdefault(name, default)
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"{name} must be True or False, got {value!r} ({type(value).__name__}){where}; a string or number is not "
-            f"read as a flag. {meaning}"
-        )
-    return value
+    return check_flag(group.setdefault(name, default), name, where=where,
+                      fix=f"a string or number is not read as a flag. {meaning}")
 
 
 def trainable(group: dict[str, Any]) -> list[torch.Tensor]:
@@ -84,8 +71,3 @@ def trainable(group: dict[str, Any]) -> list[torch.Tensor]:
 def compressed_trainable(group: dict[str, Any]) -> list[torch.Tensor]:
     """The group's trainable parameters whose momenta the 1-bit exchange averages (none with ``compress=False``)."""
     return trainable(group) if group["compress"] else []
-
-
-def is_real(value: Any) -> bool:
-    """A real number (int, float, numpy scalar), not a bool or a tensor."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

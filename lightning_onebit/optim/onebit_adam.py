@@ -13,6 +13,7 @@ from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.functional import adam_step_bound, adam_update_
 from lightning_onebit.optim.masks import DeadCoordinates
+from lightning_onebit.optim.torch_options import check_torch_adamw_options
 
 
 class OnebitAdam(CompressedOptimizer):
@@ -78,11 +79,13 @@ class OnebitAdam(CompressedOptimizer):
             or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
             ``exp_avg_mask`` and ``compress`` (see below). Parameters must be floating point (float32, float64, float16, bfloat16): complex
             and integer parameters are refused, since the compressed momentum exchange has no form for them.
-        lr: learning rate, a float ``>= 0``. Default ``1e-3``.
+        lr: learning rate, a finite float ``>= 0`` (a learning-rate scheduler may change it later). Default ``1e-3``.
         betas: ``(b1, b2)`` decay rates of momentum and variance, a pair of floats each in ``[0, 1)``. Default
             ``(0.9, 0.999)``.
-        eps: added to ``sqrt(v_hat)``; ``>= 0``. Default ``1e-8``.
-        weight_decay: decoupled weight decay coefficient (AdamW's), ``>= 0``. Default ``0``.
+        eps: added to ``sqrt(v_hat)``; finite, ``>= 0``. Default ``1e-8``.
+        weight_decay: decoupled weight decay coefficient (AdamW's), finite, ``>= 0``. Default ``0``, where
+            ``torch.optim.AdamW``'s default is ``0.01``: a port from AdamW that relied on its default must pass
+            ``weight_decay=0.01``.
         freeze_step: number of warmup steps, ``>= 1``. Step ``freeze_step + 1`` is the first compressed step (the
             paper uses 15-25% of training; the variance must have settled by then). ``"auto"`` (default): the warmup
             ends when the variance has stopped moving, decided by every rank together
@@ -91,9 +94,16 @@ class OnebitAdam(CompressedOptimizer):
         auto_freeze: the settings of ``freeze_step="auto"`` (:class:`~lightning_onebit.AutoFreeze`); only with it.
             Default ``None``: ``AutoFreeze()``.
         bias_correction: see above; a bool (anything else is an error, not a truthy value). Default ``True``.
-        amsgrad: not supported (the variance is frozen); only ``False`` is accepted, so AdamW configs port with a
-            clear error instead of a silently ignored flag.
-        bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype). Default ``25``.
+        amsgrad, maximize, differentiable, capturable: ``torch.optim.AdamW``'s, taken so that AdamW configs port:
+            only ``False`` (their default) is accepted, anything else is a ``ValueError`` that says what to do instead
+            (the variance is frozen, so there is no ``amsgrad``; ``maximize``: minimise the negated objective; the
+            1-bit exchange has no gradient and its collectives cannot be captured in a CUDA graph).
+        foreach, fused: ``torch.optim.AdamW``'s choice of implementation. The optimizer chooses its kernels itself
+            (torch's fused AdamW in the warmup where it applies, ``kernel_backend`` for the compressed steps) and the
+            results do not depend on it: ``None`` (default) is accepted as is, ``True`` or ``False`` with a
+            ``UserWarning`` saying that they have no effect.
+        bucket_cap_mb: approximate size of a compressed momentum bucket in MB (of momentum dtype), a number ``> 0``
+            below ``2**43``. Default ``25``.
         process_group: group whose ranks average momenta; ``None`` (default) means WORLD, resolved at step time.
             The Lightning strategy sets its data-parallel group here.
         kernel_backend: ``"auto"`` (default), ``"torch"``, ``"cpu"`` (fused C kernels for float32 CPU tensors) or
@@ -172,6 +182,11 @@ class OnebitAdam(CompressedOptimizer):
         auto_freeze: Optional[AutoFreeze] = None,
         bias_correction: bool = True,
         amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         cap_update: bool = True,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
@@ -179,12 +194,8 @@ class OnebitAdam(CompressedOptimizer):
         topology: Optional[Topology] = None,
         dead_coordinates: DeadCoordinates = "mask",
     ) -> None:
-        if not isinstance(amsgrad, bool):
-            raise ValueError(f"amsgrad must be False (OnebitAdam does not support amsgrad), got {amsgrad!r}")
-        if amsgrad:
-            raise ValueError("OnebitAdam does not support amsgrad=True: the variance is frozen after warmup")
-        if not isinstance(cap_update, bool):
-            raise ValueError(f"cap_update must be True or False, got {cap_update!r}")
+        check_torch_adamw_options(type(self).__name__, amsgrad=amsgrad, maximize=maximize,
+                                  differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         cap_update=cap_update)
         super().__init__(

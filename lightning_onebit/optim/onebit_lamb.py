@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
+from lightning_onebit._checks import check_flag, check_real
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
 from lightning_onebit.optim.functional import adam_step_bound, bias_corrections
-from lightning_onebit.optim.groups import is_real
 from lightning_onebit.optim.lamb_math import (
     _SCALAR_STATE,
     _as_scalar,
@@ -29,6 +29,7 @@ from lightning_onebit.optim.lamb_math import (
     compressed_lamb_update_,
 )
 from lightning_onebit.optim.masks import DeadCoordinates, mask_like
+from lightning_onebit.optim.torch_options import check_torch_adamw_options
 
 
 class OnebitLamb(CompressedOptimizer):
@@ -109,8 +110,8 @@ class OnebitLamb(CompressedOptimizer):
 
     Args:
         params, lr, betas, eps: as for :class:`~lightning_onebit.OnebitAdam`.
-        weight_decay: as for :class:`~lightning_onebit.OnebitAdam`, but added to the update before the trust ratio,
-            as in LAMB.
+        weight_decay: as for :class:`~lightning_onebit.OnebitAdam` (default ``0``, where ``torch.optim.AdamW``'s is
+            ``0.01``), but added to the update before the trust ratio, as in LAMB.
         freeze_step, auto_freeze: as for :class:`~lightning_onebit.OnebitAdam` (``"auto"`` by default: within 0.5
             point of LAMB that never freezes on a synthetic task from scratch and on two real fine-tuning tasks, two
             seeds each, docs/guides/freeze-step.md); ``freeze_step="auto"`` also waits for the trust-ratio EMAs to
@@ -119,6 +120,9 @@ class OnebitLamb(CompressedOptimizer):
             than LAMB's.
         bias_correction, bucket_cap_mb, process_group: as for :class:`~lightning_onebit.OnebitAdam`.
         kernel_backend, topology, dead_coordinates: as for :class:`~lightning_onebit.OnebitAdam`.
+        amsgrad, maximize, differentiable, capturable, foreach, fused: ``torch.optim.AdamW``'s, as for
+            :class:`~lightning_onebit.OnebitAdam` (only ``False`` for the first four; ``foreach`` and ``fused`` have
+            no effect and warn unless ``None``).
         max_coeff: upper clip of the warmup trust ratio ``r``. Default ``10.0``.
         min_coeff: lower clip of ``r``, ``> 0``. Default ``0.01``.
         coeff_beta: EMA rate of the trust ratio, in ``[0, 1)``. Default ``0.9``.
@@ -130,6 +134,9 @@ class OnebitLamb(CompressedOptimizer):
             update, which can diverge late in fine-tuning (above). Default ``True``.
         cap_update: in the compression stage, clip every coordinate of ``u0`` at ``B`` (above). A bool. Default
             ``True``; ``False``: DeepSpeed's ``u0``.
+
+    The six LAMB numbers (finite), ``cap_trust_ratio`` and ``cap_update`` may also be set per param group; each group's
+    are checked when it is added (a ``ValueError`` naming the option and the group).
     """
 
     # its compression stage needs the trust-ratio coefficients only its own warmup computes (see load_state_dict)
@@ -154,32 +161,25 @@ class OnebitLamb(CompressedOptimizer):
         cap_trust_ratio: bool = True,
         cap_update: bool = True,
         bias_correction: bool = True,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
         dead_coordinates: DeadCoordinates = "mask",
     ) -> None:
-        for name, value in (("max_coeff", max_coeff), ("min_coeff", min_coeff), ("factor_max", factor_max),
-                            ("factor_min", factor_min), ("factor_threshold", factor_threshold),
-                            ("coeff_beta", coeff_beta)):
-            if not is_real(value) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if not 0 < min_coeff <= max_coeff:
-            raise ValueError(f"need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, max_coeff={max_coeff}")
-        if not 0 < factor_min <= factor_max:
-            raise ValueError(f"need 0 < factor_min <= factor_max, got factor_min={factor_min}, factor_max={factor_max}")
-        if not factor_threshold >= 0:
-            raise ValueError(f"factor_threshold must be >= 0, got {factor_threshold}")
-        if not 0 <= coeff_beta < 1:
-            raise ValueError(f"coeff_beta must be in [0, 1), got {coeff_beta}")
-        for name, flag in (("cap_trust_ratio", cap_trust_ratio), ("cap_update", cap_update)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        # the LAMB options are param-group options too: checked with each group (_check_group)
+        check_torch_adamw_options(type(self).__name__, amsgrad=amsgrad, maximize=maximize,
+                                  differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-            max_coeff=float(max_coeff), min_coeff=float(min_coeff), coeff_beta=float(coeff_beta),
-            factor_max=float(factor_max), factor_min=float(factor_min), factor_threshold=float(factor_threshold),
+            max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
+            factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
             cap_trust_ratio=cap_trust_ratio, cap_update=cap_update,
         )
         super().__init__(
@@ -193,6 +193,25 @@ class OnebitLamb(CompressedOptimizer):
             topology=topology,
             dead_coordinates=dead_coordinates,
         )
+
+    @classmethod
+    def _check_group(cls, group: dict[str, Any], index: int) -> None:
+        """The base class's checks, and LAMB's own options (given to the constructor or set per param group),
+        normalised to floats: the coefficients' and factors' clips finite with ``0 < min <= max``,
+        ``factor_threshold >= 0``, ``coeff_beta`` in ``[0, 1)``, ``cap_trust_ratio`` a bool."""
+        super()._check_group(group, index)
+        where = f" (param group {index})"
+        for name in ("max_coeff", "min_coeff", "factor_max", "factor_min", "factor_threshold", "coeff_beta"):
+            group[name] = check_real(group[name], name, where=where)
+        if not 0 < group["min_coeff"] <= group["max_coeff"]:
+            raise ValueError(f"need 0 < min_coeff <= max_coeff, got min_coeff={group['min_coeff']}, "
+                             f"max_coeff={group['max_coeff']}{where}")
+        if not 0 < group["factor_min"] <= group["factor_max"]:
+            raise ValueError(f"need 0 < factor_min <= factor_max, got factor_min={group['factor_min']}, "
+                             f"factor_max={group['factor_max']}{where}")
+        check_real(group["factor_threshold"], "factor_threshold", at_least=0.0, where=where)
+        check_real(group["coeff_beta"], "coeff_beta", at_least=0.0, below=1.0, where=where)
+        check_flag(group["cap_trust_ratio"], "cap_trust_ratio", where=where)
 
     # ------------------------------------------------------------------ warmup: LAMB
     def _warmup_step(self) -> None:

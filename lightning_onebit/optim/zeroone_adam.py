@@ -11,6 +11,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from lightning_onebit._checks import check_integer
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
@@ -19,6 +20,7 @@ from lightning_onebit.optim.functional import adam_update_, fold_gradients_, upd
 from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.optim.masks import mask_like
 from lightning_onebit.optim.step_kind import StepKind
+from lightning_onebit.optim.torch_options import check_torch_adamw_options
 from lightning_onebit.optim.zeroone_local_steps import LocalStepsMixin
 from lightning_onebit.optim.zeroone_schedule import (
     DEEPSPEED_LOCAL_STEP_SCALER,
@@ -114,8 +116,13 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
     embeddings.
 
     Args:
-        params, lr, betas, eps, weight_decay: as for :class:`~lightning_onebit.OnebitAdam`.
-        bias_correction, amsgrad, bucket_cap_mb: as for :class:`~lightning_onebit.OnebitAdam`.
+        params, lr, betas, eps: as for :class:`~lightning_onebit.OnebitAdam`.
+        weight_decay: as for :class:`~lightning_onebit.OnebitAdam`: default ``0``, where ``torch.optim.AdamW``'s is
+            ``0.01`` (a port from AdamW passes it).
+        bias_correction, bucket_cap_mb: as for :class:`~lightning_onebit.OnebitAdam`.
+        amsgrad, maximize, differentiable, capturable, foreach, fused: ``torch.optim.AdamW``'s, as for
+            :class:`~lightning_onebit.OnebitAdam` (only ``False`` for the first four; ``foreach`` and ``fused`` have
+            no effect and warn unless ``None``).
         process_group, kernel_backend, topology: as for :class:`~lightning_onebit.OnebitAdam`.
         var_freeze_step: the last step that may update the variance; local steps start after it. Default ``None``:
             half the run under the Lightning strategies, which know its length (:meth:`fit_schedule_to_run`; at
@@ -167,6 +174,11 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         compress: Optional[Literal["momentum", "gradient"]] = None,
         bias_correction: bool = True,
         amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        fused: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         process_group: Optional[dist.ProcessGroup] = None,
         kernel_backend: Backend = "auto",
@@ -179,14 +191,12 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         var_freeze_step = DEEPSPEED_VAR_FREEZE_STEP if var_freeze_step is None else var_freeze_step
         var_update_scaler = DEEPSPEED_VAR_UPDATE_SCALER if var_update_scaler is None else var_update_scaler
         local_step_scaler = DEEPSPEED_LOCAL_STEP_SCALER if local_step_scaler is None else local_step_scaler
-        for name, value in (
-            ("var_freeze_step", var_freeze_step),
-            ("var_update_scaler", var_update_scaler),
-            ("local_step_scaler", local_step_scaler),
-            ("local_step_clipper", local_step_clipper),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper = (
+            check_integer(value, name) for name, value in (
+                ("var_freeze_step", var_freeze_step), ("var_update_scaler", var_update_scaler),
+                ("local_step_scaler", local_step_scaler), ("local_step_clipper", local_step_clipper),
+            )
+        )
         if compress is not None:
             if exchange != "momentum" and compress != exchange:
                 raise ValueError(
@@ -202,10 +212,8 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
             exchange = compress
         if exchange not in ("momentum", "gradient"):
             raise ValueError(f"exchange must be 'momentum' or 'gradient', got {exchange!r}")
-        if not isinstance(amsgrad, bool) or amsgrad:
-            raise ValueError(
-                f"ZeroOneAdam does not support amsgrad (the variance is updated on a schedule), got {amsgrad!r}"
-            )
+        check_torch_adamw_options(type(self).__name__, amsgrad=amsgrad, maximize=maximize,
+                                  differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(
             params,

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_onebit._checks import check_integer
 from lightning_onebit.optim.step_kind import StepKind
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class ZeroOneScheduleMixin:
         ``var_update_scaler``), ``local_step_scaler`` such that ``local_step_interval`` reaches
         ``local_step_clipper`` a quarter of the way into the remaining steps. Returns what was set, for the log
         (``None``: every argument was given). ``total_steps=None`` (a run of unknown length) raises ``ValueError``
-        naming the arguments to give, unless every one was given."""
+        naming the arguments to give, unless every one was given; so does anything but ``None`` or an integer
+        ``>= 1`` (a bool, a float, a string)."""
+        check_integer(total_steps, "ZeroOneAdam.fit_schedule_to_run total_steps", none=True,
+                      what="an integer >= 1 (the run's length in optimizer steps)", fix="None when it is unknown")
         if not self._schedule_from_run:
             return None
         if total_steps is None:

@@ -35,13 +35,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_onebit._checks import check_flag
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
 from lightning_onebit.hooks import OverlapFallbackReason
 from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
 from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
-from lightning_onebit.strategy.arguments import check_overlap, check_ranks_per_node, the_compressed_optimizer
+from lightning_onebit.strategy.arguments import check_mixed_precision, check_overlap, check_process_group_options
+from lightning_onebit.strategy.arguments import check_ranks_per_node, shard_module_classes, the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
@@ -89,12 +91,12 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             module's parameters in that module's forward: ``training_step`` may call ``self.bert(...)`` rather than
             ``self(...)``), then the LightningModule if it holds parameters of its own (its ``forward`` must then be
             what ``training_step`` calls); ``None`` (default): the LightningModule's ``configure_model`` shards the
-            model.
+            model. One class alone is taken as a list of one.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the modules the strategy shards, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in
             bf16 on all-gathered bf16 parameters, gradients reduced in fp32, the optimizer on fp32 master shards.
-            With ``configure_model`` pass ``mp_policy`` to ``fully_shard`` there. Default ``None`` (no policy: the
-            Trainer's ``precision`` applies).
+            Its dtypes must be floating point or ``None``. With ``configure_model`` pass ``mp_policy`` to
+            ``fully_shard`` there. Default ``None`` (no policy: the Trainer's ``precision`` applies).
         timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
         error_feedback: what happens to each rank's compression error feedback (the worker and server error of its
             shards) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes it to a sidecar
@@ -132,7 +134,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     def __init__(
         self,
         ranks_per_node: Optional[int] = None,
-        shard_modules: Optional[Sequence[type[Module]]] = None,
+        shard_modules: Optional[Union[type[Module], Sequence[type[Module]]]] = None,
         mixed_precision: Optional[Any] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -143,25 +145,11 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         check_overlap(overlap)
         check_ranks_per_node(ranks_per_node)
         self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
-        if not isinstance(save_distributed_checkpoint, bool):
-            raise ValueError(f"save_distributed_checkpoint must be True or False, got {save_distributed_checkpoint!r}")
-        if shard_modules is not None:
-            shard_modules = tuple(shard_modules)
-            bad = [m for m in shard_modules if not (isinstance(m, type) and issubclass(m, Module))]
-            if bad or not shard_modules:
-                raise ValueError(
-                    f"shard_modules must be a non-empty list of torch.nn.Module classes (e.g. [TransformerBlock]), got "
-                    f"{bad or shard_modules!r}"
-                )
+        check_flag(save_distributed_checkpoint, "save_distributed_checkpoint")
+        check_process_group_options(timeout, process_group_backend)
+        shard_modules = shard_module_classes(shard_modules)  # one class alone is a list of one
         if mixed_precision is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            if not isinstance(mixed_precision, MixedPrecisionPolicy):
-                raise ValueError(
-                    "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy (e.g. "
-                    f"MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), got "
-                    f"{mixed_precision!r}"
-                )
+            check_mixed_precision(mixed_precision)
             if shard_modules is None:
                 raise ValueError(
                     "mixed_precision applies to the modules the strategy shards (shard_modules); with configure_model, "

@@ -26,7 +26,8 @@ from lightning_onebit.comm.agreement import assert_replicas_identical
 from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage
-from lightning_onebit.strategy.arguments import check_options, ddp_kwargs_for, the_compressed_optimizer
+from lightning_onebit.strategy.arguments import check_options, check_process_group_options, ddp_kwargs_for
+from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
@@ -93,7 +94,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         find_unused_parameters: passed to ``DistributedDataParallel``. Default ``False``.
         static_graph: passed to ``DistributedDataParallel``. Default ``False``.
         gradient_as_bucket_view: passed to ``DistributedDataParallel``. Default ``False``.
-        ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce); ``None`` keeps DDP's default (25).
+        ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce), a number > 0 (below ``2**43``);
+            ``None`` keeps DDP's default (25).
         ddp_kwargs: any other ``DistributedDataParallel`` arguments (e.g. ``{"broadcast_buffers": False}``).
         ddp_comm_hook: a DDP comm hook that averages gradients whenever the strategy averages them (the warmup, and
             0/1 Adam's variance steps) instead of the plain fp32 ``mean`` allreduce, as Lightning's ``DDPStrategy``
@@ -161,6 +163,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         error_feedback: ErrorFeedbackPolicy = "keep",
     ) -> None:
         check_options(overlap, topology, ranks_per_node)
+        check_process_group_options(timeout, process_group_backend)
         self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         self.topology_mode = topology
         self.overlap = overlap

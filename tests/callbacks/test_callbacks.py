@@ -709,3 +709,30 @@ def test_keep_warning_names_every_failing_rank_and_file_once_per_reason() -> Non
     text = _failures_text([(1, "a.onebit-rank1", missing), (2, "a.onebit-rank2", corrupt), (3, "a.onebit-rank3", missing)])
     assert text == ("rank 1 (a.onebit-rank1), rank 3 (a.onebit-rank3): the file does not exist; "
                     "rank 2 (a.onebit-rank2): the file is corrupt")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(auto="yes"), "MomentumMask auto must be True or False, got 'yes' (str)"),
+        (dict(auto=1), "MomentumMask auto must be True or False, got 1"),
+        (dict(masks=[torch.ones(2)]), "MomentumMask masks must be a dict {parameter name or glob: mask tensor, or "
+                                      "callable(parameter) -> mask tensor}, e.g. {'emb.weight': mask}; got a list"),
+        (dict(masks={"emb.weight": 3}), "MomentumMask masks must be a dict {parameter name or glob: mask tensor, or "
+                                        "callable(parameter) -> mask tensor}, e.g. {'emb.weight': mask}; got the entry "
+                                        "'emb.weight': int"),
+        (dict(masks={0: torch.ones(2)}), "got the entry 0: Tensor"),
+        (dict(auto=True, log_level="INFO"), "MomentumMask log_level must be a logging level, an int, got 'INFO' (str); "
+                                            "e.g. logging.INFO (20)"),
+        (dict(auto=True, log_level=None), "MomentumMask log_level must be a logging level, an int, got None"),
+        (dict(auto=True, warn_share=float("nan")),
+         "MomentumMask warn_share must be a finite number in [0, 1], got nan"),
+    ],
+)
+def test_momentum_mask_arguments_are_checked_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    """Used to: ``auto="yes"`` and ``auto=1`` were read as truth values; ``masks=[...]`` gave a bare "dictionary update
+    sequence" error; a mask that is no tensor or callable (``{"emb.weight": 3}``) or a key that is no name was taken
+    and refused only at setup; ``log_level="INFO"`` was taken and raised ``TypeError: level must be an integer`` in
+    ``logging`` at the first compressed step, with the masks half installed. Now a ``ValueError`` at construction."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MomentumMask(**kwargs)

@@ -20,7 +20,7 @@ from torch import nn
 
 import lightning.pytorch as pl
 import lightning_onebit  # noqa: F401  (registers the strategies)
-from lightning_onebit import MomentumMask, OnebitAdam
+from lightning_onebit import AutoFreeze, MomentumMask, OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_onebit.optim.functional import adam_step_bound
 from tests.callback_models import DIM, USED_ROWS, VOCAB, TokenRegressor, token_loader, unused_rows_mask
 from tests.distributed import run_distributed, run_scenarios, scenario_results
@@ -371,16 +371,18 @@ def test_dead_coordinates_single_process_and_across_a_resume() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"bias_correction": "no"}, "bias_correction must be True or False, got 'no' (param group 0)"),
+        ({"bias_correction": "no"}, "bias_correction must be True or False, got 'no' (str) (param group 0)"),
         ({"bias_correction": 0}, "bias_correction must be True or False, got 0"),
         ({"betas": 0.9}, "betas must be a pair of floats (b1, b2), e.g. (0.9, 0.999); got 0.9 (param group 0)"),
         ({"betas": (0.9,)}, "betas must be a pair of floats"),
         ({"betas": ("0.9", 0.999)}, "betas must be a pair of floats"),
         ({"betas": (0.9, float("nan"))}, "betas must each be in [0, 1)"),
-        ({"lr": "1e-3"}, "lr must be a float, got '1e-3' (str)"),
-        ({"eps": None}, "eps must be a float, got None"),
+        ({"lr": "1e-3"}, "lr must be a finite number >= 0, got '1e-3' (str) (param group 0)"),
+        ({"lr": torch.tensor(1e-3)}, "OnebitAdam takes lr as a float, not a tensor (param group 0); pass lr=float(lr)"),
+        ({"eps": None}, "eps must be a finite number >= 0, got None"),
         ({"amsgrad": "no"}, "amsgrad must be False"),
-        ({"bucket_cap_mb": "25"}, "bucket_cap_mb must be a number > 0 (MB), got '25'"),
+        ({"bucket_cap_mb": "25"}, "bucket_cap_mb must be a number > 0 (MB) below 2**43 (its bytes must fit an "
+                                  "int64), got '25' (str)"),
         ({"dead_coordinates": True}, "dead_coordinates must be one of ('mask', 'warn', 'ignore'), got True"),
     ],
 )
@@ -393,3 +395,253 @@ def test_argument_errors_name_the_argument_at_construction(kwargs: dict[str, Any
     # group options are checked the same way, and a list from YAML is a valid pair
     opt = OnebitAdam([{"params": nn.Linear(2, 1).parameters(), "betas": [0.8, 0.99]}], freeze_step=2)
     assert opt.param_groups[0]["betas"] == (0.8, 0.99)
+
+
+# ====================================================================================== porting from torch.optim.AdamW
+OPTIMIZERS = [OnebitAdam, ZeroOneAdam, OnebitLamb]
+#: The AdamW options that change the math or how a step may run, and a piece of the fix each error names.
+REFUSED_ADAMW_OPTIONS = [
+    ("amsgrad", "drop the argument"),
+    ("maximize", "minimise the negated objective instead"),
+    ("differentiable", "the 1-bit exchange has no gradient"),
+    ("capturable", "cannot capture"),
+]
+
+
+def _optimizer(cls: type, params: Any, **kwargs: Any) -> Any:
+    """``cls`` over ``params`` with its warmup ending after step 2 (ZeroOneAdam: two variance steps, then 1-bit)."""
+    if cls is ZeroOneAdam:
+        return cls(params, var_update_scaler=2, var_freeze_step=4, local_step_scaler=2, **kwargs)
+    return cls(params, freeze_step=2, **kwargs)
+
+
+def _trained(cls: type, steps: int = 4, **kwargs: Any) -> list[torch.Tensor]:
+    """The parameters of a small linear model after ``steps`` steps of ``cls`` in one process (no process group: the
+    compressed average is the identity, the compressed steps still run)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = _optimizer(cls, model.parameters(), lr=1e-2, **kwargs)
+    x = torch.randn(8, 4)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name, fix", REFUSED_ADAMW_OPTIONS, ids=[n for n, _ in REFUSED_ADAMW_OPTIONS])
+@pytest.mark.parametrize("value", [True, "no", 1])
+def test_adamw_options_that_change_the_math_are_refused_with_the_fix(
+    cls: type, name: str, fix: str, value: Any
+) -> None:
+    """Used to: ``OnebitAdam(..., maximize=True)`` (any of these but OnebitAdam's and ZeroOneAdam's ``amsgrad``) was a
+    bare ``TypeError: unexpected keyword argument``; OnebitLamb took no ``amsgrad`` at all. Now a ``ValueError`` that
+    names the argument, the value and what to do instead, from every optimizer; ``False`` (AdamW's default) ports."""
+    with pytest.raises(ValueError, match=re.escape(f"{name} must be False, got {value!r}: {cls.__name__} does not "
+                                                   f"support {name}")) as caught:
+        _optimizer(cls, nn.Linear(2, 1).parameters(), **{name: value})
+    assert fix in str(caught.value)
+    _optimizer(cls, nn.Linear(2, 1).parameters(), **{name: False})
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_foreach_and_fused_are_taken_change_nothing_and_say_so_once(cls: type) -> None:
+    """Used to: ``foreach=True`` / ``fused=True`` from an AdamW config were a bare ``TypeError``. They choose torch's
+    implementation of the same math, and these optimizers choose their kernels themselves: ``None`` (torch's default)
+    is taken silently, ``True``/``False`` with one ``UserWarning`` per call site that names the argument and says it
+    has no effect, pointing at the caller's line; the trained parameters are bitwise those without it (warmup and
+    compressed steps); a value that is no flag is refused."""
+    expected = _trained(cls)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("error")
+        assert all(torch.equal(a, b) for a, b in zip(_trained(cls, foreach=None, fused=None), expected))
+    assert caught == []
+    for name, value in (("foreach", True), ("fused", True), ("foreach", False), ("fused", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")  # Python's default: once per call site
+            for _ in range(3):
+                _optimizer(cls, nn.Linear(2, 1).parameters(), **{name: value})
+        assert [str(w.message) for w in caught] == [
+            f"{cls.__name__}({name}={value}) has no effect: {cls.__name__} chooses its kernels itself (torch's "
+            "multi-tensor and fused kernels where they apply, kernel_backend for the 1-bit exchange), and the "
+            f"results do not depend on it. Drop {name}={value} to silence this warning."
+        ]
+        assert caught[0].category is UserWarning and caught[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert all(torch.equal(a, b) for a, b in zip(_trained(cls, **{name: value}), expected))
+    with pytest.raises(ValueError, match=re.escape("fused must be True or False, got 'yes' (str); or None (the "
+                                                   f"default: {cls.__name__} chooses its kernels itself)")):
+        _optimizer(cls, nn.Linear(2, 1).parameters(), fused="yes")
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_weight_decay_defaults_to_zero_where_adamw_defaults_to_a_hundredth(cls: type) -> None:
+    """The docs and docstrings say a port must pass weight_decay: check the figures they give against the code."""
+    import inspect
+
+    assert inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default == 0.01
+    assert inspect.signature(cls).parameters["weight_decay"].default == 0.0
+    assert _optimizer(cls, nn.Linear(2, 1).parameters()).param_groups[0]["weight_decay"] == 0.0
+    assert "``torch.optim.AdamW``'s is" in cls.__doc__ or "``torch.optim.AdamW``'s default is ``0.01``" in cls.__doc__
+
+
+# ======================================================================================== non-finite numbers
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", ["lr", "eps", "weight_decay"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), float("-inf"), -1.0])
+def test_non_finite_or_negative_lr_eps_weight_decay_are_refused_in_init_and_add_param_group(
+    cls: type, name: str, value: float
+) -> None:
+    """Used to: ``lr``, ``eps`` or ``weight_decay`` of ``inf`` were taken by all three optimizers (the parameters were
+    NaN after two steps, or stopped moving), in the constructor and in ``add_param_group``. Now a ``ValueError``
+    naming the option, the value, the group and an example, and the refused group is not added."""
+    message = f"{name} must be a finite number >= 0, got {value!r} (param group %d); e.g. {name}="
+    with pytest.raises(ValueError, match=re.escape(message % 0)):
+        _optimizer(cls, nn.Linear(2, 1).parameters(), **{name: value})
+    opt = _optimizer(cls, nn.Linear(2, 1).parameters())
+    with pytest.raises(ValueError, match=re.escape(message % 1)):
+        opt.add_param_group({"params": nn.Linear(2, 1).parameters(), name: value})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=re.escape(message % 0)):
+        _optimizer(cls, [{"params": nn.Linear(2, 1).parameters(), name: value}])
+
+
+def test_the_weight_decay_error_names_adamws_default() -> None:
+    with pytest.raises(ValueError, match=re.escape("e.g. weight_decay=0.01 (torch.optim.AdamW's default; this "
+                                                   "optimizer's is 0)")):
+        OnebitAdam(nn.Linear(2, 1).parameters(), weight_decay=float("inf"))
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_lr_schedulers_still_drive_the_learning_rate(cls: type) -> None:
+    """A scheduler sets ``group["lr"]`` after construction (not through ``add_param_group``), and OneCycleLR adds its
+    own keys to the groups: both keep working, through warmup and compressed steps, and the update follows the
+    scheduled rate (a scheduled rate of 0 leaves the parameters where they are)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = _optimizer(cls, model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6)
+    # the same schedule on a plain torch optimizer: the rates it sets are the reference
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    reference_scheduler = torch.optim.lr_scheduler.OneCycleLR(reference, max_lr=0.05, total_steps=6)
+    x, rates = torch.randn(8, 4), []
+    for _ in range(5):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        reference.step()
+        scheduler.step()
+        reference_scheduler.step()
+        rates.append(opt.param_groups[0]["lr"])
+        assert rates[-1] == reference.param_groups[0]["lr"]
+    assert len(set(rates)) == 5 and all(torch.isfinite(p).all() for p in model.parameters())
+    lambda_opt = _optimizer(cls, model.parameters(), lr=1e-2)
+    torch.optim.lr_scheduler.LambdaLR(lambda_opt, lambda step: 0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    lambda_opt.zero_grad()
+    model(x).square().mean().backward()
+    lambda_opt.step()
+    assert lambda_opt.param_groups[0]["lr"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+# ======================================================================================== bucket sizes, process group
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0, -1.0, 2.0**43, True, "25"])
+def test_a_bucket_size_that_is_no_positive_finite_number_is_refused(cls: type, value: Any) -> None:
+    """Used to: ``bucket_cap_mb=inf`` raised a bare ``OverflowError`` (converting the byte count), and sizes whose
+    bytes do not fit an int64 were taken. Now a ``ValueError`` with the argument, the value and an example."""
+    message = f"bucket_cap_mb must be a number > 0 (MB) below 2**43 (its bytes must fit an int64), got {value!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _optimizer(cls, nn.Linear(2, 1).parameters(), bucket_cap_mb=value)
+    assert _optimizer(cls, nn.Linear(2, 1).parameters(), bucket_cap_mb=2.0**43 - 1).momentum_buckets is not None
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_process_group_that_is_no_process_group_is_refused_at_construction(cls: type) -> None:
+    """Used to: ``process_group="x"`` was taken and failed at the first compressed step (a collective)."""
+    with pytest.raises(ValueError, match=re.escape("process_group must be a torch.distributed.ProcessGroup or None "
+                                                   "(WORLD), got 'x'")):
+        _optimizer(cls, nn.Linear(2, 1).parameters(), process_group="x")
+
+
+# ====================================================================================== ZeroOneAdam.fit_schedule_to_run
+@pytest.mark.parametrize("total", [-1, 0, True, 2.5, 100.0, float("nan"), float("inf"), "100"])
+def test_fit_schedule_to_run_takes_a_positive_integer_or_none(total: Any) -> None:
+    """Used to: -1, 0, True and 2.5 were taken (schedules scaled to nonsense: var_freeze_step 1 for -1), NaN and inf
+    gave bare ValueError/OverflowError from ``round``, '100' a TypeError. Now a ``ValueError`` naming the argument,
+    also when every schedule argument was given (nothing to scale)."""
+    message = ("ZeroOneAdam.fit_schedule_to_run total_steps must be an integer >= 1 (the run's length in optimizer "
+               f"steps) or None, got {total!r}")
+    opt = ZeroOneAdam(nn.Linear(2, 1).parameters())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.fit_schedule_to_run(total)
+    assert (opt.var_freeze_step, opt.var_update_scaler) == (100000, 16)  # untouched
+    given = ZeroOneAdam(nn.Linear(2, 1).parameters(), var_freeze_step=8, var_update_scaler=2, local_step_scaler=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        given.fit_schedule_to_run(total)
+    assert opt.fit_schedule_to_run(200) is not None and (opt.var_freeze_step, opt.var_update_scaler) == (100, 20)
+    assert given.fit_schedule_to_run(None) is None
+
+
+# ======================================================================================== OnebitLamb's group options
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("max_coeff", float("inf"), "max_coeff must be a finite number, got inf (param group 1)"),
+        ("min_coeff", float("nan"), "min_coeff must be a finite number, got nan (param group 1)"),
+        ("min_coeff", 0.0, "need 0 < min_coeff <= max_coeff, got min_coeff=0.0, max_coeff=10.0 (param group 1)"),
+        ("factor_threshold", -0.1, "factor_threshold must be a finite number >= 0, got -0.1 (param group 1)"),
+        ("coeff_beta", 1.0, "coeff_beta must be a finite number in [0, 1), got 1.0 (param group 1)"),
+        ("cap_trust_ratio", "yes", "cap_trust_ratio must be True or False, got 'yes' (str) (param group 1)"),
+    ],
+)
+def test_onebit_lambs_options_are_checked_per_param_group(option: str, value: Any, message: str) -> None:
+    """Used to: LAMB's options were checked only as constructor arguments; set in a param group (``{"params": ...,
+    "max_coeff": inf}``) they were taken and reached the trust ratios. Now every group's are checked when it is
+    added, and the group is not added."""
+    opt = OnebitLamb(nn.Linear(2, 1).parameters(), freeze_step=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.add_param_group({"params": nn.Linear(2, 1).parameters(), option: value})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OnebitLamb([{"params": nn.Linear(2, 1).parameters()}, {"params": nn.Linear(2, 1).parameters(), option: value}],
+                   freeze_step=2)
+    opt.add_param_group({"params": nn.Linear(2, 1).parameters(), "max_coeff": 5, "cap_trust_ratio": False})
+    assert opt.param_groups[1]["max_coeff"] == 5.0 and isinstance(opt.param_groups[1]["max_coeff"], float)
+
+
+# ======================================================================================== AutoFreeze
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(seed="x"), "AutoFreeze seed must be an integer (the seed of the coordinate sample, in [-2**63, "
+                         "2**64 - 1]), got 'x' (str); e.g. seed=0"),
+        (dict(seed=1.5), "AutoFreeze seed must be an integer"),
+        (dict(seed=True), "AutoFreeze seed must be an integer"),
+        (dict(seed=2**64), "AutoFreeze seed must be an integer"),
+        (dict(seed=-(2**63) - 1), "AutoFreeze seed must be an integer"),
+        (dict(sample_size=2.0), "AutoFreeze sample_size must be an integer >= 1, got 2.0"),
+        (dict(window=True), "AutoFreeze window must be an integer >= 1 or None, got True (bool)"),
+        (dict(max_step=float("inf")), "AutoFreeze max_step must be an integer >= 1 or None, got inf"),
+        (dict(check_every="4"), "AutoFreeze check_every must be an integer >= 1 or None, got '4' (str)"),
+        (dict(patience=0), "AutoFreeze patience must be an integer >= 1, got 0"),
+        (dict(threshold=float("nan")), "AutoFreeze threshold must be a finite number > 0, got nan"),
+        (dict(tensor_threshold=True), "AutoFreeze tensor_threshold must be a finite number > 0, got True (bool)"),
+        (dict(loss_drop=float("nan")), "AutoFreeze loss_drop must be a finite number in [0, 1) or None, got nan"),
+    ],
+)
+def test_every_auto_freeze_argument_is_checked_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    """Used to: ``AutoFreeze(seed="x")`` (or 1.5, True, 2**64) was taken and failed at the first check step in
+    ``torch.Generator.manual_seed``, in the middle of training. Now every argument's type and range is checked when
+    the settings are made; a negative seed is in torch's range and draws the same sample every time."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AutoFreeze(**kwargs)
+    from lightning_onebit.optim.auto_freeze_figures import _draw_sample
+
+    seed = AutoFreeze(seed=-1).seed
+    first, again = _draw_sample([50, 50], 10, seed), _draw_sample([50, 50], 10, seed)
+    assert sum(len(i) for _, i in first) == 10
+    assert all(a == b and torch.equal(x, y) for (a, x), (b, y) in zip(first, again))

@@ -431,3 +431,65 @@ def test_the_error_feedback_argument_is_checked_and_passed_through() -> None:
     checkpoint: dict[str, Any] = {"optimizer_states": []}
     strategy._error_feedback.save(checkpoint, strategy.onebit_optimizer)
     assert checkpoint == {"optimizer_states": [], "onebit_error_feedback": {"policy": "reset", "error_norm_rank0": 0.0}}
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        (dict(param_dtype=torch.int8), "mixed_precision's param_dtype must be a floating-point torch.dtype or None "
+                                       "(no cast), got torch.int8"),
+        (dict(reduce_dtype=torch.bool), "mixed_precision's reduce_dtype must be a floating-point torch.dtype"),
+        (dict(output_dtype=torch.int64), "mixed_precision's output_dtype must be a floating-point torch.dtype"),
+        (dict(param_dtype=torch.complex64), "mixed_precision's param_dtype must be a floating-point torch.dtype"),
+        (dict(param_dtype="bfloat16"), "mixed_precision's param_dtype must be a floating-point torch.dtype"),
+        (dict(cast_forward_inputs="yes"), "mixed_precision's cast_forward_inputs must be True or False, got 'yes'"),
+    ],
+)
+def test_a_mixed_precision_policy_with_a_dtype_that_is_not_floating_is_refused(policy: dict, message: str) -> None:
+    """Used to: ``MixedPrecisionPolicy(param_dtype=torch.int8)`` was taken and failed at the first forward, on every
+    rank, inside FSDP. Now a ``ValueError`` naming the field at construction; floating dtypes and ``None`` pass."""
+    import re
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OnebitFSDPStrategy(shard_modules=[Block], mixed_precision=MixedPrecisionPolicy(**policy))
+    good = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float16)
+    assert OnebitFSDPStrategy(shard_modules=[Block], mixed_precision=good).mixed_precision is good
+
+
+def test_shard_modules_take_one_class_or_a_list_of_classes() -> None:
+    """Used to: ``shard_modules=nn.Linear`` (one class) raised "'type' object is not iterable", and a class's name
+    (``"torch.nn.Linear"``) was refused as a list of its characters. One class is now a list of one; names are refused
+    with the way to pass classes (the LightningCLI case is in tests/strategy/test_cli.py)."""
+    import re
+
+    assert OnebitFSDPStrategy(shard_modules=Block).shard_modules == (Block,)
+    assert OnebitFSDPStrategy(shard_modules=[Block, nn.Linear]).shard_modules == (Block, nn.Linear)
+    for names in ("torch.nn.Linear", ["torch.nn.Linear"]):
+        with pytest.raises(ValueError, match=re.escape(f"shard_modules takes module classes, not their names: got "
+                                                       f"{names!r}. Pass the classes (e.g. shard_modules=")):
+            OnebitFSDPStrategy(shard_modules=names)
+    for bad, shown in (([], "[]"), ([nn.Linear(2, 2)], "[Linear(in_features=2"), ((int,), "[<class 'int'>]")):
+        message = (f"shard_modules must be a non-empty list of torch.nn.Module classes (e.g. "
+                   f"shard_modules=[TransformerBlock]), got {shown}")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            OnebitFSDPStrategy(shard_modules=bad)
+    with pytest.raises(ValueError, match="shard_modules must be a torch.nn.Module class or a list of them"):
+        OnebitFSDPStrategy(shard_modules=nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(timeout=60), "timeout must be a datetime.timedelta > 0 or None (torch's default), got 60"),
+        (dict(process_group_backend=1), "process_group_backend must be a torch.distributed backend name"),
+        (dict(save_distributed_checkpoint=1), "save_distributed_checkpoint must be True or False, got 1"),
+    ],
+)
+def test_other_bad_constructor_arguments_are_refused(kwargs: dict, message: str) -> None:
+    """Used to: an int ``timeout`` or a backend that is no string reached ``init_process_group`` at setup."""
+    import re
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OnebitFSDPStrategy(**kwargs)

@@ -753,3 +753,47 @@ def test_overlap_decision_asks_the_run_only_when_the_exchange_could_overlap():
     assert decide_overlap("auto", free, run_reason(None)) is None and asked == [None]
     assert decide_overlap("auto", free, run_reason("manual optimization")) is not None
     assert asked == [None, "manual optimization"]
+
+
+# ======================================================================================== constructor arguments
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(ddp_bucket_cap_mb=float("inf")), "ddp_bucket_cap_mb must be a number > 0 (MB) below 2**43 (its bytes "
+                                               "must fit an int64) or None, got inf; e.g. 25 (DDP's default)"),
+        (dict(ddp_bucket_cap_mb=float("nan")), "ddp_bucket_cap_mb must be a number > 0 (MB) below 2**43"),
+        (dict(ddp_bucket_cap_mb=0), "ddp_bucket_cap_mb must be a number > 0 (MB) below 2**43"),
+        (dict(ddp_bucket_cap_mb=2.0**43), "ddp_bucket_cap_mb must be a number > 0 (MB) below 2**43"),
+        (dict(ddp_bucket_cap_mb="25"), "ddp_bucket_cap_mb must be a number > 0 (MB) below 2**43 (its bytes must fit "
+                                       "an int64) or None, got '25' (str)"),
+        (dict(find_unused_parameters="yes"), "find_unused_parameters must be True or False, got 'yes' (str)"),
+        (dict(static_graph=1), "static_graph must be True or False, got 1"),
+        (dict(gradient_as_bucket_view="no"), "gradient_as_bucket_view must be True or False, got 'no' (str)"),
+        (dict(ddp_kwargs=["broadcast_buffers"]), "ddp_kwargs must be a dict of DistributedDataParallel arguments by "
+                                                 "name (e.g. {'broadcast_buffers': False}) or None, got"),
+        (dict(ddp_kwargs="broadcast_buffers=False"), "ddp_kwargs must be a dict of DistributedDataParallel arguments"),
+        (dict(timeout=1800), "timeout must be a datetime.timedelta > 0 or None (torch's default), got 1800; e.g. "
+                             "timeout=datetime.timedelta(minutes=30)"),
+        (dict(process_group_backend=1), "process_group_backend must be a torch.distributed backend name"),
+    ],
+)
+def test_bad_constructor_arguments_are_refused_with_the_fix(kwargs: dict[str, Any], message: str) -> None:
+    """Used to: ``ddp_bucket_cap_mb=inf`` (or NaN, 0, '25', 2**43) was taken and failed in DDP's constructor at setup
+    (an ``OverflowError`` or a pybind ``TypeError``); the DDP flags took any truthy value ('no' turned the option on);
+    ``ddp_kwargs=[...]`` gave a bare "cannot convert dictionary update sequence"; ``timeout=1800`` (seconds) and a
+    backend that is no string reached ``init_process_group`` at setup. Now a ``ValueError`` at construction, before
+    any process group exists."""
+    import re
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OnebitStrategy(**kwargs)
+
+
+def test_good_constructor_arguments_are_passed_on() -> None:
+    from datetime import timedelta
+
+    strategy = OnebitStrategy(ddp_bucket_cap_mb=2.0**43 - 1, static_graph=True, ddp_kwargs={"broadcast_buffers": False},
+                              timeout=timedelta(minutes=1), process_group_backend="gloo")
+    assert strategy._ddp_kwargs["bucket_cap_mb"] == 2.0**43 - 1 and strategy._ddp_kwargs["static_graph"] is True
+    assert strategy._ddp_kwargs["broadcast_buffers"] is False and strategy._timeout == timedelta(minutes=1)
+    assert "bucket_cap_mb" not in OnebitStrategy(ddp_bucket_cap_mb=None, timeout=None)._ddp_kwargs
