@@ -40,7 +40,7 @@ from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
 from lightning_onebit.hooks import OverlapFallbackReason
 from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
 from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook
-from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_overlap, check_ranks_per_node, the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
@@ -55,8 +55,10 @@ from lightning_onebit.strategy.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_onebit.strategy.sharding import (
+    broadcast_from_first_replica,
     check_sharded,
     fsdp_buckets,
+    node_device_mesh,
     node_mesh_ranks,
     point_at_sharded_parameters,
     shard_model,
@@ -214,8 +216,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
 
     def _build_mesh(self) -> Any:
         """The ``(M, L)`` ``("replicate", "shard")`` mesh from every rank's placement (a collective)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         env = self.cluster_environment
         assert env is not None
         placements: list[Any] = [None] * self.world_size
@@ -227,7 +227,8 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             + ("" if len(grid[0]) > 1 else " (one rank per node: nothing is sharded, and strategy='onebit_adam' "
                "trains the same with less overhead)")
         )
-        return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
+        # its groups wait the strategy's timeout (DeviceMesh's own would wait torch's default of 30 minutes)
+        return node_device_mesh(self.root_device.type, grid, self._timeout)
 
     @property
     @override
@@ -261,8 +262,12 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check_sharded(self.model, self.device_mesh["shard"])
+        replicate_group = self.device_mesh["replicate"].get_group()
+        # as DDP does: every node starts from the same weights, whatever each process's random state (a checkpoint
+        # to resume from is loaded after setup, over these)
+        broadcast_from_first_replica(self.model, replicate_group)
         self._run_id = agree_run_id(self.global_rank)
-        self.replica_sync = ReplicaAllReduceState(self.device_mesh["replicate"].get_group(), self._sync_predicate)
+        self.replica_sync = ReplicaAllReduceState(replicate_group, self._sync_predicate)
         register_replica_allreduce_hook(self.model, self.replica_sync)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -346,15 +351,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     def _sync_predicate(self) -> bool:
         return self._onebit_optimizer is None or self._onebit_optimizer.needs_gradient_allreduce
 
-    @property
-    def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
-        """The compressed optimizer this strategy drives (``None`` before setup)."""
-        return self._onebit_optimizer
-
-    @property
-    def stage(self) -> OnebitStage:
-        """Stage of the next optimizer step (warmup until an optimizer is connected)."""
-        return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+    def _replicas(self) -> tuple[Optional[Any], Optional[list[list[int]]]]:
+        # the ranks that hold the same shard on every node (the mesh's columns), compared over every rank so that
+        # every rank raises when one column diverged (its other ranks would otherwise wait for the diverged ones)
+        return None, self.device_mesh.mesh.t().tolist()
 
     @property
     def warmup_communication(self) -> CommunicationCounters:
@@ -386,16 +386,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
                 module.set_requires_gradient_sync(True, recurse=False)
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's sharded state dict, after syncing the replicas if the optimizer took local steps since its last
-        sync (0/1 Adam; a collective: every rank saves)."""
-        onebit = self._onebit_optimizer
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if onebit is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            onebit.synchronize()
-        return super().lightning_module_state_dict()
-
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The compressed optimizer's state keyed by parameter name, its shards as ``DTensor`` s
