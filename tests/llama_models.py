@@ -84,8 +84,10 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(dim)
         self.mlp = SwiGLU(dim, 4 * dim)
         self.checkpointing = checkpointing
+        self.forward_passes = 0  # counted where the block computes: twice per step with checkpointing
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        self.forward_passes += 1
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -150,6 +152,7 @@ class LlamaLM(pl.LightningModule):
         self.optimizer = optimizer
         self.steps_per_epoch = steps_per_epoch
         self.losses: list[float] = []
+        self.logits_dtype: Any = None
 
     def configure_model(self) -> None:
         if not self.shard:
@@ -167,6 +170,7 @@ class LlamaLM(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         tokens = token_batch(self.global_step, self.global_rank)
         logits = self(tokens[:, :-1])
+        self.logits_dtype = logits.dtype  # bf16 under precision="bf16-mixed"
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         self.losses.append(float(loss.detach()))
         return loss
