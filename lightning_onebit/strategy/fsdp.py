@@ -81,7 +81,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     ``configure_optimizers`` returns one :class:`~lightning_onebit.OnebitAdam`, :class:`~lightning_onebit.ZeroOneAdam`
     or :class:`~lightning_onebit.OnebitLamb` over ``self.parameters()``; the strategy points its exchange at the
     replicate group and lays its momentum buckets out like the FSDP groups (one bucket per module that ``fully_shard``
-    wrapped).
+    wrapped). At setup, after sharding, each parameter's local shard is broadcast over its replicate group from the
+    group's first rank, and the buffers over every rank from rank 0, so that every node trains the same model even
+    when the processes were not seeded alike (as DDP does; a checkpoint to resume from is loaded afterwards). The
+    mesh's groups wait ``timeout``.
 
     Args:
         ranks_per_node: ranks per node; ``None`` (default) takes the placement from Lightning's cluster environment
@@ -91,13 +94,15 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             module's parameters in that module's forward: ``training_step`` may call ``self.bert(...)`` rather than
             ``self(...)``), then the LightningModule if it holds parameters of its own (its ``forward`` must then be
             what ``training_step`` calls); ``None`` (default): the LightningModule's ``configure_model`` shards the
-            model.
+            model. A module holding a parameter shared with a module outside it (tied weights) is left to the group
+            of a module above that holds both, so that they stay tied.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the modules the strategy shards, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in
             bf16 on all-gathered bf16 parameters, gradients reduced in fp32, the optimizer on fp32 master shards.
             With ``configure_model`` pass ``mp_policy`` to ``fully_shard`` there. Default ``None`` (no policy: the
             Trainer's ``precision`` applies).
-        timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`; the
+            device mesh's groups wait ``timeout`` too (a stalled rank makes its peers fail after it).
         error_feedback: what happens to each rank's compression error feedback (the worker and server error of its
             shards) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes it to a sidecar
             file next to the checkpoint folder (``<checkpoint>.onebit-rank<r>``), and on resume every rank restores
