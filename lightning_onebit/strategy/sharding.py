@@ -213,8 +213,9 @@ def check_sharded(model: Module, shard_mesh: Any) -> None:
         )
     if not fsdp_modules(model):
         raise ValueError("the model has no module sharded with fully_shard")
-    managed = {id(p) for p in fsdp_managed_parameters(model)}
-    unmanaged = [name for name, p in model.named_parameters() if id(p) not in managed]
+    managed = fsdp_managed_parameters(model)
+    known = {id(p) for p in managed} if managed is not None else None
+    unmanaged = [name for name, p in model.named_parameters() if known is not None and id(p) not in known]
     if unmanaged:
         raise ValueError(
             f"parameters {_names(unmanaged)} are sharded over the shard mesh, but no FSDP group manages them (set on "

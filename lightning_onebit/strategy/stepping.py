@@ -71,7 +71,8 @@ class CompressedStepping:
         onebit = self._onebit_optimizer
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer if module is not None else None
-        if onebit is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING and onebit.synchronize():
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if onebit is not None and fitting and onebit.synchronize():
             log.debug("%s: replicas synchronised before saving a checkpoint", self.strategy_name)
         return super().lightning_module_state_dict()  # type: ignore[misc]
 

@@ -160,7 +160,8 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _run_stall_case(workdir: str, *args: Any, fit: Any = _stall_fit) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+def _run_stall_case(workdir: str, *args: Any, fit: Any = _stall_fit
+                    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """Launch the 4 ranks on ``fit(rank, world_size, workdir, *args)``; kill the stopped one once the 3 others
     reported (or KILL_AFTER_S after it stopped)."""
     survivors = [r for r in range(WORLD_SIZE) if r != STALLED_RANK]
@@ -242,7 +243,7 @@ def test_a_stalled_rank_fails_every_survivor_within_the_timeout_with_overlap(tmp
     _check_stall_case(str(tmp_path), topology, overlap=True)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_stalled_rank_under_onebit_fsdp_fails_every_survivor_within_the_timeout(tmp_path: Any, overlap: bool
                                                                                    ) -> None:
     """Before, the mesh's groups (``DeviceMesh(...)``) waited torch's default of 30 minutes: every survivor was still
