@@ -20,7 +20,9 @@ class ReplicaCheck(Callback):
     nondeterministic custom op or a corrupted rank would make them drift apart silently. Every ``every_n_steps``
     optimizer steps this callback compares a checksum of every parameter's bits across ranks
     (:meth:`OnebitStrategy.assert_replicas_identical`: one pass over the parameters and an all-gather of 8 bytes per
-    parameter tensor) and raises ``RuntimeError`` on every rank, naming the parameters that differ.
+    parameter tensor) and raises ``RuntimeError`` on every rank, naming the parameters that differ. Under
+    ``onebit_fsdp`` each rank's local shards are compared with those of the ranks that hold the same shards on the
+    other nodes.
 
     Args:
         every_n_steps: check after every this many optimizer steps (``>= 1``). Default ``100``.

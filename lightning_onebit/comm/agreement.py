@@ -75,27 +75,46 @@ def replica_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def assert_replicas_identical(
-    named_tensors: Sequence[tuple[str, torch.Tensor]], group: Optional[dist.ProcessGroup] = None
+    named_tensors: Sequence[tuple[str, torch.Tensor]],
+    group: Optional[dist.ProcessGroup] = None,
+    replica_sets: Optional[Sequence[Sequence[int]]] = None,
 ) -> None:
-    """Raise ``RuntimeError`` on every rank if any tensor differs in any bit between the ranks of ``group``.
+    """Raise ``RuntimeError`` on every rank if any tensor differs in any bit between ranks of ``group`` that hold
+    replicas of each other.
+
+    ``replica_sets``: lists of ranks of ``group`` whose tensors must be identical (e.g. under FSDP the ranks that hold
+    the same shard on every node, each rank comparing its local shards); ``None`` (default): every rank of ``group``.
+    Every rank is compared over all of ``group``, so every rank raises when one set diverged.
 
     Compares :func:`replica_checksums` with one ``all_gather`` of ``8 x len(named_tensors)`` bytes per rank; the
-    message names the first tensors that differ and the ranks that disagree with rank 0. A collective: every rank
-    must call it with the same tensors in the same order.
+    message names the first tensors that differ and the ranks that disagree with the first rank of their set. A
+    collective: every rank must call it with as many tensors, in the same order.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     names = [name for name, _ in named_tensors]
     mine = replica_checksums([t for _, t in named_tensors])
     device = named_tensors[0][1].device if named_tensors and dist.get_backend(group) == "nccl" else torch.device("cpu")
-    everyone = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     _all_gather(everyone, mine.to(device), group).wait()
     everyone = everyone.cpu().view(-1, mine.numel())
-    differs = (everyone != everyone[0]).any(dim=0)
-    if bool(differs.any()):
+    sets = [list(ranks) for ranks in replica_sets] if replica_sets is not None else [list(range(size))]
+    differs = torch.zeros(mine.numel(), dtype=torch.bool)
+    ranks, against = [], []
+    for members in sets:
+        first = everyone[members[0]]
+        for r in members[1:]:
+            mismatch = everyone[r] != first
+            if bool(mismatch.any()):
+                differs |= mismatch
+                ranks.append(r)
+                against.append(members[0])
+    if ranks:
         bad = [names[i] for i in differs.nonzero().flatten().tolist()]
-        ranks = [r for r in range(everyone.shape[0]) if bool((everyone[r] != everyone[0]).any())]
+        reference = "rank 0" if replica_sets is None else f"the first rank of their replicas (ranks {against})"
         raise RuntimeError(
-            f"replicas diverged: {len(bad)} tensor(s) differ between ranks (first: {bad[:5]}); ranks {ranks} differ "
-            "from rank 0. Every rank must run the same kernels on the same inputs (see agree_kernel_backend)."
+            f"replicas diverged: {len(bad)} tensor(s) differ between ranks (first: {bad[:5]}); ranks {sorted(ranks)} "
+            f"differ from {reference}. Every rank must run the same kernels on the same inputs (see "
+            "agree_kernel_backend)."
         )

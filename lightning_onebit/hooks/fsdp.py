@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ReplicaAllReduceState",
     "ShardedOverlapState",
+    "fsdp_managed_parameters",
     "fsdp_modules",
     "register_replica_allreduce_hook",
     "replica_allreduce_hook",
@@ -95,6 +96,28 @@ def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_managed_parameters(module: torch.nn.Module) -> Optional[list[torch.Tensor]]:
+    """The sharded parameters that an FSDP group of ``module`` (itself included) manages: those ``fully_shard``
+    registered, which FSDP all-gathers in forward and reduce-scatters in backward (and whose reduce-scatter output the
+    all-reduce hook sees). A ``DTensor`` parameter set on a module after its ``fully_shard`` is in none. ``None``
+    where this torch does not say.
+
+    torch has no public accessor for them: read from each FSDP module's state (its param groups' ``fsdp_params``), as
+    ``FSDPModule`` itself does (checked on torch 2.13; earlier releases keep one param group per state)."""
+    managed: dict[int, torch.Tensor] = {}
+    for m in fsdp_modules(module):
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            if not hasattr(state, "_fsdp_param_group"):
+                return None
+            groups = [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                managed.setdefault(id(fsdp_param.sharded_param), fsdp_param.sharded_param)
+    return list(managed.values())
 
 
 def register_replica_allreduce_hook(module: torch.nn.Module, state: ReplicaAllReduceState) -> int:

@@ -384,6 +384,11 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         carries the error feedback over to a new layout, a collective (:meth:`MomentumBuckets.ensure`)."""
         return self.momentum_buckets.ensure(self._bucket_source(), carry)
 
+    def _bucket_layouts_now(self) -> dict[int, BucketLayout]:
+        """Layouts of the buckets as they are or would be built now, building none
+        (:meth:`MomentumBuckets.layouts`)."""
+        return self.momentum_buckets.layouts(self._bucket_source())
+
     def set_exp_avg_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
         """Set (or with ``None`` clear) the momentum mask of one parameter of this optimizer.
 

@@ -207,6 +207,23 @@ class MomentumBuckets:
         self.built = buckets
         return buckets
 
+    def layouts(self, source: BucketSource) -> dict[int, BucketLayout]:
+        """Bucket key -> layout of the buckets :meth:`ensure` would use for ``source`` now: the built ones if they fit,
+        else those it would build, computed without building them (nothing changes: no momentum moves, no state is
+        made). What a check of saved error feedback compares against, which every rank must be able to make without
+        changing what the next backward and step do."""
+        trainable = source.trainable()
+        world_size = source.compression.world_size()
+        if self.fits(self.inputs(trainable, world_size)):
+            return {b.key: b.layout for b in self.built}
+        state = source.state
+
+        def momentum(p: torch.Tensor) -> torch.Tensor:  # ensure() gives a parameter without one zeros like it
+            return (state[p] if p in state else {}).get("exp_avg", p)
+
+        return {key: BucketLayout.build([p.numel() for p in params], world_size)
+                for key, params in self.runs(trainable, momentum)}
+
     def built_empty(self, world_size: int) -> list[MomentumBucket]:
         """No compressed trainable parameter: no bucket."""
         self.built_for, self.bucketed_ids, self.by_key, self.built = self.inputs([], world_size), set(), {}, []

@@ -209,6 +209,7 @@ class CheckpointMixin:
     last_dropped_error_norm: Optional[float]
     _ensure_detector: Any
     _ensure_buckets: Any
+    _bucket_layouts_now: Any
     _state_family: Any
 
     def state_dict(self) -> dict[str, Any]:
@@ -281,9 +282,10 @@ class CheckpointMixin:
     def error_feedback_mismatch(self, state: Any) -> Optional[str]:
         """Why ``state`` (from :meth:`error_feedback_state_dict`, possibly of another rank or run) cannot be restored
         here, or ``None`` if it can. Checks that the optimizer state fits the parameters (the buckets are built from
-        it), then the world size, the topology, the bucket layouts and the buffers' sizes and values; changes nothing
-        and does not communicate (:meth:`MomentumExchange.feedback_mismatch`)."""
-        return self._state_shape_mismatch() or self.exchange.feedback_mismatch(state, self._ensure_buckets)
+        it), then the world size, the topology, the bucket layouts (those the buckets have or would have: none is
+        built here) and the buffers' sizes and values; changes nothing and does not communicate
+        (:meth:`MomentumExchange.feedback_mismatch`)."""
+        return self._state_shape_mismatch() or self.exchange.feedback_mismatch(state, self._bucket_layouts_now)
 
     def _state_shape_mismatch(self) -> Optional[str]:
         """The first parameter whose state holds a tensor of another shape than the parameter's (a checkpoint of a

@@ -227,11 +227,12 @@ class MomentumExchange:
                 compressed_allreduce_buckets_(self.compression, items)
 
     # ------------------------------------------------------------------ error feedback
-    def feedback_mismatch(self, state: Any, built: Callable[[], list[MomentumBucket]]) -> Optional[str]:
+    def feedback_mismatch(self, state: Any, layouts: Callable[[], dict[int, BucketLayout]]) -> Optional[str]:
         """Why ``state`` (the compression state's ``error_feedback_state_dict()``, possibly of another rank or run)
-        cannot be restored here, or ``None`` if it can: the world size, the topology, the layouts of the buckets
-        ``built()`` returns (called only where ``state`` holds buffers: it may build them) and the buffers' sizes and
-        values. Changes nothing and does not communicate."""
+        cannot be restored here, or ``None`` if it can: the world size, the topology, the bucket layouts ``layouts()``
+        returns (key -> layout; called only where ``state`` holds buffers) and the buffers' sizes and values. Changes
+        nothing and does not communicate: whatever one rank finds, every rank's buckets stay as they were, so that
+        ranks that go on to reset rather than restore take the same path through the next backward and step."""
         if not isinstance(state, dict):
             return f"the saved error feedback is a {type(state).__name__}, not a dict"
         if state.get("world_size") != self.compression.world_size():
@@ -241,12 +242,12 @@ class MomentumExchange:
             )
         if not state.get("buckets"):
             return None  # nothing had been compressed: the saved error feedback is all zero
-        return self.compression.error_feedback_mismatch(state, _feedback_layouts(state, built))
+        return self.compression.error_feedback_mismatch(state, _feedback_layouts(state, layouts()))
 
     def load_feedback_(self, state: dict[str, Any], built: Callable[[], list[MomentumBucket]]) -> None:
         """Restore the error buffers of ``state`` into the buckets ``built()`` returns. Raises ``ValueError`` with
         the reason of :meth:`feedback_mismatch` (changing nothing) if they do not fit."""
-        reason = self.feedback_mismatch(state, built)
+        reason = self.feedback_mismatch(state, lambda: {b.key: b.layout for b in built()})
         if reason is not None:
             raise ValueError(reason)
         if not state.get("buckets"):
@@ -254,8 +255,9 @@ class MomentumExchange:
             # feedback is all zero. Building the layouts here would also be wrong during warmup.
             self.compression.reset_error_feedback()
             return
-        layouts = _feedback_layouts(state, built)
-        flats = {b.key: b.flat for b in built()}
+        buckets = built()
+        layouts = _feedback_layouts(state, {b.key: b.layout for b in buckets})
+        flats = {b.key: b.flat for b in buckets}
         like = {key: flats[key[1] if isinstance(key, tuple) else key] for key in layouts}
         self.compression.load_error_feedback_state_dict(state, layouts, like)
 
@@ -273,10 +275,9 @@ class MomentumExchange:
         return self.compression.timings.span(self.compression.counters, field, device)
 
 
-def _feedback_layouts(state: dict[str, Any], built: Callable[[], list[MomentumBucket]]) -> dict[Hashable, BucketLayout]:
-    """Error-feedback key -> bucket layout, for every bucket of ``built()`` in every stream the saved ``state`` holds:
-    a stream saved for other buckets than the current ones then shows as a mismatch."""
-    layouts = {b.key: b.layout for b in built()}
+def _feedback_layouts(state: dict[str, Any], layouts: dict[int, BucketLayout]) -> dict[Hashable, BucketLayout]:
+    """Error-feedback key -> bucket layout, for every bucket of ``layouts`` (key -> layout) in every stream the saved
+    ``state`` holds: a stream saved for other buckets than the current ones then shows as a mismatch."""
     try:
         streams = {stream_of(key) for key in state["buckets"]}
     except TypeError:

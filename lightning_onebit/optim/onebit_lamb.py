@@ -372,7 +372,7 @@ class OnebitLamb(CompressedOptimizer):
         (:attr:`_exchange_scale`). Sharded parameters: ``||m||`` and ``numel`` are the whole tensor's (the squared
         norms of the local shards added over the shard group, one collective), so every rank of a node gets the
         coefficients of the unsharded run, to rounding."""
-        trainable = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
+        trainable = self._compressed_trainable()
         if not trainable:
             self._exchange_scale = {}
             return
@@ -438,4 +438,28 @@ class OnebitLamb(CompressedOptimizer):
             if p is not None:
                 for name, value in values.items():
                     self.state[p][name] = _as_scalar(value, p.device)
-        self._exchange_scale = {}  # re-read from the loaded state at the next compressed step
+        # The exchange's factors are the loaded coefficients: the overlapped exchange may start during the first
+        # backward after the resume, before this step could read them (rank-identical: every rank loads the same).
+        # A tensor without one (its group switched to compress=True) gets one at the next compressed step, which no
+        # exchange starts before (start_bucket_exchange_).
+        self._exchange_scale = self._loaded_exchange_scale()
+
+    def _compressed_trainable(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
+
+    def _loaded_exchange_scale(self) -> dict[int, torch.Tensor]:
+        """The exchange's factors from the loaded ``lamb_scaling_coeff`` s, if every compressed trainable tensor has
+        one; else empty (set at the next compressed step, :meth:`_set_scaling_coefficients`)."""
+        trainable = self._compressed_trainable()
+        if not all("lamb_scaling_coeff" in self.state.get(p, {}) for p in trainable):
+            return {}
+        return {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable}
+
+    def start_bucket_exchange_(self, key: int, params: Sequence[torch.Tensor], gradients: Sequence[torch.Tensor],
+                               clip_value: Optional[float] = None) -> bool:
+        """As :meth:`CompressedOptimizer.start_bucket_exchange_`, but only once the scaling coefficients are known
+        (from the first compressed step, or loaded): until then every bucket is exchanged in :meth:`step`, which sets
+        them first. The same answer on every rank (the coefficients are)."""
+        if not self._exchange_scale:
+            return False
+        return super().start_bucket_exchange_(key, params, gradients, clip_value)

@@ -54,8 +54,7 @@ class LocalStepsMixin:
         buckets = self._ensure_buckets(carry=True)
         if self._lr_sum is None:
             self._begin_local_steps(buckets)
-        for bucket in buckets:
-            self._bucket_state_buffer(bucket, _UPDATE)
+        self._update_buffers(buckets)
         for index, group in enumerate(self.param_groups):
             params = self._updated_params(group)
             if not params:
@@ -81,6 +80,17 @@ class LocalStepsMixin:
             self._sync(t)
             return StepKind.SYNC
         return StepKind.LOCAL
+
+    def _update_buffers(self, buckets: list[MomentumBucket]) -> list[torch.Tensor]:
+        """Each bucket's flat buffer of the accumulated updates (its parameters' ``state[p][_UPDATE]`` are views of
+        it), in bucket order. A parameter in no bucket that the steps update (an empty shard: a sharded parameter
+        with no row on this rank, which nothing exchanges) gets an empty update of its own."""
+        flats = [self._bucket_state_buffer(bucket, _UPDATE) for bucket in buckets]
+        for group in self.param_groups:
+            for p in self._updated_params(group):
+                if p.numel() == 0 and _UPDATE not in self.state[p]:
+                    self.state[p][_UPDATE] = torch.zeros_like(p)
+        return flats
 
     def _begin_local_steps(self, buckets: list[MomentumBucket]) -> None:
         """At the first local step: the error feedback held momentum (or gradient) errors and restarts for updates,
@@ -125,7 +135,7 @@ class LocalStepsMixin:
         """Average the accumulated updates (1 bit; ``exact``: in full precision) and move every replica to the same
         new point."""
         buckets = self._ensure_buckets(carry=True)
-        pairs = [(bucket, self._bucket_state_buffer(bucket, _UPDATE)) for bucket in buckets]
+        pairs = list(zip(buckets, self._update_buffers(buckets)))
         assert self._lr_sum is not None and self._decay is not None
         for index, group in enumerate(self.param_groups):
             if self._lr_sum[index] == 0:  # lr was 0 throughout: nothing moved; average the momenta themselves

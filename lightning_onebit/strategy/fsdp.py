@@ -41,7 +41,7 @@ from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
 from lightning_onebit.hooks import OverlapFallbackReason
 from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
 from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook
-from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_mixed_precision, check_overlap, check_process_group_options
 from lightning_onebit.strategy.arguments import check_ranks_per_node, shard_module_classes, the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
@@ -57,8 +57,10 @@ from lightning_onebit.strategy.sharded_checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_onebit.strategy.sharding import (
+    broadcast_from_first_replica,
     check_sharded,
     fsdp_buckets,
+    node_device_mesh,
     node_mesh_ranks,
     point_at_sharded_parameters,
     shard_model,
@@ -81,7 +83,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     ``configure_optimizers`` returns one :class:`~lightning_onebit.OnebitAdam`, :class:`~lightning_onebit.ZeroOneAdam`
     or :class:`~lightning_onebit.OnebitLamb` over ``self.parameters()``; the strategy points its exchange at the
     replicate group and lays its momentum buckets out like the FSDP groups (one bucket per module that ``fully_shard``
-    wrapped).
+    wrapped). At setup, after sharding, each parameter's local shard is broadcast over its replicate group from the
+    group's first rank, and the buffers over every rank from rank 0, so that every node trains the same model even
+    when the processes were not seeded alike (as DDP does; a checkpoint to resume from is loaded afterwards). The
+    mesh's groups wait ``timeout``.
 
     Args:
         ranks_per_node: ranks per node; ``None`` (default) takes the placement from Lightning's cluster environment
@@ -91,13 +96,15 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             module's parameters in that module's forward: ``training_step`` may call ``self.bert(...)`` rather than
             ``self(...)``), then the LightningModule if it holds parameters of its own (its ``forward`` must then be
             what ``training_step`` calls); ``None`` (default): the LightningModule's ``configure_model`` shards the
-            model. One class alone is taken as a list of one.
+            model. One class alone is taken as a list of one. A module holding a parameter shared with a module
+            outside it (tied weights) is left to the group of a module above that holds both, so that they stay tied.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the modules the strategy shards, e.g.
             ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: forward and backward in
             bf16 on all-gathered bf16 parameters, gradients reduced in fp32, the optimizer on fp32 master shards.
             Its dtypes must be floating point or ``None``. With ``configure_model`` pass ``mp_policy`` to
             ``fully_shard`` there. Default ``None`` (no policy: the Trainer's ``precision`` applies).
-        timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
+        timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`; the
+            device mesh's groups wait ``timeout`` too (a stalled rank makes its peers fail after it).
         error_feedback: what happens to each rank's compression error feedback (the worker and server error of its
             shards) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes it to a sidecar
             file next to the checkpoint folder (``<checkpoint>.onebit-rank<r>``), and on resume every rank restores
@@ -202,8 +209,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
 
     def _build_mesh(self) -> Any:
         """The ``(M, L)`` ``("replicate", "shard")`` mesh from every rank's placement (a collective)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         env = self.cluster_environment
         assert env is not None
         placements: list[Any] = [None] * self.world_size
@@ -215,7 +220,8 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             + ("" if len(grid[0]) > 1 else " (one rank per node: nothing is sharded, and strategy='onebit_adam' "
                "trains the same with less overhead)")
         )
-        return DeviceMesh(self.root_device.type, torch.tensor(grid), mesh_dim_names=("replicate", "shard"))
+        # its groups wait the strategy's timeout (DeviceMesh's own would wait torch's default of 30 minutes)
+        return node_device_mesh(self.root_device.type, grid, self._timeout)
 
     @property
     @override
@@ -249,8 +255,12 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         check_sharded(self.model, self.device_mesh["shard"])
+        replicate_group = self.device_mesh["replicate"].get_group()
+        # as DDP does: every node starts from the same weights, whatever each process's random state (a checkpoint
+        # to resume from is loaded after setup, over these)
+        broadcast_from_first_replica(self.model, replicate_group)
         self._run_id = agree_run_id(self.global_rank)
-        self.replica_sync = ReplicaAllReduceState(self.device_mesh["replicate"].get_group(), self._sync_predicate)
+        self.replica_sync = ReplicaAllReduceState(replicate_group, self._sync_predicate)
         register_replica_allreduce_hook(self.model, self.replica_sync)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -334,15 +344,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     def _sync_predicate(self) -> bool:
         return self._onebit_optimizer is None or self._onebit_optimizer.needs_gradient_allreduce
 
-    @property
-    def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
-        """The compressed optimizer this strategy drives (``None`` before setup)."""
-        return self._onebit_optimizer
-
-    @property
-    def stage(self) -> OnebitStage:
-        """Stage of the next optimizer step (warmup until an optimizer is connected)."""
-        return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+    def _replicas(self) -> tuple[Optional[Any], Optional[list[list[int]]]]:
+        # the ranks that hold the same shard on every node (the mesh's columns), compared over every rank so that
+        # every rank raises when one column diverged (its other ranks would otherwise wait for the diverged ones)
+        return None, self.device_mesh.mesh.t().tolist()
 
     @property
     def warmup_communication(self) -> CommunicationCounters:
@@ -374,16 +379,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
                 module.set_requires_gradient_sync(True, recurse=False)
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's sharded state dict, after syncing the replicas if the optimizer took local steps since its last
-        sync (0/1 Adam; a collective: every rank saves)."""
-        onebit = self._onebit_optimizer
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if onebit is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            onebit.synchronize()
-        return super().lightning_module_state_dict()
-
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The compressed optimizer's state keyed by parameter name, its shards as ``DTensor`` s

@@ -1,23 +1,29 @@
-"""The model's side of the ``onebit_fsdp`` strategy: the node mesh's rank grid, ``fully_shard`` over the node, the
-check that every parameter is sharded there, and the momentum buckets laid out like FSDP's groups. Pure functions of
-the model, the mesh and the optimizer (no Lightning), so the strategy stays about when to sync."""
+"""The model's side of the ``onebit_fsdp`` strategy: the node mesh (its rank grid and its process groups),
+``fully_shard`` over the node (tied weights kept tied), the check that every parameter is sharded there and managed
+by an FSDP group, the replicas made identical at setup, and the momentum buckets laid out like FSDP's groups.
+Functions of the model, the mesh and the optimizer (no Lightning), so the strategy stays about when to sync."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_onebit._docs import docs_pointer
+from lightning_onebit.comm.groups import new_group_family
 from lightning_onebit.comm.topology import Topology
-from lightning_onebit.hooks.fsdp import fsdp_modules
+from lightning_onebit.hooks.fsdp import fsdp_managed_parameters, fsdp_modules
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.sharded import is_sharded
 
 log = logging.getLogger(__name__)
+
+#: Most bytes one broadcast of :func:`broadcast_from_first_replica` carries (DDP's broadcast bucket is 250 MiB).
+BROADCAST_BUCKET_BYTES = 256 * 2**20
 
 
 def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optional[int]) -> list[list[int]]:
@@ -46,31 +52,145 @@ def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optio
     return [list(topology.node_ranks(node)) for node in range(topology.num_nodes)]
 
 
+def node_device_mesh(device_type: str, grid: Sequence[Sequence[int]], timeout: Optional[timedelta]) -> Any:
+    """The ``("replicate", "shard")`` ``DeviceMesh`` of the rank ``grid`` (:func:`node_mesh_ranks`: row ``n`` is node
+    ``n``), its groups made with ``timeout``: a collective over WORLD (every rank calls it, with the same grid).
+
+    ``DeviceMesh(...)`` and ``init_device_mesh`` give their groups torch's default timeout (30 minutes on gloo)
+    whatever WORLD's: a stalled rank then held its node's FSDP collectives and its replicate group's exchange for half
+    an hour. So the groups are made here (the columns, then the rows; :func:`~lightning_onebit.comm.groups.
+    new_group_family`, ``None``: WORLD's timeout) and the mesh built from them (``DeviceMesh.from_group``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rows = [list(row) for row in grid]
+    columns = [list(column) for column in zip(*rows)]
+    replicate = new_group_family(columns, None, timeout)
+    shard = new_group_family(rows, None, timeout)
+    return DeviceMesh.from_group([replicate, shard], device_type, mesh=torch.tensor(rows),
+                                 mesh_dim_names=("replicate", "shard"))
+
+
 def shard_model(model: Module, mesh: Any, shard_modules: tuple[type[Module], ...], mixed_precision: Any) -> None:
     """``fully_shard`` over ``mesh`` (the node's shard mesh, with FSDP2's ``mixed_precision`` policy if any) every
     instance of ``shard_modules`` (children before parents), then every direct child of
     the LightningModule that still holds unsharded parameters (the modules ``training_step`` calls, e.g.
     ``self.bert``: FSDP gathers a module's parameters in its own forward, and ``training_step`` need not call the
-    LightningModule's ``forward``), then the LightningModule itself if it holds parameters of its own."""
+    LightningModule's ``forward``), then the LightningModule itself if parameters are left (its own, or tied ones).
+
+    Tied weights stay tied: a module holding a parameter that a module outside it holds too (an embedding shared with
+    the output layer) is not sharded on its own, which would give each module a parameter of its own; the parameter
+    goes to the FSDP group of the first candidate above that holds every module sharing it (for an embedding and an
+    output layer that are children of the LightningModule: the LightningModule, whose ``forward`` must then be what
+    ``training_step`` calls). Logged once, naming the parameters."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     kwargs = {} if mixed_precision is None else {"mp_policy": mixed_precision}
     chosen = [m for m in model.modules() if isinstance(m, shard_modules) and not isinstance(m, FSDPModule)]
     if not chosen:
-        names = ", ".join(c.__name__ for c in shard_modules)
-        raise ValueError(f"shard_modules ({names}) matched no module of {type(model).__name__}")
-    for module in reversed(chosen):  # modules() lists parents first
+        classes = ", ".join(c.__name__ for c in shard_modules)
+        raise ValueError(f"shard_modules ({classes}) matched no module of {type(model).__name__}")
+    holders = _holders_of_tied_parameters(model)
+    names: dict[int, str] = {}  # a tied parameter under each of its names: "embed.weight = head.weight"
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)] = f"{names[id(p)]} = {name}" if id(p) in names else name
+    left_for_ties: dict[str, list[str]] = {}
+
+    def shard_unless_it_unties(module: Module, name: str) -> None:
+        tied = _tied_outside(module, holders)
+        if tied:
+            left_for_ties[name or type(module).__name__] = [names[id(p)] for p in tied]
+            return
         fully_shard(module, mesh=mesh, **kwargs)
-    for child in model.children():
+
+    module_names = {id(m): name for name, m in model.named_modules()}
+    for module in reversed(chosen):  # modules() lists parents first
+        shard_unless_it_unties(module, module_names.get(id(module), ""))
+    for child_name, child in model.named_children():
         if not isinstance(child, FSDPModule) and any(not is_sharded(p) for p in child.parameters()):
-            fully_shard(child, mesh=mesh, **kwargs)
-    if any(True for _ in model.parameters(recurse=False)) and not isinstance(model, FSDPModule):
+            shard_unless_it_unties(child, child_name)
+    if any(not is_sharded(p) for p in model.parameters()) and not isinstance(model, FSDPModule):
         fully_shard(model, mesh=mesh, **kwargs)
+    if left_for_ties:
+        tied = sorted({name for found in left_for_ties.values() for name in found})
+        log.info(
+            "onebit_fsdp: %s hold parameters shared with other modules (tied weights: %s); they are sharded with an "
+            "FSDP group that holds every module sharing them, so that the weights stay tied",
+            ", ".join(left_for_ties), ", ".join(tied),
+        )
+
+
+def _holders_of_tied_parameters(model: Module) -> dict[int, set[int]]:
+    """``id`` of each parameter that several modules hold directly -> the ``id`` s of those modules."""
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(module))
+    return {key: modules for key, modules in holders.items() if len(modules) > 1}
+
+
+def _tied_outside(module: Module, holders: dict[int, set[int]]) -> list[torch.Tensor]:
+    """The parameters of ``module`` that a module outside it holds too (sharding ``module`` alone would untie them)."""
+    if not holders:
+        return []
+    inside = {id(m) for m in module.modules()}
+    return [p for p in module.parameters() if not holders.get(id(p), set()) <= inside]
+
+
+def broadcast_from_first_replica(model: Module, replicate_group: Any,
+                                 bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> int:
+    """Make the replicas identical, as DDP does at setup: each parameter's local shard is broadcast over
+    ``replicate_group`` (the ranks that hold the same shard on every node) from its first rank, and the module's
+    buffers (FSDP2 does not shard them: every rank holds them whole) over WORLD from rank 0.
+
+    Without it, processes that build the model from different random states (no ``seed_everything``) train different
+    models on each node from the first step. Tensors are packed per device and dtype into flat buffers of at most
+    ``bucket_bytes`` (a tensor larger than that alone): one broadcast per buffer. A collective: every rank calls it
+    with the same model, after sharding and before training. Returns how many broadcasts it made."""
+    shards = [p.to_local() for p in model.parameters() if is_sharded(p)]
+    buffers = list(model.buffers())
+    with torch.no_grad():
+        count = _broadcast_coalesced(shards, replicate_group, bucket_bytes)
+        count += _broadcast_coalesced(buffers, None, bucket_bytes)
+    return count
+
+
+def _broadcast_coalesced(tensors: Iterable[torch.Tensor], group: Any, bucket_bytes: int) -> int:
+    """Broadcast ``tensors`` from the first rank of ``group`` (``None``: WORLD) in flat buffers of one device and
+    dtype each, at most ``bucket_bytes`` (a larger tensor alone); copied back on the other ranks."""
+    if dist.get_world_size(group) == 1:
+        return 0
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}
+    for t in tensors:
+        if t.numel() == 0:  # an empty shard: its replicate peers hold the same empty shard
+            continue
+        kind, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
+        runs = buckets.setdefault(kind, [[]])
+        if runs[-1] and filled[kind] + nbytes > bucket_bytes:
+            runs.append([])
+            filled[kind] = 0
+        runs[-1].append(t)
+        filled[kind] = filled.get(kind, 0) + nbytes
+    source = dist.get_rank(group) == 0
+    count = 0
+    for runs in buckets.values():
+        for run in runs:
+            flat = torch.cat([t.detach().reshape(-1) for t in run])
+            dist.broadcast(flat, group=group, group_src=0)
+            count += 1
+            if source:
+                continue
+            offset = 0
+            for t in run:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return count
 
 
 def check_sharded(model: Module, shard_mesh: Any) -> None:
-    """Every parameter must be a ``DTensor`` sharded over ``shard_mesh`` (the strategy's): raise ``ValueError`` (on
-    every rank, before any collective of training) naming the modules that are not, or whose mesh spans nodes."""
+    """Every parameter must be a ``DTensor`` sharded over ``shard_mesh`` (the strategy's) and managed by an FSDP group:
+    raise ``ValueError`` (on every rank, before any collective of training) naming the parameters that are not
+    sharded, whose mesh spans nodes, or that no FSDP group manages (their gradients would never be averaged)."""
     node = set(dist.get_process_group_ranks(shard_mesh.get_group()))
     unsharded, spanning = [], []
     for name, p in model.named_parameters():
@@ -93,6 +213,17 @@ def check_sharded(model: Module, shard_mesh: Any) -> None:
         )
     if not fsdp_modules(model):
         raise ValueError("the model has no module sharded with fully_shard")
+    managed = fsdp_managed_parameters(model)
+    known = {id(p) for p in managed} if managed is not None else None
+    unmanaged = [name for name, p in model.named_parameters() if known is not None and id(p) not in known]
+    if unmanaged:
+        raise ValueError(
+            f"parameters {_names(unmanaged)} are sharded over the shard mesh, but no FSDP group manages them (set on "
+            "a module after fully_shard was called on it): FSDP would neither gather nor reduce-scatter them, and "
+            "their gradients would never be averaged across nodes. Create them before the fully_shard call of the "
+            "module that holds them (e.g. in __init__), or shard a module that holds them with "
+            "fully_shard(module, mesh=self.device_mesh['shard']) after they exist"
+        )
 
 
 def point_at_sharded_parameters(

@@ -1,7 +1,8 @@
-"""The Lightning hooks both strategies share around the optimizer's step: the phase announcements, the training
-losses that ``freeze_step="auto"`` reads, replicas made identical before each validation and at the end of ``fit``
-(0/1 Adam's local steps), and the compression error feedback restored or reset at the start of training after a
-resume (:mod:`~lightning_onebit.strategy.error_feedback`)."""
+"""What both strategies share around the optimizer's step: the compressed optimizer they drive and its stage, the
+phase announcements, the training losses that ``freeze_step="auto"`` reads, replicas made identical before each
+validation, before each checkpoint and at the end of ``fit`` (0/1 Adam's local steps) and checked to be
+(:meth:`CompressedStepping.assert_replicas_identical`), and the compression error feedback restored or reset at the
+start of training after a resume (:mod:`~lightning_onebit.strategy.error_feedback`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_onebit.optim import CompressedOptimizer
+from lightning_onebit.comm.agreement import assert_replicas_identical
+from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim.sharded import is_sharded
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
 from lightning_onebit.strategy.stage_log import StageLog
 
@@ -24,12 +29,52 @@ log = logging.getLogger(__name__)
 class CompressedStepping:
     """Mixed into a Lightning strategy before its base class; the strategy sets ``_onebit_optimizer`` (at
     ``setup_optimizers``), ``_stage_log``, ``_error_feedback`` (in ``__init__``) and ``strategy_name``, and calls
-    ``_error_feedback``'s ``save`` and ``load`` from its ``save_checkpoint`` and ``load_checkpoint``."""
+    ``_error_feedback``'s ``save`` and ``load`` from its ``save_checkpoint`` and ``load_checkpoint``. A strategy whose
+    replicas are not the ranks of the optimizer's process group overrides ``_replicas``."""
 
     _onebit_optimizer: Optional[CompressedOptimizer]
     _stage_log: StageLog
     _error_feedback: ErrorFeedbackKeeper
     strategy_name: str
+
+    @property
+    def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
+        """The compressed optimizer (OnebitAdam, ZeroOneAdam or OnebitLamb) this strategy drives (``None`` before
+        setup)."""
+        return self._onebit_optimizer
+
+    @property
+    def stage(self) -> OnebitStage:
+        """Stage of the next optimizer step (warmup until an optimizer is connected)."""
+        return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
+
+    def _replicas(self) -> tuple[Optional[dist.ProcessGroup], Optional[list[list[int]]]]:
+        """Which ranks hold replicas of each other: ``(group, sets)``, the process group to compare over and the lists
+        of its ranks that must be identical (``None``: all of them). Here the compressed optimizer's process group,
+        whose ranks all hold the same parameters."""
+        return (None if self._onebit_optimizer is None else self._onebit_optimizer.process_group), None
+
+    def assert_replicas_identical(self, module: Module) -> None:
+        """Compare a checksum of every parameter of ``module`` (of each sharded parameter's local shard) between the
+        ranks that hold replicas of it (a collective: every rank calls it) and raise ``RuntimeError`` on every rank,
+        naming the parameters that differ (:func:`~lightning_onebit.comm.assert_replicas_identical`). Under
+        :class:`~lightning_onebit.OnebitFSDPStrategy` the replicas of a shard are the ranks that hold it on every
+        node."""
+        named = [(name, p.to_local() if is_sharded(p) else p) for name, p in module.named_parameters()]
+        group, sets = self._replicas()
+        assert_replicas_identical(named, group, sets)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state dict, after syncing the replicas if the optimizer took local steps since its last sync
+        (:meth:`CompressedOptimizer.synchronize`, a collective: every rank saves), so a checkpoint holds the model
+        every rank agrees on and a resume continues exactly."""
+        onebit = self._onebit_optimizer
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = module.trainer if module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if onebit is not None and fitting and onebit.synchronize():
+            log.debug("%s: replicas synchronised before saving a checkpoint", self.strategy_name)
+        return super().lightning_module_state_dict()  # type: ignore[misc]
 
     @property
     def error_feedback(self) -> str:

@@ -22,10 +22,9 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_onebit.comm.accounting import CommunicationCounters
-from lightning_onebit.comm.agreement import assert_replicas_identical
 from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
-from lightning_onebit.optim import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_options, check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
@@ -214,17 +213,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
                 precision.scaler = RankSyncedGradScaler.from_scaler(precision.scaler)
 
     @property
-    def onebit_optimizer(self) -> Optional[CompressedOptimizer]:
-        """The compressed optimizer (OnebitAdam, ZeroOneAdam or OnebitLamb) this strategy drives (``None`` before
-        setup)."""
-        return self._onebit_optimizer
-
-    @property
-    def stage(self) -> OnebitStage:
-        """Stage of the next optimizer step (warmup until an optimizer is connected)."""
-        return OnebitStage.WARMUP if self._onebit_optimizer is None else self._onebit_optimizer.stage
-
-    @property
     def topology(self) -> Optional[Topology]:
         """How compressed momenta travel between ranks (``None`` until the first ``fit`` sets up its optimizer, and
         after :meth:`destroy_process_groups`)."""
@@ -245,13 +233,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         variance steps'); :attr:`communication` adds the compressed exchange's."""
         self.gradient_sync.settle_timings()
         return self.gradient_sync.counters.snapshot()
-
-    def assert_replicas_identical(self, module: torch.nn.Module) -> None:
-        """Compare a checksum of every parameter of ``module`` across the ranks of the optimizer's process group (a
-        collective: every rank calls it) and raise ``RuntimeError`` on every rank, naming the parameters that differ
-        (:func:`~lightning_onebit.comm.assert_replicas_identical`)."""
-        group = None if self._onebit_optimizer is None else self._onebit_optimizer.process_group
-        assert_replicas_identical(list(module.named_parameters()), group)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -362,17 +343,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         return build_topology(env, self.topology_mode, self.ranks_per_node, process_group, self._timeout)
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state dict, after syncing the replicas if the optimizer took local steps since its last sync
-        (:meth:`CompressedOptimizer.synchronize`, a collective: Lightning collects checkpoints on every rank), so a
-        checkpoint holds the model every rank agrees on and a resume continues exactly."""
-        onebit = self._onebit_optimizer
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if onebit is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING and onebit.synchronize():
-            log.debug("onebit_adam: replicas synchronised before saving a checkpoint")
-        return super().lightning_module_state_dict()
-
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None

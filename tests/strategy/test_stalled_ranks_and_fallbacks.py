@@ -1,6 +1,7 @@
 """Issue 25, topology and stall cases: a stalled rank (SIGSTOP) in the compression stage must make every surviving
 rank fail within the strategy's timeout, with an error naming the process group, in flat and hierarchical modes, with
-and without overlap; ``topology="auto"`` with a ``ranks_per_node`` that does not divide the world size falls back to
+and without overlap, and under ``onebit_fsdp`` (whose device mesh's groups wait the strategy's timeout too);
+``topology="auto"`` with a ``ranks_per_node`` that does not divide the world size falls back to
 flat and says why; and the smaller items of the same run (the ``freeze_step="auto"`` warning, the advisor with
 ZeroOneAdam, ``CommunicationMonitor``'s argument checks).
 
@@ -32,11 +33,12 @@ import torch.distributed as dist
 
 import lightning.pytorch as pl
 import lightning_onebit  # noqa: F401  (registers the strategies)
-from lightning_onebit import CommunicationMonitor, OnebitStrategy, Topology, ZeroOneAdam
+from lightning_onebit import CommunicationMonitor, OnebitFSDPStrategy, OnebitStrategy, Topology, ZeroOneAdam
 from lightning_onebit.optim import AutoFreeze, OnebitAdam
 from tests.capture import capture_logs, capture_warnings
 from tests.distributed import free_port, run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
+from tests.llama_models import LlamaLM
 
 # ======================================================================================== a stalled rank
 WORLD_SIZE, PER_NODE = 4, 2
@@ -116,6 +118,31 @@ def _stall_fit(rank: int, world_size: int, workdir: str, topology: str, overlap:
     return report
 
 
+def _stall_fsdp_fit(rank: int, world_size: int, workdir: str, overlap: bool) -> dict[str, Any]:
+    """The stall under ``onebit_fsdp`` (2 nodes x 2): rank 3 stops before its forward, where its node peer waits in
+    FSDP's all-gather and its replica (rank 1) in the compressed exchange, and rank 0 waits for those two."""
+    _world_with_the_strategy_timeout(rank, world_size)
+    strategy = OnebitFSDPStrategy(timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S), ranks_per_node=PER_NODE,
+                                  overlap=overlap)
+    stall = StallOneRank(workdir)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=MAX_STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[stall])
+    report: dict[str, Any] = dict(rank=rank, error_type=None, message="")
+    try:
+        trainer.fit(LlamaLM(0, freeze_step=FREEZE))
+    except Exception as error:  # noqa: BLE001 - the report says what it was
+        report.update(error_type=type(error).__name__, message=str(error))
+    report.update(
+        elapsed_s=None if stall.started is None else time.monotonic() - stall.started,
+        reported_at=time.time(),
+        overlapped=strategy.overlap_state is not None,
+        group_timeouts=[_timeout_s(strategy.device_mesh[dim].get_group()) for dim in ("replicate", "shard")],
+    )
+    _write_json(_report_path(workdir, rank), report)
+    return report
+
+
 def _timeout_s(group: Any) -> Optional[float]:
     """How long a collective in ``group`` waits, read from its backend's options (torch has no public accessor)."""
     for device in group._device_types:
@@ -133,8 +160,10 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _run_stall_case(workdir: str, topology: str, overlap: bool) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """Launch the 4 ranks; kill the stopped one once the 3 others reported (or KILL_AFTER_S after it stopped)."""
+def _run_stall_case(workdir: str, *args: Any, fit: Any = _stall_fit
+                    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """Launch the 4 ranks on ``fit(rank, world_size, workdir, *args)``; kill the stopped one once the 3 others
+    reported (or KILL_AFTER_S after it stopped)."""
     survivors = [r for r in range(WORLD_SIZE) if r != STALLED_RANK]
     done = threading.Event()
     stalled: dict[str, Any] = {}
@@ -158,7 +187,7 @@ def _run_stall_case(workdir: str, topology: str, overlap: bool) -> tuple[dict[st
     killer.start()
     try:
         # the killed rank fails the launch (a signal), or a hang exceeds its limit: the reports say what happened
-        run_distributed(_stall_fit, WORLD_SIZE, workdir, topology, overlap, timeout_s=LAUNCH_LIMIT_S)
+        run_distributed(fit, WORLD_SIZE, workdir, *args, timeout_s=LAUNCH_LIMIT_S)
     except Exception as error:  # noqa: BLE001 - expected: the stopped rank dies by SIGKILL
         stalled["launch"] = f"{type(error).__name__}: {error}"
     finally:
@@ -174,14 +203,18 @@ def _run_stall_case(workdir: str, topology: str, overlap: bool) -> tuple[dict[st
     return stalled, reports
 
 
-def _check_stall_case(workdir: str, topology: str, overlap: bool) -> None:
-    stalled, reports = _run_stall_case(workdir, topology, overlap)
+def _check_every_survivor_reported(stalled: dict[str, Any], reports: dict[int, dict[str, Any]]) -> None:
     survivors = [r for r in range(WORLD_SIZE) if r != STALLED_RANK]
     assert "pid" in stalled, f"rank {STALLED_RANK} never reached step {STALL_STEP} ({stalled}); reports: {reports}"
     assert sorted(reports) == survivors, (
         f"surviving ranks that never reported (still blocked when rank {STALLED_RANK} was killed "
         f"{KILL_AFTER_S:g} s after it stopped): {sorted(set(survivors) - set(reports))}; reports: {reports}"
     )
+
+
+def _check_stall_case(workdir: str, topology: str, overlap: bool) -> None:
+    stalled, reports = _run_stall_case(workdir, topology, overlap)
+    _check_every_survivor_reported(stalled, reports)
     for rank, report in reports.items():
         assert report["mode"] == topology and report["overlapped"] == overlap, report
         # every group the strategy made waits the strategy's timeout, not torch's default 30 minutes
@@ -208,6 +241,27 @@ def test_a_stalled_rank_fails_every_survivor_within_the_timeout(tmp_path: Any, t
 @pytest.mark.parametrize("topology", ["flat", "hierarchical"])
 def test_a_stalled_rank_fails_every_survivor_within_the_timeout_with_overlap(tmp_path: Any, topology: str) -> None:
     _check_stall_case(str(tmp_path), topology, overlap=True)
+
+
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_stalled_rank_under_onebit_fsdp_fails_every_survivor_within_the_timeout(tmp_path: Any, overlap: bool
+                                                                                   ) -> None:
+    """Before, the mesh's groups (``DeviceMesh(...)``) waited torch's default of 30 minutes: every survivor was still
+    blocked when the test killed the stopped rank."""
+    stalled, reports = _run_stall_case(str(tmp_path), overlap, fit=_stall_fsdp_fit)
+    _check_every_survivor_reported(stalled, reports)
+    for rank, report in reports.items():
+        assert report["overlapped"] == overlap, report
+        # both dimensions of the mesh wait the strategy's timeout
+        assert report["group_timeouts"] == [STALL_TIMEOUT_S, STALL_TIMEOUT_S], report
+        assert report["error_type"] is not None, f"rank {rank} finished the fit without its peer: {report}"
+        assert report["elapsed_s"] <= STALL_TIMEOUT_S + MARGIN_S, report
+        assert report["reported_at"] <= stalled["killed_at"], report
+        if rank == 2:  # rank 3's node peer: in FSDP's collective inside the node, gloo's timeout error
+            assert f"Timed out waiting {STALL_TIMEOUT_S * 1000:g}ms" in report["message"], report
+        else:  # in the compressed exchange across nodes: the error names the group
+            assert "in the process group of global ranks [" in report["message"], report
+            assert f"with a timeout of {STALL_TIMEOUT_S:g} s" in report["message"], report
 
 
 # ======================================================================================== process group timeouts
