@@ -151,11 +151,12 @@ def _gather_everywhere(value: Any) -> list[Any]:
 
 def _leftovers(target: Path) -> list[Path]:
     """Partial and set-aside folders of earlier saves to ``target`` that did not finish."""
-    parent = target.parent
-    if not parent.is_dir():
-        return []
     prefixes = (target.name + _PARTIAL, target.name + _PREVIOUS)
-    return sorted(parent / name for name in os.listdir(parent) if name.startswith(prefixes))
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return []
+    return sorted(target.parent / name for name in names if name.startswith(prefixes))
 
 
 class FolderSave:
@@ -353,15 +354,20 @@ def _share(names: Sequence[str], sizes: dict[str, int], rank: int, world_size: i
 
 
 def _check_file(folder: Path, name: str, recorded: dict[str, Any]) -> Optional[str]:
+    """Why the file ``name`` of ``folder`` is not the one the manifest records, or ``None``."""
     path = folder / name
-    if not path.is_file():
-        return f"{name} is missing"
-    size = path.stat().st_size
-    if size != recorded.get("bytes"):
-        return (f"{name} has {size} bytes where the manifest records {recorded.get('bytes')} (truncated, extended, or "
-                "written by another save)")
-    if file_digest(path)["sha256"] != recorded.get("sha256"):
-        return f"{name} does not match the SHA-256 the manifest records (altered or damaged, or written by another save)"
+    try:
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != recorded.get("bytes"):
+            return (f"{name} has {size} bytes where the manifest records {recorded.get('bytes')} (truncated, "
+                    "extended, or written by another save)")
+        if file_digest(path)["sha256"] != recorded.get("sha256"):
+            return (f"{name} does not match the SHA-256 the manifest records (altered or damaged, or written by "
+                    "another save)")
+    except OSError as err:
+        return f"{name} cannot be read ({type(err).__name__}: {err})"
     return None
 
 
@@ -400,8 +406,16 @@ def folder_problems(path: Path, rank: int, world_size: int, resuming: bool,
                     weights_only: Optional[bool] = None) -> LoadProblems:
     """What this rank finds wrong with loading the checkpoint at ``path`` under ``onebit_fsdp`` (``resuming``: a
     fit that restores the optimizer, which needs a distributed checkpoint), having verified its share of the
-    folder's files against the manifest. Reads files, never communicates: pass the result to
-    :func:`agree_on_problems`."""
+    folder's files against the manifest. Reads files, never communicates (and never raises for a file it cannot
+    read): pass the result to :func:`agree_on_problems`."""
+    try:
+        return _folder_problems(path, rank, world_size, resuming, weights_only)
+    except OSError as err:
+        return LoadProblems(damaged=[f"{path} cannot be read ({type(err).__name__}: {err})"])
+
+
+def _folder_problems(path: Path, rank: int, world_size: int, resuming: bool,
+                     weights_only: Optional[bool]) -> LoadProblems:
     if not os.path.lexists(path):
         return LoadProblems(wrong_kind=[f"there is no checkpoint at {path}{_interrupted_saves(path)}"])
     if path.is_file():

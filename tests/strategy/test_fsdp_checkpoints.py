@@ -360,6 +360,8 @@ def test_a_onebit_adam_checkpoint_under_onebit_fsdp_says_which_strategy_resumes_
         _refused(r["ddp_under_fsdp"], "ValueError",
                  f"strategy='onebit_fsdp' cannot load the checkpoint: {path} is a onebit_adam checkpoint",
                  "resume it with strategy='onebit_adam'", "fit without ckpt_path")
+    # the advice works: the model loads the file's weights
+    Model().load_state_dict(torch.load(path, weights_only=False)["state_dict"])
 
 
 def test_a_onebit_fsdp_checkpoint_under_onebit_adam_says_which_strategy_resumes_it(session: dict[str, Any]) -> None:
@@ -368,7 +370,16 @@ def test_a_onebit_fsdp_checkpoint_under_onebit_adam_says_which_strategy_resumes_
     for r in _results(session, "other_strategy"):
         _refused(r["fsdp_under_ddp"], "ValueError",
                  f"strategy='onebit_adam' cannot load the checkpoint: {path} is a onebit_fsdp checkpoint",
-                 "resume it with strategy='onebit_fsdp'", "dcp_to_torch_save")
+                 "resume it with strategy='onebit_fsdp'", "dcp_to_torch_save(folder, file)")
+    # the advice works: one file with the weights the 4 ranks saved, which the plain model loads
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    weights = os.path.join(session["workdir"], "step6_weights.pt")
+    dcp_to_torch_save(path, weights)
+    model = Model()
+    model.load_state_dict(torch.load(weights, weights_only=False)["state_dict"])
+    saved = _results(session, "atomic")[0]["first"]["full"]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved))
 
 
 def test_a_checkpoint_written_before_manifests_resumes_unverified(session: dict[str, Any]) -> None:
