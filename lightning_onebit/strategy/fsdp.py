@@ -102,7 +102,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         timeout, process_group_backend: as for :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
         error_feedback: what happens to each rank's compression error feedback (the worker and server error of its
             shards) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes it to a sidecar
-            file next to the checkpoint folder (``<checkpoint>.onebit-rank<r>``), and on resume every rank restores
+            file in the checkpoint's folder (``<checkpoint>/onebit-rank<r>``), and on resume every rank restores
             it if every rank can, else every rank resets it, with one warning naming the ranks, files and reasons
             (sidecars of another world size never restore). ``"reset"``: no sidecars; the
             buffers restart from zero and rank 0's dropped norm is logged. ``"require"``: as ``"keep"``, but a rank
@@ -124,7 +124,9 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
 
     Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
     ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
-    (``error_feedback``).
+    (``error_feedback``). A save is atomic (written to a temporary folder, then put in place) and records every
+    file's SHA-256, which a load verifies before reading any tensor (:meth:`save_checkpoint`,
+    :meth:`load_checkpoint`).
 
     1-bit LAMB's per-tensor norms and maxima are the whole tensor's: each rank's figures of its shards are reduced over
     the shard group, one collective per param group per step. An optimizer that cannot train sharded parameters is
@@ -476,7 +478,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
                 dcp.load(model_state, checkpoint_id=str(path))
                 set_model_state_dict(self.model, model_state["state_dict"])
                 load_sharded_optimizer_state(onebit, self.model, path, "optimizer_0")
-            except (Exception, dcp.CheckpointException) as err:  # DCP's is a BaseException, raised on every rank
+            except dcp.CheckpointException as err:  # DCP's read errors, gathered and raised on every rank
                 if verified:
                     raise
                 raise CheckpointIntegrityError(
