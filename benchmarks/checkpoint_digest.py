@@ -8,9 +8,10 @@ The state is what the strategy saves: a stack of ``Linear(W, W)`` layers of abou
 (default 25e6: about 100 MB), each sharded with ``fully_shard`` over its node's 2 ranks, with two optimizer moments
 per parameter as ``DTensor`` s (the checkpoint holds about 3x the model). Each variant is saved and loaded
 ``--repeats`` times after an untimed first pass, each repeat starting at another variant (median reported; the
-files are in the page cache, as right after a save). Also reported: the
-time the digests themselves take (the slowest rank's hashing at save, its verification at load), the time rank 0
-takes to put the folder in place (the exchange and the removal of the previous folder), and the checkpoint's bytes. Results: ``results/checkpoint_digest.json``.
+files are in the page cache, as right after a save). Also reported: the time the digests themselves take (the
+slowest rank's hashing at save, its verification at load), the time rank 0 takes to put the folder in place (the
+exchange and the removal of the previous folder), and the checkpoint's bytes. Results:
+``results/checkpoint_digest.json``.
 
     python -m benchmarks.checkpoint_digest --params 25e6
 """
@@ -183,7 +184,8 @@ def main() -> None:
     )
     path = write_results(args.name, payload)
     print(f"model {result['model_bytes'] / 1e6:.1f} MB, checkpoint {result['checkpoint_bytes'] / 1e6:.1f} MB")
-    print(f"save before: in place {seconds['save_before']:.3f} s, to a new name {seconds['save_before_new_name']:.3f} s")
+    print(f"save before: in place {seconds['save_before']:.3f} s, "
+          f"to a new name {seconds['save_before_new_name']:.3f} s")
     for what in ("save", "load"):
         print(f"{what}: before {seconds[f'{what}_before']:.3f} s, now {seconds[f'{what}_now']:.3f} s "
               f"(of which digests {digests[f'{what}_now']:.3f} s on the slowest rank)")

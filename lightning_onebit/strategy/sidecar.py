@@ -2,10 +2,12 @@
 
 Lightning writes only rank 0's checkpoint under DDP, but compression error feedback differs per rank. The
 ``onebit_adam`` strategy therefore writes one sidecar per rank next to the checkpoint,
-``<checkpoint>.onebit-rank<r>`` (``onebit_fsdp``: inside its checkpoint's folder, ``<folder>/onebit-rank<r>``), and records in the main checkpoint which sidecars belong to it. A sidecar holds:
+``<checkpoint>.onebit-rank<r>`` (``onebit_fsdp``: inside its checkpoint's folder, ``<folder>/onebit-rank<r>``), and
+records in the main checkpoint which sidecars belong to it. A sidecar holds:
 
-* ``checkpoint_id``: the id the main checkpoint records (``<run id>/<save index>``), so a sidecar of another
-  checkpoint of the same run (an older save under the same name) or of another run is recognised as stale;
+* ``checkpoint_id``: the id the main checkpoint records (``<run id>/<save index>``; ``onebit_fsdp``: the save's id),
+  so a sidecar of another checkpoint of the same run (an older save under the same name) or of another run is
+  recognised as stale;
 * ``global_step``, ``rank``, ``world_size`` and the ``topology`` description, for messages and checks;
 * the per-rank state, serialised, with its SHA-256, so truncation and corruption are detected before unpickling.
   The serialised state is stored as a ``uint8`` tensor (format 3), which ``torch.save`` writes as raw bytes: format 2
