@@ -43,8 +43,9 @@ __all__ = [
     "FolderSave",
     "LoadProblems",
     "agree_on_problems",
-    "first_line",
     "ddp_folder_problem",
+    "file_digest",
+    "first_line",
     "folder_problems",
     "fsdp_file_problem",
     "put_in_place",
@@ -60,7 +61,6 @@ DCP_METADATA = ".metadata"
 LIGHTNING_METADATA = "meta.pt"
 _PARTIAL = ".onebit-partial-"
 _PREVIOUS = ".onebit-previous-"
-_CHUNK = 1 << 20
 
 
 class CheckpointIntegrityError(RuntimeError):
