@@ -330,7 +330,7 @@ class MomentumBuckets:
         }
         built = self.build(trainable, source.state, fold_weight, built_for[1])
         log.info(
-            "%s: compression stage from step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
+            "%s: momentum buckets laid out at step %d: %d trainable tensors in %d bucket(s) over %d rank(s)%s",
             source.name,
             source.step,
             len(trainable),

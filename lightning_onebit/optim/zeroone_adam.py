@@ -19,6 +19,7 @@ from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimiz
 from lightning_onebit.optim.functional import adam_update_, fold_gradients_, update_variances_
 from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.optim.masks import mask_like
+from lightning_onebit.optim.phase import resumed_at
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
 from lightning_onebit.optim.zeroone_local_steps import LocalStepsMixin
@@ -252,13 +253,15 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         if t <= self.var_freeze_step:
             averaged = "momenta" if self.exchange_kind == "momentum" else "gradients"
             return StepKind.VARIANCE, (
-                f"from optimizer step {t}: a variance step (DDP allreduce) every {self.var_interval} steps, the "
+                f"from optimizer step {self.freeze_step + 1}{resumed_at(self._step, self.freeze_step)}: a variance "
+                f"step (DDP allreduce) every {self.var_interval} steps, the "
                 f"interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
                 f"{averaged} averaged in 1 bit in between; {_DOCS}"
             )
         uncompressed = " (compress=False groups: full precision every step)" if self._uncompressed_groups() else ""
         return StepKind.LOCAL, (
-            f"from optimizer step {t}: variance frozen; local steps without communication{uncompressed}, the "
+            f"from optimizer step {self.var_freeze_step + 1}{resumed_at(self._step, self.var_freeze_step)}: variance "
+            f"frozen; local steps without communication{uncompressed}, the "
             f"accumulated update averaged in 1 bit every {self.local_step_interval} steps (doubling every "
             f"{self.local_step_scaler} steps up to {self.local_step_clipper}); {_DOCS}"
         )

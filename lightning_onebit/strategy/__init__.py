@@ -12,6 +12,8 @@ optimizer switches off after its warmup (1-bit Adam, 1-bit LAMB) or on chosen st
 * :mod:`~lightning_onebit.strategy.stage_log`: the stage announcements and the local-clipping warning;
 * :mod:`~lightning_onebit.strategy.checkpoint`: per-rank state in checkpoints, in the sidecar files of
   :mod:`~lightning_onebit.strategy.sidecar`;
+* :mod:`~lightning_onebit.strategy.checkpoint_files`: ``onebit_fsdp``'s checkpoint folders saved whole or not at all
+  with a manifest of their digests, verified on load, and the errors for a checkpoint of the other strategy;
 * :mod:`~lightning_onebit.strategy.error_feedback`: the compression error feedback across checkpoints (kept by
   default, reset or required: the strategies' ``error_feedback``);
 * :mod:`~lightning_onebit.strategy.teardown`: process groups released at interpreter exit.

@@ -42,39 +42,38 @@ def agree_run_id(global_rank: int) -> str:
 
 def save_per_rank_state(
     checkpoint: dict[str, Any],
-    filepath: Union[str, "os.PathLike[str]"],
-    run_id: str,
-    save_index: int,
+    sidecar_file: str,
+    checkpoint_id: str,
     rank: int,
     world_size: int,
     topology: Optional[Topology],
-) -> int:
-    """Move ``checkpoint[PER_RANK_STATE_KEY]``, if any, to this rank's sidecar of ``filepath``, and record in the
-    checkpoint which sidecars belong to it. Returns the save index: one more than ``save_index`` when there was
-    per-rank state (every rank saves every checkpoint, so it is the same on every rank without a collective)."""
+) -> bool:
+    """Move ``checkpoint[PER_RANK_STATE_KEY]``, if any, to this rank's sidecar ``sidecar_file`` (:func:`sidecar_path`
+    next to a checkpoint file, :func:`~lightning_onebit.strategy.sidecar.sidecar_in_folder` in a distributed
+    checkpoint's folder), and record in the
+    checkpoint which sidecars belong to it: ``checkpoint_id``, the same on every rank and unique to this save. Returns
+    whether there was per-rank state to write."""
     per_rank = checkpoint.pop(PER_RANK_STATE_KEY, None)
     if per_rank is None:
-        return save_index
-    save_index += 1
+        return False
     meta = {
-        "checkpoint_id": f"{run_id}/{save_index}",
+        "checkpoint_id": checkpoint_id,
         "global_step": checkpoint.get("global_step"),
         "rank": rank,
         "world_size": world_size,
         "topology": None if topology is None else topology.describe(),
     }
-    write_sidecar(sidecar_path(filepath, rank), meta, per_rank)
+    write_sidecar(sidecar_file, meta, per_rank)
     checkpoint[SIDECAR_RECORD_KEY] = {k: meta[k] for k in ("checkpoint_id", "global_step", "world_size")}
-    return save_index
+    return True
 
 
-def restore_per_rank_state(
-    checkpoint: dict[str, Any], checkpoint_path: Union[str, "os.PathLike[str]"], rank: int, world_size: int
-) -> None:
-    """Put this rank's validated sidecar of ``checkpoint_path`` under ``checkpoint[PER_RANK_STATE_KEY]`` and its
-    status under ``checkpoint[PER_RANK_STATUS_KEY]``, with the reason when it cannot be restored (never raises)."""
+def restore_per_rank_state(checkpoint: dict[str, Any], sidecar_file: str, rank: int, world_size: int) -> None:
+    """Put this rank's validated sidecar ``sidecar_file`` (where :func:`save_per_rank_state` wrote it) under
+    ``checkpoint[PER_RANK_STATE_KEY]`` and its status under ``checkpoint[PER_RANK_STATUS_KEY]``, with the reason when
+    it cannot be restored (never raises)."""
     record = checkpoint.pop(SIDECAR_RECORD_KEY, None)
-    path = sidecar_path(checkpoint_path, rank)
+    path = sidecar_file
     if record is None:
         # "recorded": False lets the owner of the state say why (e.g. saved with error feedback policy "reset")
         detail = f", but {os.path.basename(path)} exists next to it and is ignored" if os.path.exists(path) else ""

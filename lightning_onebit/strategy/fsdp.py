@@ -13,6 +13,7 @@ gradients, momentum, variance and error feedback.
 from __future__ import annotations
 
 import logging
+import uuid
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -46,8 +47,10 @@ from lightning_onebit.strategy.arguments import check_mixed_precision, check_ove
 from lightning_onebit.strategy.arguments import check_ranks_per_node, shard_module_classes, the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
-from lightning_onebit.strategy.checkpoint import agree_run_id, owned_sidecar, remove_sidecar, restore_per_rank_state
+from lightning_onebit.strategy.checkpoint import owned_sidecar, remove_sidecar, restore_per_rank_state
 from lightning_onebit.strategy.checkpoint import save_per_rank_state
+from lightning_onebit.strategy.checkpoint_files import MANIFEST_NAME, SAVE_RECORD_KEY, CheckpointIntegrityError
+from lightning_onebit.strategy.checkpoint_files import FolderSave, agree_on_problems, first_line, folder_problems
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import decide_overlap, overlap_blocker, overlap_fallback
 from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
@@ -65,6 +68,7 @@ from lightning_onebit.strategy.sharding import (
     point_at_sharded_parameters,
     shard_model,
 )
+from lightning_onebit.strategy.sidecar import sidecar_in_folder, sidecar_path
 from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.stepping import CompressedStepping
 
@@ -107,7 +111,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             device mesh's groups wait ``timeout`` too (a stalled rank makes its peers fail after it).
         error_feedback: what happens to each rank's compression error feedback (the worker and server error of its
             shards) when training resumes from a checkpoint. ``"keep"`` (default): every rank writes it to a sidecar
-            file next to the checkpoint folder (``<checkpoint>.onebit-rank<r>``), and on resume every rank restores
+            file in the checkpoint's folder (``<checkpoint>/onebit-rank<r>``), and on resume every rank restores
             it if every rank can, else every rank resets it, with one warning naming the ranks, files and reasons
             (sidecars of another world size never restore). ``"reset"``: no sidecars; the
             buffers restart from zero and rank 0's dropped norm is logged. ``"require"``: as ``"keep"``, but a rank
@@ -129,7 +133,9 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
 
     Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
     ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
-    (``error_feedback``).
+    (``error_feedback``). A save is atomic (written to a temporary folder, then put in place) and records every
+    file's SHA-256, which a load verifies before reading any tensor (:meth:`save_checkpoint`,
+    :meth:`load_checkpoint`).
 
     1-bit LAMB's per-tensor norms and maxima are the whole tensor's: each rank's figures of its shards are reduced over
     the shard group, one collective per param group per step. An optimizer that cannot train sharded parameters is
@@ -178,9 +184,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             "onebit_fsdp: gradient clipping in the compression stage clips each node's averaged gradient by its norm "
             "(gradients are no longer averaged across nodes before the optimizer)."
         )
-        self._run_id = ""  # identifies this run's checkpoints in their per-rank files (set at setup)
         self._names_before_sharding: dict[int, tuple[Any, str]] = {}
-        self._save_index = 0
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -259,7 +263,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         # as DDP does: every node starts from the same weights, whatever each process's random state (a checkpoint
         # to resume from is loaded after setup, over these)
         broadcast_from_first_replica(self.model, replicate_group)
-        self._run_id = agree_run_id(self.global_rank)
         self.replica_sync = ReplicaAllReduceState(replicate_group, self._sync_predicate)
         register_replica_allreduce_hook(self.model, self.replica_sync)
         self.barrier()
@@ -397,34 +400,77 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """A distributed checkpoint (a folder: model and optimizer shards, ``meta.pt``), and this rank's sidecar next to
-        it for per-rank state (the error feedback, unless :attr:`error_feedback` is ``"reset"``)."""
-        path = Path(self.broadcast(filepath))
+        """A distributed checkpoint, saved whole or not at all: a folder with the model and optimizer shards,
+        ``meta.pt``, each rank's sidecar for per-rank state (the error feedback, unless :attr:`error_feedback` is
+        ``"reset"``) and the manifest of the files' digests, written to a temporary sibling folder and put in place
+        once every rank has written (:mod:`~lightning_onebit.strategy.checkpoint_files`). With
+        ``save_distributed_checkpoint=False``, Lightning's one file of consolidated weights."""
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: the "
+                            "strategy writes its distributed checkpoints itself, not through a CheckpointIO")
+        import torch.distributed.checkpoint as dcp
+
+        # rank 0's path (Lightning's rule) and a save id, the same on every rank
+        target, save_id = self.broadcast((filepath, uuid.uuid4().hex if self.global_rank == 0 else None))
+        save = FolderSave(Path(target), save_id, self.global_rank, self.world_size)
         self._error_feedback.save(checkpoint, self._onebit_optimizer)
-        self._save_index = save_per_rank_state(checkpoint, path, self._run_id, self._save_index, self.global_rank,
-                                               self.world_size, None)
-        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        save.begin(lambda folder: save_per_rank_state(checkpoint, sidecar_in_folder(folder, self.global_rank), save_id,
+                                                      self.global_rank, self.world_size, None))
+        shards = {"state_dict": checkpoint.pop("state_dict")}
+        shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        writer = save.storage_writer()
+        try:
+            dcp.save(shards, storage_writer=writer)
+        except BaseException:
+            save.abandon()  # DCP gathers every rank's failure: every rank is here
+            raise
+        save.finish(writer, checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a distributed checkpoint at this run's mesh (resharded when the world size changed), and this rank's
-        sidecar; a bad or missing sidecar is reported under ``PER_RANK_STATUS_KEY`` (never raised here)."""
+        sidecar; a bad or missing sidecar is reported under ``PER_RANK_STATUS_KEY`` (never raised here). Before
+        anything is read, every rank checks what the path holds and its share of the files against the manifest,
+        and every rank raises the same error if any rank found one (:func:`~lightning_onebit.strategy.
+        checkpoint_files.agree_on_problems`): ``ValueError`` for a path that holds no distributed checkpoint (a
+        ``onebit_adam`` file, say), :class:`~lightning_onebit.strategy.checkpoint_files.CheckpointIntegrityError`
+        for a damaged one or one that mixes saves."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         path = Path(self.broadcast(checkpoint_path))
         onebit = self._onebit_optimizer
+        problems = folder_problems(path, self.global_rank, self.world_size, onebit is not None, weights_only)
+        verified = agree_on_problems(problems, path, self.strategy_name)
+        if is_distributed_checkpoint(path) and not verified:
+            rank_zero_warn(f"onebit_fsdp: {path} records no digests of its files (it was written before "
+                           f"lightning_onebit recorded them in {MANIFEST_NAME}): it is loaded unverified")
         if onebit is None or not is_distributed_checkpoint(path):
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
         else:
             import torch.distributed.checkpoint as dcp
 
             assert self.model is not None and self.lightning_module is not None
-            model_state = {"state_dict": get_model_state_dict(self.model)}
-            dcp.load(model_state, checkpoint_id=str(path))
-            set_model_state_dict(self.model, model_state["state_dict"])
-            load_sharded_optimizer_state(onebit, self.model, path, "optimizer_0")
+            try:
+                model_state = {"state_dict": get_model_state_dict(self.model)}
+                dcp.load(model_state, checkpoint_id=str(path))
+                set_model_state_dict(self.model, model_state["state_dict"])
+                load_sharded_optimizer_state(onebit, self.model, path, "optimizer_0")
+            except dcp.CheckpointException as err:  # DCP's read errors, gathered and raised on every rank
+                if verified:
+                    raise
+                raise CheckpointIntegrityError(
+                    f"the checkpoint {path} could not be read ({type(err).__name__}: {first_line(err)}); it records "
+                    "no digests of its files (written before lightning_onebit recorded them), so which file is "
+                    "damaged is not known: resume from another checkpoint"
+                ) from err
             checkpoint = torch.load(path / "meta.pt", weights_only=weights_only)
-        restore_per_rank_state(checkpoint, path, self.global_rank, self.world_size)
+        # a save that recorded itself keeps the sidecars in its folder; earlier ones, next to it
+        in_folder = checkpoint.pop(SAVE_RECORD_KEY, None) is not None
+        sidecar = sidecar_in_folder(path, self.global_rank) if in_folder else sidecar_path(path, self.global_rank)
+        restore_per_rank_state(checkpoint, sidecar, self.global_rank, self.world_size)
         self._error_feedback.load(checkpoint)
         return checkpoint
 

@@ -2,12 +2,17 @@
 
 Lightning writes only rank 0's checkpoint under DDP, but compression error feedback differs per rank. The
 ``onebit_adam`` strategy therefore writes one sidecar per rank next to the checkpoint,
-``<checkpoint>.onebit-rank<r>``, and records in the main checkpoint which sidecars belong to it. A sidecar holds:
+``<checkpoint>.onebit-rank<r>`` (``onebit_fsdp``: inside its checkpoint's folder, ``<folder>/onebit-rank<r>``), and
+records in the main checkpoint which sidecars belong to it. A sidecar holds:
 
-* ``checkpoint_id``: the id the main checkpoint records (``<run id>/<save index>``), so a sidecar of another
-  checkpoint of the same run (an older save under the same name) or of another run is recognised as stale;
+* ``checkpoint_id``: the id the main checkpoint records (``<run id>/<save index>``; ``onebit_fsdp``: the save's id),
+  so a sidecar of another checkpoint of the same run (an older save under the same name) or of another run is
+  recognised as stale;
 * ``global_step``, ``rank``, ``world_size`` and the ``topology`` description, for messages and checks;
 * the per-rank state, serialised, with its SHA-256, so truncation and corruption are detected before unpickling.
+  The serialised state is stored as a ``uint8`` tensor (format 3), which ``torch.save`` writes as raw bytes: format 2
+  stored it as a ``bytes`` object, which pickle protocol 2 (``torch.save``'s) writes as text with every byte above
+  ``0x7f`` taking two, about 1.5 times the state's size. Both formats are read.
 
 Writing is atomic (a temporary file in the same directory, then ``os.replace``): a crash mid-write leaves the previous
 sidecar or none, never half a file. The file gets the permission bits a plain ``open(path, "wb")`` would give it
@@ -27,7 +32,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-SIDECAR_FORMAT = 2
+SIDECAR_FORMAT = 3
+#: Formats :func:`read_sidecar` reads: 2 (the state's bytes as ``bytes``) and 3 (as a ``uint8`` tensor).
+READABLE_FORMATS = (2, 3)
 #: Key of the main checkpoint under which the strategy records its sidecars' identity.
 SIDECAR_RECORD_KEY = "onebit_sidecars"
 
@@ -38,12 +45,20 @@ def sidecar_path(checkpoint_path: Union[str, "os.PathLike[str]"], rank: int) -> 
     return f"{os.path.realpath(os.fspath(checkpoint_path))}.onebit-rank{rank}"
 
 
+def sidecar_in_folder(folder: Union[str, "os.PathLike[str]"], rank: int) -> str:
+    """Path of rank ``rank``'s sidecar inside a distributed checkpoint's ``folder`` (``onebit_fsdp``), where it is
+    written, put in place and removed with the rest of the save."""
+    return os.path.join(os.fspath(folder), f"onebit-rank{rank}")
+
+
 def write_sidecar(path: str, meta: dict[str, Any], state: Any) -> None:
     """Write ``state`` with ``meta`` (checkpoint id, step, rank, world size, topology) to ``path`` atomically."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    data = buffer.getvalue()
-    payload = dict(meta, format=SIDECAR_FORMAT, sha256=hashlib.sha256(data).hexdigest(), state_bytes=data)
+    data = buffer.getbuffer()
+    # a uint8 tensor over the bytes, which torch.save writes as they are (a bytes object would cost 1.5 times them)
+    payload = dict(meta, format=SIDECAR_FORMAT, sha256=hashlib.sha256(data).hexdigest(),
+                   state_bytes=torch.frombuffer(data, dtype=torch.uint8))
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
@@ -74,11 +89,11 @@ def read_sidecar(path: str, expected: dict[str, Any]) -> tuple[Optional[Any], Op
         return None, _permission_reason(path)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a reason, not a crash
         return None, f"the file is unreadable ({type(err).__name__}: {_first_line(err)})"
-    if not isinstance(payload, dict) or payload.get("format") != SIDECAR_FORMAT:
+    if not isinstance(payload, dict) or payload.get("format") not in READABLE_FORMATS:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         return None, f"the file is not a lightning_onebit sidecar of format {SIDECAR_FORMAT} (found {found!r})"
-    data = payload.get("state_bytes")
-    if not isinstance(data, bytes) or hashlib.sha256(data).hexdigest() != payload.get("sha256"):
+    data = _state_bytes(payload.get("state_bytes"))
+    if data is None or hashlib.sha256(data).hexdigest() != payload.get("sha256"):
         return None, "the file is corrupt (its checksum does not match its contents)"
     if (payload.get("rank"), payload.get("world_size")) != (expected["rank"], expected["world_size"]):
         return None, (
@@ -96,6 +111,16 @@ def read_sidecar(path: str, expected: dict[str, Any]) -> tuple[Optional[Any], Op
     except Exception as err:  # noqa: BLE001
         return None, f"the file's state cannot be loaded ({type(err).__name__}: {_first_line(err)})"
     return state, None
+
+
+def _state_bytes(stored: Any) -> Optional[bytes]:
+    """The serialised state a sidecar holds: a ``uint8`` tensor (format 3) or ``bytes`` (format 2); ``None`` for
+    anything else."""
+    if isinstance(stored, bytes):
+        return stored
+    if isinstance(stored, torch.Tensor) and stored.dtype == torch.uint8 and stored.dim() == 1:
+        return stored.numpy().tobytes()
+    return None
 
 
 def _umask() -> int:

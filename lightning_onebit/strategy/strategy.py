@@ -8,6 +8,7 @@ import logging
 import os
 import weakref
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -31,12 +32,14 @@ from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
+from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems, ddp_folder_problem
 from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, decide_overlap, note_bucket_cap, overlap_blocker
 from lightning_onebit.strategy.overlap_policy import overlap_fallback
 from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology
+from lightning_onebit.strategy.sidecar import sidecar_path
 from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.stepping import CompressedStepping
 from lightning_onebit.strategy.teardown import _LIVE_STRATEGIES, _register_exit_handler
@@ -350,20 +353,26 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
         # with it the checkpoint id, is the same on every rank without a collective.
         self._error_feedback.save(checkpoint, self._onebit_optimizer)
-        self._save_index = save_per_rank_state(
-            checkpoint, filepath, self._run_id, self._save_index, self.global_rank, self.world_size, self.topology
-        )
+        checkpoint_id = f"{self._run_id}/{self._save_index + 1}"
+        if save_per_rank_state(checkpoint, sidecar_path(filepath, self.global_rank), checkpoint_id, self.global_rank,
+                               self.world_size, self.topology):
+            self._save_index += 1
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(
         self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
-        """Load the checkpoint and this rank's sidecar. A bad sidecar is never an exception here: its reason goes to
-        ``checkpoint[PER_RANK_STATUS_KEY]``, and the ranks agree at the start of training what to do (the error
-        feedback's policy, :attr:`error_feedback`)."""
+        """Load the checkpoint and this rank's sidecar. A folder (``onebit_fsdp``'s distributed checkpoint) is a
+        ``ValueError`` on every rank that says which strategy loads it (one ``all_gather_object``, which every rank
+        reaches). A bad sidecar is never an exception here: its reason goes to ``checkpoint[PER_RANK_STATUS_KEY]``,
+        and the ranks agree at the start of training what to do (the error feedback's policy,
+        :attr:`error_feedback`)."""
+        problem = ddp_folder_problem(Path(os.fspath(checkpoint_path)))
+        agree_on_problems(LoadProblems(wrong_kind=[problem] if problem else []), checkpoint_path, self.strategy_name)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        restore_per_rank_state(checkpoint, checkpoint_path, self.global_rank, self.world_size)
+        restore_per_rank_state(checkpoint, sidecar_path(checkpoint_path, self.global_rank), self.global_rank,
+                               self.world_size)
         self._error_feedback.load(checkpoint)
         return checkpoint
 

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_onebit import ErrorFeedbackCheckpoint, OnebitAdam, OnebitStrategy
 from lightning_onebit.strategy.checkpoint import NO_PER_RANK_FILES, PER_RANK_STATUS_KEY
 from lightning_onebit.strategy.error_feedback import ERROR_FEEDBACK_KEY, ErrorFeedbackKeeper
-from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY, sidecar_path
+from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
 from tests.callback_models import TokenRegressor, token_loader
 from tests.capture import capture_logs, capture_warnings
 from tests.distributed import run_distributed, run_scenarios, scenario_results
@@ -123,9 +123,8 @@ def scenario_sidecars(rank: int, world_size: int, workdir: str) -> dict[str, Any
     def flip_payload_rank0(d: str) -> None:  # a readable file whose state bytes were altered (bit rot)
         path = sidecar_path(_ckpt(d, RESUME_EPOCH), 0)
         payload = torch.load(path)
-        data = bytearray(payload["state_bytes"])
+        data = payload["state_bytes"]
         data[len(data) // 2] ^= 0xFF
-        payload["state_bytes"] = bytes(data)
         torch.save(payload, path)
 
     def stale(d: str) -> None:  # the files of a later checkpoint of the same run under this checkpoint's names
@@ -270,6 +269,11 @@ def test_without_any_callback_the_strategy_keeps_the_error_feedback_and_resumes_
         assert not any("error feedback reset" in w for w in run["warnings"]), run["warnings"]
     logs = ranks[0]["default"]["logs"]
     assert "onebit_adam: compression error feedback restored on every rank (2 ranks)" in logs, logs
+    # the stage began at step FREEZE + 1, not at the resumed run's first step (which the log used to name)
+    began = [m for m in logs if "compression stage from" in m]
+    assert len(began) == 1 and began[0].startswith(
+        f"onebit_adam: compression stage from optimizer step {FREEZE + 1} (this run continues it from step "
+        f"{resumed_from + 1}):"), began
 
 
 def test_the_strategy_argument_reset_resets_every_rank_and_logs_the_dropped_norm(ranks: list[dict[str, Any]]) -> None:
@@ -331,6 +335,41 @@ def test_a_checkpoint_written_before_the_strategy_kept_the_error_feedback_resume
 
 
 # ------------------------------------------------------------------------------------- without ranks or Lightning
+def test_a_sidecar_costs_the_bytes_of_its_tensors(tmp_path: Any) -> None:
+    """Before: the state's serialised bytes were stored as a ``bytes`` object, which ``torch.save``'s pickle
+    protocol 2 writes as text (each byte above 0x7f takes two): 15.2 MB of file for 10.2 MB of error feedback."""
+    g = torch.Generator().manual_seed(0)
+    state = {"buckets": {k: {"worker_error": torch.randn(400_000, generator=g),
+                             "server_error": torch.randn(100_000, generator=g)} for k in range(5)}}
+    tensor_bytes = sum(t.numel() * t.element_size() for b in state["buckets"].values() for t in b.values())
+    assert tensor_bytes == 10_000_000
+    path = str(tmp_path / "a.ckpt.onebit-rank0")
+    meta = {"checkpoint_id": "run/1", "rank": 0, "world_size": 1}
+    write_sidecar(path, meta, state)
+    assert os.path.getsize(path) < tensor_bytes * 1.01, os.path.getsize(path) / tensor_bytes
+    loaded, reason = read_sidecar(path, meta)
+    assert reason is None and all(torch.equal(loaded["buckets"][k][n], state["buckets"][k][n])
+                                  for k in range(5) for n in ("worker_error", "server_error"))
+
+
+def test_a_sidecar_of_the_previous_format_still_loads(tmp_path: Any) -> None:
+    """Format 2 (the state's bytes as a ``bytes`` object) is read as before; damaged, it is still refused."""
+    import hashlib
+    import io
+
+    state = {"v": torch.arange(6.0)}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    meta = {"checkpoint_id": "run/1", "rank": 0, "world_size": 1}
+    path = str(tmp_path / "old.ckpt.onebit-rank0")
+    torch.save(dict(meta, format=2, sha256=hashlib.sha256(data).hexdigest(), state_bytes=data), path)
+    loaded, reason = read_sidecar(path, meta)
+    assert reason is None and torch.equal(loaded["v"], state["v"])
+    torch.save(dict(meta, format=2, sha256=hashlib.sha256(data).hexdigest(), state_bytes=data[:-1] + b"x"), path)
+    assert read_sidecar(path, meta) == (None, "the file is corrupt (its checksum does not match its contents)")
+
+
 def _keeper(policy: str) -> tuple[ErrorFeedbackKeeper, OnebitAdam]:
     net = torch.nn.Linear(4, 2)
     return ErrorFeedbackKeeper(policy, "onebit_adam", "OnebitStrategy"), OnebitAdam(net.parameters(), freeze_step=1)
