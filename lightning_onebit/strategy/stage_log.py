@@ -56,8 +56,8 @@ class StageLog:
         if isinstance(plugin, AgreedClipping):
             rank_zero_info(
                 f"{self.name}: gradient clipping by norm in the compression stage scales {self.gradients} by one "
-                "factor on every rank, from sqrt(mean over ranks of ||g_r||^2), an upper estimate of the averaged "
-                f"gradient's norm (one all-reduce of one number per step); {_DOCS}"
+                "factor on every rank, from an estimate of the averaged gradient's norm (one all-reduce of 257 numbers "
+                f"per step); {_DOCS}"
             )
         else:
             rank_zero_warn(

@@ -68,10 +68,11 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     * Gradient accumulation: Lightning averages micro-batch losses, so the gradient entering the momentum is the
       mean over micro-batches in both stages.
     * Gradient clipping by norm in the compression stage, where each rank holds its own gradient: every rank scales
-      its gradient by the same factor, ``min(1, gradient_clip_val / sqrt(mean_r ||g_r||^2))`` (one all-reduce of one
-      number per step; :mod:`~lightning_onebit.strategy.clipping`), so the gradient the momenta average is DDP's
-      averaged gradient clipped by an upper estimate of its norm. In the warmup it is DDP's clipping, unchanged.
-      Clipping by value is elementwise, the same in both stages.
+      its gradient by the same factor, ``min(1, gradient_clip_val / norm)`` with ``norm`` an estimate of the averaged
+      gradient's norm (one all-reduce of 257 numbers per step; :mod:`~lightning_onebit.strategy.clipping`), so the
+      momenta average DDP's clipped gradient up to the estimate's error. In the warmup it is DDP's clipping,
+      unchanged. Clipping by value is elementwise, the same in both stages. With a precision plugin other than
+      Lightning's ``Precision`` and ``MixedPrecision`` each rank clips by its own norm, and a warning says so once.
     * ``16-mixed``: the GradScaler's inf/NaN verdict is agreed across ranks, so an overflow on one rank skips the step
       on all of them (a per-rank skip would deadlock the compressed collective).
     * Combining with FSDP, DeepSpeed or other sharded strategies is not supported: this strategy *is* DDP.

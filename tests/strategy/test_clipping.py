@@ -1,14 +1,17 @@
 """Gradient clipping by norm where each rank holds its own gradient (the compression stage): one factor on every rank.
 
 * ``onebit_adam`` on 3 gloo ranks with different data: in every compressed step each rank's gradient is scaled by the
-  same factor, ``min(1, clip / (sqrt(mean_r ||g_r||^2) + 1e-6))`` (the gradients' norms read before clipping); the
+  same factor, ``min(1, clip / (||mean_r g_r|| + 1e-6))`` (the gradients read before clipping; this model has fewer
+  coordinates than the sketch has bins, so the estimate is exact); the
   warmup steps clip as Lightning's ``clip_grad_norm_`` does, bit for bit (against a run with a plain ``Precision``
   subclass, which keeps the old per-rank clipping); replicas stay bitwise identical; clipping costs one all-reduce per
   compressed step and none in the warmup; a NaN on one rank gives NaN on every rank, without a hang.
-* :func:`~lightning_onebit.strategy.clipping.clip_local_gradients_by_norm_` alone: one all-reduce of 4 bytes (two with
-  a shard group), no host synchronisation.
-* ``onebit_fsdp`` on 4 ranks as 2 nodes x 2: the factor is the same on every rank, from each node's whole gradient
-  (its shards summed over the node) agreed across the nodes; same-shard ranks stay bitwise identical.
+* :func:`~lightning_onebit.strategy.clipping.clip_local_gradients_by_norm_` alone: one all-reduce of 257 floats (two
+  with a shard group), no host synchronisation; :func:`~lightning_onebit.strategy.clipping.gradient_sketch` estimates
+  a squared norm without bias, exactly for a few elements.
+* ``onebit_fsdp`` on 4 ranks as 2 nodes x 2: the factor is the same on every rank, from the nodes' whole gradients
+  (each node's shards sketched and summed over the node) agreed across the nodes; same-shard ranks stay bitwise
+  identical.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
 from lightning_onebit import OnebitAdam, OnebitFSDPStrategy, OnebitStrategy
-from lightning_onebit.strategy.clipping import AgreedClippingPrecision, clip_local_gradients_by_norm_
+from lightning_onebit.strategy.clipping import SKETCH_BINS, clip_local_gradients_by_norm_, gradient_sketch
 from tests.detectors import CountCollectives, count_host_syncs
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, flat_params, loader, trainer_kwargs
@@ -96,11 +99,11 @@ def _clip_alone(rank: int, world_size: int) -> dict[str, Any]:
         p.grad = torch.full_like(p, float(rank + 1 + i))
     before = [p.grad.clone() for p in params]
     with CountCollectives() as collectives, count_host_syncs() as syncs:
-        norm = clip_local_gradients_by_norm_(params, 0.5, None)
+        norm = clip_local_gradients_by_norm_(params, 0.5, None, seed=11)
     after = [p.grad.clone() for p in params]
     shard_group = dist.new_group(list(range(world_size)))
     with CountCollectives() as sharded:
-        clip_local_gradients_by_norm_(params, 0.5, None, shard_group=shard_group)
+        clip_local_gradients_by_norm_(params, 0.5, None, seed=11, shard_group=shard_group)
     return dict(calls=collectives.calls, sharded_calls=[name for name, _ in sharded.calls], syncs=syncs.count,
                 norm=norm, before=before, after=after)
 
@@ -151,9 +154,10 @@ def test_every_rank_scales_its_local_gradient_by_one_factor_from_the_agreed_norm
         factors = [_factor(r["before"][step], r["after"][step]) for r in ranks]
         for r in ranks:  # a scaling: the clipped gradient is a multiple of the local one
             assert torch.allclose(r["after"][step], factors[0] * r["before"][step], rtol=1e-6, atol=1e-9)
-        agreed = math.sqrt(sum(float(b.double().square().sum()) for b in before) / len(ranks))
-        assert agreed > 2 * CLIP
-        assert factors == pytest.approx([CLIP / (agreed + 1e-6)] * len(ranks), rel=1e-6)
+        agreed = float((sum(b.double() for b in before) / len(ranks)).norm())  # ||mean_r g_r||, what DDP clips
+        rms = math.sqrt(sum(float(b.double().square().sum()) for b in before) / len(ranks))
+        assert 2 * CLIP < agreed < rms
+        assert factors == pytest.approx([CLIP / (agreed + 1e-6)] * len(ranks), rel=1e-5)
         # each rank's own norm would give other factors (the behaviour before)
         own = [CLIP / float(b.double().norm()) for b in before]
         assert max(own) - min(own) > 1e-3 * max(own)
@@ -196,15 +200,32 @@ def test_a_nan_gradient_on_one_rank_reaches_every_rank_without_a_hang(ddp_sessio
 
 def test_the_clip_alone_issues_one_scalar_all_reduce_and_no_host_sync(ddp_session: list) -> None:
     ranks = scenario_results(ddp_session, "clip_alone")
-    squares = [sum(float(g.double().square().sum()) for g in r["before"]) for r in ranks]
-    agreed = math.sqrt(sum(squares) / len(ranks))
+    # 11 elements, fewer than the sketch's bins: the estimate is the exact norm of the mean gradient
+    agreed = math.sqrt(sum(float((sum(r["before"][i] for r in ranks) / len(ranks)).double().square().sum())
+                           for i in range(2)))
     for r in ranks:
-        assert r["calls"] == [("all_reduce", [4])]
+        assert r["calls"] == [("all_reduce", [4 * (SKETCH_BINS + 1)])]
         assert r["sharded_calls"] == ["all_reduce", "all_reduce"]
         assert r["syncs"] == 0
         assert float(r["norm"]) == pytest.approx(agreed, rel=1e-6)
         for b, a in zip(r["before"], r["after"]):
             assert torch.allclose(a, b * min(1.0, 0.5 / (agreed + 1e-6)), rtol=1e-6)
+
+
+def test_the_sketch_estimates_a_squared_norm_without_bias_and_exactly_for_few_elements() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(300, 200, generator=g), torch.randn(1000, generator=g) * 3, torch.randn(7, generator=g)]
+    true = sum(float(t.double().square().sum()) for t in tensors)
+    estimates = [float(gradient_sketch(tensors, seed).double().square().sum()) / true for seed in range(100)]
+    assert sum(estimates) / len(estimates) == pytest.approx(1.0, abs=0.03)  # 100 draws of relative sd ~ 0.09
+    assert all(0.6 < e < 1.4 for e in estimates)
+    assert gradient_sketch(tensors, 5).tolist() == gradient_sketch(tensors, 5).tolist()  # the seed fixes the signs
+    assert gradient_sketch(tensors, 5).tolist() != gradient_sketch(tensors, 6).tolist()
+    few = [torch.randn(10, 5, generator=g), torch.randn(20, generator=g)]  # 70 elements, each in a bin of its own
+    assert float(gradient_sketch(few, 3).double().square().sum()) == pytest.approx(
+        sum(float(t.double().square().sum()) for t in few), rel=1e-6)
+    halves = [t * 0.5 for t in tensors]  # linear: the sketch of a mean is the mean of the sketches
+    assert torch.allclose(gradient_sketch(halves, 9), gradient_sketch(tensors, 9) * 0.5, rtol=1e-5, atol=1e-5)
 
 
 # ============================================================================================ onebit_fsdp, 2 nodes x 2
@@ -272,10 +293,15 @@ def test_onebit_fsdp_scales_every_rank_by_one_factor_from_the_nodes_whole_gradie
         factors = [_factor(r["before"][step], r["after"][step]) for r in fsdp_runs]
         if step < FREEZE:  # averaged across nodes: both nodes hold the same gradient, clipped to CLIP
             assert node_squares[0] == pytest.approx(node_squares[1], rel=1e-6)
-            expected = CLIP / math.sqrt(node_squares[0])
-        else:  # each node its own gradient: one factor from the mean of their squared norms
+            assert factors == pytest.approx([CLIP / (math.sqrt(node_squares[0]) + 1e-6)] * 4, rel=1e-5), step
+        else:  # each node its own gradient: one factor, from an estimate of the norm of the nodes' mean gradient
             assert node_squares[0] != pytest.approx(node_squares[1], rel=1e-3)
-            expected = CLIP / (math.sqrt(sum(node_squares) / len(nodes)) + 1e-6)
-        assert factors == pytest.approx([expected] * 4, rel=1e-5), step
+            assert factors == pytest.approx([factors[0]] * 4, rel=1e-6), (step, factors)  # float32 scaling's rounding
+            mean = [(fsdp_runs[a]["before"][step].double() + fsdp_runs[b]["before"][step].double()) / 2
+                    for a, b in ((0, 2), (1, 3))]  # the two shards of the mean of the nodes' gradients
+            exact = math.sqrt(sum(float(m.square().sum()) for m in mean))
+            rms = math.sqrt(sum(node_squares) / len(nodes))
+            estimate = CLIP / factors[0] - 1e-6
+            assert exact < rms and 0.75 * exact < estimate <= rms * (1 + 1e-6), (step, exact, estimate, rms)
     for a, b in ((0, 2), (1, 3)):  # ranks that hold the same shard on the two nodes
         assert torch.equal(fsdp_runs[a]["shards"], fsdp_runs[b]["shards"])
