@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from lightning_onebit import OnebitAdam, OnebitFSDPStrategy, OnebitStrategy
+from lightning_onebit import OnebitAdam, OnebitFSDPStrategy, OnebitStrategy, ZeroOneAdam
 from lightning_onebit.strategy.clipping import SKETCH_BINS, clip_local_gradients_by_norm_, gradient_sketch
 from tests.detectors import CountCollectives, count_host_syncs
 from tests.distributed import run_distributed, run_scenarios, scenario_results
@@ -60,6 +60,12 @@ class ClippedRegressor(Regressor):
         return RecordingOnebitAdam(self.parameters(), lr=self.lr, freeze_step=self.freeze_step)
 
 
+class ZeroOneRegressor(Regressor):
+    def configure_optimizers(self) -> Any:
+        return ZeroOneAdam(self.parameters(), lr=self.lr, var_freeze_step=4, var_update_scaler=2, local_step_scaler=2,
+                           local_step_clipper=2)
+
+
 class PlainPrecision(Precision):
     """Lightning's ``Precision`` under another type: the strategy keeps it, so it clips each rank by its own norm."""
 
@@ -86,8 +92,8 @@ def _fit(rank: int, world_size: int, steps: int = STEPS, clip: Optional[float] =
     optimizer = trainer.strategy.onebit_optimizer
     return dict(
         before=[r["grad"] for r in model.records], after=optimizer.clipped, stages=[r["stage"] for r in model.records],
-        params_after=[r["params_after"] for r in model.records], final=flat_params(model), all_reduce=calls["all_reduce"],
-        plugin=type(trainer.precision_plugin).__name__,
+        params_after=[r["params_after"] for r in model.records], final=flat_params(model),
+        all_reduce=calls["all_reduce"], plugin=type(trainer.precision_plugin).__name__,
         warnings=[str(w.message) for w in caught if "clipping" in str(w.message)],
     )
 
@@ -126,12 +132,21 @@ def scenario_nan_on_one_rank(rank: int, world_size: int, workdir: str) -> dict[s
     return _fit(rank, world_size, inf_at_step=FREEZE + 2, inf_rank=1)
 
 
+def scenario_zeroone(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    model = ZeroOneRegressor(freeze_step=FREEZE)
+    trainer = pl.Trainer(**trainer_kwargs(world_size, 12, gradient_clip_val=CLIP))
+    trainer.fit(model, loader(rank, 12))
+    optimizer = trainer.strategy.onebit_optimizer
+    return dict(kinds=dict(optimizer.steps_by_kind), final=flat_params(model),
+                grads=[r["grad"] for r in model.records])
+
+
 def scenario_clip_alone(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     return _clip_alone(rank, world_size)
 
 
 _DDP = (("compression", scenario_compression), ("old_clipping", scenario_old_clipping), ("counts", scenario_counts),
-        ("nan", scenario_nan_on_one_rank), ("clip_alone", scenario_clip_alone))
+        ("nan", scenario_nan_on_one_rank), ("clip_alone", scenario_clip_alone), ("zeroone", scenario_zeroone))
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +211,14 @@ def test_a_nan_gradient_on_one_rank_reaches_every_rank_without_a_hang(ddp_sessio
         assert torch.isnan(r["after"][bad_step]).all()
         assert len(r["after"]) == STEPS  # the run went on to the end on every rank
     assert all(torch.equal(ranks[0]["final"].isnan(), r["final"].isnan()) for r in ranks)
+
+
+def test_zeroone_adam_clips_its_local_and_compressed_steps_by_one_factor_and_ends_in_sync(ddp_session: list) -> None:
+    ranks = scenario_results(ddp_session, "zeroone")
+    kinds = ranks[0]["kinds"]
+    assert kinds.get("local", 0) > 0 and kinds.get("sync", 0) > 0, kinds  # steps on local gradients were clipped
+    assert all(torch.isfinite(r["final"]).all() for r in ranks)
+    assert identical([r["final"] for r in ranks])  # synced at the end of fit
 
 
 def test_the_clip_alone_issues_one_scalar_all_reduce_and_no_host_sync(ddp_session: list) -> None:
