@@ -286,16 +286,54 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     )
 
 
+#: What each run clips by in the compression stage (the table's second column).
+LABELS = {
+    "adamw": "AdamW, DDP: ||g|| every step",
+    "adamw_noclip": "AdamW, DDP, no clipping",
+    "onebit_local": "each rank its own ||g_r|| (before)",
+    "onebit_rms": "sqrt(mean_r ||g_r||^2)",
+    "onebit_warmup_ratio": "rho sqrt(mean_r ||g_r||^2), rho of the warmup's end",
+    "onebit_sketch": "256-bin sketch of g (float64, uncapped)",
+    "onebit_oracle": "||g|| exactly (full-size all-reduce)",
+    "onebit_library": "the default: the sketch, capped by the rms",
+    "onebit_noclip": "no clipping",
+}
+
+
+def _compressed(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return run["norms"][FREEZE:]
+
+
 def table(results: dict[str, Any]) -> str:
+    """The markdown table of the docs: the mean training loss of the last LAST steps per seed, their mean and its
+    difference to AdamW's, and the held-out loss (mean over seeds)."""
     seeds = sorted(results["seeds"], key=int)
     runs = [r for r in RUNS if all(r in results["seeds"][s] for s in seeds)]
-    head = "| run | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | held-out (mean) |"
-    lines = [head, "|" + "---|" * (len(seeds) + 3)]
+    head = ("| run | clipped by, compression stage | " + " | ".join(f"seed {s}" for s in seeds)
+            + " | mean | vs AdamW | held-out |")
+    lines = [head, "|" + "---|" * (len(seeds) + 5)]
+    reference = statistics.mean(results["seeds"][s]["adamw"]["final_loss"] for s in seeds)
     for run in runs:
         finals = [results["seeds"][s][run]["final_loss"] for s in seeds]
         held = [results["seeds"][s][run]["held_out"] for s in seeds]
-        lines.append(f"| {run} | " + " | ".join(f"{f:.3f}" for f in finals)
-                     + f" | {statistics.mean(finals):.3f} | {statistics.mean(held):.3f} |")
+        label = LABELS[run].replace("||", "\\|\\|")  # a pipe inside a markdown table cell
+        lines.append(f"| {run} | {label} | " + " | ".join(f"{f:.3f}" for f in finals)
+                     + f" | {statistics.mean(finals):.3f} | {statistics.mean(finals) - reference:+.3f}"
+                     f" | {statistics.mean(held):.3f} |")
+    return "\n".join(lines)
+
+
+def norms_table(results: dict[str, Any]) -> str:
+    """Per seed, over the compressed steps of the ``onebit_sketch`` run: ``||g|| / sqrt(mean_r ||g_r||^2)`` (how far
+    the rms overestimates what DDP clips) and the sketch's norm against ``||g||``."""
+    seeds = [s for s in sorted(results["seeds"], key=int) if "onebit_sketch" in results["seeds"][s]]
+    lines = ["| seed | `\\|\\|g\\|\\|` / rms: mean (min) | sketch / `\\|\\|g\\|\\|`: mean (min, max) |", "|---|---|---|"]
+    for s in seeds:
+        steps = _compressed(results["seeds"][s]["onebit_sketch"])
+        ratios = [n["mean"] / n["rms"] for n in steps]
+        errors = [n["clip"] / n["mean"] for n in steps]
+        lines.append(f"| {s} | {statistics.mean(ratios):.3f} ({min(ratios):.3f}) | {statistics.mean(errors):.3f} "
+                     f"({min(errors):.3f}, {max(errors):.3f}) |")
     return "\n".join(lines)
 
 
@@ -322,6 +360,7 @@ def main() -> None:
         print(f"seed {seed}: " + ", ".join(f"{run} {fresh[run]['final_loss']:.3f}" for run in args.runs), flush=True)
         write_results(args.name, results)
     print(table(results))
+    print(norms_table(results))
     print(f"written to {write_results(args.name, results)}")
 
 
