@@ -95,7 +95,8 @@ def gradient_sketch(tensors: list[torch.Tensor], seed: int, bins: int = SKETCH_B
     sums = torch.zeros(bins, dtype=torch.float32, device=device)
     generator = torch.Generator(device=device)
     for index, chunk in enumerate(_flat_chunks(tensors)):
-        flat = (torch.cat(chunk) if len(chunk) > 1 else chunk[0]).to(device=device, dtype=torch.float32)
+        pieces = [piece.to(device=device, dtype=torch.float32) for piece in chunk]  # no copy for float32 on device
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if flat.numel() % bins:
             flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % bins))
         flat = flat.view(-1, bins)
