@@ -9,7 +9,9 @@ optimizer switches off after its warmup (1-bit Adam, 1-bit LAMB) or on chosen st
 * :mod:`~lightning_onebit.strategy.comm_hook`: the DDP hook the strategy registers;
 * :mod:`~lightning_onebit.strategy.process_groups`: the topology and the process groups the strategy owns;
 * :mod:`~lightning_onebit.strategy.auto_freeze`: the warmup against the run's length;
-* :mod:`~lightning_onebit.strategy.stage_log`: the stage announcements and the local-clipping warning;
+* :mod:`~lightning_onebit.strategy.clipping`: clipping by norm where gradients are local, one factor on every rank
+  (the precision plugins of both strategies);
+* :mod:`~lightning_onebit.strategy.stage_log`: the stage announcements and what clipping does in the compression stage;
 * :mod:`~lightning_onebit.strategy.checkpoint`: per-rank state in checkpoints, in the sidecar files of
   :mod:`~lightning_onebit.strategy.sidecar`;
 * :mod:`~lightning_onebit.strategy.checkpoint_files`: ``onebit_fsdp``'s checkpoint folders saved whole or not at all

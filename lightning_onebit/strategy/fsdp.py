@@ -179,11 +179,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         self.overlap_fallback_reason: Optional[OverlapFallbackReason] = None
         self._gather_group: Optional[Any] = None  # the overlapped exchange's second-phase group (this fit's)
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._stage_log = StageLog(
-            "onebit_fsdp",
-            "onebit_fsdp: gradient clipping in the compression stage clips each node's averaged gradient by its norm "
-            "(gradients are no longer averaged across nodes before the optimizer)."
-        )
+        self._stage_log = StageLog("onebit_fsdp", "each node's averaged gradient")
         self._names_before_sharding: dict[int, tuple[Any, str]] = {}
 
     # ------------------------------------------------------------------ precision

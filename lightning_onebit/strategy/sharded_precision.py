@@ -5,7 +5,9 @@ optimizer over FSDP2's ``DTensor`` parameters holds plain stand-ins over the loc
 (:mod:`lightning_onebit.optim.sharded`), whose norms are those of one shard. These plugins hand Lightning the
 ``DTensor`` parameters instead, so ``clip_grad_norm_`` reduces the norm over the shard group (the whole tensor) and
 clipping by norm or by value acts on the gradients the optimizer then reads (the stand-ins' gradients are the
-``DTensor`` gradients' local shards).
+``DTensor`` gradients' local shards). Where gradients are not averaged across nodes (the compression stage), clipping
+by norm scales every rank's gradient by one factor (:mod:`~lightning_onebit.strategy.clipping`): the norm of each
+node's gradient is summed over the shard group, then agreed over the replicate group.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 
 from lightning_onebit.optim import CompressedOptimizer
+from lightning_onebit.strategy.clipping import AgreedClipping
 
 __all__ = ["ShardedMixedPrecision", "ShardedPrecision", "sharded_precision"]
 
@@ -34,12 +37,13 @@ class _ShardedMainParams:
                 yield p if owner is None else owner
 
 
-class ShardedPrecision(_ShardedMainParams, Precision):
-    """``Precision`` ("32-true") with clipping over sharded parameters."""
+class ShardedPrecision(_ShardedMainParams, AgreedClipping, Precision):
+    """``Precision`` ("32-true") with clipping over sharded parameters, by one factor on every rank."""
 
 
-class ShardedMixedPrecision(_ShardedMainParams, MixedPrecision):
-    """``MixedPrecision`` ("bf16-mixed", autocast) with clipping over sharded parameters."""
+class ShardedMixedPrecision(_ShardedMainParams, AgreedClipping, MixedPrecision):
+    """``MixedPrecision`` ("bf16-mixed", autocast) with clipping over sharded parameters, by one factor on every
+    rank."""
 
 
 def sharded_precision(plugin: Any) -> Any:

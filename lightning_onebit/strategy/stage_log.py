@@ -1,5 +1,5 @@
 """What the strategy tells the user as the steps go by: each new phase of the optimizer, once, and, once per strategy,
-that gradient clipping in the compression stage is local."""
+what gradient clipping by norm clips in the compression stage."""
 
 from __future__ import annotations
 
@@ -8,20 +8,30 @@ from typing import Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_onebit._docs import docs_pointer
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage, StepKind
+from lightning_onebit.strategy.clipping import AgreedClipping
+
+#: The page that says what clipping clips in each stage.
+_DOCS = docs_pointer("guides/configuration", "gradient-clipping")
 
 
 class StageLog:
-    """Announces the optimizer's phase (``describe_phase``) when it changes and warns about local clipping once."""
+    """Announces the optimizer's phase (``describe_phase``) when it changes and, once, how clipping by norm works in
+    the compression stage: one factor for every rank with this package's precision plugins (info), each rank by its
+    own norm with any other plugin (a warning).
 
-    def __init__(self, name: str = "onebit_adam", local_clipping_warning: str = (
-        "onebit_adam: gradient clipping in the compression stage clips each rank's local gradient by its local norm "
-        "(gradients are no longer averaged before the optimizer)."
-    )) -> None:
-        self.name = name  # the strategy's name, which starts every announcement
-        self.local_clipping_warning = local_clipping_warning
+    Args:
+        name: the strategy's name, which starts every message. Default ``"onebit_adam"``.
+        gradients: what each rank's gradient is in the compression stage, in the messages. Default ``"each rank's
+            local gradient"``.
+    """
+
+    def __init__(self, name: str = "onebit_adam", gradients: str = "each rank's local gradient") -> None:
+        self.name = name
+        self.gradients = gradients
         self.announced_phase: Optional[StepKind] = None  # the optimizer phase last announced (describe_phase)
-        self.warned_local_clipping = False
+        self.told_clipping = False
 
     def new_fit(self) -> None:
         """A new ``fit``'s optimizer: its first phase is announced again."""
@@ -34,11 +44,24 @@ class StageLog:
             rank_zero_info(f"{self.name}: {sentence}")
             self.announced_phase = phase
         if optimizer.stage is OnebitStage.COMPRESSION:
-            self._warn_local_clipping(module)
+            self._tell_clipping(module)
 
-    def _warn_local_clipping(self, module: Optional["pl.LightningModule"]) -> None:
+    def _tell_clipping(self, module: Optional["pl.LightningModule"]) -> None:
         trainer = module.trainer if module is not None else None
-        if self.warned_local_clipping or trainer is None or not trainer.gradient_clip_val:
+        if (self.told_clipping or trainer is None or not trainer.gradient_clip_val
+                or trainer.gradient_clip_algorithm == "value"):  # elementwise: the same in both stages
             return
-        rank_zero_warn(self.local_clipping_warning)
-        self.warned_local_clipping = True
+        self.told_clipping = True
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, AgreedClipping):
+            rank_zero_info(
+                f"{self.name}: gradient clipping by norm in the compression stage scales {self.gradients} by one "
+                "factor on every rank, from an estimate of the averaged gradient's norm (one all-reduce of 257 numbers "
+                f"per step); {_DOCS}"
+            )
+        else:
+            rank_zero_warn(
+                f"{self.name}: gradient clipping in the compression stage clips {self.gradients} by its own norm with "
+                f"the precision plugin {type(plugin).__name__} (gradients are no longer averaged before the "
+                f"optimizer; 32-true, 16-mixed and bf16-mixed clip every rank by one factor); {_DOCS}"
+            )

@@ -30,6 +30,7 @@ from lightning_onebit.strategy.arguments import check_options, check_process_gro
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
 from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
+from lightning_onebit.strategy.clipping import AgreedClippingPrecision, agreed_clipping_precision
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems, ddp_folder_problem
@@ -69,8 +70,12 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
 
     * Gradient accumulation: Lightning averages micro-batch losses, so the gradient entering the momentum is the
       mean over micro-batches in both stages.
-    * Gradient clipping in the compression stage clips each rank's *local* gradient by its local norm (there is no
-      global gradient any more). A warning says so once.
+    * Gradient clipping by norm in the compression stage, where each rank holds its own gradient: every rank scales
+      its gradient by the same factor, ``min(1, gradient_clip_val / norm)`` with ``norm`` an estimate of the averaged
+      gradient's norm (one all-reduce of 257 numbers per step; :mod:`~lightning_onebit.strategy.clipping`), so the
+      momenta average DDP's clipped gradient up to the estimate's error. In the warmup it is DDP's clipping,
+      unchanged. Clipping by value is elementwise, the same in both stages. With a precision plugin other than
+      Lightning's ``Precision`` and ``MixedPrecision`` each rank clips by its own norm, and a warning says so once.
     * ``16-mixed``: the GradScaler's inf/NaN verdict is agreed across ranks, so an overflow on one rank skips the step
       on all of them (a per-rank skip would deadlock the compressed collective).
     * Combining with FSDP, DeepSpeed or other sharded strategies is not supported: this strategy *is* DDP.
@@ -197,6 +202,16 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         )
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._stage_log = StageLog()
+
+    # ------------------------------------------------------------------ precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else AgreedClippingPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # clipping by norm in the compression stage: one factor for every rank (strategy.clipping)
+        self._precision_plugin = None if precision_plugin is None else agreed_clipping_precision(precision_plugin)
 
     # ------------------------------------------------------------------ wiring
     @override

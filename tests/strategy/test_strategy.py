@@ -41,7 +41,7 @@ from tests.tensors import identical
 
 WORLD_SIZE = 2
 _STEP_MARK = "onebit_test_step_"
-_CLIP_WARNING = "gradient clipping in the compression stage clips each rank's local gradient"
+_CLIP_WARNING = "gradient clipping in the compression stage clips each rank's local gradient by its own norm"
 
 
 # ======================================================================================== in-rank instrumentation
@@ -707,13 +707,14 @@ def test_find_unused_parameters_and_frozen_parameters(main_session: list[dict[st
 
 
 # ======================================================================================== 10. clipping warning
-def test_gradient_clipping_warns_once_in_compression_stage(main_session: list[dict[str, Any]]) -> None:
+def test_gradient_clipping_by_norm_does_not_warn_with_the_default_precision(main_session: list[dict[str, Any]]) -> None:
+    """Clipping by norm in the compression stage scales every rank by one factor (tests/strategy/test_clipping.py,
+    which also covers the warning a precision plugin the strategy does not know gives): nothing to warn about."""
     results = scenario_results(main_session, "clipping")
-    rank0, rank1 = results
-    assert rank0["warmup_only"] == 0  # clipping in warmup clips the averaged gradient: nothing to warn about
-    assert rank0["compression"] == 1  # once, although 4 compressed steps clipped
-    assert rank0["no_clipping"] == 0
-    assert rank1["compression"] == 0  # rank-zero warning
+    for result in results:
+        assert result["warmup_only"] == 0  # clipping in warmup clips the averaged gradient
+        assert result["compression"] == 0
+        assert result["no_clipping"] == 0
     assert identical([r["params"] for r in results])
 
 
