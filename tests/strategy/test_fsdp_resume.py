@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import lightning.pytorch as pl
 from lightning_onebit import OnebitFSDPStrategy, OnebitLamb, ReplicaCheck
+from lightning_onebit.strategy.sidecar import sidecar_in_folder
 from tests.capture import capture_warnings
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.llama_models import LlamaLM, local_shards
@@ -69,9 +70,9 @@ def scenario_bad_sidecar(rank: int, world_size: int, workdir: str) -> dict[str, 
     _fit(rank, SAVED_AT, save_to=truncated)  # the same run again: the same checkpoint
     dist.barrier()
     if rank == 1:
-        os.remove(f"{missing}.onebit-rank1")
-        with open(f"{truncated}.onebit-rank1", "r+b") as f:
-            f.truncate(os.path.getsize(f"{truncated}.onebit-rank1") // 2)
+        os.remove(sidecar_in_folder(missing, 1))
+        with open(sidecar_in_folder(truncated, 1), "r+b") as f:
+            f.truncate(os.path.getsize(sidecar_in_folder(truncated, 1)) // 2)
     dist.barrier()
     out: dict[str, Any] = {}
     for name, path in (("missing", missing), ("truncated", truncated)):
