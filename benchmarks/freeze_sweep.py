@@ -1,4 +1,4 @@
-"""Issue 26: accuracy against freeze step on real fine-tuning and on the synthetic example, ``auto``'s choices marked.
+"""Issues 26 and 44: accuracy against freeze step, and against the warmup's gradient exchange, on real fine-tuning and on
 
 Runs the BERT example (``examples/bert_finetune.py fit``, 2 CPU processes on gloo, through
 ``benchmarks.bert_parity.run_example``) once per task, run and seed, and writes ``results/NAME.json`` (default
@@ -36,6 +36,32 @@ Runs (``--runs``, names; default all of these), with exactly these arguments on 
 * ``zeroone_adam``: ``bert_zeroone.yaml``, nothing more (0/1 Adam with its schedule scaled to the run; not in the
   default runs).
 
+Issue 44's runs (not in the default runs): the DDP baselines and the 1-bit runs with a compressed warmup.
+
+* ``ddp_bf16``, ``ddp_int8``: ``bert_adamw.yaml`` with ``--trainer.strategy benchmarks.comm_hooks.CountedDDPStrategy
+  --trainer.strategy.gradient_exchange bf16`` (or ``int8``): AdamW on DDP whose gradients are averaged by torch's
+  ``bf16_compress_hook`` (or the library's ``int8_allreduce_hook``). Lightning's ``DDPStrategy`` registers a
+  ``ddp_comm_hook`` on CUDA only; this strategy registers it on the DDP model on every device, counts it and fails the
+  run when it did not run;
+* ``ddp_powersgd_rR@F``: the same with ``gradient_exchange powersgd``, ``powersgd_rank R``, ``powersgd_start
+  max(2, round(F*N))``: torch's PowerSGD (rank ``R``, error feedback, warm start) after ``F`` of the run in vanilla
+  allreduce (its default ``start_powerSGD_iter`` of 1000 would never compress a 600-step run), its buckets compressed
+  in order (``lightning_onebit.hooks.ordered_powersgd_hook``: gloo refuses collectives issued in different orders);
+* ``RUN+EXCHANGE`` for ``onebit_adam@F``, ``onebit_adam@auto``, ``onebit_lamb@...`` and ``zeroone_adam``: the run's
+  arguments and ``--trainer.strategy lightning_onebit.OnebitStrategy --trainer.strategy.ddp_comm_hook HOOK
+  [--trainer.strategy.ddp_comm_state STATE]``, so that its warmup (and 0/1 Adam's variance steps) averages gradients
+  with ``EXCHANGE``: ``bf16`` (torch's ``bf16_compress_hook``), ``int8`` (``int8_allreduce_hook`` with an
+  ``Int8AllreduceState()``: 8 bits a value, per-segment scales, error feedback) or ``powersgdR`` / ``powersgdRsS``
+  (``ordered_powersgd_hook``, PowerSGD rank ``R`` with error feedback after ``S`` vanilla steps, default
+  ``WARMUP_POWERSGD_START`` = 10).
+
+Bytes are whole-run bytes per rank on the ring model of ``lightning_onebit.comm.accounting``, counted for every run:
+AdamW-DDP by ``CommunicationMonitor``, the DDP baselines and the warmups by the hooks' counters (bf16: a ring
+allreduce of 2-byte elements; PowerSGD: its vanilla allreduces, then per bucket the allreduces of the uncompressed
+tensors, of ``P`` and of ``Q``; int8: an ``all_to_all`` and an ``all_gather`` of int8 blocks with float32 scales).
+Each such run records what its hook did (``exchange``: calls, and PowerSGD's vanilla and compressed buckets) and the
+sweep fails it when the hook did not run.
+
 Learning rates: on ``synthetic`` the configs' own (AdamW and 1-bit Adam 5e-4, LAMB 3e-3) unless ``--lr`` /
 ``--lamb-lr`` are given; on the real tasks ``-o.lr`` is ``--lr`` (default own_data's 1e-4) for the Adam runs and
 ``--lamb-lr`` (default 6x ``--lr``, the example configs' LAMB/Adam ratio 3e-3 / 5e-4; not tuned on these tasks) for the
@@ -61,6 +87,10 @@ quiet machine. ``--val-checks 2`` saves about an hour per AG News seed.
     python -m benchmarks.freeze_sweep --tasks agnews --seeds 0 --skip-done   # continue the sweep
     python -m benchmarks.freeze_sweep --runs adamw onebit_adam@auto --tasks mail
     python -m benchmarks.freeze_sweep --summary                         # table and results/freeze_sweep.png only
+    # issue 44's first measurements: the baselines and the compressed warmups on the example from scratch
+    python -m benchmarks.freeze_sweep --tasks synthetic --name warmup_sweep --runs adamw ddp_bf16 \\
+        ddp_powersgd_r1@0.1 ddp_powersgd_r4@0.1 onebit_adam@auto onebit_adam@auto+bf16 onebit_adam@auto+powersgd4 \\
+        onebit_adam@auto+int8
     # smoke run: 20 steps on a few hundred rows, to a scratch file
     python -m benchmarks.freeze_sweep --tasks synthetic agnews --runs adamw onebit_adam@0.25 onebit_adam@auto \\
         --seeds 0 --steps 20 --train-rows 400 --dev-rows 200 --name scratch_freeze_sweep
@@ -984,7 +1014,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--runs", nargs="+", default=None,
                         help="run names (default: adamw, onebit_adam@F for each --fractions, onebit_adam@auto, "
-                             "onebit_lamb@0.25, onebit_lamb@auto, lamb_uncompressed)")
+                             "onebit_lamb@0.25, onebit_lamb@auto, lamb_uncompressed; also ddp_bf16, ddp_int8, "
+                             "ddp_powersgd_rR@F and RUN+bf16 / +int8 / +powersgdR, see above)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--fractions", type=float, nargs="+", default=list(DEFAULT_FRACTIONS),
                         help="fixed freezes of 1-bit Adam, as fractions of the run")
