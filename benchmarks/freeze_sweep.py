@@ -1,4 +1,5 @@
-"""Issues 26 and 44: accuracy against freeze step, and against the warmup's gradient exchange, on real fine-tuning and on
+"""Issues 26 and 44: accuracy against freeze step, and against the warmup's gradient exchange, on real fine-tuning
+and on the synthetic example, ``auto``'s choices marked.
 
 Runs the BERT example (``examples/bert_finetune.py fit``, 2 CPU processes on gloo, through
 ``benchmarks.bert_parity.run_example``) once per task, run and seed, and writes ``results/NAME.json`` (default

@@ -73,7 +73,8 @@ def int8_segments(layout: BucketLayout, segment_numel: int) -> tuple[Segments, t
     ordered = sorted(offsets)
     chunk = layout.chunk_numel
     per_chunk = tuple(
-        Segments([o - r * chunk for o in ordered if r * chunk <= o <= (r + 1) * chunk]) for r in range(layout.world_size)
+        Segments([o - r * chunk for o in ordered if r * chunk <= o <= (r + 1) * chunk])
+        for r in range(layout.world_size)
     )
     return Segments(ordered), per_chunk
 
