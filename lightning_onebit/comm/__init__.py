@@ -27,8 +27,10 @@ tests and benchmarks import. Monkeypatch a function in the module that defines i
 from lightning_onebit.comm.accounting import (
     CommunicationCounters,
     _bytes_sent,
+    add_traffic,
     bytes_leaving_node,
     count_ring_allreduce,
+    flat_two_phase_bytes,
     ring_allreduce_bytes,
 )
 from lightning_onebit.comm.agreement import agree_kernel_backend, assert_replicas_identical, replica_checksums
@@ -40,6 +42,7 @@ from lightning_onebit.comm.exchange import (
     PendingExchange,
     _advance,
     _all_gather,
+    all_gather_async,
     check_buckets,
     compressed_allreduce_,
     compressed_allreduce_buckets_,
@@ -60,7 +63,9 @@ __all__ = [
     "CompressedAllreduceState",
     "PendingExchange",
     "Topology",
+    "add_traffic",
     "agree_kernel_backend",
+    "all_gather_async",
     "assert_replicas_identical",
     "bytes_leaving_node",
     "check_buckets",
@@ -68,6 +73,7 @@ __all__ = [
     "compressed_allreduce_buckets_",
     "count_ring_allreduce",
     "finish_exchanges_",
+    "flat_two_phase_bytes",
     "full_precision_allreduce_",
     "sparse_rows_allreduce_",
     "progress_exchanges_",

@@ -115,6 +115,18 @@ class CommunicationCounters:
             setattr(self, f.name, f.default)
 
 
+#: The fields of :class:`CommunicationCounters` that count traffic (bytes, collectives, calls), not time
+TRAFFIC_FIELDS = ("bytes_sent", "bytes_received", "bytes_sent_intra_node", "bytes_sent_inter_node",
+                  "bytes_fp32_equivalent", "bytes_sent_uncompressed", "collectives", "calls")
+
+
+def add_traffic(counters: CommunicationCounters, delta: CommunicationCounters) -> None:
+    """Add ``delta``'s traffic (:data:`TRAFFIC_FIELDS`) to ``counters`` in place; times are left alone (the caller
+    times the calls its own way)."""
+    for name in TRAFFIC_FIELDS:
+        setattr(counters, name, getattr(counters, name) + getattr(delta, name))
+
+
 def count_ring_bytes(
     counters: CommunicationCounters, sent: int, world_size: int, rank: int, topology: Optional[Topology]
 ) -> None:
@@ -176,8 +188,17 @@ def _bytes_sent(layout: BucketLayout, element_size: int, topology: Optional[Topo
         shard_bytes = layout.padded_numel // per_node * element_size
         intra = (per_node - 1) * shard_bytes + (per_node - 1) * nodes * block
         return intra, 2 * (nodes - 1) * block
+    return flat_two_phase_bytes(block, world_size, topology, rank)
+
+
+def flat_two_phase_bytes(block: int, world_size: int, topology: Optional[Topology], rank: int) -> tuple[int, int]:
+    """Payload bytes ``rank`` sends to ranks on its own node and to other nodes in one flat two-phase exchange of
+    ``block``-byte blocks: an ``all_to_all`` (one block to every peer) and a ring ``all_gather`` (``P - 1`` blocks to
+    the next rank). Without a topology every peer counts as another node."""
+    if world_size <= 1:
+        return 0, 0
     if topology is None:
-        return 0, layout.bytes_per_call()
+        return 0, 2 * (world_size - 1) * block
     same_node_peers = topology.node_sizes[topology.node_of[rank]] - 1
     intra, inter = same_node_peers * block, (world_size - 1 - same_node_peers) * block
     if topology.same_node(rank, (rank + 1) % world_size):

@@ -53,10 +53,15 @@ from lightning_onebit.comm.state import CompressedAllreduceState, _BucketBuffers
 from lightning_onebit.kernels import Backend, Segments
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
+def all_gather_async(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
+    """``all_gather_into_tensor(output, input, group, async_op=True)``: every rank's ``input`` concatenated in rank
+    order into ``output``, launched asynchronously (its work handle returned)."""
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=True)
+
+
+_all_gather = all_gather_async  # the name the library's own modules and tests used before it was public
 
 
 def _write_scales(block: torch.Tensor, scales: torch.Tensor) -> None:
