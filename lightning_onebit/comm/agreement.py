@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
-from lightning_onebit.comm.exchange import _all_gather
+from lightning_onebit.comm.groups import all_gather_async
 from lightning_onebit.kernels import Backend
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def assert_replicas_identical(
     device = named_tensors[0][1].device if named_tensors and dist.get_backend(group) == "nccl" else torch.device("cpu")
     size = dist.get_world_size(group)
     everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    _all_gather(everyone, mine.to(device), group).wait()
+    all_gather_async(everyone, mine.to(device), group).wait()
     everyone = everyone.cpu().view(-1, mine.numel())
     sets = [list(ranks) for ranks in replica_sets] if replica_sets is not None else [list(range(size))]
     differs = torch.zeros(mine.numel(), dtype=torch.bool)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
 
 import torch
 
-from lightning_onebit.comm.exchange import _all_gather
+from lightning_onebit.comm.groups import all_gather_async
 from lightning_onebit.comm.state import CompressedAllreduceState
 
 if TYPE_CHECKING:  # for annotations only: optim.buckets imports this module
@@ -78,7 +78,7 @@ def carry_error_feedback_(
 
     def gather(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
         out = part.new_empty(n * part.numel())
-        _all_gather(out, part.contiguous(), group).wait()
+        all_gather_async(out, part.contiguous(), group).wait()
         return out
 
     # stream -> id(param) -> (worker error, server error) of the parameter's coordinates

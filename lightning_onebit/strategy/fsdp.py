@@ -38,7 +38,8 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_onebit._checks import check_flag
 from lightning_onebit.comm.accounting import CommunicationCounters
-from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
+from lightning_onebit.comm.groups import destroy_groups
+from lightning_onebit.comm.topology import new_gather_groups
 from lightning_onebit.hooks import OverlapFallbackReason
 from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
 from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook

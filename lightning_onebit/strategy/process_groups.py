@@ -16,7 +16,8 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
+from lightning_onebit.comm.groups import destroy_groups
+from lightning_onebit.comm.topology import new_gather_groups
 from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.optim import CompressedOptimizer
 

@@ -31,10 +31,9 @@ import pytest
 import torch
 
 from lightning_onebit.comm import (
-    _ALL_TO_ALL,
-    _GATHER,
     BucketLayout,
     CompressedAllreduceState,
+    ExchangePhase,
     compressed_allreduce_buckets_,
 )
 from lightning_onebit.optim.buckets import (
@@ -531,10 +530,10 @@ def test_exchange_started_progressed_and_finished_equals_one_pipelined_call(sess
             # each start advanced the earlier exchanges (own second-phase groups), progress() all of them
             if gather_groups:
                 for n, phases in enumerate(actual["phases"]):
-                    assert phases == [_GATHER] * n + [_ALL_TO_ALL], where
-                assert actual["phases_after_progress"] == [_GATHER] * len(started_keys), where
+                    assert phases == [ExchangePhase.GATHER] * n + [ExchangePhase.ALL_TO_ALL], where
+                assert actual["phases_after_progress"] == [ExchangePhase.GATHER] * len(started_keys), where
             else:
-                assert actual["phases_after_progress"] == [_ALL_TO_ALL] * len(started_keys), where
+                assert actual["phases_after_progress"] == [ExchangePhase.ALL_TO_ALL] * len(started_keys), where
         assert run["hook_s"] > 0, "the work started during backward is timed as hook_s"
         assert run["exposed_s"] == 0, "finish_ alone is not timed (the caller wraps it in exposed())"
 
