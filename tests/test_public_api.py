@@ -224,3 +224,12 @@ def test_the_private_names_the_comm_namespace_listed_resolve_with_a_future_warni
         assert value(layout, 4, None, 0) == layout.bytes_sent(4, None, 0) == (0, layout.bytes_per_call())
     else:
         assert value is getattr(comm, replacement)
+
+
+def test_the_exit_release_keeps_its_old_private_name_with_a_future_warning() -> None:
+    import lightning_onebit.strategy as strategy
+
+    assert "_release_process_groups_at_exit" not in strategy.__all__
+    with pytest.warns(FutureWarning, match="use lightning_onebit.strategy.release_process_groups_at_exit;"):
+        old = strategy._release_process_groups_at_exit
+    assert old is strategy.release_process_groups_at_exit

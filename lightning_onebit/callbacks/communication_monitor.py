@@ -18,13 +18,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_onebit._checks import check_flag, check_integer
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
 from lightning_onebit.callbacks.advice import CompressionAdvice
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
 from lightning_onebit.strategy import OnebitFSDPStrategy, OnebitStrategy
+from lightning_onebit.strategy.stepping import onebit_optimizer, onebit_strategy
 
 #: Where the advisor's messages send the user: how the estimate is made, and why a link may give no speedup.
 _ADVISOR_DOCS = docs_pointer("guides/why-no-speedup")
@@ -184,8 +184,8 @@ class CommunicationMonitor(Callback):
         now_s = time.perf_counter()
         step_s = None if self._last_time is None else now_s - self._last_time
         self._last_time = now_s
-        optimizer = _onebit_optimizer(trainer, "CommunicationMonitor")
-        strategy = _onebit_strategy(trainer, "CommunicationMonitor")
+        optimizer = onebit_optimizer(trainer, "CommunicationMonitor")
+        strategy = onebit_strategy(trainer, "CommunicationMonitor")
         now = strategy.communication
         step = now - self._last
         self._last = now

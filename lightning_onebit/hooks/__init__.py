@@ -4,8 +4,9 @@
 * :mod:`~lightning_onebit.hooks.gradient_sync`: :class:`GradientSyncState` and :func:`switchable_allreduce_hook`,
   DDP's allreduce during warmup (or the user's ``ddp_comm_hook``), nothing afterwards;
 * :mod:`~lightning_onebit.hooks.overlap`: :class:`OverlapState` and :func:`overlapped_exchange_hook`, the compressed
-  momentum exchange started during backward, and what decides whether it may (:func:`leaves_gradients_unchanged`,
-  :class:`OverlapFallbackReason`);
+  momentum exchange started during backward, what decides whether it may (:func:`leaves_gradients_unchanged`,
+  :class:`OverlapFallbackReason`), and :class:`ExchangeHookState` with :func:`exchange_hook`, the one hook a strategy
+  registers before it knows which of the two it runs;
 * :mod:`~lightning_onebit.hooks.fsdp` (imported on its own, it needs FSDP2): the FSDP2 counterparts,
   :class:`~lightning_onebit.hooks.fsdp.ReplicaAllReduceState` (the warmup's average across nodes) and
   :class:`~lightning_onebit.hooks.fsdp.ShardedOverlapState` (the exchange of each FSDP group started during backward).
@@ -13,17 +14,21 @@
 
 from lightning_onebit.hooks.gradient_sync import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.hooks.overlap import (
+    ExchangeHookState,
     OverlapFallbackReason,
     OverlapState,
+    exchange_hook,
     is_marked_read_only,
     leaves_gradients_unchanged,
     overlapped_exchange_hook,
 )
 
 __all__ = [
+    "ExchangeHookState",
     "GradientSyncState",
     "OverlapFallbackReason",
     "OverlapState",
+    "exchange_hook",
     "is_marked_read_only",
     "leaves_gradients_unchanged",
     "overlapped_exchange_hook",

@@ -136,3 +136,25 @@ class CompressedStepping:
             rank_zero_info(f"{self.strategy_name}: replicas synchronised at the end of fit (local steps since the last "
                            "sync)")
         super().on_train_end()  # type: ignore[misc]
+
+
+def onebit_strategy(trainer: "pl.Trainer", who: str) -> CompressedStepping:
+    """``trainer``'s strategy if it is one of this package's (``onebit_adam`` or ``onebit_fsdp``), else a
+    ``ValueError`` naming ``who`` (the callback that needs it) and the fix."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, CompressedStepping):
+        raise ValueError(
+            f"{who} needs the 'onebit_adam' or 'onebit_fsdp' strategy (lightning_onebit.OnebitStrategy, "
+            f"OnebitFSDPStrategy), but the Trainer uses {type(strategy).__name__}. Pass "
+            "Trainer(strategy='onebit_adam') or remove the callback."
+        )
+    return strategy
+
+
+def onebit_optimizer(trainer: "pl.Trainer", who: str) -> CompressedOptimizer:
+    """The compressed optimizer ``trainer``'s strategy drives (:func:`onebit_strategy`); ``RuntimeError`` before
+    the strategy has one."""
+    optimizer = onebit_strategy(trainer, who).onebit_optimizer
+    if optimizer is None:
+        raise RuntimeError(f"{who}: the onebit_adam strategy has no OnebitAdam connected yet")
+    return optimizer

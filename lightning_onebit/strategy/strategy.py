@@ -3,10 +3,8 @@ warmup (1-bit Adam, 1-bit LAMB) or on chosen steps only (0/1 Adam)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -24,7 +22,8 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.topology import Topology, TopologyMode
-from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
+from lightning_onebit.hooks import ExchangeHookState, GradientSyncState, OverlapFallbackReason, OverlapState
+from lightning_onebit.hooks import exchange_hook
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_options, check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
@@ -34,16 +33,14 @@ from lightning_onebit.strategy.clipping import AgreedClippingPrecision, agreed_c
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems, ddp_folder_problem
-from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, decide_overlap, note_bucket_cap, overlap_blocker
 from lightning_onebit.strategy.overlap_policy import overlap_fallback
 from lightning_onebit.strategy.precision import RankSyncedGradScaler
-from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology
+from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology, release_at_exit
 from lightning_onebit.strategy.sidecar import sidecar_path
 from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.stepping import CompressedStepping
-from lightning_onebit.strategy.teardown import _LIVE_STRATEGIES, _register_exit_handler
 
 log = logging.getLogger(__name__)
 
@@ -174,10 +171,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         self.topology_mode = topology
         self.overlap = overlap
-        self.overlap_state: Optional[OverlapState] = None
         self.overlap_fallback_reason: Optional[str] = None
         self.ranks_per_node = ranks_per_node
-        self._groups = OwnedProcessGroups()  # the topology and every process group this strategy made
         self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
         self._save_index = 0
         ddp_kwargs = ddp_kwargs_for(
@@ -196,10 +191,11 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self._sync_predicate = functools.partial(_gradient_allreduce_needed, weakref.ref(self))
-        self.gradient_sync = GradientSyncState(
-            sync_predicate=self._sync_predicate, averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state
-        )
+        # the warmup allreduce (its predicate follows each fit's optimizer, from setup_optimizers on), the one DDP comm
+        # hook's state (holds no reference to the strategy: DDP keeps it alive) and every process group made
+        self.gradient_sync = GradientSyncState(averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state)
+        self._hook = ExchangeHookState(self.gradient_sync)
+        self._groups = OwnedProcessGroups(self.gradient_sync)
         self._onebit_optimizer: Optional[CompressedOptimizer] = None
         self._stage_log = StageLog()
 
@@ -217,8 +213,16 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        _LIVE_STRATEGIES.add(self)
-        _register_exit_handler()
+        release_at_exit(self._groups)
+
+    @property
+    def overlap_state(self) -> Optional[OverlapState]:
+        """The overlapped exchange's hook state this ``fit`` (``None``: the exchange runs in ``optimizer.step``)."""
+        return self._hook.overlap
+
+    @overlap_state.setter
+    def overlap_state(self, state: Optional[OverlapState]) -> None:
+        self._hook.overlap = state
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -258,7 +262,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         # registered before the optimizer exists: it dispatches to the overlapped hook once setup_optimizers made one.
         assert isinstance(self.model, DistributedDataParallel)
         self.gradient_sync.process_group = self.model.process_group
-        self.model.register_comm_hook(_HookState(self), _strategy_comm_hook)
+        self.model.register_comm_hook(self._hook, exchange_hook)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -270,8 +274,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         process_group = self.model.process_group
         self._groups.attach(optimizer, process_group, self.build_topology)
         self.gradient_sync.topology = self.topology
-        # the overlapped hook of an earlier fit pointed the predicate at that fit's optimizer
-        self.gradient_sync.sync_predicate = self._sync_predicate
+        # gradients are averaged when this fit's optimizer asks (a closure over it: it holds no strategy)
+        self.gradient_sync.sync_predicate = lambda: optimizer.needs_gradient_allreduce
         optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
         self._default_auto_freeze_bound(trainer, optimizer)
         fit_schedule_to_run(trainer, optimizer, self.strategy_name, self._run_length)
@@ -343,15 +347,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         """
         self._groups.detach_optimizers()
         self.overlap_state = None
-        self.gradient_sync.topology = None
         self._groups.destroy()
-
-    def _release_ddp_group(self) -> None:
-        """Drop the strategy's and its optimizers' references to DDP's process group (WORLD), at interpreter exit
-        only: once torch has destroyed WORLD too, nothing of ours keeps its gloo backend, and with it its threads,
-        alive into the process's C++ exit. A process that goes on keeps them: a later ``fit`` uses them again."""
-        self._groups.release_ddp_group()
-        self.gradient_sync.process_group = None
 
     def build_topology(self, process_group: Any) -> Topology:
         """Every rank's ``(node_rank, local_rank)`` from the cluster environment, gathered, and the process groups of
