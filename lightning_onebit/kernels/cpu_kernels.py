@@ -161,7 +161,7 @@ def lamb_prepare_(
 
     Returns a float64 ``(len(params), 3)`` CPU tensor: per parameter the largest ratio (NaN if any is), the sum of
     ``u0^2`` and the sum of ``u^2`` (accumulated in float64). The torch ops of
-    :func:`~lightning_onebit.optim.lamb_math.compressed_lamb_update_` compute the same quantities; the norms differ in
+    :func:`~lightning_onebit.optim.functional.compressed_lamb_update_` compute the same quantities; the norms differ in
     their summation order, so the two can differ in the last bits (every rank runs the same backend, so replicas stay
     identical)."""
     prepare = _lib().onebit_lamb_prepare

@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 
 from lightning_onebit._docs import docs_pointer
+from lightning_onebit.optim.functional import mask_like
 
 #: What the Adam-family optimizers do with dead coordinates at the first compressed step (``dead_coordinates``).
 DeadCoordinates = Literal["mask", "warn", "ignore"]
@@ -85,14 +86,6 @@ def normalise_masks(mask: Any, group: dict[str, Any], group_index: int) -> list[
             f"exp_avg_mask {where} must be a tensor, a list of tensors/None, or None; got {type(mask).__name__}"
         )
     return [None if m is None else check_exp_avg_mask(m, p, what) for m, p, what in zip(masks, params, names)]
-
-
-def mask_like(masks: list[Optional[torch.Tensor]], index: int, like: torch.Tensor) -> torch.Tensor:
-    """The mask on ``like``'s device and dtype, converted once and cached in the group's mask list."""
-    mask = masks[index]
-    if mask.device != like.device or mask.dtype != like.dtype:
-        mask = masks[index] = mask.to(device=like.device, dtype=like.dtype)
-    return mask
 
 
 def apply_momentum_masks_(

@@ -1,5 +1,5 @@
 """1-bit LAMB (arXiv 2104.06069) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``; its per-tensor math
-is :mod:`~lightning_onebit.optim.lamb_math`'s."""
+is :mod:`~lightning_onebit.optim.functional`'s."""
 
 from __future__ import annotations
 
@@ -16,20 +16,57 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
-from lightning_onebit.optim.functional import adam_step_bound, bias_corrections
-from lightning_onebit.optim.lamb_math import (
-    _SCALAR_STATE,
-    _as_scalar,
-    _chunks,
-    _clipped_ratios,
-    _scalar,
-    _scaling_coefficients,
-    _squared_norms,
-    _trust_ratios,
+from lightning_onebit.optim.functional import (
+    adam_step_bound,
+    bias_corrections,
     compressed_lamb_update_,
+    fold_gradients_,
+    lamb_update_,
+    mask_like,
+    scaling_coefficients,
+    squared_norms,
+    update_variances_,
 )
-from lightning_onebit.optim.masks import DeadCoordinates, mask_like
+from lightning_onebit.optim.masks import DeadCoordinates
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
+
+# per-parameter state held as 0-dim float64 tensors on the parameter's device
+_SCALAR_STATE = ("lamb_coeff", "lamb_last_factor", "lamb_scaling_coeff")
+# the warmup's multi-tensor ops run over at most this many elements at a time (their temporaries: u, denominators)
+_CHUNK_NUMEL = 2**24
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 tensor on ``device``, filled there (no host-to-device copy)."""
+    return torch.full((), value, dtype=torch.float64, device=device)
+
+
+def _as_scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A loaded coefficient (a Python number from an older checkpoint, or a tensor) as a 0-dim float64 tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(()).clone()
+    return _scalar(float(value), device)
+
+
+def _chunks(params: Sequence[torch.Tensor], limit: Optional[int] = _CHUNK_NUMEL) -> list[list[int]]:
+    """Indices into ``params``, by device, in runs of at most ``limit`` elements (a larger tensor alone; ``None``:
+    one run per device)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
+    out = []
+    for indices in by_device.values():
+        chunk, size = [], 0
+        for i in indices:
+            n = params[i].numel()
+            if chunk and limit is not None and size + n > limit:
+                out.append(chunk)
+                chunk, size = [], 0
+            chunk.append(i)
+            size += n
+        if chunk:
+            out.append(chunk)
+    return out
 
 
 class OnebitLamb(CompressedOptimizer):
@@ -248,44 +285,18 @@ class OnebitLamb(CompressedOptimizer):
                 indices.append(i)
             # Under sharding a group is one run (per device), so that its figures travel in one collective: this keeps
             # one u per local shard of the group alive at once, which the shards (1/L of the model) bound.
+            reduce = self.shards.reduce_tensor_figures if sharded else None
             for chunk in (_chunks(params, limit=None) if sharded else _chunks(params)):
                 ps = [params[k] for k in chunk]
                 states = [self.state[p] for p in ps]
                 ms, vs, gs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [p.grad for p in ps]
-                torch._foreach_lerp_(ms, gs, 1 - b1)
+                fold_gradients_(ms, gs, b1)
                 if compression_stage:
                     for m, k in zip(ms, chunk):
                         if masks[indices[k]] is not None:
                             m.mul_(mask_like(masks, indices[k], m))
-                torch._foreach_mul_(vs, b2)
-                torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
-                # u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p)
-                us = torch._foreach_div(ms, bc1)
-                denominators = torch._foreach_div(vs, bc2)
-                kernels.foreach_sqrt_(denominators)
-                torch._foreach_add_(denominators, group["eps"])
-                torch._foreach_div_(us, denominators)
-                del denominators
-                if group["weight_decay"]:
-                    torch._foreach_add_(us, ps, alpha=group["weight_decay"])
-                if sharded:
-                    local = torch.stack([_squared_norms(ps), _squared_norms(us)], 1)
-                    _, squares = self.shards.reduce_tensor_figures(ps, None, local)
-                    assert squares is not None
-                    norms = kernels.sqrt_into(squares, torch.empty_like(squares))
-                    ratios = _clipped_ratios(norms[:, 0], norms[:, 1], group["min_coeff"], group["max_coeff"])
-                else:
-                    ratios = _trust_ratios(ps, us, group["min_coeff"], group["max_coeff"])
-                coeffs = [s["lamb_coeff"] for s in states]
-                beta, coeff = group["coeff_beta"], torch.stack(coeffs)
-                # the EMA skips tensors whose ratio is 1 (a zero norm)
-                torch._foreach_copy_(coeffs, torch.where(ratios != 1.0, beta * coeff + (1 - beta) * ratios, coeff)
-                                     .unbind(0))
-                # p = p - lr r u, the step size a device tensor: addcmul, where the per-tensor version called
-                # p.add_(u, alpha=-lr * r). The same bits in float32 (tested); with bf16/fp16 parameters addcmul
-                # rounds the step size to the parameters' dtype before multiplying (add_ kept it in float32), so
-                # they can differ in the last bit.
-                torch._foreach_addcmul_(ps, us, (ratios * -group["lr"]).unbind(0))
+                update_variances_(vs, gs, b2)
+                lamb_update_(group, ps, ms, vs, [s["lamb_coeff"] for s in states], (bc1, bc2), reduce)
 
     def _on_freeze(self) -> None:
         self._remember_momenta()  # the first compressed step reconstructs the gradient from them
@@ -311,7 +322,7 @@ class OnebitLamb(CompressedOptimizer):
     def _compressed_step(self) -> None:
         self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, LAMB
         if not self._exchange_scale:
-            self._set_scaling_coefficients()
+            self._setscaling_coefficients()
         self._remember_momenta(missing_only=True)  # a group that became compressed on resume
         self._average_momenta_()
         t, t_v = self._step, self.freeze_step
@@ -361,7 +372,7 @@ class OnebitLamb(CompressedOptimizer):
         if copies:
             torch._foreach_copy_(copies, sources)
 
-    def _set_scaling_coefficients(self) -> None:
+    def _setscaling_coefficients(self) -> None:
         """Per compressed tensor ``mean_over_tensors(rms) / rms`` from the momenta at the end of warmup
         (rank-identical: warmup averaged the gradients); 1 for an all-zero momentum. Kept in the state (0-dim float64
         tensors), so a resume keeps them; a tensor without one (its group switched to ``compress=True`` on resume)
@@ -390,7 +401,7 @@ class OnebitLamb(CompressedOptimizer):
                     else _scalar(0.0, home)
                     for p in trainable
                 ])
-            coeffs = _scaling_coefficients(rms)
+            coeffs = scaling_coefficients(rms)
             index = {id(p): i for i, p in enumerate(trainable)}
             for p in missing:
                 self.state[p]["lamb_scaling_coeff"] = coeffs[index[id(p)]].to(p.device).clone()
@@ -400,7 +411,7 @@ class OnebitLamb(CompressedOptimizer):
                    ) -> torch.Tensor:
         """Sharded parameters: ``||m|| / sqrt(numel)`` of each whole tensor (0 without a momentum), a float64 vector
         on ``home``: the local shards' squared norms added over the shard group, the whole tensor's ``numel``."""
-        squares = dict(zip(map(id, with_m), _squared_norms([self.state[p]["exp_avg"] for p in with_m]).to(home)
+        squares = dict(zip(map(id, with_m), squared_norms([self.state[p]["exp_avg"] for p in with_m]).to(home)
                            if with_m else ()))
         local = torch.stack([squares[id(p)] if id(p) in squares else _scalar(0.0, home) for p in trainable])
         _, total = self.shards.reduce_tensor_figures(trainable, None, local)

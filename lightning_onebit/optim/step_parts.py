@@ -15,11 +15,10 @@ from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.optim.buckets import BucketSource, MomentumBucket, MomentumBuckets
 from lightning_onebit.optim.error_feedback import feedback_key
 from lightning_onebit.optim.exchange import MomentumExchange
-from lightning_onebit.optim.functional import adamw_step_
+from lightning_onebit.optim.functional import adamw_step_, mask_like
 from lightning_onebit.optim.groups import compressed_trainable
 from lightning_onebit.optim.masks import (
     apply_momentum_masks_,
-    mask_like,
     warn_zero_variance,
     zero_variance_coordinates,
 )

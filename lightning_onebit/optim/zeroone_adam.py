@@ -18,7 +18,7 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.functional import adam_update_, fold_gradients_, update_variances_
 from lightning_onebit.optim.groups import compressed_trainable
-from lightning_onebit.optim.masks import mask_like
+from lightning_onebit.optim.functional import mask_like
 from lightning_onebit.optim.phase import resumed_at
 from lightning_onebit.optim.step_kind import StepKind
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
