@@ -170,6 +170,34 @@ def adamw_step_(group: dict[str, Any], params: list[torch.Tensor], grads: list[t
     adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t)
 
 
+def sync_update_(group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor],
+                 exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], synced: list[torch.Tensor],
+                 lr_sum: float, decay: float, t: int, t_v: int, backend: Backend) -> None:
+    """The sync of local steps (0/1 Adam), from the averaged sum of the momentum steps ``W`` (``updates``), the
+    learning rates summed since the last sync and the product of the weight-decay factors ``decay``::
+
+        m = W bc1 / lr_sum;  p = p_sync decay - W / (sqrt(v / bc2) + eps);  p_sync = p
+
+    (``lr_sum = 0``: ``m = W``, the averaged momenta, and ``p = p_sync``). Only rank-identical values go in, so the
+    replicas are identical after it. ``t_v``: the updates the variance received (its bias correction)."""
+    torch._foreach_copy_(exp_avgs, updates)
+    if lr_sum == 0:
+        torch._foreach_copy_(params, synced)
+        return
+    torch._foreach_mul_(exp_avgs, bias_corrections(group, t, t)[0] / lr_sum)
+    bc2_sqrt, eps = math.sqrt(bias_corrections(group, t, t_v)[1]), group["eps"]
+    if kernels.uses_native_update((params, exp_avgs, exp_avg_sqs), backend):
+        # the C kernel's local steps keep no cached denominator: a temporary per tensor, as they need none
+        denominators = [kernels.sqrt_into(v, torch.empty_like(v)).div_(bc2_sqrt).add_(eps) for v in exp_avg_sqs]
+    else:  # the torch path's local steps cached them (the frozen variance's): the same bits, no pass
+        denominators = kernels.frozen_adam_denominators(exp_avg_sqs, bc2_sqrt, eps)
+    torch._foreach_copy_(params, synced)
+    if decay != 1.0:
+        torch._foreach_mul_(params, decay)
+    torch._foreach_addcdiv_(params, updates, denominators, value=-1.0)
+    torch._foreach_copy_(synced, params)
+
+
 def _step_tensors(params: Sequence[torch.Tensor], value: int) -> list[torch.Tensor]:
     """One float32 step tensor per parameter, holding ``value``, on that parameter's device.
 

@@ -5,7 +5,8 @@ A momentum mask (param-group option ``exp_avg_mask``, DeepSpeed's semantics) hol
 gradient stayed exactly zero in every warmup step: their variance is zero, and 1-bit compression cannot send zero, so
 from the first compressed step they would receive ``+-scale`` momentum and their updates would explode unmasked.
 :func:`zero_variance_coordinates` finds them from the frozen variance (``v == 0``) at the first compressed step, and
-the optimizer keeps them at rest by default (``dead_coordinates="mask"``, :func:`apply_momentum_masks_`).
+the optimizer keeps them at rest by default (``dead_coordinates="mask"``,
+:func:`~lightning_onebit.optim.functional.mask_`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.optim.functional import mask_like
 
 #: What the Adam-family optimizers do with dead coordinates at the first compressed step (``dead_coordinates``).
 DeadCoordinates = Literal["mask", "warn", "ignore"]
@@ -86,29 +86,6 @@ def normalise_masks(mask: Any, group: dict[str, Any], group_index: int) -> list[
             f"exp_avg_mask {where} must be a tensor, a list of tensors/None, or None; got {type(mask).__name__}"
         )
     return [None if m is None else check_exp_avg_mask(m, p, what) for m, p, what in zip(masks, params, names)]
-
-
-def apply_momentum_masks_(
-    groups: Sequence[dict[str, Any]], state: Any, zero_variance: Optional[dict[int, torch.Tensor]] = None
-) -> None:
-    """Multiply the (averaged) momentum ``state[p]["exp_avg"]`` of every trainable parameter of the compressed param
-    groups by its mask, where it has one, and zero it where ``zero_variance`` (``{id(param): bool tensor}``, from
-    :func:`zero_variance_coordinates`) says the coordinate is dead. ``compress=False`` groups are masked in their own
-    update, after their gradient is folded in."""
-    zero_variance = zero_variance or {}
-    for group in groups:
-        if not group["compress"]:
-            continue
-        masks = group["exp_avg_mask"]
-        for i, p in enumerate(group["params"]):
-            if not p.requires_grad:
-                continue
-            if masks[i] is not None:
-                m = state[p]["exp_avg"]
-                m.mul_(mask_like(masks, i, m))
-            dead = zero_variance.get(id(p))
-            if dead is not None:
-                state[p]["exp_avg"].masked_fill_(dead, 0)
 
 
 def set_exp_avg_mask(

@@ -11,7 +11,8 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
-from lightning_onebit.optim.functional import adam_step_bound, adam_update_
+from lightning_onebit.optim.buckets import compressed_trainable
+from lightning_onebit.optim.functional import adam_step_bound, adam_update_, fold_gradients_, mask_
 from lightning_onebit.optim.masks import DeadCoordinates
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
 
@@ -217,10 +218,17 @@ class OnebitAdam(CompressedOptimizer):
         self._adamw_step_(self._step, groups, compression_stage=True)
 
     def _compressed_step(self) -> None:
-        self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, AdamW
-        self._average_momenta_()
+        self._step_uncompressed_groups_()  # compress=False groups: gradients averaged in full precision, AdamW
+        exchange = self._begin_exchange()  # the buckets; those the overlap hook folded and started during backward
+        for group in self.param_groups:  # fold: m = b1 m + (1 - b1) g, with this rank's gradient
+            params = exchange.unfolded(group)
+            fold_gradients_([self.state[p]["exp_avg"] for p in params], [p.grad for p in params], group["betas"][0])
+        exchange.finish_(self.state)  # exchange: m = the 1-bit compressed average of every rank's m
+        for group in self.param_groups:  # mask: exp_avg_mask, and the dead coordinates kept at rest
+            params = compressed_trainable(group)
+            mask_(group, params, [self.state[p]["exp_avg"] for p in params], self._zero_variance)
         t, t_v = self._step, self.freeze_step
-        for group in self.param_groups:
+        for group in self.param_groups:  # update, with the variance frozen at the end of warmup
             params = self._updated_params(group)
             if params:
                 exp_avgs = [self.state[p]["exp_avg"] for p in params]

@@ -15,6 +15,7 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
+from lightning_onebit.optim.buckets import compressed_trainable
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
 from lightning_onebit.optim.functional import (
     adam_step_bound,
@@ -22,6 +23,7 @@ from lightning_onebit.optim.functional import (
     compressed_lamb_update_,
     fold_gradients_,
     lamb_update_,
+    mask_,
     mask_like,
     scaling_coefficients,
     squared_norms,
@@ -320,13 +322,21 @@ class OnebitLamb(CompressedOptimizer):
 
     # ------------------------------------------------------------------ compression stage
     def _compressed_step(self) -> None:
-        self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, LAMB
+        self._step_uncompressed_groups_()  # compress=False groups: gradients averaged in full precision, LAMB
         if not self._exchange_scale:
-            self._setscaling_coefficients()
+            self._set_scaling_coefficients()
         self._remember_momenta(missing_only=True)  # a group that became compressed on resume
-        self._average_momenta_()
+        exchange = self._begin_exchange()  # the buckets; those the overlap hook folded and started during backward
+        for group in self.param_groups:  # fold: m = b1 m + (1 - b1) g, with this rank's gradient
+            params = exchange.unfolded(group)
+            fold_gradients_([self.state[p]["exp_avg"] for p in params], [p.grad for p in params], group["betas"][0])
+        # exchange: m = the 1-bit compressed average of every rank's m, each tensor scaled by its coefficient for it
+        exchange.finish_(self.state, self._exchange_scale)
+        for group in self.param_groups:  # mask: exp_avg_mask, and the dead coordinates kept at rest
+            params = compressed_trainable(group)
+            mask_(group, params, [self.state[p]["exp_avg"] for p in params], self._zero_variance)
         t, t_v = self._step, self.freeze_step
-        for group in self.param_groups:
+        for group in self.param_groups:  # update: LAMB with the frozen variance, the fresh one and the trust ratio
             params = self._updated_params(group)
             for chunk in _chunks(params, limit=None):
                 self._compressed_update_(group, [params[k] for k in chunk], t, t_v)
@@ -372,7 +382,7 @@ class OnebitLamb(CompressedOptimizer):
         if copies:
             torch._foreach_copy_(copies, sources)
 
-    def _setscaling_coefficients(self) -> None:
+    def _set_scaling_coefficients(self) -> None:
         """Per compressed tensor ``mean_over_tensors(rms) / rms`` from the momenta at the end of warmup
         (rank-identical: warmup averaged the gradients); 1 for an all-zero momentum. Kept in the state (0-dim float64
         tensors), so a resume keeps them; a tensor without one (its group switched to ``compress=True`` on resume)
@@ -428,10 +438,11 @@ class OnebitLamb(CompressedOptimizer):
         from tensors or from the Python floats that checkpoints written before they were tensors hold (torch's own
         loading would cast a tensor to the parameter's dtype and lose their bits). Another algorithm's state
         (OnebitAdam, ZeroOneAdam, a torch optimizer's) raises ``ValueError`` naming it, before anything is loaded."""
-        state_dict = self._check_state_writer(state_dict)  # before the coefficients are taken out (they identify it)
+        # before the coefficients are taken out (they identify the state's writer)
+        state_dict = self.checkpoint.readable(state_dict, warn=self.compression.rank() == 0)
         meta = state_dict.get(CHECKPOINT_KEY)
-        if isinstance(meta, dict):
-            state_dict[CHECKPOINT_KEY] = dict(meta, optimizer=self._state_family())  # checked: the base need not infer it
+        if isinstance(meta, dict):  # checked: the base need not infer it
+            state_dict[CHECKPOINT_KEY] = dict(meta, optimizer=self.checkpoint.family)
         scalars: dict[Any, dict[str, Any]] = {}
         saved_state = {}
         for key, entry in (state_dict.get("state") or {}).items():
@@ -456,7 +467,7 @@ class OnebitLamb(CompressedOptimizer):
         self._exchange_scale = self._loaded_exchange_scale()
 
     def _compressed_trainable(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
+        return [p for group in self.param_groups for p in compressed_trainable(group)]
 
     def _loaded_exchange_scale(self) -> dict[int, torch.Tensor]:
         """The exchange's factors from the loaded ``lamb_scaling_coeff`` s, if every compressed trainable tensor has

@@ -44,13 +44,14 @@ class ShardedParams:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (stand-in, DTensor)
+        #: ``(stand-in, DTensor)`` per sharded parameter (empty when none is sharded).
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id(stand-in) -> DTensor
         self._stand_in_of: dict[int, torch.Tensor] = {}  # id(DTensor) -> stand-in
         self.mesh: Optional[Any] = None  # the one mesh the parameters are sharded over
 
     def __bool__(self) -> bool:
-        return bool(self._pairs)
+        return bool(self.pairs)
 
     @property
     def shard_group(self) -> Optional[dist.ProcessGroup]:
@@ -72,7 +73,7 @@ class ShardedParams:
                 with torch.no_grad():
                     stand_in = p.to_local().detach()
                 stand_in.requires_grad_(p.requires_grad)
-                self._pairs.append((stand_in, p))
+                self.pairs.append((stand_in, p))
                 self._dtensor_of[id(stand_in)] = p
                 self._stand_in_of[id(p)] = stand_in
             out.append(stand_in)
@@ -124,7 +125,7 @@ class ShardedParams:
         """Before a step: each stand-in's ``.grad`` becomes its ``DTensor``'s gradient's local shard (or ``None``), and
         its ``requires_grad`` follows the ``DTensor``'s (a model may freeze and unfreeze parameters). No copy, no
         host synchronisation. Re-aliases a stand-in whose ``DTensor`` moved its local shard to other storage."""
-        for stand_in, p in self._pairs:
+        for stand_in, p in self.pairs:
             with torch.no_grad():
                 local = p.to_local()
                 if local.data_ptr() != stand_in.data_ptr() or local.shape != stand_in.shape:
@@ -138,13 +139,13 @@ class ShardedParams:
         """Each stand-in's ``requires_grad`` becomes its ``DTensor``'s (what :meth:`bind_gradients_` also does), for
         code that reads which parameters train before the step: the overlapped exchange, at the start of a backward
         pass. No communication."""
-        for stand_in, p in self._pairs:
+        for stand_in, p in self.pairs:
             if stand_in.requires_grad != p.requires_grad:
                 stand_in.requires_grad_(p.requires_grad)
 
     def clear_gradients_(self, set_to_none: bool) -> None:
         """``zero_grad`` for the ``DTensor`` gradients (the stand-ins' are cleared by the optimizer itself)."""
-        for _, p in self._pairs:
+        for _, p in self.pairs:
             if p.grad is None:
                 continue
             if set_to_none:
@@ -212,7 +213,7 @@ class ShardedParams:
         """Raise ``ValueError`` (before any collective) unless ``group``, which the momenta are averaged over, holds
         this rank and no other rank of its shard group: it must pair this rank with the ranks that hold the same
         shard (the replicate dimension of the mesh)."""
-        if not self._pairs or not (dist.is_available() and dist.is_initialized()):
+        if not self.pairs or not (dist.is_available() and dist.is_initialized()):
             return
         shard_ranks = set(dist.get_process_group_ranks(self.shard_group))
         exchange_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lightning_onebit.comm as comm
 import lightning_onebit.comm.exchange as comm_exchange
 import lightning_onebit.optim.base as optim_base
-import lightning_onebit.optim.exchange as optim_exchange
+import lightning_onebit.optim.buckets as optim_exchange
 import lightning_onebit.optim.functional as functional_module
 from lightning_onebit import OnebitAdam, OnebitLamb, Topology, ZeroOneAdam
 from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
