@@ -50,11 +50,6 @@ def checked_plan(buckets: Optional[Sequence[Sequence[torch.Tensor]]], trainable_
     return plan
 
 
-def plan_ids(plan: Plan) -> Any:
-    """``plan`` by parameter identity (what :class:`~lightning_onebit.optim.buckets.MomentumBuckets` compares)."""
-    return None if plan is None else [(k, [id(p) for p in ps]) for k, ps in plan]
-
-
 class MomentumBucket:
     """A flat, zero-padded momentum buffer; the momenta of its parameters are views into it.
 
@@ -87,6 +82,24 @@ class MomentumBucket:
                 state[p][name] = view
                 offset += p.numel()
         return flat
+
+
+    def filled(self, name: str, tensors: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A flat buffer laid out like this bucket's momenta (kept in :attr:`extra` under ``name``, made once) holding
+        ``tensors`` (one per parameter; ``None``: zeros), and its view for each parameter, in order."""
+        flat = self.extra.get(name)
+        if flat is None:
+            flat = self.extra[name] = torch.zeros_like(self.flat)
+        views, offset = [], 0
+        for p, tensor in zip(self.params, tensors):
+            view = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if tensor is None:
+                view.zero_()
+            else:
+                view.copy_(tensor)
+            views.append(view)
+        return flat, views
 
 
 def pack(trainable: Sequence[torch.Tensor], momentum: Callable[[torch.Tensor], torch.Tensor], plan: Plan,

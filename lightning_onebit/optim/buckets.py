@@ -1,17 +1,10 @@
-"""The momentum buckets and their exchange: the two parts of a compressed optimizer that every compressed step runs.
-
-* :class:`MomentumBuckets` (the bucket state): which compressed momenta share a bucket (packed by ``bucket_cap_mb``,
-  or as a *plan* says: the overlap hook passes DDP's gradient buckets), the buckets built for it, and when they must
-  be built again (:meth:`MomentumBuckets.ensure`: at the first compressed step, and when the plan, the world size or
-  the trainable parameters change, carrying the error feedback over; laying them out is
-  :mod:`~lightning_onebit.optim.bucket_layout`'s, carrying the error feedback :mod:`~lightning_onebit.optim.error_feedback`'s).
-* :class:`MomentumExchange` (the exchange): a bucket's compressed exchange started during backward, on a side stream
-  on CUDA (:meth:`~MomentumExchange.start_bucket_`, the overlap hook's side), the exchanges in flight advanced at
-  points every rank reaches in the same order, and the step's part (:meth:`~MomentumExchange.begin_step`: which
-  momenta the step folds itself, then every exchange finished), timed as ``hook_s`` and ``exposed_s``.
-
-Nothing here steps an optimizer: the optimizer hands in a :class:`BucketSource` (its param groups and per-parameter
-state, where the momenta live) and folds and updates with :mod:`~lightning_onebit.optim.functional`.
+"""The momentum buckets and their exchange, the two parts of a compressed optimizer every compressed step runs:
+:class:`MomentumBuckets` (the bucket state: which compressed momenta share a bucket, the buckets built for it, and
+when they must be built again; laying them out is :mod:`~lightning_onebit.optim.bucket_layout`'s, carrying their error
+feedback over :mod:`~lightning_onebit.optim.error_feedback`'s) and :class:`MomentumExchange` (the exchange: started
+during backward by the overlap hook, or in the step, :meth:`~MomentumExchange.begin_step`). Nothing here steps an
+optimizer: the optimizer hands in a :class:`BucketSource` and folds and updates with
+:mod:`~lightning_onebit.optim.functional`.
 """
 
 from __future__ import annotations
@@ -38,14 +31,14 @@ from lightning_onebit.optim.bucket_layout import (
     checked_plan,
     layouts_of,
     pack,
-    plan_ids,
     same_plan,
 )
 from lightning_onebit.optim.error_feedback import carry_error_feedback_, feedback_key, relayout_, stream_of
 from lightning_onebit.optim.functional import fold_gradients_
 from lightning_onebit.streams import stream_ops
 
-# laid out and keyed in bucket_layout and error_feedback; imported here too, where callers import them from
+# (MomentumBucket, Plan, checked_plan, same_plan, carry_error_feedback_, feedback_key and stream_of are defined in
+# bucket_layout and error_feedback, and imported here too, where callers import them from)
 __all__ = ["BucketSource", "MomentumBucket", "MomentumBuckets", "MomentumExchange", "Plan", "StepExchange",
            "carry_error_feedback_", "checked_plan", "compressed_trainable", "feedback_key", "same_plan", "stream_of",
            "trainable"]
@@ -113,7 +106,8 @@ class MomentumBuckets:
 
     def inputs(self, trainable: Sequence[torch.Tensor], world_size: int) -> Any:
         """What buckets over ``trainable`` and ``world_size`` are built from (host-only: no device access)."""
-        return plan_ids(self.plan), world_size, [id(p) for p in trainable]
+        plan = None if self.plan is None else [(key, [id(p) for p in params]) for key, params in self.plan]
+        return plan, world_size, [id(p) for p in trainable]
 
     def fits(self, built_for: Any) -> bool:
         """Whether the built buckets are the ones for ``built_for`` (:meth:`inputs`)."""

@@ -191,6 +191,38 @@ def plan_from_indices(saved: Any, params: Sequence[torch.Tensor], name: str) -> 
         return None
 
 
+def take_scalar_state_(state_dict: dict[str, Any], names: Sequence[str]) -> dict[Any, dict[str, Any]]:
+    """Take the per-parameter entries ``names`` (0-dim float64 tensors, or the Python floats older checkpoints hold)
+    out of ``state_dict["state"]`` (a copy of it replaces it: the caller's is left alone), by saved parameter id, so
+    that torch's loading does not cast them to the parameters' dtype (:func:`restore_scalar_state_` puts them back)."""
+    scalars: dict[Any, dict[str, Any]] = {}
+    saved_state = {}
+    for key, entry in (state_dict.get("state") or {}).items():
+        if isinstance(entry, dict) and any(name in entry for name in names):
+            entry = dict(entry)
+            scalars[key] = {name: entry.pop(name) for name in names if name in entry}
+        saved_state[key] = entry
+    state_dict["state"] = saved_state
+    return scalars
+
+
+def restore_scalar_state_(state: Any, scalars: dict[Any, dict[str, Any]], saved_groups: Sequence[dict[str, Any]],
+                          groups: Sequence[dict[str, Any]]) -> None:
+    """Put :func:`take_scalar_state_`'s entries back into the loaded ``state``, as 0-dim float64 tensors on each
+    parameter's device (``saved_groups``: the state dict's param groups, which name the saved ids in order)."""
+    saved_ids = [i for group in saved_groups for i in group["params"]]
+    by_id = dict(zip(saved_ids, [p for group in groups for p in group["params"]]))
+    for key, values in scalars.items():
+        p = by_id.get(key)
+        if p is None:
+            continue
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                state[p][name] = value.detach().to(device=p.device, dtype=torch.float64).reshape(()).clone()
+            else:  # a Python number: filled on the device (no host-to-device copy)
+                state[p][name] = torch.full((), float(value), dtype=torch.float64, device=p.device)
+
+
 class CheckpointWriter:
     """The checkpoint part of a compressed optimizer: what its ``state_dict()`` holds beyond torch's
     (:data:`CHECKPOINT_KEY`, :func:`onebit_state_dict`), which states it reads (:func:`continuable_state_dict`), and
@@ -217,11 +249,22 @@ class CheckpointWriter:
         when another algorithm wrote it that this one cannot continue from (:func:`continuable_state_dict`)."""
         return continuable_state_dict(state_dict, self.family, self.owner, self.continues_of, warn)
 
-    def plan(self, meta: Optional[dict[str, Any]], params: Sequence[torch.Tensor]) -> Plan:
-        """The bucket plan ``meta`` (a loaded :data:`CHECKPOINT_KEY`) records, over ``params`` (``None``: none, or it
-        does not fit the model)."""
+    def restore_(self, meta: Optional[dict[str, Any]], groups: Sequence[dict[str, Any]],
+                 code_groups: Sequence[dict[str, Any]], state: Any, freeze_step: Optional[int],
+                 detector: Optional[FreezeDetector]) -> tuple[int, Optional[int], Plan]:
+        """After torch loaded a state dict into ``groups`` and ``state`` (``meta``: its :data:`CHECKPOINT_KEY`, popped
+        first): the options the code's groups ``code_groups`` keep (:func:`keep_code_options_`), AdamW's per-parameter
+        step dropped, and ``(step, freeze step, bucket plan)`` to go on with (:func:`loaded_step`,
+        :func:`restored_freeze_step` with the code's ``freeze_step`` and ``detector``, :func:`plan_from_indices`)."""
+        keep_code_options_(groups, code_groups)
+        step = loaded_step(meta, state)
+        if meta is not None:
+            freeze_step = restored_freeze_step(meta, step, freeze_step, detector, self.owner)
+        for entry in state.values():
+            entry.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
         saved = meta.get("bucket_plan") if meta is not None else None
-        return plan_from_indices(saved, params, self.owner) if saved else None
+        params = [p for group in groups for p in group["params"]]
+        return step, freeze_step, plan_from_indices(saved, params, self.owner) if saved else None
 
     def shape_mismatch(self, groups: Sequence[dict[str, Any]], state: Any) -> Optional[str]:
         """The first parameter whose state holds a tensor of another shape than the parameter's (a checkpoint of a

@@ -1,6 +1,6 @@
-"""The optimizer's side of ``freeze_step="auto"``: the options checked at construction and the variance readings the
-optimizer hands its :class:`~lightning_onebit.optim.auto_freeze.FreezeDetector` (the freeze-detector part, which
-also records the training losses) after each warmup step. The rule that decides the freeze step is
+"""The optimizer's side of ``freeze_step="auto"``: the options checked at construction, the freeze-detector part
+(:class:`FreezeControl`, which makes and feeds the :class:`~lightning_onebit.optim.auto_freeze.FreezeDetector`) and the
+variance readings it takes after each warmup step. The rule that decides the freeze step is
 :mod:`~lightning_onebit.optim.auto_freeze`'s.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,35 @@ def check_freeze_options(
     return auto_freeze
 
 
+class FreezeControl:
+    """The freeze-detector part of a compressed optimizer under ``freeze_step="auto"``: its settings (``config``,
+    ``None`` with an integer ``freeze_step``), its :class:`~lightning_onebit.optim.auto_freeze.FreezeDetector` (made at
+    first use: its default window follows the first param group's ``beta2``) and whether ``step(closure)`` records the
+    closure's loss (:attr:`observe_closure_loss`, off where the caller records every loss itself)."""
+
+    def __init__(self, config: Optional[AutoFreeze], owner: str) -> None:
+        self.config, self.owner = config, owner
+        self.detector: Optional[FreezeDetector] = None
+        self.observe_closure_loss = True
+
+    def ensure(self, beta2: float) -> FreezeDetector:
+        """The detector, made now if it is not yet."""
+        if self.detector is None:
+            assert self.config is not None
+            self.detector = FreezeDetector(self.config, beta2, self.owner)
+        return self.detector
+
+    def after_warmup_step(self, t: int, beta2: float, read: Callable[[], VarianceReading], rank: int) -> Optional[int]:
+        """Measure after warmup step ``t`` (``read()`` at check steps only; a collective from the first full window on:
+        every rank calls it at the same steps); returns ``t`` when the warmup ends with it, said on rank 0."""
+        detector = self.ensure(beta2)
+        decided = detector.observe(t, read)
+        if decided is not None and rank == 0:
+            log.info("%s: freeze_step='auto' decided %d (%s); the compression stage starts at step %d", self.owner,
+                     decided, detector.describe(), decided + 1)
+        return decided
+
+
 def variance_reading(groups: Sequence[dict[str, Any]], state: Any, step: int, extra: Optional[torch.Tensor],
                      process_group: Optional[dist.ProcessGroup], steps_capped: bool) -> VarianceReading:
     """What the freeze detector measures after warmup step ``step``: ``(numel, v, correction, beta2)`` for every
@@ -64,7 +93,13 @@ def variance_reading(groups: Sequence[dict[str, Any]], state: Any, step: int, ex
     return VarianceReading(variances, extra, device, process_group, steps_capped)
 
 
-def log_decision(owner: str, detector: FreezeDetector, decided: int) -> None:
-    """Say (on the calling rank) that ``freeze_step="auto"`` decided ``decided`` for the optimizer ``owner``."""
-    log.info("%s: freeze_step='auto' decided %d (%s); the compression stage starts at step %d", owner, decided,
-             detector.describe(), decided + 1)
+def state_figures(groups: Sequence[dict[str, Any]], state: Any, name: str) -> torch.Tensor:
+    """A per-tensor figure that must settle before an automatic freeze (``_settling_figures``), from the 0-dim state
+    entry ``name`` of every trainable parameter of the compressed groups (0 where it has none yet): one float64 tensor
+    on the first parameter's device, which the detector reads with its other figures, once per check."""
+    params = [p for group in groups for p in trainable(group) if group["compress"]]
+    if not params:
+        return torch.zeros(0, dtype=torch.float64)
+    home = params[0].device
+    return torch.stack([state[p][name].to(home) if name in state[p]
+                        else torch.full((), 0.0, dtype=torch.float64, device=home) for p in params])

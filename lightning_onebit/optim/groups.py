@@ -4,6 +4,7 @@ average of the groups kept out of compression (``compress=False``)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Sequence, Union, get_args
 
 import torch
@@ -41,6 +42,28 @@ def check_optimizer_options(owner: str, freeze_step: Union[int, str], auto_freez
         )
     kernels.effective_backend(kernel_backend)  # raises on an unknown name
     return auto_freeze
+
+
+def check_exchange(exchange: Any, compress: Any) -> str:
+    """0/1 Adam's ``exchange`` (``"momentum"`` or ``"gradient"``), given as itself or by its former name ``compress``
+    (deprecated: it is also the name of the param-group option that keeps a group out of compression), which warns
+    with a ``FutureWarning`` at the caller of ``ZeroOneAdam(...)``; a ``ValueError`` for anything else or both."""
+    if compress is not None:
+        if exchange != "momentum" and compress != exchange:
+            raise ValueError(
+                f"ZeroOneAdam got exchange={exchange!r} and compress={compress!r}: compress is the former name of "
+                "exchange; pass exchange only"
+            )
+        warnings.warn(
+            f"ZeroOneAdam(compress={compress!r}) is deprecated: pass exchange={compress!r} (compress is also the "
+            "name of the param-group option that keeps a group out of compression)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        exchange = compress
+    if exchange not in ("momentum", "gradient"):
+        raise ValueError(f"exchange must be 'momentum' or 'gradient', got {exchange!r}")
+    return exchange
 
 
 def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:

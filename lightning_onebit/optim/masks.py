@@ -140,12 +140,47 @@ def zero_variance_coordinates(
     return masks, report
 
 
+class DeadCoordinateMasks:
+    """The masks part of a compressed optimizer: its ``dead_coordinates`` policy (``"mask"``, ``"warn"`` or
+    ``"ignore"``), the dead coordinates it keeps at rest (:attr:`kept`: ``{id(param): v == 0}``, found at the first
+    compressed step after construction or a load, ``None`` until then), and the callback that masks and reports them
+    itself, if any (:attr:`masked_by`: then the optimizer does not warn)."""
+
+    def __init__(self, policy: DeadCoordinates, owner: str) -> None:
+        self.policy, self.owner = policy, owner
+        self.kept: Optional[dict[int, torch.Tensor]] = None
+        self.masked_by: Optional[str] = None
+
+    def find(self, groups: Sequence[dict[str, Any]], state: Any, rank: int) -> dict[int, torch.Tensor]:
+        """:attr:`kept`, found now if not yet (:func:`dead_coordinates_to_keep`; reported on rank 0 unless a
+        callback masks them)."""
+        if self.kept is None:
+            self.kept = dead_coordinates_to_keep(groups, state, self.policy, self.owner,
+                                                 report=self.masked_by is None and rank == 0)
+        return self.kept
+
+
+def dead_coordinates_to_keep(groups: Sequence[dict[str, Any]], state: Any, policy: DeadCoordinates, owner: str,
+                             report: bool) -> dict[int, torch.Tensor]:
+    """The dead coordinates the optimizer class ``owner`` keeps at rest from its first compressed step on, by its
+    ``dead_coordinates`` ``policy``: ``{id(param): v == 0}`` with ``"mask"`` (:func:`zero_variance_coordinates`),
+    nothing with ``"warn"`` or ``"ignore"``; reported (:func:`warn_zero_variance`) if ``report`` (rank 0, and no
+    callback masks them itself), unless ``"ignore"``."""
+    if policy == "ignore":
+        return {}
+    zero_variance, found = zero_variance_coordinates(groups, state)
+    if found and report:
+        warn_zero_variance(found, owner, policy == "mask")
+    return zero_variance if policy == "mask" else {}
+
+
 def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, masked: bool) -> None:
     """Say, in two lines, how many dead coordinates :func:`zero_variance_coordinates` found and what happens to them:
     kept at rest (``masked``), or free to take the updates 1-bit noise gives them (up to ``lr * B`` a step under
     ``cap_update``, about ``lr * scale / eps`` without).
 
-    Called from the optimizer's ``_average_momenta_``: ``stacklevel=4`` points the warning at the caller of ``step``."""
+    Called from :func:`dead_coordinates_to_keep` at the first compressed step (by the optimizer's ``_begin_exchange``,
+    through :meth:`DeadCoordinateMasks.find`): ``stacklevel=5`` points the warning at the algorithm's compressed step."""
     total = sum(count for _, count, _ in report)
     name, count, numel = report[0]
     more = f" and {len(report) - 1} more parameter(s)" if len(report) > 1 else ""
@@ -159,5 +194,5 @@ def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, maske
         f"{owner}: {total} coordinate(s) had no gradient in warmup ({name}: {count} of {numel}{more}) and {fate}. "
         f"{docs_pointer('guides/freeze-step', 'embedding-tables')}",
         UserWarning,
-        stacklevel=4,
+        stacklevel=5,
     )

@@ -16,7 +16,8 @@ from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
 from lightning_onebit.optim.buckets import compressed_trainable
-from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
+from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY, restore_scalar_state_, take_scalar_state_
+from lightning_onebit.optim.freeze import state_figures
 from lightning_onebit.optim.functional import (
     adam_step_bound,
     bias_corrections,
@@ -41,13 +42,6 @@ _CHUNK_NUMEL = 2**24
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
     """A 0-dim float64 tensor on ``device``, filled there (no host-to-device copy)."""
     return torch.full((), value, dtype=torch.float64, device=device)
-
-
-def _as_scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A loaded coefficient (a Python number from an older checkpoint, or a tensor) as a 0-dim float64 tensor."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, dtype=torch.float64).reshape(()).clone()
-    return _scalar(float(value), device)
 
 
 def _chunks(params: Sequence[torch.Tensor], limit: Optional[int] = _CHUNK_NUMEL) -> list[list[int]]:
@@ -221,17 +215,9 @@ class OnebitLamb(CompressedOptimizer):
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
             cap_trust_ratio=cap_trust_ratio, cap_update=cap_update,
         )
-        super().__init__(
-            params,
-            defaults,
-            freeze_step=freeze_step,
-            auto_freeze=auto_freeze,
-            bucket_cap_mb=bucket_cap_mb,
-            process_group=process_group,
-            kernel_backend=kernel_backend,
-            topology=topology,
-            dead_coordinates=dead_coordinates,
-        )
+        super().__init__(params, defaults, freeze_step=freeze_step, auto_freeze=auto_freeze, bucket_cap_mb=bucket_cap_mb,
+                         process_group=process_group, kernel_backend=kernel_backend, topology=topology,
+                         dead_coordinates=dead_coordinates)
 
     @classmethod
     def _check_group(cls, group: dict[str, Any], index: int) -> None:
@@ -309,16 +295,8 @@ class OnebitLamb(CompressedOptimizer):
 
     def _settling_figures(self) -> torch.Tensor:
         """freeze_step='auto' also waits for the compressed tensors' trust-ratio EMAs (the coefficients that get
-        frozen; ``compress=False`` groups keep updating theirs): one tensor on the first parameter's device (the
-        detector reads it with its other figures, once per check)."""
-        params = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
-        if not params:
-            return torch.zeros(0, dtype=torch.float64)
-        home = params[0].device
-        return torch.stack([
-            self.state[p]["lamb_coeff"].to(home) if "lamb_coeff" in self.state[p] else _scalar(0.0, home)
-            for p in params
-        ])
+        frozen; ``compress=False`` groups keep updating theirs)."""
+        return state_figures(self.param_groups, self.state, "lamb_coeff")
 
     # ------------------------------------------------------------------ compression stage
     def _compressed_step(self) -> None:
@@ -334,7 +312,7 @@ class OnebitLamb(CompressedOptimizer):
         exchange.finish_(self.state, self._exchange_scale)
         for group in self.param_groups:  # mask: exp_avg_mask, and the dead coordinates kept at rest
             params = compressed_trainable(group)
-            mask_(group, params, [self.state[p]["exp_avg"] for p in params], self._zero_variance)
+            mask_(group, params, [self.state[p]["exp_avg"] for p in params], self.masks.kept)
         t, t_v = self._step, self.freeze_step
         for group in self.param_groups:  # update: LAMB with the frozen variance, the fresh one and the trust ratio
             params = self._updated_params(group)
@@ -360,7 +338,7 @@ class OnebitLamb(CompressedOptimizer):
     def _reduces_figures(self) -> bool:
         """Whether per-tensor figures are reduced over the shard group: some parameter is sharded (``DTensor``) over
         more than one rank. Otherwise every path is the unsharded one, bit for bit."""
-        return bool(self.shards) and self.shards.reduces_figures()
+        return bool(self.shards.pairs) and self.shards.reduces_figures()
 
     def _remember_momenta(self, missing_only: bool = False) -> None:
         """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
@@ -393,7 +371,7 @@ class OnebitLamb(CompressedOptimizer):
         (:attr:`_exchange_scale`). Sharded parameters: ``||m||`` and ``numel`` are the whole tensor's (the squared
         norms of the local shards added over the shard group, one collective), so every rank of a node gets the
         coefficients of the unsharded run, to rounding."""
-        trainable = self._compressed_trainable()
+        trainable = [p for group in self.param_groups for p in compressed_trainable(group)]
         if not trainable:
             self._exchange_scale = {}
             return
@@ -443,36 +421,19 @@ class OnebitLamb(CompressedOptimizer):
         meta = state_dict.get(CHECKPOINT_KEY)
         if isinstance(meta, dict):  # checked: the base need not infer it
             state_dict[CHECKPOINT_KEY] = dict(meta, optimizer=self.checkpoint.family)
-        scalars: dict[Any, dict[str, Any]] = {}
-        saved_state = {}
-        for key, entry in (state_dict.get("state") or {}).items():
-            if isinstance(entry, dict) and any(name in entry for name in _SCALAR_STATE):
-                entry = dict(entry)
-                scalars[key] = {name: entry.pop(name) for name in _SCALAR_STATE if name in entry}
-            saved_state[key] = entry
-        state_dict["state"] = saved_state
+        scalars = take_scalar_state_(state_dict, _SCALAR_STATE)  # torch's load would cast them to the params' dtype
         super().load_state_dict(state_dict)
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        by_id = dict(zip(saved_ids, params))
-        for key, values in scalars.items():
-            p = by_id.get(key)
-            if p is not None:
-                for name, value in values.items():
-                    self.state[p][name] = _as_scalar(value, p.device)
+        restore_scalar_state_(self.state, scalars, state_dict["param_groups"], self.param_groups)
         # The exchange's factors are the loaded coefficients: the overlapped exchange may start during the first
         # backward after the resume, before this step could read them (rank-identical: every rank loads the same).
         # A tensor without one (its group switched to compress=True) gets one at the next compressed step, which no
         # exchange starts before (start_bucket_exchange_).
         self._exchange_scale = self._loaded_exchange_scale()
 
-    def _compressed_trainable(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in compressed_trainable(group)]
-
     def _loaded_exchange_scale(self) -> dict[int, torch.Tensor]:
         """The exchange's factors from the loaded ``lamb_scaling_coeff`` s, if every compressed trainable tensor has
         one; else empty (set at the next compressed step, :meth:`_set_scaling_coefficients`)."""
-        trainable = self._compressed_trainable()
+        trainable = [p for group in self.param_groups for p in compressed_trainable(group)]
         if not all("lamb_scaling_coeff" in self.state.get(p, {}) for p in trainable):
             return {}
         return {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable}

@@ -46,6 +46,8 @@ class ShardedParams:
         self.owner = owner
         #: ``(stand-in, DTensor)`` per sharded parameter (empty when none is sharded).
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Whether the optimizer's exchange group was checked against the shard group (:meth:`prepare_step_`).
+        self.exchange_group_checked = False
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id(stand-in) -> DTensor
         self._stand_in_of: dict[int, torch.Tensor] = {}  # id(DTensor) -> stand-in
         self.mesh: Optional[Any] = None  # the one mesh the parameters are sharded over
@@ -112,6 +114,16 @@ class ShardedParams:
             return chunks[index]
         return whole.narrow(0, whole.shape[0], 0)
 
+    def localize_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(the tensor the optimizer holds for param, its mask)``: a sharded parameter's stand-in, with this rank's
+        part of a mask of the whole parameter's shape (a mask of the local shard's shape is kept as it is)."""
+        if not is_sharded(param):
+            return param, mask
+        if mask is not None and tuple(mask.shape) == tuple(param.shape):
+            mask = self.local_part(param, mask)
+        return self.stand_in_of(param), mask
+
     def whole_of(self, stand_in: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor whose local parts (shaped like ``stand_in``, on every rank of the shard group) are
         ``local``: a collective over the shard group (every rank calls it, in the same order)."""
@@ -120,6 +132,14 @@ class ShardedParams:
             return local
         return DTensor.from_local(local, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
                                   stride=owner.stride()).full_tensor()
+
+    def prepare_step_(self, exchange_group: Optional[dist.ProcessGroup]) -> None:
+        """Before a step: check once that the momenta are averaged over ``exchange_group`` correctly
+        (:meth:`check_exchange_group`, before any collective), then bind the gradients (:meth:`bind_gradients_`)."""
+        if not self.exchange_group_checked:
+            self.check_exchange_group(exchange_group)
+            self.exchange_group_checked = True
+        self.bind_gradients_()
 
     def bind_gradients_(self) -> None:
         """Before a step: each stand-in's ``.grad`` becomes its ``DTensor``'s gradient's local shard (or ``None``), and

@@ -20,7 +20,9 @@ from lightning_onebit.optim.bucket_layout import MomentumBucket
 from lightning_onebit.optim.buckets import compressed_trainable
 from lightning_onebit.optim.error_feedback import feedback_key
 from lightning_onebit.optim.functional import adam_update_, fold_gradients_, mask_, update_variances_
+from lightning_onebit.optim.groups import check_exchange
 from lightning_onebit.optim.local_steps import LocalSteps
+from lightning_onebit.optim.onebit_adam import adamw_steps_
 from lightning_onebit.optim.phases import StepKind, zeroone_phase_sentence
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
 from lightning_onebit.optim.zeroone_schedule import (
@@ -194,21 +196,7 @@ class ZeroOneAdam(CompressedOptimizer):
                      ("local_step_clipper", local_step_clipper, None))
         schedule = ZeroOneSchedule(*(check_integer(default if value is None else value, name)
                                      for name, value, default in arguments), from_run=from_run)
-        if compress is not None:
-            if exchange != "momentum" and compress != exchange:
-                raise ValueError(
-                    f"ZeroOneAdam got exchange={exchange!r} and compress={compress!r}: compress is the former name of "
-                    "exchange; pass exchange only"
-                )
-            warnings.warn(
-                f"ZeroOneAdam(compress={compress!r}) is deprecated: pass exchange={compress!r} (compress is also the "
-                "name of the param-group option that keeps a group out of compression)",
-                FutureWarning,
-                stacklevel=2,
-            )
-            exchange = compress
-        if exchange not in ("momentum", "gradient"):
-            raise ValueError(f"exchange must be 'momentum' or 'gradient', got {exchange!r}")
+        exchange = check_exchange(exchange, compress)
         check_torch_adamw_options(type(self).__name__, amsgrad=amsgrad, maximize=maximize,
                                   differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
@@ -274,13 +262,13 @@ class ZeroOneAdam(CompressedOptimizer):
     # ------------------------------------------------------------------ steps
     def _warmup_step(self) -> StepKind:
         t = self._step  # every warmup step is a variance step: t variance updates so far, as AdamW's step t
-        self._adamw_step_(t)
+        adamw_steps_(self.param_groups, self._moment_state, t)
         self.schedule.advance(t)
         return StepKind.VARIANCE
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
         # every step of a compress=False group is an AdamW step: its variance has received t updates
-        self._adamw_step_(self._step, groups, compression_stage=True)
+        adamw_steps_(groups, self._moment_state, self._step, compression_stage=True)
 
     def _compressed_step(self) -> StepKind:
         t = self._step
@@ -339,22 +327,11 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _average_gradients_into_momenta_(self) -> None:
         """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``."""
-        buckets = self._ensure_buckets(carry=True)
         averaged: dict[int, torch.Tensor] = {}
         pairs = []
-        for bucket in buckets:
-            flat = bucket.extra.get("gradient")
-            if flat is None:
-                flat = bucket.extra["gradient"] = torch.zeros_like(bucket.flat)
-            offset = 0
-            for p in bucket.params:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is None:
-                    view.zero_()  # this rank contributes a zero gradient
-                else:
-                    view.copy_(p.grad)
-                averaged[id(p)] = view
+        for bucket in self._ensure_buckets(carry=True):  # a missing gradient: this rank contributes a zero one
+            flat, views = bucket.filled("gradient", [p.grad for p in bucket.params])
+            averaged.update(zip(map(id, bucket.params), views))
             pairs.append((bucket, flat))
         self._compressed_average_("gradient", pairs)
         for group in self.param_groups:

@@ -87,7 +87,7 @@ def _fit(rank: int, world_size: int, model: OptionsRegressor, callbacks: list[pl
         used=[float(w[:USED_ROWS].abs().max()) for w in model.emb_trace],
         finite=bool(all(torch.isfinite(p).all() for p in model.parameters())),
         # elements of the dead-coordinate masks the optimizer keeps (dead_coordinates="mask")
-        kept=sum(m.numel() for m in (onebit._zero_variance or {}).values()) if onebit is not None else None,
+        kept=sum(m.numel() for m in (onebit.masks.kept or {}).values()) if onebit is not None else None,
     )
 
 
