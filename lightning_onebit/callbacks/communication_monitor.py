@@ -20,6 +20,7 @@ from lightning_onebit._checks import check_flag, check_integer
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.callbacks.advice import CompressionAdvice
 from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
@@ -382,13 +383,11 @@ def _log_once(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
 
 
 def _reduce_max(strategy: OnebitStrategy, values: list[float]) -> list[float]:
-    """Elementwise maximum over the ranks of the strategy's process group (one small ``all_reduce``)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [float(v) for v in values]
-    tensor = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
+    """Elementwise maximum over the ranks of the strategy's process group (:func:`~lightning_onebit.comm.agree`, one
+    small ``all_reduce``)."""
     group = None if strategy.onebit_optimizer is None else strategy.onebit_optimizer.process_group
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
-    return tensor.tolist()
+    tensor = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
+    return agree(tensor, group, reduce="max").tolist()
 
 
 def _step_metrics(step: CommunicationCounters, run: CommunicationCounters) -> dict[str, float]:

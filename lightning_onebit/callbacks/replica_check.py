@@ -19,7 +19,7 @@ class ReplicaCheck(Callback):
     between syncs waits for the next one). Ranks that run different kernels (see ``OnebitAdam.agree_kernel_backend``), a
     nondeterministic custom op or a corrupted rank would make them drift apart silently. Every ``every_n_steps``
     optimizer steps this callback compares a checksum of every parameter's bits across ranks
-    (:meth:`OnebitStrategy.assert_replicas_identical`: one pass over the parameters and an all-gather of 8 bytes per
+    (:meth:`OnebitStrategy.assert_replicas_identical`: one pass over the parameters and an all-gather of one integer per
     parameter tensor) and raises ``RuntimeError`` on every rank, naming the parameters that differ. Under
     ``onebit_fsdp`` each rank's local shards are compared with those of the ranks that hold the same shards on the
     other nodes.

@@ -16,6 +16,22 @@ import torch
 import torch.distributed as dist
 
 
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is available and its default process group initialised (without one, every
+    collective of the library is the identity on one rank)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: Optional[dist.ProcessGroup] = None) -> int:
+    """The number of ranks of ``group`` (``None``: WORLD); 1 without an initialised process group."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    """This process's rank in ``group`` (``None``: WORLD); 0 without an initialised process group."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
 class CollectiveFailedError(RuntimeError):
     """A collective of the compressed exchange failed on this rank. The message names the collective, the global
     ranks of its process group and the group's timeout; the backend's own error is the ``__cause__``. On gloo a peer
@@ -60,7 +76,7 @@ def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[timedel
     """How long a collective in ``group`` (``None``: WORLD) waits before it fails, where torch says (``None`` where
     it does not: no initialised group, or a backend without the option). Reads the backend's options, which torch
     exposes without a public accessor (checked on torch 2.13, gloo and NCCL)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return None
     try:
         pg = dist.distributed_c10d._get_default_group() if group is None else group
@@ -87,7 +103,7 @@ def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
     The answer depends only on the torch build, the backend and whether a device is bound, which every rank shares,
     so every rank takes the same branch.
     """
-    if not hasattr(dist, "split_group") or not (dist.is_available() and dist.is_initialized()):
+    if not hasattr(dist, "split_group") or not is_distributed():
         return False
     default = dist.distributed_c10d._get_default_group()
     if getattr(default, "bound_device_id", None) is None:
@@ -121,7 +137,7 @@ def new_group_family(
     minutes whatever the parent's: a stalled rank would then hold its peers for half an hour.
     """
     members = [sorted(int(r) for r in ranks) for ranks in members]
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise RuntimeError("new_group_family needs an initialised torch.distributed process group")
     if timeout is None:
         timeout = group_timeout(group)
@@ -140,7 +156,7 @@ def new_group_family(
 def is_registered(group: Any) -> bool:
     """Whether ``group`` is a process group torch still knows (not destroyed, and its default group alive). Reads
     torch's private registry: torch has no public test, and destroying an unknown group raises."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    if group is None or not is_distributed():
         return False
     return dist.distributed_c10d._world.pg_map.get(group) is not None
 

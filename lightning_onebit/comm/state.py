@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lightning_onebit import kernels
 from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.groups import group_rank, group_size, is_distributed
 from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.topology import Topology, new_gather_groups
 from lightning_onebit.kernels import Backend
@@ -100,7 +101,7 @@ class CompressedAllreduceState:
         one per ``fit``) makes them once with ``new_gather_groups`` and hands them over with
         :meth:`install_gather_groups` instead.
         """
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return
         self.install_gather_groups(*new_gather_groups(self.process_group, self.topology))
 
@@ -149,14 +150,12 @@ class CompressedAllreduceState:
 
     # ------------------------------------------------------------------ group
     def world_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.process_group)
+        """The ranks of :attr:`process_group` (1 without an initialised process group)."""
+        return group_size(self.process_group)
 
     def rank(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0
-        return dist.get_rank(self.process_group)
+        """This process's rank in :attr:`process_group` (0 without an initialised process group)."""
+        return group_rank(self.process_group)
 
     def count_call(self, layout: BucketLayout, buffer: torch.Tensor) -> None:
         """Count one compressed exchange of ``buffer`` (laid out as ``layout``) in :attr:`counters`: its bytes split

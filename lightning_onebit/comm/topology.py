@@ -32,10 +32,12 @@ import torch.distributed as dist
 
 from lightning_onebit._checks import check_integer
 from lightning_onebit._docs import docs_pointer
+from lightning_onebit.comm.agreement import agree
 # defined in comm.groups; imported here too, where callers have always imported them from
 from lightning_onebit.comm.groups import (
     destroy_groups,
     group_timeout,
+    is_distributed,
     is_registered,
     new_group_family,
     split_group_supported,
@@ -277,7 +279,7 @@ class Topology:
             ValueError: as :meth:`plan`; ``"hierarchical"`` with a ``ranks_per_node`` that does not divide the world
                 size is refused before any collective.
         """
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             topology = cls.plan(
                 [(node_rank, local_rank)], mode if mode != "hierarchical" else "auto", 0, ranks_per_node
             )
@@ -287,8 +289,7 @@ class Topology:
         if mode == "hierarchical" and ranks_per_node is not None:
             # refused here, locally, so that no rank waits in the gather below for one that raised
             cls.plan([(0, r) for r in range(world_size)], mode, None, ranks_per_node)
-        placements: list[Any] = [None] * world_size
-        dist.all_gather_object(placements, (int(node_rank), int(local_rank), mode, ranks_per_node), group=group)
+        placements = agree((int(node_rank), int(local_rank), mode, ranks_per_node), group)
         requested = {(m, k) for _, _, m, k in placements}
         if len(requested) != 1:
             raise ValueError(
@@ -359,8 +360,7 @@ def new_gather_groups(
         return new_group_family([list(range(size))], process_group, timeout), None
     # A group of some ranks only (FSDP's replicate group): dist.new_group wants every rank of WORLD to create every
     # group, so every rank makes a copy of each rank's group (WORLD is split into such groups, e.g. a mesh dimension).
-    families: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(families, dist.get_process_group_ranks(process_group))
+    families = agree(dist.get_process_group_ranks(process_group))
     family = sorted({tuple(sorted(ranks)) for ranks in families})
     if len({r for ranks in family for r in ranks}) != sum(len(ranks) for ranks in family):
         raise ValueError(f"new_gather_groups: the ranks' process groups overlap without being equal: {family}")

@@ -54,12 +54,8 @@ import torch.distributed as dist
 from lightning_onebit._checks import is_real
 
 # AutoFreeze and its defaults are defined in auto_freeze_config; imported here too, where callers import them from
-from lightning_onebit.optim.auto_freeze_config import (
-    _WINDOW_SHARE_OF_BOUND,
-    DEFAULT_BOUND_SHARE,
-    AutoFreeze,
-)
-from lightning_onebit.optim.auto_freeze_figures import _agree_max, _draw_sample, _excesses, _read_on_host
+from lightning_onebit.optim.auto_freeze_config import DEFAULT_BOUND_SHARE, WINDOW_SHARE_OF_BOUND, AutoFreeze
+from lightning_onebit.optim.auto_freeze_figures import agree_max, draw_sample, excesses, read_on_host
 
 __all__ = ["DEFAULT_BOUND_SHARE", "AutoFreeze", "FreezeDetector", "VarianceReading"]
 
@@ -135,7 +131,7 @@ class FreezeDetector:
         if config.window is not None:
             window = config.window
         else:
-            window = min(self.time_constant, max(4, self.max_step // _WINDOW_SHARE_OF_BOUND // 4 * 4))
+            window = min(self.time_constant, max(4, self.max_step // WINDOW_SHARE_OF_BOUND // 4 * 4))
         every = config.check_every or max(1, window // 4)
         while window % every:  # the largest divisor of the window not above W / 4
             every -= 1
@@ -234,9 +230,9 @@ class FreezeDetector:
                 log.info("freeze_step='auto': the measured parameters changed; measuring afresh from step %d", t)
             if old is not None:
                 numels = [numel for numel, *_ in reading.variances]
-                local = _excesses(old, snapshot, self._decays(reading), self._sample_counts(len(snapshot[1])), numels)
+                local = excesses(old, snapshot, self._decays(reading), self._sample_counts(len(snapshot[1])), numels)
                 local += self._loss_figures()
-                figures = _agree_max(local, reading.process_group, reading.device)
+                figures = agree_max(local, reading.process_group, reading.device)
                 sample, tensor, coeff_mean, coeff_max, loss_ratio, no_loss = figures
                 if no_loss:
                     raise ValueError(
@@ -318,12 +314,12 @@ class FreezeDetector:
         self, reading: VarianceReading
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[float]]:
         """``(sample of the raw v, sum of the raw v per tensor, the optimizer's extra settling figures)``, in float64 on
-        the CPU (the sample laid out tensor by tensor, see :func:`_draw_sample`), and the sum of the losses recorded
+        the CPU (the sample laid out tensor by tensor, see :func:`draw_sample`), and the sum of the losses recorded
         since the last check. Gathered on the device and read with one copy per device (one host synchronisation per
         check on a single GPU, not two per tensor)."""
         params = reading.variances
         if self._sample is None:
-            self._sample = _draw_sample([numel for numel, *_ in params], self.config.sample_size, self.config.seed)
+            self._sample = draw_sample([numel for numel, *_ in params], self.config.sample_size, self.config.seed)
             self._sample_on = {}
         parts: list[torch.Tensor] = []
         for _, v, _, _ in params:  # the sums
@@ -341,7 +337,7 @@ class FreezeDetector:
         parts.append(torch.zeros(0, dtype=torch.float64) if extra is None else extra.reshape(-1).double())
         if self._loss_sum is not None:
             parts.append(self._loss_sum.reshape(1))
-        host = _read_on_host(parts)
+        host = read_on_host(parts)
         n, k = len(params), len(self._sample)
         sums, sample, extra_host = host[:n], host[n : n + k], host[n + k]
         loss_total = float(host[n + k + 1][0]) if self._loss_sum is not None else self._loss_carry

@@ -22,6 +22,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.comm.groups import group_size, is_distributed
+
 try:  # torch >= 2.4 (the package requires 2.4+ for FSDP2; DDP users never reach a DTensor)
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover - older torch
@@ -177,7 +179,7 @@ class ShardedParams:
         """Whether :meth:`reduce_figures` communicates: some parameter is sharded over a shard group of more than one
         rank (the same answer on every rank of the group)."""
         group = self.shard_group
-        return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        return group is not None and group_size(group) > 1
 
     def reduce_figures(self, maxima: Optional[torch.Tensor] = None, sums: Optional[torch.Tensor] = None
                        ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -233,7 +235,7 @@ class ShardedParams:
         """Raise ``ValueError`` (before any collective) unless ``group``, which the momenta are averaged over, holds
         this rank and no other rank of its shard group: it must pair this rank with the ranks that hold the same
         shard (the replicate dimension of the mesh)."""
-        if not self.pairs or not (dist.is_available() and dist.is_initialized()):
+        if not self.pairs or not is_distributed():
             return
         shard_ranks = set(dist.get_process_group_ranks(self.shard_group))
         exchange_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))

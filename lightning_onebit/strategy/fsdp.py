@@ -21,7 +21,6 @@ from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -38,6 +37,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_onebit._checks import check_flag
 from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.groups import destroy_groups
 from lightning_onebit.comm.topology import new_gather_groups
 from lightning_onebit.hooks import OverlapFallbackReason
@@ -212,9 +212,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         """The ``(M, L)`` ``("replicate", "shard")`` mesh from every rank's placement (a collective)."""
         env = self.cluster_environment
         assert env is not None
-        placements: list[Any] = [None] * self.world_size
-        dist.all_gather_object(placements, (env.node_rank(), env.local_rank()))
-        grid = node_mesh_ranks(placements, self.ranks_per_node)
+        grid = node_mesh_ranks(agree((env.node_rank(), env.local_rank())), self.ranks_per_node)
         rank_zero_info(
             f"onebit_fsdp: {len(grid)} nodes x {len(grid[0])} ranks; parameters sharded inside each node, momenta "
             "compressed across nodes"
@@ -411,7 +409,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         import torch.distributed.checkpoint as dcp
 
         # rank 0's path (Lightning's rule) and a save id, the same on every rank
-        target, save_id = self.broadcast((filepath, uuid.uuid4().hex if self.global_rank == 0 else None))
+        target, save_id = agree((filepath, uuid.uuid4().hex if self.global_rank == 0 else None))[0]
         save = FolderSave(Path(target), save_id, self.global_rank, self.world_size)
         self._error_feedback.save(checkpoint, self._onebit_optimizer)
         save.begin(lambda folder: save_per_rank_state(checkpoint, sidecar_in_folder(folder, self.global_rank), save_id,
@@ -437,7 +435,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         for a damaged one or one that mixes saves."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-        path = Path(self.broadcast(checkpoint_path))
+        path = Path(agree(checkpoint_path)[0])
         onebit = self._onebit_optimizer
         problems = folder_problems(path, self.global_rank, self.world_size, onebit is not None, weights_only)
         verified = agree_on_problems(problems, path, self.strategy_name)

@@ -19,7 +19,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.comm.groups import destroy_groups
+from lightning_onebit.comm.groups import destroy_groups, is_distributed
 from lightning_onebit.comm.topology import new_gather_groups
 from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.hooks import GradientSyncState
@@ -166,5 +166,5 @@ def release_process_groups_at_exit() -> None:
     """
     for owner in list(_LIVE_OWNERS):
         owner.release_at_exit()
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
