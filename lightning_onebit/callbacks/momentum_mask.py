@@ -124,7 +124,8 @@ class MomentumMask(Callback):
         self._installed = False
         if self.auto:
             self._seen_nonzero = {
-                name: torch.zeros_like(p, dtype=torch.bool) for name, p in pl_module.named_parameters() if p.requires_grad
+                name: torch.zeros_like(p, dtype=torch.bool)
+                for name, p in pl_module.named_parameters() if p.requires_grad
             }
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -238,7 +239,8 @@ class MomentumMask(Callback):
         report = {name: int((mask == 0).sum()) for name, mask in combined.items()}
         self.masked_coordinates = report
         for name, count in report.items():
-            log.log(self.log_level, "MomentumMask: %s: %d of %d coordinates masked", name, count, combined[name].numel())
+            log.log(self.log_level, "MomentumMask: %s: %d of %d coordinates masked", name, count,
+                    combined[name].numel())
         total = sum(report.values())
         table = "".join(
             f"\n  {name}: {count} of {combined[name].numel()} ({count / combined[name].numel():.1%})"

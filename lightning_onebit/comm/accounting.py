@@ -29,8 +29,8 @@ def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
 
 def bytes_leaving_node(numel: int, num_nodes: int, ranks_per_node: int, exchange: str) -> float:
     """Payload bytes that leave one node per step to average ``numel`` fp32 elements over ``num_nodes`` x
-    ``ranks_per_node`` ranks, by formula (ring and two-phase byte counts; scales and padding ignored, ranks numbered node by
-    node so that a ring crosses each node boundary once).
+    ``ranks_per_node`` ranks, by formula (ring and two-phase byte counts; scales and padding ignored, ranks numbered
+    node by node so that a ring crosses each node boundary once).
 
     ``exchange``:
 

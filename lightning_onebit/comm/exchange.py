@@ -86,7 +86,8 @@ def compressed_allreduce_(
 def compressed_allreduce_buckets_(
     state: CompressedAllreduceState, buckets: Sequence[tuple[Hashable, torch.Tensor, BucketLayout]]
 ) -> None:
-    """:func:`compressed_allreduce_` of several buckets, pipelined: one bucket's transfer overlaps another's compression.
+    """:func:`compressed_allreduce_` of several buckets, pipelined: one bucket's transfer overlaps another's
+    compression.
 
     :func:`start_exchange_` for every bucket (the transfer of bucket ``k`` runs while bucket ``k + 1`` is compressed),
     then :func:`finish_exchanges_`. Still two collectives per bucket (four hierarchical), issued in the same order on
@@ -389,4 +390,5 @@ def _decode_all(
     c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
     for j, chunk_segments in enumerate(layout.chunk_segments):
         scales, signs = _read_block(blocks[j * block : (j + 1) * block], len(chunk_segments), s_max)
-        kernels.decompress(signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=workspace)
+        kernels.decompress(signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend,
+                           workspace=workspace)

@@ -107,10 +107,10 @@ class CompressedAllreduceState:
 
     def install_gather_groups(self, inter: Any, intra: Any = None) -> None:
         """Run the second phase in these ready-made groups (made by
-        :func:`~lightning_onebit.comm.topology.new_gather_groups` for this ``process_group`` and ``topology``): ``inter``
-        for the ``all_gather`` between servers (flat: a copy of ``process_group``), ``intra`` for the hierarchical node
-        gather (``None`` when flat). No collective; valid, as :meth:`create_gather_groups`' groups, until
-        ``process_group`` or ``topology`` change. The caller keeps ownership (and destroys them)."""
+        :func:`~lightning_onebit.comm.topology.new_gather_groups` for this ``process_group`` and ``topology``):
+        ``inter`` for the ``all_gather`` between servers (flat: a copy of ``process_group``), ``intra`` for the
+        hierarchical node gather (``None`` when flat). No collective; valid, as :meth:`create_gather_groups`' groups,
+        until ``process_group`` or ``topology`` change. The caller keeps ownership (and destroys them)."""
         topology = self.topology
         if inter is None or ((topology is not None and topology.is_hierarchical) != (intra is not None)):
             raise ValueError(

@@ -93,7 +93,9 @@ def add_mean_of_signs_(
         raise ValueError("add_mean_of_signs_: need one scale tensor per source and a target covering the segments")
     for p, sc in zip(packed, scales):
         if p.numel() * 8 != segments.total or sc.numel() != len(segments):
-            raise ValueError("add_mean_of_signs_: every source needs segments.total / 8 bytes and one scale per segment")
+            raise ValueError(
+                "add_mean_of_signs_: every source needs segments.total / 8 bytes and one scale per segment"
+            )
     count = len(packed)
     packed_pointers = (ctypes.c_void_p * count)(*(p.data_ptr() for p in packed))
     scale_pointers = (ctypes.c_void_p * count)(*(s.data_ptr() for s in scales))

@@ -1,8 +1,9 @@
 """``freeze_step="auto"``: end the warmup once a variance frozen a window ago would have covered the gradients since,
 and training has left its initial plateau; decided by every rank together.
 
-The rule (1-bit Adam's variance-stability idea, reworked on the example's freeze-step sweep). Every ``check_every`` warmup steps, with ``v_t`` the raw
-variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and ``c`` the bias corrections:
+The rule (1-bit Adam's variance-stability idea, reworked on the example's freeze-step sweep). Every ``check_every``
+warmup steps, with ``v_t`` the raw variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and ``c``
+the bias corrections:
 
 * the mean squared gradient of the last ``W`` steps follows from the two snapshots, with no extra state:
   ``E = (v_t - a v_{t-W}) / (1 - a)`` (weighted within the window as ``v`` weights it);
@@ -193,9 +194,9 @@ class FreezeDetector:
 
     # ------------------------------------------------------------------ the decision
     def bound_by_run(self, run_steps: int) -> int:
-        """The latest step of the warmup for a run of ``run_steps`` optimizer steps: ``AutoFreeze(max_step)`` when
-        set, else :data:`DEFAULT_BOUND_SHARE` (half) of the run, which then becomes this detector's bound. The Lightning strategy calls it at the
-        start of every fit; outside it ``max_step`` must be set."""
+        """The latest step of the warmup for a run of ``run_steps`` optimizer steps: ``AutoFreeze(max_step)`` when set,
+        else :data:`DEFAULT_BOUND_SHARE` (half) of the run, which then becomes this detector's bound. The Lightning
+        strategy calls it at the start of every fit; outside it ``max_step`` must be set."""
         if self.max_step is None:
             self.max_step = max(1, int(DEFAULT_BOUND_SHARE * run_steps))
         if self.window is None:
@@ -209,7 +210,8 @@ class FreezeDetector:
         if self.max_step is None:
             raise ValueError(
                 f"{self.owner}(freeze_step='auto') needs AutoFreeze(max_step=...) outside the Lightning "
-                f"strategy (which defaults it to {DEFAULT_BOUND_SHARE:.0%} of the run): the latest step at which to end the warmup"
+                f"strategy (which defaults it to {DEFAULT_BOUND_SHARE:.0%} of the run): the latest step at which to "
+                "end the warmup"
             )
         if self.window is None:
             self._schedule()

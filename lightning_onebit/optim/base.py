@@ -157,8 +157,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         return False
 
     def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
-        """Scale schedule arguments left to the run's length to ``total_steps`` optimizer steps (``None``: unknown); the
-        strategies call it at the start of ``fit``. Returns what was set, for the log. Nothing here (see ZeroOneAdam)."""
+        """Scale schedule arguments left to the run's length to ``total_steps`` optimizer steps (``None``: unknown; the
+        strategies call it at the start of ``fit``); returns what was set, for the log. None here (see ZeroOneAdam)."""
         return None
 
     def describe_phase(self) -> tuple[StepKind, str]:
@@ -368,9 +368,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
     dead_coordinates = property(lambda self: self.masks.policy, doc="See :class:`~lightning_onebit.OnebitAdam`.")
 
     def observe_loss(self, loss: Union[torch.Tensor, float]) -> None:
-        """Record a training loss for ``freeze_step="auto"`` (its ``loss_drop`` guard), every step or micro-batch on every
-        rank, before :meth:`step` (a ``closure`` passed to :meth:`step` is observed too; the Lightning strategy calls
-        this from ``backward``). A scalar tensor is summed on its device: no host synchronisation per step."""
+        """Record a training loss for ``freeze_step="auto"`` (its ``loss_drop`` guard), every step or micro-batch on
+        every rank, before :meth:`step` (a ``closure`` passed to :meth:`step` is observed too; the Lightning strategy
+        calls this from ``backward``). A scalar tensor is summed on its device: no host synchronisation per step."""
         if self.freezing.config is not None and self.freeze_step is None:
             self._ensure_detector().record_loss(loss)
 
@@ -407,8 +407,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         (they come from the code) nor the error feedback (per rank: :meth:`error_feedback_state_dict`)."""
         return self.checkpoint.write(
             super().state_dict(), step=self._step, freeze_step=self.freeze_step, plan=self.momentum_buckets.plan,
-            detector=self.freezing.detector if self.auto_freeze is not None else None, params=[p for group in self.param_groups for p in group["params"]],
-        )
+            detector=self.freezing.detector, params=[p for group in self.param_groups for p in group["params"]])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (or ``torch.optim.AdamW``'s: its per-parameter step); the stage

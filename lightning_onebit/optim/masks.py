@@ -179,8 +179,9 @@ def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, maske
     kept at rest (``masked``), or free to take the updates 1-bit noise gives them (up to ``lr * B`` a step under
     ``cap_update``, about ``lr * scale / eps`` without).
 
-    Called from :func:`dead_coordinates_to_keep` at the first compressed step (by the optimizer's ``_begin_exchange``,
-    through :meth:`DeadCoordinateMasks.find`): ``stacklevel=5`` points the warning at the algorithm's compressed step."""
+    Called from :func:`dead_coordinates_to_keep` at the first compressed step (by the optimizer's
+    ``_begin_exchange``, through :meth:`DeadCoordinateMasks.find`): ``stacklevel=5`` points the warning at the
+    algorithm's compressed step."""
     total = sum(count for _, count, _ in report)
     name, count, numel = report[0]
     more = f" and {len(report) - 1} more parameter(s)" if len(report) > 1 else ""

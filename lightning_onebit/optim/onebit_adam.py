@@ -100,10 +100,11 @@ class OnebitAdam(CompressedOptimizer):
     compressed allreduce is the identity.
 
     Args:
-        params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names)
-            or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
-            ``exp_avg_mask`` and ``compress`` (see below). Parameters must be floating point (float32, float64, float16, bfloat16): complex
-            and integer parameters are refused, since the compressed momentum exchange has no form for them.
+        params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names) or
+            param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
+            ``exp_avg_mask`` and ``compress`` (see below). Parameters must be floating point (float32, float64, float16,
+            bfloat16): complex and integer parameters are refused, since the compressed momentum exchange has no form
+            for them.
         lr: learning rate, a finite float ``>= 0`` (a learning-rate scheduler may change it later). Default ``1e-3``.
         betas: ``(b1, b2)`` decay rates of momentum and variance, a pair of floats each in ``[0, 1)``. Default
             ``(0.9, 0.999)``.
@@ -223,9 +224,9 @@ class OnebitAdam(CompressedOptimizer):
                                   differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         cap_update=cap_update)
-        super().__init__(params, defaults, freeze_step=freeze_step, auto_freeze=auto_freeze, bucket_cap_mb=bucket_cap_mb,
-                         process_group=process_group, kernel_backend=kernel_backend, topology=topology,
-                         dead_coordinates=dead_coordinates)
+        super().__init__(params, defaults, freeze_step=freeze_step, auto_freeze=auto_freeze,
+                         bucket_cap_mb=bucket_cap_mb, process_group=process_group, kernel_backend=kernel_backend,
+                         topology=topology, dead_coordinates=dead_coordinates)
 
     def _warmup_step(self) -> None:
         adamw_steps_(self.param_groups, self._moment_state, self._step)

@@ -215,9 +215,9 @@ class OnebitLamb(CompressedOptimizer):
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
             cap_trust_ratio=cap_trust_ratio, cap_update=cap_update,
         )
-        super().__init__(params, defaults, freeze_step=freeze_step, auto_freeze=auto_freeze, bucket_cap_mb=bucket_cap_mb,
-                         process_group=process_group, kernel_backend=kernel_backend, topology=topology,
-                         dead_coordinates=dead_coordinates)
+        super().__init__(params, defaults, freeze_step=freeze_step, auto_freeze=auto_freeze,
+                         bucket_cap_mb=bucket_cap_mb, process_group=process_group, kernel_backend=kernel_backend,
+                         topology=topology, dead_coordinates=dead_coordinates)
 
     @classmethod
     def _check_group(cls, group: dict[str, Any], index: int) -> None:

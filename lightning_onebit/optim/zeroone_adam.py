@@ -108,12 +108,12 @@ class ZeroOneAdam(CompressedOptimizer):
     Host synchronisations: none in any step after the warmup (the step kinds and schedules are decided from Python
     numbers; the zero-variance masks and denominators stay on the device).
 
-    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`) take an AdamW
-    step at *every* step (momentum and variance updated, bias corrections of the true step ``t``), on gradients
+    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`) take an
+    AdamW step at *every* step (momentum and variance updated, bias corrections of the true step ``t``), on gradients
     averaged in full precision: by DDP's allreduce on variance steps, by one ``all_reduce`` in :meth:`step` on every
-    other step, local and sync steps included. They are left out of the buckets, the local-step sums and the syncs,
-    and their replicas stay identical after every step. The cost: such a group communicates every step, like DDP
-    (``2 (P-1)/P * 4`` bytes per element in fp32), so a local step is no longer silent; use it for small groups or
+    other step, local and sync steps included. They are left out of the buckets, the local-step sums and the syncs, and
+    their replicas stay identical after every step. The cost: such a group communicates every step, like DDP (``2
+    (P-1)/P * 4`` bytes per element in fp32), so a local step is no longer silent; use it for small groups or
     embeddings.
 
     Args:

@@ -27,19 +27,16 @@ from lightning_onebit.hooks import exchange_hook
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_options, check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
-from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
-from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.clipping import AgreedClippingPrecision, agreed_clipping_precision
-from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
-from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id
+from lightning_onebit.strategy.checkpoint import restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems, ddp_folder_problem
-from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
+from lightning_onebit.strategy.error_feedback import ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, decide_overlap, note_bucket_cap, overlap_blocker
 from lightning_onebit.strategy.overlap_policy import overlap_fallback
 from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology, release_at_exit
 from lightning_onebit.strategy.sidecar import sidecar_path
-from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.stepping import CompressedStepping
 
 log = logging.getLogger(__name__)
@@ -168,7 +165,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     ) -> None:
         check_options(overlap, topology, ranks_per_node)
         check_process_group_options(timeout, process_group_backend)
-        self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         self.topology_mode = topology
         self.overlap = overlap
         self.overlap_fallback_reason: Optional[str] = None
@@ -181,6 +177,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
             ddp_comm_hook=ddp_comm_hook,
         )
         super().__init__(
+            error_feedback=error_feedback,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -196,8 +193,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         self.gradient_sync = GradientSyncState(averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state)
         self._hook = ExchangeHookState(self.gradient_sync)
         self._groups = OwnedProcessGroups(self.gradient_sync)
-        self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._stage_log = StageLog()
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -241,15 +236,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         return self._groups.topology
 
     @property
-    def communication(self) -> CommunicationCounters:
-        """This rank's cumulative communication: warmup gradient allreduces plus compressed momentum allreduces."""
-        self.gradient_sync.settle_timings()
-        total = self.gradient_sync.counters.snapshot()
-        if self._onebit_optimizer is not None:
-            total = total + self._onebit_optimizer.communication
-        return total
-
-    @property
     def warmup_communication(self) -> CommunicationCounters:
         """This rank's cumulative counters of the full-precision gradient averages (the warmup's, and 0/1 Adam's
         variance steps'); :attr:`communication` adds the compressed exchange's."""
@@ -276,25 +262,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         self.gradient_sync.topology = self.topology
         # gradients are averaged when this fit's optimizer asks (a closure over it: it holds no strategy)
         self.gradient_sync.sync_predicate = lambda: optimizer.needs_gradient_allreduce
-        optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
-        self._default_auto_freeze_bound(trainer, optimizer)
-        fit_schedule_to_run(trainer, optimizer, self.strategy_name, self._run_length)
-        self._warn_if_run_ends_in_warmup(trainer, optimizer)
-        optimizer.observe_losses_from_caller()  # pre_backward records every loss, micro-batches and manual steps too
-        self._onebit_optimizer = optimizer
-        self._stage_log.new_fit()
+        self._take_optimizer(trainer, optimizer)
         self.overlap_state = self._configure_overlap(trainer, optimizer)
-
-    # freeze_step="auto" bounded by the run's length, and the warning about a run that would end in the warmup
-    _run_length = staticmethod(run_length)
-
-    @classmethod
-    def _default_auto_freeze_bound(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        default_auto_freeze_bound(trainer, optimizer, cls._run_length, cls.strategy_name)
-
-    @classmethod
-    def _warn_if_run_ends_in_warmup(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        warn_if_run_ends_in_warmup(trainer, optimizer, cls._run_length, cls.strategy_name)
 
     # ------------------------------------------------------------------ overlap
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
@@ -359,7 +328,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"],
+        storage_options: Optional[Any] = None,
     ) -> None:
         # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
         # with it the checkpoint id, is the same on every rank without a collective.
@@ -386,12 +356,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
                                self.world_size)
         self._error_feedback.load(checkpoint)
         return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
-        sidecar = owned_sidecar(filepath, self.global_rank)  # before the file goes (a link owns no sidecar)
-        super().remove_checkpoint(filepath)
-        remove_sidecar(sidecar)
 
     # ------------------------------------------------------------------ registry
     @classmethod
