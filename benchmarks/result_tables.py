@@ -885,6 +885,49 @@ def lamb_step_size_table() -> str:
     )
 
 
+#: Issue 44's first measurements: the DDP baselines (bf16, PowerSGD) and 1-bit Adam's compressed warmups
+WARMUP_SWEEP = "warmup_sweep"
+
+
+def warmup_sweep_table() -> str:
+    """Per task and run of :data:`WARMUP_SWEEP`: accuracy per seed, the difference to the same-seed AdamW-DDP run,
+    the freeze step per seed (``*`` where ``auto`` reached its bound), the share of the run's bytes sent averaging
+    gradients (the warmup), and the whole-run bytes against the same task's AdamW-DDP run, every seed shown."""
+    from benchmarks.freeze_sweep import table_rows
+
+    results = _load(WARMUP_SWEEP)
+    rows = table_rows(results)
+    seeds = list(rows[0]["acc"]) if rows else []
+    bound = {(r["task"], r["run"], int(r["seed"])) for r in results["runs"].values() if _decided_at_bound(r)}
+    header = ["task", "run", *(f"seed {s}" for s in seeds), "vs AdamW-DDP (points)", "freeze step",
+              "warmup share of bytes", "DDP bytes / run's"]
+    table = []
+    for r in rows:
+        cells = ["-" if r["acc"][s] is None else f"{r['acc'][s]:.2%}" for s in seeds]
+        diff = "" if r["diff"] is None else " / ".join("-" if r["diff"][s] is None else f"{r['diff'][s]:+.2f}"
+                                                       for s in seeds)
+        freeze = " / ".join("-" if r["freeze"][s] is None
+                            else f"{r['freeze'][s]}{'*' if (r['task'], r['run'], s) in bound else ''}" for s in seeds)
+        share = "-" if r["warmup_share"] is None else f"{r['warmup_share']:.0%}"
+        ratio = "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.2f}x"
+        table.append([r["task"], r["run"], *cells, diff, freeze if any(f is not None for f in r["freeze"].values())
+                      else "-", share, ratio])
+    libraries = sorted({r["library"] for r in results["runs"].values() if r.get("library")})
+    return (
+        "Each run is the example on 2 CPU ranks (`python -m benchmarks.freeze_sweep --name warmup_sweep`, the "
+        "runs named in the table), every optimizer argument but the freeze at its default: `adamw` is AdamW-DDP; "
+        "`ddp_bf16` AdamW on DDP with torch's `bf16_compress_hook`; `ddp_powersgd_rR@F` AdamW on DDP with torch's "
+        "PowerSGD of rank R (error feedback, warm start) after F of the run in plain allreduce; `onebit_adam@auto` "
+        "1-bit Adam with `freeze_step=\"auto\"`, its warmup averaging gradients in fp32, or with `+bf16` (torch's "
+        "`bf16_compress_hook`), `+powersgd4` (PowerSGD rank 4 after 10 plain steps) or `+int8` "
+        "(`lightning_onebit.hooks.int8_allreduce_hook`: 8 bits a value, per-segment scales, error feedback). "
+        "Differences per seed in points against the same-seed AdamW-DDP run; `*`: `auto` reached its bound; bytes "
+        "are each rank's over the whole run, counted on the ring model of `lightning_onebit.comm.accounting` (the "
+        "hooks' own counters for bf16, PowerSGD and int8), the same task's AdamW-DDP bytes over the run's (mean over "
+        f"seeds). Library {', '.join(libraries)} (`results/{WARMUP_SWEEP}.json`).\n\n" + _table(header, table)
+    )
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "lamb_step_size": lamb_step_size_table,
     "kernels": kernels_table,
@@ -911,11 +954,13 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "clipped_share": clipped_share_table,
     "largest_model": largest_model_table,
     "zeroone_settings": zeroone_settings_table,
+    "warmup_sweep": warmup_sweep_table,
 }
 
 
 # Sections whose results files are not measured yet: no page has a block for them until one of the files exists.
-AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS, "largest_model": ("largest_model",)}
+AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS, "largest_model": ("largest_model",),
+                                                "warmup_sweep": (WARMUP_SWEEP,)}
 
 
 def _block(name: str) -> re.Pattern[str]:

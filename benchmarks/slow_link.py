@@ -16,7 +16,7 @@ Compared in one run, per link rate:
   ddp_bf16        DDP + torch's bf16_compress_hook + AdamW (registered under another name: DDP refuses the hook by
                   name without CUDA/NCCL, see bf16_compress_hook_any_backend)
   ddp_powersgd    DDP + torch's powerSGD_hook (matrix_approximation_rank=4, start_powerSGD_iter=W) + AdamW; timed
-                  after its W allreduce steps. Buckets are compressed one after another (ordered_powerSGD_hook): the
+                  after its W allreduce steps. Buckets are compressed one after another (ordered_powersgd_hook): the
                   unmodified hook can issue collectives in different orders on different ranks, which gloo rejects
   onebit_adam     DDP + lightning_onebit.hooks.switchable_allreduce_hook + OnebitAdam(freeze_step=W); its W warmup steps
                   and its compression-stage steps are timed separately
@@ -97,10 +97,13 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import netns
+from benchmarks.comm_hooks import bf16_compress_hook_any_backend
 from benchmarks.common import ROOT, argument_parser, launch, module_command, write_results
 from lightning_onebit import CompressedOptimizer, OnebitAdam, OnebitLamb, ZeroOneAdam
 from lightning_onebit.comm import ring_allreduce_bytes
-from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.hooks import GradientSyncState, OrderedPowerSGDState, ordered_powersgd_hook
+from lightning_onebit.hooks import switchable_allreduce_hook
+from lightning_onebit.hooks.powersgd import powersgd_allreduce_numels
 
 DIST_METHODS = (
     "ddp_fp32", "ddp_bf16", "ddp_powersgd", "onebit_adam", "onebit_overlap", "onebit_lamb", "zeroone_adam", "local_2proc"
@@ -261,39 +264,6 @@ class AllreduceCounter:
         dist.all_reduce = self._original
 
 
-def bf16_compress_hook_any_backend(process_group, bucket):
-    """torch's ``bf16_compress_hook``, unchanged, under another name: DDP refuses to register a hook *named*
-    ``bf16_compress_hook`` unless CUDA+NCCL or XPU+XCCL is present, although the hook is plain Python (cast to bf16,
-    ``dist.all_reduce``, cast back) and gloo allreduces bf16 tensors. (No annotations: DDP checks them as objects.)"""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return default_hooks.bf16_compress_hook(process_group, bucket)
-
-
-class OrderedPowerSGD:
-    """State of :func:`ordered_powerSGD_hook`: a ``PowerSGDState`` and the future of the last bucket's hook."""
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-        self.previous: Optional[torch.futures.Future] = None
-
-
-def ordered_powerSGD_hook(ordered, bucket):
-    """torch's ``powerSGD_hook``, with each bucket's compressed allreduce started only after the previous bucket's
-    finished. The hook issues its P and Q allreduces from callbacks of the previous collective (gloo's threads) while
-    the autograd thread issues the next bucket's first allreduce, so with several DDP buckets the ranks can issue
-    collectives in different orders; gloo matches collectives by issue order and fails ("Received data size doesn't
-    match expected size"), which happened here at 200 Mbit/s. Waiting costs some overlap of the compressed buckets
-    with the backward pass; the vanilla-allreduce iterations before ``start_powerSGD_iter`` are not delayed."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-    state = ordered.state
-    if ordered.previous is not None and state.iter >= state.start_powerSGD_iter:
-        ordered.previous.wait()
-    ordered.previous = future = powerSGD_hook.powerSGD_hook(state, bucket)
-    return future
-
-
 def _tc_sent_bytes() -> Optional[int]:
     """Bytes the shaped loopback of this network namespace has sent so far (None outside a shaped namespace)."""
     if not os.environ.get("SLOW_LINK_NETNS"):
@@ -380,21 +350,15 @@ def _observed_ddp_buckets(ddp: torch.nn.Module) -> Optional[list[int]]:
 
 
 def _model_info(model: torch.nn.Module, world_size: int) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     emb = model.bert.embeddings
     embedding_params = sum(e.weight.numel() for e in (emb.word_embeddings, emb.position_embeddings,
                                                       emb.token_type_embeddings))
-    psgd_p = psgd_q = psgd_uncompressed = 0
-    for p in params:
-        n = p.shape[0]
-        m = p.numel() // n
-        r = min(n, m, POWERSGD_RANK)
-        if (n + m) * r * 2 < n * m:  # powerSGD_hook._should_compress with min_compression_rate=2
-            psgd_p += n * r
-            psgd_q += m * r
-        else:
-            psgd_uncompressed += p.numel()
+    psgd_uncompressed, psgd_p, psgd_q = powersgd_allreduce_numels(
+        powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK), [p.shape for p in params])
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     ring = lambda k, size: ring_allreduce_bytes(k, size, world_size)  # noqa: E731
     return dict(
@@ -477,7 +441,7 @@ def _bench_ranks(rank: int, world_size: int, cfg: dict) -> dict[str, Any]:
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=start
             )
-            model.register_comm_hook(OrderedPowerSGD(state), ordered_powerSGD_hook)
+            model.register_comm_hook(OrderedPowerSGDState(state), ordered_powersgd_hook)
             opt = make_adamw(model.parameters(), cfg)
             counter = AllreduceCounter(world_size)
             with counter:

@@ -22,7 +22,9 @@ generated here (see :func:`make_reviews`). Real models and data plug in through 
 Validation accuracy and macro F1 (torchmetrics) are logged every validation run; at the end rank 0 prints a short
 table (accuracy, F1, bytes this rank sent against DDP's fp32 allreduce, the freeze step, steps, wall time, where the
 logs are) and writes the full summary as JSON with ``--summary_json``. The DDP baseline (``bert_adamw.yaml``) is counted
-by the same ``CommunicationMonitor`` as the 1-bit runs, which the example adds when the config lists none.
+by the same ``CommunicationMonitor`` as the 1-bit runs, which the example adds when the config lists none; a DDP
+strategy that counts its own gradient average (a ``communication`` property, e.g. the benchmarks' DDP + PowerSGD and
+DDP + bf16 baselines, ``--trainer.strategy benchmarks.comm_hooks.CountedDDPStrategy``) is read instead.
 """
 
 from __future__ import annotations
@@ -460,6 +462,14 @@ def _monitor(trainer: L.Trainer) -> Optional[CommunicationMonitor]:
     return next((c for c in trainer.callbacks if isinstance(c, CommunicationMonitor)), None)
 
 
+def _own_counters(strategy: Any) -> Optional[CommunicationCounters]:
+    """The counters of a DDP strategy that counts its own gradient average (a ``communication`` property giving
+    :class:`~lightning_onebit.comm.CommunicationCounters`, as ``benchmarks.comm_hooks.CountedDDPStrategy``), else
+    ``None``."""
+    counters = getattr(strategy, "communication", None)
+    return counters if isinstance(counters, CommunicationCounters) else None
+
+
 def _bytes(value: float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if value >= size:
@@ -568,8 +578,12 @@ class BertFinetuneCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._started = time.perf_counter()
-        # the DDP baseline is counted by the monitor that counts the 1-bit runs (bert_adamw.yaml lists no callbacks)
-        if isinstance(self.trainer.strategy, DDPStrategy) and _monitor(self.trainer) is None:
+        # the DDP baseline is counted by the monitor that counts the 1-bit runs (bert_adamw.yaml lists no callbacks),
+        # unless the strategy counts its gradient average itself (a DDP comm hook of its own, which the monitor
+        # cannot count)
+        strategy = self.trainer.strategy
+        if (isinstance(strategy, DDPStrategy) and _monitor(self.trainer) is None
+                and _own_counters(strategy) is None):
             self.trainer.callbacks.append(CommunicationMonitor(prog_bar=False, advise=False))
 
     def after_fit(self) -> None:
@@ -621,10 +635,13 @@ class BertFinetuneCLI(LightningCLI):
                 summary["advice"] = dataclasses.asdict(monitor.advice)
         else:
             monitor = _monitor(trainer)
-            # DDP: the monitor's count (None: DDP had a comm hook of its own); a single process sends nothing
-            counters = monitor.communication if monitor is not None else (
-                CommunicationCounters() if trainer.world_size == 1 else None
-            )
+            # DDP: the strategy's own count, or the monitor's (None: DDP had a comm hook of its own that nothing
+            # counted); a single process sends nothing
+            counters = _own_counters(strategy)
+            if counters is None:
+                counters = monitor.communication if monitor is not None else (
+                    CommunicationCounters() if trainer.world_size == 1 else None
+                )
             summary.update(
                 bytes_sent=None if counters is None else counters.bytes_sent,
                 bytes_fp32_equivalent=None if counters is None else counters.bytes_fp32_equivalent,

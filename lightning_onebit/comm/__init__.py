@@ -30,8 +30,10 @@ from typing import Any
 
 from lightning_onebit.comm.accounting import (
     CommunicationCounters,
+    add_traffic,
     bytes_leaving_node,
     count_ring_allreduce,
+    flat_two_phase_bytes,
     ring_allreduce_bytes,
 )
 from lightning_onebit.comm.agreement import agree_kernel_backend, assert_replicas_identical, replica_checksums
@@ -61,6 +63,7 @@ __all__ = [
     "ExchangePhase",
     "PendingExchange",
     "Topology",
+    "add_traffic",
     "advance_exchange_",
     "agree_kernel_backend",
     "all_gather_async",
@@ -71,6 +74,7 @@ __all__ = [
     "compressed_allreduce_buckets_",
     "count_ring_allreduce",
     "finish_exchanges_",
+    "flat_two_phase_bytes",
     "full_precision_allreduce_",
     "sparse_rows_allreduce_",
     "progress_exchanges_",

@@ -4,7 +4,10 @@
   calls and times;
 * :func:`ring_allreduce_bytes` and :func:`bytes_leaving_node`: the formulas (a ring allreduce per rank; the bytes that
   leave one node per step for the fp32 ring, the flat and the hierarchical 1-bit exchange);
-* :func:`count_ring_allreduce` (one ring allreduce, also used by the DDP hooks): how a call is added to the counters.
+* :func:`flat_two_phase_bytes`: what a flat two-phase exchange of blocks (``all_to_all``, then a ring ``all_gather``)
+  sends to the node and beyond it (the 1-bit exchange's and the int8 hook's);
+* :func:`count_ring_allreduce` (one ring allreduce, also used by the DDP hooks): how a call is added to the counters;
+  :func:`add_traffic`, a hook's own counts added to another's.
 
 A compressed exchange's bytes follow from its bucket's layout (:meth:`~lightning_onebit.comm.BucketLayout.bytes_sent`)
 and are counted by its state (:meth:`~lightning_onebit.comm.CompressedAllreduceState.count_call`).
@@ -113,6 +116,18 @@ class CommunicationCounters:
             setattr(self, f.name, f.default)
 
 
+#: The fields of :class:`CommunicationCounters` that count traffic (bytes, collectives, calls), not time
+TRAFFIC_FIELDS = ("bytes_sent", "bytes_received", "bytes_sent_intra_node", "bytes_sent_inter_node",
+                  "bytes_fp32_equivalent", "bytes_sent_uncompressed", "collectives", "calls")
+
+
+def add_traffic(counters: CommunicationCounters, delta: CommunicationCounters) -> None:
+    """Add ``delta``'s traffic (:data:`TRAFFIC_FIELDS`) to ``counters`` in place; times are left alone (the caller
+    times the calls its own way)."""
+    for name in TRAFFIC_FIELDS:
+        setattr(counters, name, getattr(counters, name) + getattr(delta, name))
+
+
 def count_ring_bytes(
     counters: CommunicationCounters, sent: int, world_size: int, rank: int, topology: Optional[Topology]
 ) -> None:
@@ -146,3 +161,20 @@ def count_ring_allreduce(
     counters.collectives += 1
     counters.calls += 1
     return sent
+
+
+def flat_two_phase_bytes(block: int, world_size: int, topology: Optional[Topology], rank: int) -> tuple[int, int]:
+    """Payload bytes ``rank`` sends to ranks on its own node and to other nodes in one flat two-phase exchange of
+    ``block``-byte blocks: an ``all_to_all`` (one block to every peer) and a ring ``all_gather`` (``P - 1`` blocks to
+    the next rank). Without a topology every peer counts as another node."""
+    if world_size <= 1:
+        return 0, 0
+    if topology is None:
+        return 0, 2 * (world_size - 1) * block
+    same_node_peers = topology.node_sizes[topology.node_of[rank]] - 1
+    intra, inter = same_node_peers * block, (world_size - 1 - same_node_peers) * block
+    if topology.same_node(rank, (rank + 1) % world_size):
+        intra += (world_size - 1) * block
+    else:
+        inter += (world_size - 1) * block
+    return intra, inter

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from lightning_onebit.comm.accounting import ring_allreduce_bytes
+from lightning_onebit.comm.accounting import flat_two_phase_bytes, ring_allreduce_bytes
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Segments
 
@@ -108,12 +108,4 @@ class BucketLayout:
             shard_bytes = self.padded_numel // per_node * element_size
             intra = (per_node - 1) * shard_bytes + (per_node - 1) * nodes * block
             return intra, 2 * (nodes - 1) * block
-        if topology is None:
-            return 0, self.bytes_per_call()
-        same_node_peers = topology.node_sizes[topology.node_of[rank]] - 1
-        intra, inter = same_node_peers * block, (world_size - 1 - same_node_peers) * block
-        if topology.same_node(rank, (rank + 1) % world_size):
-            intra += (world_size - 1) * block
-        else:
-            inter += (world_size - 1) * block
-        return intra, inter
+        return flat_two_phase_bytes(block, world_size, topology, rank)

@@ -7,12 +7,17 @@
   momentum exchange started during backward, what decides whether it may (:func:`leaves_gradients_unchanged`,
   :class:`OverlapFallbackReason`), and :class:`ExchangeHookState` with :func:`exchange_hook`, the one hook a strategy
   registers before it knows which of the two it runs;
+* :mod:`~lightning_onebit.hooks.powersgd`: :class:`OrderedPowerSGDState` and :func:`ordered_powersgd_hook`, torch's
+  PowerSGD with its buckets compressed in order (gloo-safe) and its bytes counted;
+* :mod:`~lightning_onebit.hooks.int8`: :class:`Int8AllreduceState` and :func:`int8_allreduce_hook`, gradients averaged
+  with 8 bits per element and error feedback;
 * :mod:`~lightning_onebit.hooks.fsdp` (imported on its own, it needs FSDP2): the FSDP2 counterparts,
   :class:`~lightning_onebit.hooks.fsdp.ReplicaAllReduceState` (the warmup's average across nodes) and
   :class:`~lightning_onebit.hooks.fsdp.ShardedOverlapState` (the exchange of each FSDP group started during backward).
 """
 
 from lightning_onebit.hooks.gradient_sync import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.hooks.int8 import Int8AllreduceState, int8_allreduce_hook
 from lightning_onebit.hooks.overlap import (
     ExchangeHookState,
     OverlapFallbackReason,
@@ -22,15 +27,20 @@ from lightning_onebit.hooks.overlap import (
     leaves_gradients_unchanged,
     overlapped_exchange_hook,
 )
+from lightning_onebit.hooks.powersgd import OrderedPowerSGDState, ordered_powersgd_hook
 
 __all__ = [
     "ExchangeHookState",
     "GradientSyncState",
+    "Int8AllreduceState",
+    "OrderedPowerSGDState",
     "OverlapFallbackReason",
     "OverlapState",
     "exchange_hook",
     "is_marked_read_only",
+    "int8_allreduce_hook",
     "leaves_gradients_unchanged",
+    "ordered_powersgd_hook",
     "overlapped_exchange_hook",
     "switchable_allreduce_hook",
 ]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_onebit.comm.accounting import CommunicationCounters, count_ring_allreduce
+from lightning_onebit.comm.accounting import CommunicationCounters, add_traffic, count_ring_allreduce
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.streams import DeviceTimings
 
@@ -37,9 +37,13 @@ class GradientSyncState:
             rank's bytes cross the node boundary when that rank is on another node. ``None``: all count as inter-node.
         averaging_hook: a DDP comm hook that averages the buckets instead of the plain ``mean`` allreduce, called as
             ``averaging_hook(averaging_hook_state, bucket)`` (e.g. torch's ``bf16_compress_hook`` with its process
-            group as state: gradients sent in bf16, half the bytes). Its bytes are counted as a ring allreduce in
-            bf16/fp16 for torch's ``bf16_compress_hook``/``fp16_compress_hook`` and in the gradient's dtype for any
-            other hook (this state cannot see what another hook sends). Default ``None``: the ``mean`` allreduce.
+            group as state: gradients sent in bf16, half the bytes). Its bytes: when ``averaging_hook_state`` counts
+            its own (a ``counters`` attribute that is a :class:`~lightning_onebit.comm.CommunicationCounters`,
+            counted when the hook is called, as :class:`~lightning_onebit.hooks.OrderedPowerSGDState` and
+            :class:`~lightning_onebit.hooks.Int8AllreduceState` do), what it counted during the call is added to
+            :attr:`counters`; otherwise a ring allreduce in bf16/fp16 for torch's
+            ``bf16_compress_hook``/``fp16_compress_hook`` and in the gradient's dtype for any other hook (this state
+            cannot see what another hook sends). Default ``None``: the ``mean`` allreduce.
         averaging_hook_state: the state passed to ``averaging_hook``.
 
     Attributes:
@@ -125,11 +129,16 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
     world_size = dist.get_world_size(state.process_group)
     rank = dist.get_rank(state.process_group)
     if state.averaging_hook is not None:
-        count_ring_allreduce(
-            state.counters, tensor, world_size, rank, state.topology, _wire_element_size(state.averaging_hook)
-        )
+        own = _own_counters(state.averaging_hook_state)
+        if own is None:
+            count_ring_allreduce(
+                state.counters, tensor, world_size, rank, state.topology, _wire_element_size(state.averaging_hook)
+            )
+        before = None if own is None else own.snapshot()
         launched = state._launched(tensor.device, bucket.is_last())
         averaged = state.averaging_hook(state.averaging_hook_state, bucket)
+        if own is not None:
+            add_traffic(state.counters, own - before)
 
         def finish_hook(done: torch.futures.Future) -> torch.Tensor:
             state._completed(tensor.device, launched)
@@ -147,6 +156,12 @@ def switchable_allreduce_hook(state: GradientSyncState, bucket: dist.GradBucket)
         return tensor  # reduced in place (also what the future holds)
 
     return future.then(finish)
+
+
+def _own_counters(hook_state: Any) -> Optional[CommunicationCounters]:
+    """The counters of a hook state that counts its own bytes, else ``None``."""
+    counters = getattr(hook_state, "counters", None)
+    return counters if isinstance(counters, CommunicationCounters) else None
 
 
 def _wire_element_size(hook: Callable[..., Any]) -> Optional[int]:

@@ -101,9 +101,12 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         ddp_comm_hook: a DDP comm hook that averages gradients whenever the strategy averages them (the warmup, and
             0/1 Adam's variance steps) instead of the plain fp32 ``mean`` allreduce, as Lightning's ``DDPStrategy``
             takes it, on every device (CPU too). E.g. ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
-            bf16_compress_hook``: warmup gradients sent in bf16, half the warmup's bytes. The compression stage is
-            unchanged. Bytes are counted in bf16/fp16 for torch's two compression hooks and in the gradient's dtype
-            for any other. Default ``None``.
+            bf16_compress_hook``: warmup gradients sent in bf16, half the warmup's bytes; or
+            :func:`~lightning_onebit.hooks.ordered_powersgd_hook` (torch's PowerSGD) and
+            :func:`~lightning_onebit.hooks.int8_allreduce_hook` (8 bits per element with error feedback) with their
+            states. The compression stage is unchanged. Bytes: a hook whose state counts its own (those two) is
+            counted as it counts; torch's two compression hooks as a ring allreduce in bf16/fp16; any other in the
+            gradient's dtype. Default ``None``.
         ddp_comm_state: the state passed to ``ddp_comm_hook`` (torch's default hooks take a process group; ``None``:
             WORLD). Default ``None``.
         topology: how compressed momenta travel between ranks. ``"auto"`` (default): hierarchical when there are

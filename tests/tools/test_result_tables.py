@@ -50,3 +50,27 @@ def test_freeze_seeds_table_counts_runs_within_half_a_point_collapses_and_bound_
     assert rows[("onebit_adam@0.2", "True")] == ["-0.5", "**-49.8**", "1 of 2", "1", "124 (1 at the bound)", "3.00x"]
     assert rows[("onebit_adam@0.2", "False")] == ["**-0.6**", "-", "0 of 1", "0", "124", "4.00x"]
     assert ("onebit_adam@0.25", "True") not in rows
+
+
+def test_warmup_sweep_table_shows_every_seed_the_bytes_and_the_warmup_share(tmp_path, monkeypatch):
+    import json
+
+    runs = [
+        _run("synthetic", "adamw", 0, 0.996, bytes_sent=4.0), _run("synthetic", "adamw", 1, 0.998, bytes_sent=4.0),
+        _run("synthetic", "ddp_powersgd_r4@0.1", 0, 0.990, bytes_sent=0.5),  # seed 1 not run
+        dict(_run("synthetic", "onebit_adam@auto+int8", 0, 0.997, 228, bytes_sent=0.4), bytes_sent_warmup=0.2,
+             stage="compression"),
+        dict(_run("synthetic", "onebit_adam@auto+int8", 1, 0.995, 310, bytes_sent=0.5), bytes_sent_warmup=0.35,
+             stage="compression", freeze={"reason": "max_step"}),
+    ]
+    (tmp_path / "warmup_sweep.json").write_text(json.dumps({"tasks": {}, "runs": {
+        f"{r['task']}/{r['run']}/{r['seed']}": r for r in runs}}))
+    monkeypatch.setattr(result_tables, "RESULTS", tmp_path)
+    rows = {cells[1]: cells[2:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                              for line in result_tables.warmup_sweep_table().splitlines()
+                                              if line.startswith("| synthetic"))}
+    assert rows["adamw"] == ["99.60%", "99.80%", "", "-", "-", "1.00x"]
+    assert rows["ddp_powersgd_r4@0.1"] == ["99.00%", "-", "-0.60 / -", "-", "-", "8.00x"]
+    # seed 1 froze at its bound (starred); the warmup sent 50% and 70% of the bytes; 10x and 8x fewer than DDP
+    assert rows["onebit_adam@auto+int8"] == ["99.70%", "99.50%", "+0.10 / -0.30", "228 / 310*", "60%", "9.00x"]
+    assert "Library abc1234" in result_tables.warmup_sweep_table()
