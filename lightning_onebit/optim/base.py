@@ -289,7 +289,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """The compressed step's exchange of the momenta (:class:`~lightning_onebit.optim.buckets.StepExchange`: the
         buckets, rebuilt if the trainable parameters changed, and those the overlap hook started; the caller folds the
         rest and finishes). Finds the dead coordinates and agrees the kernel backend at the first compressed step."""
-        self.masks.find(self.param_groups, self.state, self.compression.rank())
+        if self.masks.kept is None:  # the first compressed step (or the first after a load) finds them
+            self.masks.find(self.param_groups, self.state, self.compression.rank())
         if not self._backend_agreed:
             self.agree_kernel_backend()
         return self.exchange.begin_step(self._ensure_buckets(carry=True), type(self).__name__)

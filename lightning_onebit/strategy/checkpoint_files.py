@@ -5,16 +5,16 @@
 :mod:`~lightning_onebit.strategy.sidecar`). A save (:class:`FolderSave`):
 
 1. writes everything into a temporary sibling folder ``<name>.onebit-partial-<save id>``, each rank its own files;
-2. each rank computes the size and SHA-256 of the files it wrote, and rank 0 gathers them (one ``gather_object``);
+2. each rank computes the size and SHA-256 of the files it wrote, and the ranks gather them (one ``agree``);
 3. rank 0 writes ``meta.pt`` and the manifest (:data:`MANIFEST_NAME`: the save id, and every file's size and digest,
    the sidecars' aside: they carry their own digest and the save id, and a bad one follows the ``error_feedback``
    policy), then puts the folder in place (:func:`put_in_place`: an atomic exchange with what was there, then removes
-   it), and tells every rank whether it succeeded (one ``broadcast``): every rank returns, or every rank raises.
+   it), and every rank learns whether it succeeded (one more ``agree``): every rank returns, or every rank raises.
 
 A save that dies before the exchange leaves the previous checkpoint under that name as it was, and its partial
 folder, which the next save to that name removes. On load, every rank checks what the path holds (a folder of this
 kind, not one file or a missing path) and a share of the files against the manifest, the ranks agree (one
-``all_gather_object``), and every rank raises the same :class:`CheckpointIntegrityError` (or ``ValueError`` for a
+``agree``), and every rank raises the same :class:`CheckpointIntegrityError` (or ``ValueError`` for a
 checkpoint of the other strategy) before any tensor is read, or none does.
 """
 
