@@ -226,3 +226,14 @@ def test_the_shared_self_finder_finds_a_mixin() -> None:
         "@dataclasses.dataclass\nclass Fields:\n    x: int\n"
     )
     assert _shared_self(modules) == [("lightning_onebit.x", "Mixin", ["param_groups", "_step"])]
+
+
+if __name__ == "__main__":  # the figures the rules above bound: python -m tests.test_layers
+    found, packages = _modules()
+    sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    small = sorted((n, p) for p, n in sizes.items() if n < FEWEST_LINES and not p.endswith("__init__.py"))
+    print(f"{len(sizes)} modules, {sum(sizes.values())} lines; largest {max((n, p) for p, n in sizes.items())}; "
+          f"under {FEWEST_LINES} lines: {small}")
+    print(f"import circles (type-only and function-level imports included): {_cycles(_graph(found, packages))}")
+    print(f"private names taken from another module: {_private_uses(found, packages)}")
+    print(f"classes sharing a host's self: {_shared_self(found)}")
