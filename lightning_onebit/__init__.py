@@ -17,7 +17,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, ErrorFeedbackCheckpoint, MomentumMask, ReplicaCheck
+from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, ErrorFeedbackCheckpoint
+from lightning_onebit.callbacks import MomentumMask, ReplicaCheck
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
 from lightning_onebit.strategy import OnebitAdamStrategy, OnebitFSDPStrategy, OnebitStrategy

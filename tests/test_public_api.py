@@ -151,3 +151,85 @@ def test_the_error_feedback_mechanics_live_in_the_strategy_layer_only() -> None:
 
     for hook in ("on_train_start", "on_save_checkpoint", "on_load_checkpoint", "state_dict"):
         assert getattr(lightning_onebit.ErrorFeedbackCheckpoint, hook) is getattr(Callback, hook), hook
+
+
+#: What each layer package exported before the refactor into parts (issue 45), as its ``__all__`` listed it: every
+#: name must still resolve (the private ones the comm namespace listed, with a ``FutureWarning``).
+EXPORTED_BEFORE_PARTS = {
+    "lightning_onebit.comm": [
+        "BucketLayout", "CollectiveFailedError", "CommunicationCounters", "CompressedAllreduceState", "PendingExchange",
+        "Topology", "_ALL_TO_ALL", "_GATHER", "_NODE_GATHER", "_advance", "_all_gather", "_bytes_sent",
+        "agree_kernel_backend", "assert_replicas_identical", "bytes_leaving_node", "check_buckets",
+        "compressed_allreduce_", "compressed_allreduce_buckets_", "count_ring_allreduce", "finish_exchanges_",
+        "full_precision_allreduce_", "progress_exchanges_", "replica_checksums", "ring_allreduce_bytes",
+        "simulate_compressed_allreduce_", "sparse_rows_allreduce_", "start_exchange_",
+    ],
+    "lightning_onebit.kernels": [
+        "Backend", "Segments", "Workspace", "add_mean_of_signs_", "available_backends", "compress_in_place",
+        "compress_with_error_feedback", "decompress", "effective_backend", "foreach_sqrt", "foreach_sqrt_",
+        "frozen_adam_denominators", "frozen_adam_update_", "pack_signs", "resolve_backend", "set_default_backend",
+        "sqrt_into", "unpack_signs",
+    ],
+    "lightning_onebit.optim": [
+        "AutoFreeze", "CompressedOptimizer", "OnebitAdam", "OnebitLamb", "OnebitStage", "StepKind", "ZeroOneAdam",
+        "check_exp_avg_mask",
+    ],
+    "lightning_onebit.hooks": [
+        "GradientSyncState", "OverlapFallbackReason", "OverlapState", "is_marked_read_only",
+        "leaves_gradients_unchanged", "overlapped_exchange_hook", "switchable_allreduce_hook",
+    ],
+    "lightning_onebit.hooks.fsdp": [
+        "ReplicaAllReduceState", "ShardedOverlapState", "fsdp_managed_parameters", "fsdp_modules",
+        "register_replica_allreduce_hook", "replica_allreduce_hook", "sharded_exchange_hook",
+    ],
+    "lightning_onebit.strategy": [
+        "ERROR_FEEDBACK_KEY", "ERROR_FEEDBACK_POLICIES", "OnebitAdamStrategy", "OnebitFSDPStrategy", "OnebitStrategy",
+        "PER_RANK_STATE_KEY", "PER_RANK_STATUS_KEY", "_release_process_groups_at_exit",
+    ],
+    "lightning_onebit.callbacks": [
+        "CommunicationMonitor", "CompressionAdvice", "ErrorFeedbackCheckpoint", "MaskSpec", "MomentumMask",
+        "ReplicaCheck",
+    ],
+}
+
+
+@pytest.mark.parametrize("package", sorted(EXPORTED_BEFORE_PARTS))
+def test_every_name_a_layer_package_exported_still_resolves(package: str) -> None:
+    module = importlib.import_module(package)
+    for name in EXPORTED_BEFORE_PARTS[package]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the deprecated private names (next test)
+            assert getattr(module, name) is not None, f"{package}.{name}"
+        if not name.startswith("_"):
+            assert name in module.__all__, f"{package}.{name}"
+
+
+@pytest.mark.parametrize(("name", "replacement"), [
+    ("_ALL_TO_ALL", "ExchangePhase.ALL_TO_ALL"), ("_GATHER", "ExchangePhase.GATHER"),
+    ("_NODE_GATHER", "ExchangePhase.NODE_GATHER"), ("_advance", "advance_exchange_"),
+    ("_all_gather", "all_gather_async"), ("_bytes_sent", "BucketLayout.bytes_sent"),
+])
+def test_the_private_names_the_comm_namespace_listed_resolve_with_a_future_warning(name: str,
+                                                                                   replacement: str) -> None:
+    import lightning_onebit.comm as comm
+
+    assert name not in comm.__all__ and name not in vars(comm)
+    with pytest.warns(FutureWarning, match=f"use lightning_onebit.comm.{replacement};") as record:
+        value = getattr(comm, name)
+    assert record[0].filename == __file__
+    if replacement.startswith("ExchangePhase."):
+        assert value == getattr(comm.ExchangePhase, replacement.split(".")[1])
+    elif name == "_bytes_sent":
+        layout = comm.BucketLayout.build([100, 28], 2)
+        assert value(layout, 4, None, 0) == layout.bytes_sent(4, None, 0) == (0, layout.bytes_per_call())
+    else:
+        assert value is getattr(comm, replacement)
+
+
+def test_the_exit_release_keeps_its_old_private_name_with_a_future_warning() -> None:
+    import lightning_onebit.strategy as strategy
+
+    assert "_release_process_groups_at_exit" not in strategy.__all__
+    with pytest.warns(FutureWarning, match="use lightning_onebit.strategy.release_process_groups_at_exit;"):
+        old = strategy._release_process_groups_at_exit
+    assert old is strategy.release_process_groups_at_exit

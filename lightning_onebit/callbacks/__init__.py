@@ -1,4 +1,5 @@
-"""Lightning callbacks for the compressed optimizers: momentum masks, compression state across checkpoints, communication
+"""Lightning callbacks for the compressed optimizers: momentum masks, compression state across checkpoints,
+communication
 logging and advice, replica checks.
 
 Each needs the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitStrategy`) and fails at setup with a

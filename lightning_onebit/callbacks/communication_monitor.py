@@ -18,13 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_onebit._checks import check_flag, check_integer
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
 from lightning_onebit.callbacks.advice import CompressionAdvice
 from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
 from lightning_onebit.strategy import OnebitFSDPStrategy, OnebitStrategy
+from lightning_onebit.strategy.stepping import onebit_optimizer, onebit_strategy
 
 #: Where the advisor's messages send the user: how the estimate is made, and why a link may give no speedup.
 _ADVISOR_DOCS = docs_pointer("guides/why-no-speedup")
@@ -184,8 +185,8 @@ class CommunicationMonitor(Callback):
         now_s = time.perf_counter()
         step_s = None if self._last_time is None else now_s - self._last_time
         self._last_time = now_s
-        optimizer = _onebit_optimizer(trainer, "CommunicationMonitor")
-        strategy = _onebit_strategy(trainer, "CommunicationMonitor")
+        optimizer = onebit_optimizer(trainer, "CommunicationMonitor")
+        strategy = onebit_strategy(trainer, "CommunicationMonitor")
         now = strategy.communication
         step = now - self._last
         self._last = now
@@ -382,13 +383,11 @@ def _log_once(trainer: "pl.Trainer", metrics: dict[str, float]) -> None:
 
 
 def _reduce_max(strategy: OnebitStrategy, values: list[float]) -> list[float]:
-    """Elementwise maximum over the ranks of the strategy's process group (one small ``all_reduce``)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [float(v) for v in values]
-    tensor = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
+    """Elementwise maximum over the ranks of the strategy's process group (:func:`~lightning_onebit.comm.agree`, one
+    small ``all_reduce``)."""
     group = None if strategy.onebit_optimizer is None else strategy.onebit_optimizer.process_group
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
-    return tensor.tolist()
+    tensor = torch.tensor(values, dtype=torch.float64, device=strategy.root_device)
+    return agree(tensor, group, reduce="max").tolist()
 
 
 def _step_metrics(step: CommunicationCounters, run: CommunicationCounters) -> dict[str, float]:

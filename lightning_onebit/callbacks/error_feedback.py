@@ -8,9 +8,9 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_onebit.callbacks._common import _onebit_strategy
 from lightning_onebit.strategy import OnebitFSDPStrategy, OnebitStrategy
 from lightning_onebit.strategy.error_feedback import check_error_feedback_policy
+from lightning_onebit.strategy.stepping import onebit_strategy
 
 
 class ErrorFeedbackCheckpoint(Callback):
@@ -60,7 +60,7 @@ class ErrorFeedbackCheckpoint(Callback):
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            strategy = _onebit_strategy(trainer, "ErrorFeedbackCheckpoint")
+            strategy = onebit_strategy(trainer, "ErrorFeedbackCheckpoint")
             strategy.set_error_feedback(self.policy, chosen_by="ErrorFeedbackCheckpoint")
             self._strategy = strategy
 

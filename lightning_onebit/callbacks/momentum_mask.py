@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._checks import check_flag, check_integer, check_real
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.callbacks._common import _compressed_ids, _onebit_optimizer, _onebit_strategy
 from lightning_onebit.optim import CompressedOptimizer, OnebitStage, check_exp_avg_mask
+from lightning_onebit.strategy.stepping import onebit_optimizer, onebit_strategy
 
 log = logging.getLogger(__name__)
 
@@ -119,17 +119,18 @@ class MomentumMask(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        _onebit_strategy(trainer, "MomentumMask")
+        onebit_strategy(trainer, "MomentumMask")
         self._explicit = self._resolve_explicit(pl_module)
         self._installed = False
         if self.auto:
             self._seen_nonzero = {
-                name: torch.zeros_like(p, dtype=torch.bool) for name, p in pl_module.named_parameters() if p.requires_grad
+                name: torch.zeros_like(p, dtype=torch.bool)
+                for name, p in pl_module.named_parameters() if p.requires_grad
             }
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # Runs after `strategy.setup` (which calls `setup_optimizers`) and before any step: the optimizer exists.
-        onebit = _onebit_optimizer(trainer, "MomentumMask")
+        onebit = onebit_optimizer(trainer, "MomentumMask")
         held = {id(p) for group in onebit.param_groups for p in group["params"]}
         # the optimizer's tensor of each parameter: the parameter, or under sharding the stand-in over its shard
         named = {name: onebit.shards.stand_in_of(p) for name, p in pl_module.named_parameters()}
@@ -179,7 +180,7 @@ class MomentumMask(Callback):
     def on_before_optimizer_step(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
     ) -> None:
-        onebit = _onebit_optimizer(trainer, "MomentumMask")
+        onebit = onebit_optimizer(trainer, "MomentumMask")
         if onebit.stage is OnebitStage.WARMUP:
             if self.auto and self._auto_masks is None:
                 for name, p in pl_module.named_parameters():
@@ -238,7 +239,8 @@ class MomentumMask(Callback):
         report = {name: int((mask == 0).sum()) for name, mask in combined.items()}
         self.masked_coordinates = report
         for name, count in report.items():
-            log.log(self.log_level, "MomentumMask: %s: %d of %d coordinates masked", name, count, combined[name].numel())
+            log.log(self.log_level, "MomentumMask: %s: %d of %d coordinates masked", name, count,
+                    combined[name].numel())
         total = sum(report.values())
         table = "".join(
             f"\n  {name}: {count} of {combined[name].numel()} ({count / combined[name].numel():.1%})"
@@ -290,3 +292,8 @@ class MomentumMask(Callback):
         self._restored_seen = dict(seen) if self.auto and saved is None and seen else None
         self._auto_masks = None
         self._installed = False
+
+
+def _compressed_ids(optimizer: CompressedOptimizer) -> set[int]:
+    """The parameters of the optimizer's compressed param groups (those ``compress=False`` groups leave out)."""
+    return {id(p) for group in optimizer.param_groups if group["compress"] for p in group["params"]}

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_onebit._checks import check_integer
-from lightning_onebit.callbacks._common import _onebit_optimizer, _onebit_strategy
+from lightning_onebit.strategy.stepping import onebit_optimizer, onebit_strategy
 
 
 class ReplicaCheck(Callback):
@@ -19,7 +19,7 @@ class ReplicaCheck(Callback):
     between syncs waits for the next one). Ranks that run different kernels (see ``OnebitAdam.agree_kernel_backend``), a
     nondeterministic custom op or a corrupted rank would make them drift apart silently. Every ``every_n_steps``
     optimizer steps this callback compares a checksum of every parameter's bits across ranks
-    (:meth:`OnebitStrategy.assert_replicas_identical`: one pass over the parameters and an all-gather of 8 bytes per
+    (:meth:`OnebitStrategy.assert_replicas_identical`: one pass over the parameters and an all-gather of one integer per
     parameter tensor) and raises ``RuntimeError`` on every rank, naming the parameters that differ. Under
     ``onebit_fsdp`` each rank's local shards are compared with those of the ranks that hold the same shards on the
     other nodes.
@@ -36,7 +36,7 @@ class ReplicaCheck(Callback):
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
-            _onebit_strategy(trainer, "ReplicaCheck")
+            onebit_strategy(trainer, "ReplicaCheck")
 
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
@@ -46,7 +46,7 @@ class ReplicaCheck(Callback):
             return
         self._last_step = step
         self._due = self._due or step % self.every_n_steps == 0
-        optimizer = _onebit_optimizer(trainer, "ReplicaCheck")
+        optimizer = onebit_optimizer(trainer, "ReplicaCheck")
         if not self._due or not optimizer.replicas_in_sync:  # (rank-identical: the sync schedule is)
             return
         self._due = False

@@ -16,17 +16,20 @@ on, and the accounting of what it sends. It knows nothing of optimizers, DDP or 
 * :mod:`~lightning_onebit.comm.topology`: :class:`~lightning_onebit.comm.topology.Topology`, which ranks share a
   node, and the process groups of the hierarchical exchange;
 * :mod:`~lightning_onebit.comm.groups`: making process groups (one ``split_group`` per family where the backend can
-  split), their timeouts and their destruction;
-* :mod:`~lightning_onebit.comm.accounting`: :class:`CommunicationCounters` and the byte formulas;
-* :mod:`~lightning_onebit.comm.errors`: :class:`CollectiveFailedError`, a failed collective named with its group.
+  split), their timeouts and their destruction, the asynchronous ``all_gather``, and
+  :class:`CollectiveFailedError`, a failed collective named with its group;
+* :mod:`~lightning_onebit.comm.accounting`: :class:`CommunicationCounters` and the byte formulas.
 
-Everything is re-exported here (``from lightning_onebit.comm import X``), including the few private helpers that
-tests and benchmarks import. Monkeypatch a function in the module that defines it, where its callers look it up.
+Everything is re-exported here (``from lightning_onebit.comm import X``). Monkeypatch a function in the module that
+defines it, where its callers look it up. The private helpers this namespace used to re-export for tests and
+benchmarks have public names now; the old names still resolve, with a ``FutureWarning``, until 0.3 (:data:`_MOVED`).
 """
+
+import warnings
+from typing import Any
 
 from lightning_onebit.comm.accounting import (
     CommunicationCounters,
-    _bytes_sent,
     add_traffic,
     bytes_leaving_node,
     count_ring_allreduce,
@@ -34,15 +37,10 @@ from lightning_onebit.comm.accounting import (
     ring_allreduce_bytes,
 )
 from lightning_onebit.comm.agreement import agree_kernel_backend, assert_replicas_identical, replica_checksums
-from lightning_onebit.comm.errors import CollectiveFailedError
 from lightning_onebit.comm.exchange import (
-    _ALL_TO_ALL,
-    _GATHER,
-    _NODE_GATHER,
+    ExchangePhase,
     PendingExchange,
-    _advance,
-    _all_gather,
-    all_gather_async,
+    advance_exchange_,
     check_buckets,
     compressed_allreduce_,
     compressed_allreduce_buckets_,
@@ -52,6 +50,7 @@ from lightning_onebit.comm.exchange import (
     start_exchange_,
 )
 from lightning_onebit.comm.full_precision import full_precision_allreduce_, sparse_rows_allreduce_
+from lightning_onebit.comm.groups import CollectiveFailedError, all_gather_async
 from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.comm.topology import Topology
@@ -61,9 +60,11 @@ __all__ = [
     "CollectiveFailedError",
     "CommunicationCounters",
     "CompressedAllreduceState",
+    "ExchangePhase",
     "PendingExchange",
     "Topology",
     "add_traffic",
+    "advance_exchange_",
     "agree_kernel_backend",
     "all_gather_async",
     "assert_replicas_identical",
@@ -82,6 +83,26 @@ __all__ = [
     "simulate_compressed_allreduce_",
     "start_exchange_",
 ]
-# Private, not API: re-exported for the tests and benchmarks that import them from here (and listed so that the
-# re-export is explicit). Patching one of them here changes nothing: patch it in its defining module.
-__all__ += ["_ALL_TO_ALL", "_GATHER", "_NODE_GATHER", "_advance", "_all_gather", "_bytes_sent"]
+
+
+#: The private names this namespace re-exported for tests and benchmarks until 0.2, and what replaced each: they
+#: still resolve, with a ``FutureWarning``, until 0.3.
+_MOVED = {
+    "_ALL_TO_ALL": ("ExchangePhase.ALL_TO_ALL", ExchangePhase.ALL_TO_ALL),
+    "_GATHER": ("ExchangePhase.GATHER", ExchangePhase.GATHER),
+    "_NODE_GATHER": ("ExchangePhase.NODE_GATHER", ExchangePhase.NODE_GATHER),
+    "_advance": ("advance_exchange_", advance_exchange_),
+    "_all_gather": ("all_gather_async", all_gather_async),
+    "_bytes_sent": ("BucketLayout.bytes_sent", lambda layout, element_size, topology, rank: layout.bytes_sent(
+        element_size, topology, rank)),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A name of :data:`_MOVED`, with a ``FutureWarning`` that names its replacement (PEP 562)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    replacement, value = _MOVED[name]
+    warnings.warn(f"{__name__}.{name} is deprecated: use {__name__}.{replacement}; the old name will be removed in 0.3",
+                  FutureWarning, stacklevel=2)
+    return value

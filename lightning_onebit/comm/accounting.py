@@ -4,22 +4,23 @@
   calls and times;
 * :func:`ring_allreduce_bytes` and :func:`bytes_leaving_node`: the formulas (a ring allreduce per rank; the bytes that
   leave one node per step for the fp32 ring, the flat and the hierarchical 1-bit exchange);
-* :func:`count_ring_allreduce` (one ring allreduce, also used by the DDP hooks) and ``_count_call`` (one compressed
-  exchange of a bucket, split by ``_bytes_sent``): how a call is added to the counters.
+* :func:`flat_two_phase_bytes`: what a flat two-phase exchange of blocks (``all_to_all``, then a ring ``all_gather``)
+  sends to the node and beyond it (the 1-bit exchange's and the int8 hook's);
+* :func:`count_ring_allreduce` (one ring allreduce, also used by the DDP hooks): how a call is added to the counters;
+  :func:`add_traffic`, a hook's own counts added to another's.
+
+A compressed exchange's bytes follow from its bucket's layout (:meth:`~lightning_onebit.comm.BucketLayout.bytes_sent`)
+and are counted by its state (:meth:`~lightning_onebit.comm.CompressedAllreduceState.count_call`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from lightning_onebit.comm.topology import Topology
-
-if TYPE_CHECKING:  # annotations only: both modules import this one
-    from lightning_onebit.comm.layout import BucketLayout
-    from lightning_onebit.comm.state import CompressedAllreduceState
 
 
 def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
@@ -31,8 +32,8 @@ def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
 
 def bytes_leaving_node(numel: int, num_nodes: int, ranks_per_node: int, exchange: str) -> float:
     """Payload bytes that leave one node per step to average ``numel`` fp32 elements over ``num_nodes`` x
-    ``ranks_per_node`` ranks, by formula (ring and two-phase byte counts; scales and padding ignored, ranks numbered node by
-    node so that a ring crosses each node boundary once).
+    ``ranks_per_node`` ranks, by formula (ring and two-phase byte counts; scales and padding ignored, ranks numbered
+    node by node so that a ring crosses each node boundary once).
 
     ``exchange``:
 
@@ -160,35 +161,6 @@ def count_ring_allreduce(
     counters.collectives += 1
     counters.calls += 1
     return sent
-
-
-def _count_call(state: CompressedAllreduceState, layout: BucketLayout, buffer: torch.Tensor) -> None:
-    counters = state.counters
-    intra, inter = _bytes_sent(layout, buffer.element_size(), state.topology, state.rank())
-    counters.bytes_sent += intra + inter
-    counters.bytes_received += intra + inter
-    counters.bytes_sent_intra_node += intra
-    counters.bytes_sent_inter_node += inter
-    counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
-    counters.collectives += 4 if state.ranks_per_node > 1 else 2
-    counters.calls += 1
-
-
-def _bytes_sent(layout: BucketLayout, element_size: int, topology: Optional[Topology], rank: int) -> tuple[int, int]:
-    """Payload bytes one call sends from ``rank`` to ranks on its own node and to other nodes.
-
-    Flat: the ``all_to_all`` sends one block to every peer; gloo's and NCCL's ``all_gather`` are rings that send
-    ``P - 1`` blocks to the next group rank. Hierarchical: the intra-node reduce-scatter sends ``L - 1`` shards in the
-    buffer's dtype and the intra-node gather ``(L - 1) M`` blocks; the inter-node ``all_to_all`` and ``all_gather``
-    send ``M - 1`` blocks each.
-    """
-    block, world_size = layout.block_bytes, layout.world_size
-    if topology is not None and topology.is_hierarchical:
-        nodes, per_node = topology.num_nodes, topology.ranks_per_node
-        shard_bytes = layout.padded_numel // per_node * element_size
-        intra = (per_node - 1) * shard_bytes + (per_node - 1) * nodes * block
-        return intra, 2 * (nodes - 1) * block
-    return flat_two_phase_bytes(block, world_size, topology, rank)
 
 
 def flat_two_phase_bytes(block: int, world_size: int, topology: Optional[Topology], rank: int) -> tuple[int, int]:

@@ -1,21 +1,47 @@
-"""What keeps replicas bit-identical across ranks: agreeing on the kernel backend every rank runs
-(:func:`agree_kernel_backend`), and checking that the replicas did stay identical (:func:`replica_checksums`,
-:func:`assert_replicas_identical`).
+"""What the ranks agree on, and how: :func:`agree`, the one collective through which every decision that several
+ranks must take alike is made (a topology, a kernel backend, a freeze step, whether a checkpoint is sound, whether a
+step is skipped); agreeing on the kernel backend every rank runs (:func:`agree_kernel_backend`), and checking that
+the replicas did stay identical (:func:`replica_checksums`, :func:`assert_replicas_identical`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
-from lightning_onebit.comm.exchange import _all_gather
+from lightning_onebit.comm.groups import group_size
 from lightning_onebit.kernels import Backend
 
 log = logging.getLogger(__name__)
+
+
+def agree(value: Any, group: Optional[dist.ProcessGroup] = None,
+          reduce: Optional[Literal["max"]] = None) -> Union[list[Any], torch.Tensor]:
+    """What every rank of ``group`` (``None``: WORLD) holds, so that each takes the same decision from it:
+
+    * ``reduce=None``: every rank's ``value`` (any picklable object), in group-rank order, with one
+      ``all_gather_object`` (decisions made on the host: a placement, a backend, a checkpoint's problems);
+    * ``reduce="max"``: ``value``, a tensor, replaced in place by its elementwise maximum over the ranks, with one
+      ``all_reduce`` on its device (NCCL takes CUDA tensors only), and returned: no host synchronisation, for
+      decisions made on the device (a skipped step) or read once (the figures of ``freeze_step="auto"``).
+
+    A collective: every rank of ``group`` calls it at the same point, with values of the same kind (tensors of the
+    same shape and dtype). Without an initialised process group, or in a group of one rank, nothing is communicated:
+    ``[value]`` and ``value``."""
+    if reduce is not None and reduce != "max":
+        raise ValueError(f"agree: reduce must be None or 'max', got {reduce!r}")
+    if group_size(group) == 1:
+        return value if reduce == "max" else [value]
+    if reduce == "max":
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return value
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
 
 
 def agree_kernel_backend(backend: Backend = "auto", group: Optional[dist.ProcessGroup] = None) -> str:
@@ -32,12 +58,10 @@ def agree_kernel_backend(backend: Backend = "auto", group: Optional[dist.Process
 
     A collective: every rank of ``group`` must call it. Without an initialised process group it returns ``backend``.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return backend
     requested = kernels.effective_backend(backend)
-    mine = (requested, kernels.available_backends())
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = agree((requested, kernels.available_backends()), group)
     if len({r for r, _ in everyone}) != 1:
         asked = {rank: r for rank, (r, _) in enumerate(everyone)}
         raise ValueError(f"ranks asked for different kernel backends {asked}; pass the same kernel_backend everywhere")
@@ -86,21 +110,18 @@ def assert_replicas_identical(
     the same shard on every node, each rank comparing its local shards); ``None`` (default): every rank of ``group``.
     Every rank is compared over all of ``group``, so every rank raises when one set diverged.
 
-    Compares :func:`replica_checksums` with one ``all_gather`` of ``8 x len(named_tensors)`` bytes per rank; the
-    message names the first tensors that differ and the ranks that disagree with the first rank of their set. A
-    collective: every rank must call it with as many tensors, in the same order.
+    Compares :func:`replica_checksums` with one :func:`agree` (``all_gather_object``) of ``len(named_tensors)``
+    integers per rank; the message names the first tensors that differ and the ranks that disagree with the first rank
+    of their set. A collective: every rank must call it with as many tensors, in the same order.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    size = group_size(group)
+    if size == 1:
         return
     names = [name for name, _ in named_tensors]
-    mine = replica_checksums([t for _, t in named_tensors])
-    device = named_tensors[0][1].device if named_tensors and dist.get_backend(group) == "nccl" else torch.device("cpu")
-    size = dist.get_world_size(group)
-    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    _all_gather(everyone, mine.to(device), group).wait()
-    everyone = everyone.cpu().view(-1, mine.numel())
+    everyone = torch.tensor(agree(replica_checksums([t for _, t in named_tensors]).tolist(), group),
+                            dtype=torch.int64).view(size, len(names))
     sets = [list(ranks) for ranks in replica_sets] if replica_sets is not None else [list(range(size))]
-    differs = torch.zeros(mine.numel(), dtype=torch.bool)
+    differs = torch.zeros(len(names), dtype=torch.bool)
     ranks, against = [], []
     for members in sets:
         first = everyone[members[0]]

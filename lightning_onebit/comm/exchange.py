@@ -40,39 +40,28 @@ call (:func:`bytes_leaving_node`). The counters split every call's bytes into in
 
 from __future__ import annotations
 
+import enum
 from typing import Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit import kernels
-from lightning_onebit.comm.accounting import _count_call
-from lightning_onebit.comm.errors import _naming_the_group
-from lightning_onebit.comm.layout import _SCALE_BYTES, BucketLayout
-from lightning_onebit.comm.state import CompressedAllreduceState, _BucketBuffers
+from lightning_onebit.comm.groups import all_gather_async, naming_the_group
+from lightning_onebit.comm.layout import SCALE_BYTES, BucketLayout
+from lightning_onebit.comm.state import BucketBuffers, CompressedAllreduceState
 from lightning_onebit.kernels import Backend, Segments
-
-
-def all_gather_async(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
-    """``all_gather_into_tensor(output, input, group, async_op=True)``: every rank's ``input`` concatenated in rank
-    order into ``output``, launched asynchronously (its work handle returned)."""
-    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group, async_op=True)
-
-
-_all_gather = all_gather_async  # the name the library's own modules and tests used before it was public
 
 
 def _write_scales(block: torch.Tensor, scales: torch.Tensor) -> None:
     # A wire block is S_max float32 scales (unused tail left as is) followed by the packed signs, written in place.
-    block[: _SCALE_BYTES * scales.numel()].copy_(scales.view(torch.uint8))
+    block[: SCALE_BYTES * scales.numel()].copy_(scales.view(torch.uint8))
 
 
 def _read_block(block: torch.Tensor, n_scales: int, n_scales_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     # The clone realigns the scale bytes so they can be viewed as float32.
-    scales = block[: _SCALE_BYTES * n_scales].clone().view(torch.float32)
-    return scales, block[_SCALE_BYTES * n_scales_max :]
+    scales = block[: SCALE_BYTES * n_scales].clone().view(torch.float32)
+    return scales, block[SCALE_BYTES * n_scales_max :]
 
 
 def compressed_allreduce_(
@@ -97,7 +86,8 @@ def compressed_allreduce_(
 def compressed_allreduce_buckets_(
     state: CompressedAllreduceState, buckets: Sequence[tuple[Hashable, torch.Tensor, BucketLayout]]
 ) -> None:
-    """:func:`compressed_allreduce_` of several buckets, pipelined: one bucket's transfer overlaps another's compression.
+    """:func:`compressed_allreduce_` of several buckets, pipelined: one bucket's transfer overlaps another's
+    compression.
 
     :func:`start_exchange_` for every bucket (the transfer of bucket ``k`` runs while bucket ``k + 1`` is compressed),
     then :func:`finish_exchanges_`. Still two collectives per bucket (four hierarchical), issued in the same order on
@@ -140,11 +130,18 @@ def check_buckets(
             raise ValueError(f"buffer must be floating point, got {buffer.dtype}")
 
 
-# Phases of a PendingExchange. Flat: ALL_TO_ALL -> GATHER -> DONE. Hierarchical: ALL_TO_ALL (inter-node) -> GATHER
-# (inter-node) -> NODE_GATHER (intra-node) -> DONE.
-_ALL_TO_ALL, _GATHER, _NODE_GATHER, _DONE = 1, 2, 3, 4
-_PHASE_NAMES = {_ALL_TO_ALL: "1-bit all_to_all", _GATHER: "all_gather of the server blocks",
-                _NODE_GATHER: "intra-node all_gather of the server blocks"}
+class ExchangePhase(enum.IntEnum):
+    """The collective a :class:`PendingExchange` waits for. Flat: ``ALL_TO_ALL -> GATHER -> DONE``. Hierarchical:
+    ``ALL_TO_ALL`` (inter-node) ``-> GATHER`` (inter-node) ``-> NODE_GATHER`` (intra-node) ``-> DONE``."""
+
+    ALL_TO_ALL = 1
+    GATHER = 2
+    NODE_GATHER = 3
+    DONE = 4
+
+
+_PHASE_NAMES = {ExchangePhase.ALL_TO_ALL: "1-bit all_to_all", ExchangePhase.GATHER: "all_gather of the server blocks",
+                ExchangePhase.NODE_GATHER: "intra-node all_gather of the server blocks"}
 
 
 class PendingExchange:
@@ -159,15 +156,15 @@ class PendingExchange:
 
     def __init__(self, key: Hashable, buffer: torch.Tensor, layout: BucketLayout) -> None:
         self.key, self.buffer, self.layout = key, buffer, layout
-        self.buffers: Optional[_BucketBuffers] = None
+        self.buffers: Optional[BucketBuffers] = None
         self.work: Optional[dist.Work] = None  # the collective in flight
         self.group: Optional[dist.ProcessGroup] = None  # its process group (named if it fails)
-        self.phase = _DONE
+        self.phase = ExchangePhase.DONE
         self.hierarchical = False
 
     @property
     def done(self) -> bool:
-        return self.phase == _DONE
+        return self.phase == ExchangePhase.DONE
 
 
 def start_exchange_(
@@ -207,7 +204,7 @@ def start_exchange_(
         # (gloo has no AVG, and a fixed order gives the same bits as a single-process reference)
         shard = layout.padded_numel // per_node
         received = workspace.get("intra_reduce_scatter", layout.padded_numel, buffer.dtype, buffer.device)
-        with _naming_the_group("intra-node reduce-scatter (all_to_all)", topology.intra_group):
+        with naming_the_group("intra-node reduce-scatter (all_to_all)", topology.intra_group):
             dist.all_to_all_single(received, buffer, group=topology.intra_group)
         node_mean = received[:shard]
         for j in range(1, per_node):
@@ -219,10 +216,10 @@ def start_exchange_(
     else:
         _compress_chunks(buffer, bufs.worker_error, bufs.send, layout, range(state.world_size()), backend, workspace)
         pending.group = state.process_group
-    with _naming_the_group("1-bit all_to_all", pending.group):
+    with naming_the_group("1-bit all_to_all", pending.group):
         pending.work = dist.all_to_all_single(bufs.recv, bufs.send, group=pending.group, async_op=True)
-    pending.phase = _ALL_TO_ALL
-    _count_call(state, layout, buffer)
+    pending.phase = ExchangePhase.ALL_TO_ALL
+    state.count_call(layout, buffer)
     state.timings.add(state.counters, "time_s", started, state.timings.mark(buffer.device))
     return pending
 
@@ -248,12 +245,13 @@ def progress_exchanges_(
         return
     device = pending[0].buffer.device
     with state.timings.span(state.counters, "time_s", device):
-        last = _NODE_GATHER if pending[0].hierarchical else _GATHER
+        last = ExchangePhase.NODE_GATHER if pending[0].hierarchical else ExchangePhase.GATHER
         advancing = pending[:-1] if keep_newest else pending
-        for phase in range(_ALL_TO_ALL, last):  # phase by phase, oldest first: every group sees start order
+        # phase by phase, oldest first: every group sees start order
+        for phase in range(ExchangePhase.ALL_TO_ALL, last):
             for p in advancing:
                 if p.phase == phase:
-                    _advance(state, p)
+                    advance_exchange_(state, p)
 
 
 def finish_exchanges_(state: CompressedAllreduceState, pending: Sequence[PendingExchange]) -> None:
@@ -262,21 +260,22 @@ def finish_exchanges_(state: CompressedAllreduceState, pending: Sequence[Pending
     if all(p.done for p in pending):
         return
     with state.timings.span(state.counters, "time_s", pending[0].buffer.device):
-        for phase in (_ALL_TO_ALL, _GATHER, _NODE_GATHER):
+        for phase in (ExchangePhase.ALL_TO_ALL, ExchangePhase.GATHER, ExchangePhase.NODE_GATHER):
             for p in pending:
                 if p.phase == phase:
-                    _advance(state, p)
+                    advance_exchange_(state, p)
 
 
-def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
-    """Wait for ``p``'s collective and run its next phase."""
+def advance_exchange_(state: CompressedAllreduceState, p: PendingExchange) -> None:
+    """Wait for ``p``'s collective and run its next phase (:class:`ExchangePhase`); what
+    :func:`progress_exchanges_` and :func:`finish_exchanges_` do to each exchange in turn."""
     bufs, layout = p.buffers, p.layout
     assert bufs is not None and p.work is not None
-    with _naming_the_group(_PHASE_NAMES[p.phase], p.group):
+    with naming_the_group(_PHASE_NAMES[p.phase], p.group):
         p.work.wait()
     backend, workspace = state.backend, state.workspace
     inter_gather_group, intra_gather_group = state.gather_groups()
-    if p.phase == _ALL_TO_ALL:
+    if p.phase == ExchangePhase.ALL_TO_ALL:
         if p.hierarchical:
             topology = state.topology
             chunk = topology.local_index * topology.num_nodes + topology.inter_index
@@ -284,27 +283,27 @@ def _advance(state: CompressedAllreduceState, p: PendingExchange) -> None:
         else:
             chunk, sources = state.rank(), state.world_size()
         _serve_chunk(bufs, layout, layout.chunk_segments[chunk], sources, backend, workspace)
-        with _naming_the_group(_PHASE_NAMES[_GATHER], inter_gather_group):
-            p.work = _all_gather(bufs.gather_recv, bufs.gather_send, inter_gather_group)
-        p.group, p.phase = inter_gather_group, _GATHER
-    elif p.phase == _GATHER and p.hierarchical:
+        with naming_the_group(_PHASE_NAMES[ExchangePhase.GATHER], inter_gather_group):
+            p.work = all_gather_async(bufs.gather_recv, bufs.gather_send, inter_gather_group)
+        p.group, p.phase = inter_gather_group, ExchangePhase.GATHER
+    elif p.phase == ExchangePhase.GATHER and p.hierarchical:
         # every server block of the bucket, gathered packed inside the node (32x fewer bytes than the decoded shard)
-        with _naming_the_group(_PHASE_NAMES[_NODE_GATHER], intra_gather_group):
-            p.work = _all_gather(bufs.node_gather_recv, bufs.gather_recv, intra_gather_group)
-        p.group, p.phase = intra_gather_group, _NODE_GATHER
+        with naming_the_group(_PHASE_NAMES[ExchangePhase.NODE_GATHER], intra_gather_group):
+            p.work = all_gather_async(bufs.node_gather_recv, bufs.gather_recv, intra_gather_group)
+        p.group, p.phase = intra_gather_group, ExchangePhase.NODE_GATHER
     else:
         _decode_all(p.buffer, bufs.gather_recv if not p.hierarchical else bufs.node_gather_recv, layout, backend,
                     workspace)
-        p.work, p.phase = None, _DONE
+        p.work, p.phase = None, ExchangePhase.DONE
 
 
 def simulate_compressed_allreduce_(
     buffers: Sequence[torch.Tensor],
     layout: BucketLayout,
-    states: Optional[Sequence[_BucketBuffers]] = None,
+    states: Optional[Sequence[BucketBuffers]] = None,
     backend: Backend = "auto",
     workspace: Optional[kernels.Workspace] = None,
-) -> list[_BucketBuffers]:
+) -> list[BucketBuffers]:
     """The flat compressed allreduce of ``P = layout.world_size`` ranks, simulated in one process: ``buffers[r]`` is
     rank ``r``'s input (``layout.padded_numel`` elements, padding zero) and is replaced by the average every rank
     would get. The collectives become copies between the ranks' wire buffers; the compression, serving and decoding
@@ -319,7 +318,7 @@ def simulate_compressed_allreduce_(
     for buffer in buffers:
         if buffer.dim() != 1 or buffer.numel() != layout.padded_numel or not buffer.is_contiguous():
             raise ValueError(f"every buffer must be 1-D contiguous with {layout.padded_numel} elements")
-    ranks = list(states) if states is not None else [_BucketBuffers(layout, buffers[0]) for _ in range(world_size)]
+    ranks = list(states) if states is not None else [BucketBuffers(layout, buffers[0]) for _ in range(world_size)]
     workspace = workspace if workspace is not None else kernels.Workspace()
     block = layout.block_bytes
     for buffer, bufs in zip(buffers, ranks):
@@ -355,7 +354,7 @@ def _compress_chunks(
             x[part],
             worker_error[part],
             layout.chunk_segments[r],
-            packed_out=out[_SCALE_BYTES * s_max :],
+            packed_out=out[SCALE_BYTES * s_max :],
             backend=backend,
             workspace=workspace,
         )
@@ -363,7 +362,7 @@ def _compress_chunks(
 
 
 def _serve_chunk(
-    bufs: _BucketBuffers, layout: BucketLayout, segments: Segments, sources: int, backend: Backend, workspace
+    bufs: BucketBuffers, layout: BucketLayout, segments: Segments, sources: int, backend: Backend, workspace
 ) -> None:
     """Server phase: ``e_s += mean of the received chunks``; compress ``e_s`` into the all_gather block."""
     s_max, block = layout.max_chunk_segments, layout.block_bytes
@@ -378,7 +377,7 @@ def _serve_chunk(
     )
     # the server's signs are packed straight into its all_gather block, behind the scales
     server_scales, _ = kernels.compress_in_place(
-        bufs.server_error, segments, packed_out=bufs.gather_send[_SCALE_BYTES * s_max :], backend=backend,
+        bufs.server_error, segments, packed_out=bufs.gather_send[SCALE_BYTES * s_max :], backend=backend,
         workspace=workspace,
     )
     _write_scales(bufs.gather_send, server_scales)
@@ -391,4 +390,5 @@ def _decode_all(
     c, s_max, block = layout.chunk_numel, layout.max_chunk_segments, layout.block_bytes
     for j, chunk_segments in enumerate(layout.chunk_segments):
         scales, signs = _read_block(blocks[j * block : (j + 1) * block], len(chunk_segments), s_max)
-        kernels.decompress(signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend, workspace=workspace)
+        kernels.decompress(signs, scales, chunk_segments, buffer[j * c : (j + 1) * c], backend=backend,
+                           workspace=workspace)

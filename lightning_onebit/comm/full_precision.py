@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm.accounting import count_ring_allreduce, count_ring_bytes, ring_allreduce_bytes
-from lightning_onebit.comm.errors import _naming_the_group
-from lightning_onebit.comm.exchange import _all_gather
+from lightning_onebit.comm.groups import all_gather_async, naming_the_group
 from lightning_onebit.comm.state import CompressedAllreduceState
 
 
@@ -39,7 +38,7 @@ def full_precision_allreduce_(state: CompressedAllreduceState, tensors: Sequence
         started = state.timings.mark(device)
         # a fresh buffer: the shared kernel workspace may still be in use by exchanges started during backward
         flat = torch.cat([t.reshape(-1) for t in same_kind])
-        with _naming_the_group("full-precision all_reduce (compress=False groups)", state.process_group):
+        with naming_the_group("full-precision all_reduce (compress=False groups)", state.process_group):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=state.process_group)
         flat.div_(world_size)
         offset = 0
@@ -91,8 +90,8 @@ def sparse_rows_allreduce_(state: CompressedAllreduceState, tensors: Sequence[to
         nonzero = [r.ne(0).any(dim=1) for r in rows]
         counts = torch.stack([m.sum() for m in nonzero]).to(torch.int64)
         gathered_counts = torch.empty(world_size * len(rows), dtype=torch.int64, device=device)
-        with _naming_the_group("all_gather of the touched-row counts (sparse_rows groups)", group):
-            _all_gather(gathered_counts, counts, group).wait()
+        with naming_the_group("all_gather of the touched-row counts (sparse_rows groups)", group):
+            all_gather_async(gathered_counts, counts, group).wait()
         # the step's one host synchronisation (per device and dtype): the payload's size
         widths = gathered_counts.view(world_size, -1).amax(dim=0).tolist()
         # this rank's payload: per tensor, `width` indices then `width` rows, padded with index 0 and zero rows
@@ -105,8 +104,8 @@ def sparse_rows_allreduce_(state: CompressedAllreduceState, tensors: Sequence[to
             parts += [index.view(torch.uint8), picked.reshape(-1).view(torch.uint8)]
         payload = torch.cat(parts)
         gathered = torch.empty(world_size * payload.numel(), dtype=torch.uint8, device=device)
-        with _naming_the_group("all_gather of the touched rows (sparse_rows groups)", group):
-            _all_gather(gathered, payload, group).wait()
+        with naming_the_group("all_gather of the touched rows (sparse_rows groups)", group):
+            all_gather_async(gathered, payload, group).wait()
         gathered = gathered.view(world_size, -1)
         offset = 0
         for t, r, width in zip(same_kind, rows, widths):

@@ -1,26 +1,82 @@
 """Torch process groups as the exchange needs them: a family of disjoint groups made in one split where the backend
-can, the second-phase gather groups of the overlapped exchange, a group's timeout, and their destruction.
+can, a group's timeout, their destruction, the asynchronous ``all_gather`` every collective of the library uses, and
+how a failed collective is reported (:class:`CollectiveFailedError`, raised by :func:`naming_the_group` with a
+message that names the collective, the global ranks of its process group and the group's timeout).
 
 Every creation here is a collective that every rank makes in the same order; destruction is local.
 """
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # for annotations only: comm.topology imports this module
-    from lightning_onebit.comm.topology import Topology
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is available and its default process group initialised (without one, every
+    collective of the library is the identity on one rank)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: Optional[dist.ProcessGroup] = None) -> int:
+    """The number of ranks of ``group`` (``None``: WORLD); 1 without an initialised process group."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def group_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    """This process's rank in ``group`` (``None``: WORLD); 0 without an initialised process group."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+class CollectiveFailedError(RuntimeError):
+    """A collective of the compressed exchange failed on this rank. The message names the collective, the global
+    ranks of its process group and the group's timeout; the backend's own error is the ``__cause__``. On gloo a peer
+    that stalled (stopped, swapped out, stuck in I/O or a debugger) makes it time out after the group's timeout, one
+    that died makes it fail at once; neither error says which peer."""
+
+
+@contextlib.contextmanager
+def naming_the_group(what: str, group: Optional[dist.ProcessGroup]) -> Iterator[None]:
+    """Re-raise a backend error of the collective(s) inside as a :class:`CollectiveFailedError` naming ``group``."""
+    try:
+        yield
+    except CollectiveFailedError:
+        raise
+    except RuntimeError as error:  # gloo and NCCL raise RuntimeError (DistBackendError is one) for a failed peer
+        raise CollectiveFailedError(_collective_failure(what, group, error)) from error
+
+
+def _collective_failure(what: str, group: Optional[dist.ProcessGroup], error: BaseException) -> str:
+    try:
+        ranks: Any = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except (RuntimeError, ValueError):
+        ranks = "unknown"
+    timeout = group_timeout(group)
+    waited = f"with a timeout of {timeout.total_seconds():g} s" if timeout is not None else "(timeout unknown)"
+    return (
+        f"lightning_onebit: the compressed exchange's {what} in the process group of global ranks {ranks} {waited} "
+        f"failed: {error}. A rank of that group that stalled (stopped, swapped out, stuck in I/O or a debugger) "
+        "makes this collective time out; one that died makes it fail at once. Look for the rank whose log stops "
+        "before this step; the timeout is the strategy's (or init_process_group's) timeout"
+    )
+
+
+def all_gather_async(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> dist.Work:
+    """``all_gather_into_tensor(output, input, group, async_op=True)`` under the name this torch gives it (torch 2.13
+    renamed it ``all_gather_single``; the old name warns)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=True)
 
 
 def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
     """How long a collective in ``group`` (``None``: WORLD) waits before it fails, where torch says (``None`` where
     it does not: no initialised group, or a backend without the option). Reads the backend's options, which torch
     exposes without a public accessor (checked on torch 2.13, gloo and NCCL)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return None
     try:
         pg = dist.distributed_c10d._get_default_group() if group is None else group
@@ -47,7 +103,7 @@ def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
     The answer depends only on the torch build, the backend and whether a device is bound, which every rank shares,
     so every rank takes the same branch.
     """
-    if not hasattr(dist, "split_group") or not (dist.is_available() and dist.is_initialized()):
+    if not hasattr(dist, "split_group") or not is_distributed():
         return False
     default = dist.distributed_c10d._get_default_group()
     if getattr(default, "bound_device_id", None) is None:
@@ -81,7 +137,7 @@ def new_group_family(
     minutes whatever the parent's: a stalled rank would then hold its peers for half an hour.
     """
     members = [sorted(int(r) for r in ranks) for ranks in members]
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise RuntimeError("new_group_family needs an initialised torch.distributed process group")
     if timeout is None:
         timeout = group_timeout(group)
@@ -97,39 +153,10 @@ def new_group_family(
     return mine
 
 
-def new_gather_groups(
-    process_group: Optional[dist.ProcessGroup], topology: Optional[Topology], timeout: Optional[timedelta] = None
-) -> tuple[Any, Any]:
-    """Process groups of their own for the second phase of the compressed exchange, ``(inter, intra)``.
-
-    The overlapped exchange launches bucket ``k - 1``'s ``all_gather`` right after bucket ``k``'s ``all_to_all``;
-    in groups of their own the two run concurrently (:meth:`CompressedAllreduceState.create_gather_groups`). Flat: a
-    copy of ``process_group`` and ``None``; hierarchical: copies of the topology's inter- and intra-node groups. A
-    collective, as :func:`new_group_family`; ``timeout`` as there (``None``: ``process_group``'s own). Where groups are
-    made with ``new_group`` and ``process_group`` holds only some ranks (FSDP's replicate group), every rank of WORLD
-    calls it with its own group, these groups being disjoint: they are gathered (one ``all_gather_object`` over
-    WORLD) and a copy of each is made.
-    """
-    if topology is not None and topology.is_hierarchical:
-        copy = topology.with_new_groups(process_group, timeout)
-        return copy.inter_group, copy.intra_group
-    size = dist.get_world_size(process_group)
-    if size == dist.get_world_size() or split_group_supported(process_group):
-        return new_group_family([list(range(size))], process_group, timeout), None
-    # A group of some ranks only (FSDP's replicate group): dist.new_group wants every rank of WORLD to create every
-    # group, so every rank makes a copy of each rank's group (WORLD is split into such groups, e.g. a mesh dimension).
-    families: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(families, dist.get_process_group_ranks(process_group))
-    family = sorted({tuple(sorted(ranks)) for ranks in families})
-    if len({r for ranks in family for r in ranks}) != sum(len(ranks) for ranks in family):
-        raise ValueError(f"new_gather_groups: the ranks' process groups overlap without being equal: {family}")
-    return new_group_family(family, None, timeout if timeout is not None else group_timeout(process_group)), None
-
-
 def is_registered(group: Any) -> bool:
     """Whether ``group`` is a process group torch still knows (not destroyed, and its default group alive). Reads
     torch's private registry: torch has no public test, and destroying an unknown group raises."""
-    if group is None or not (dist.is_available() and dist.is_initialized()):
+    if group is None or not is_distributed():
         return False
     return dist.distributed_c10d._world.pg_map.get(group) is not None
 

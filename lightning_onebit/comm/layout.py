@@ -1,17 +1,20 @@
 """How a bucket is laid out on the wire: :class:`BucketLayout`, the padding, chunks and scale segments of a flat
-buffer for ``P`` ranks and the size of one wire block (``S_max`` float32 scales, ``_SCALE_BYTES`` each, then the
-packed signs). Pure and deterministic: every rank derives the same layout from the same inputs.
+buffer for ``P`` ranks, the size of one wire block (``S_max`` float32 scales, :data:`SCALE_BYTES` each, then the
+packed signs) and the bytes one exchange of it sends (:meth:`BucketLayout.bytes_sent`). Pure and deterministic: every
+rank derives the same layout from the same inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
-from lightning_onebit.comm.accounting import ring_allreduce_bytes
+from lightning_onebit.comm.accounting import flat_two_phase_bytes, ring_allreduce_bytes
+from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Segments
 
-_SCALE_BYTES = 4  # scales travel as float32
+#: Bytes of one scale on the wire (scales travel as float32).
+SCALE_BYTES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,7 @@ class BucketLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes of one wire block: ``S_max`` float32 scales followed by ``c / 8`` packed sign bytes."""
-        return _SCALE_BYTES * self.max_chunk_segments + self.chunk_numel // 8
+        return SCALE_BYTES * self.max_chunk_segments + self.chunk_numel // 8
 
     def bytes_per_call(self) -> int:
         """Bytes one rank sends (and, equally, receives) per compressed allreduce of this layout."""
@@ -89,3 +92,20 @@ class BucketLayout:
     def fp32_equivalent_bytes(self) -> int:
         """Bytes one rank would send in an fp32 ring allreduce of the ``N`` real elements."""
         return ring_allreduce_bytes(self.numel, 4, self.world_size)
+
+    def bytes_sent(self, element_size: int, topology: Optional[Topology], rank: int) -> tuple[int, int]:
+        """Payload bytes one compressed exchange of this layout sends from ``rank`` to ranks on its own node and to
+        other nodes (``element_size``: bytes per element of the buffer).
+
+        Flat: the ``all_to_all`` sends one block to every peer; gloo's and NCCL's ``all_gather`` are rings that send
+        ``P - 1`` blocks to the next group rank. Hierarchical: the intra-node reduce-scatter sends ``L - 1`` shards in
+        the buffer's dtype and the intra-node gather ``(L - 1) M`` blocks; the inter-node ``all_to_all`` and
+        ``all_gather`` send ``M - 1`` blocks each. Without a topology every peer counts as another node.
+        """
+        block, world_size = self.block_bytes, self.world_size
+        if topology is not None and topology.is_hierarchical:
+            nodes, per_node = topology.num_nodes, topology.ranks_per_node
+            shard_bytes = self.padded_numel // per_node * element_size
+            intra = (per_node - 1) * shard_bytes + (per_node - 1) * nodes * block
+            return intra, 2 * (nodes - 1) * block
+        return flat_two_phase_bytes(block, world_size, topology, rank)

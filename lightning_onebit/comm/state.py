@@ -1,7 +1,7 @@
 """What the compressed exchange keeps between calls, per process group: :class:`CompressedAllreduceState` (process
 group, topology, kernel backend and workspace, counters and device timings, the second-phase process groups, and
-the error feedback of every bucket with its checkpointing), ``_BucketBuffers`` (one bucket's error feedback and wire
-workspaces), and the error-feedback helpers (``_error_norm``; ``_same_exchange`` and ``_topology_text``: whether
+the error feedback of every bucket with its checkpointing), :class:`BucketBuffers` (one bucket's error feedback and
+wire workspaces), and the error-feedback helpers (``_error_norm``; ``_same_exchange`` and ``_topology_text``: whether
 saved error feedback still fits the topology, and why not).
 """
 
@@ -15,13 +15,14 @@ import torch.distributed as dist
 
 from lightning_onebit import kernels
 from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.groups import group_rank, group_size, is_distributed
 from lightning_onebit.comm.layout import BucketLayout
-from lightning_onebit.comm.topology import Topology
+from lightning_onebit.comm.topology import Topology, new_gather_groups
 from lightning_onebit.kernels import Backend
 from lightning_onebit.streams import DeviceTimings
 
 
-class _BucketBuffers:
+class BucketBuffers:
     """Error feedback and reusable workspaces of one bucket on one rank.
 
     Flat: the worker compresses the whole buffer (``N_pad`` error elements) and exchanges ``P`` blocks. Hierarchical
@@ -76,7 +77,7 @@ class CompressedAllreduceState:
         self.counters = CommunicationCounters()
         #: Device-time spans of the exchange on CUDA, added to ``counters`` once complete (:meth:`settle_timings`).
         self.timings = DeviceTimings()
-        self._buckets: dict[Hashable, _BucketBuffers] = {}
+        self._buckets: dict[Hashable, BucketBuffers] = {}
         # Scratch memory for the kernels, shared by all buckets (they are reduced one after another): it is sized
         # for the largest bucket instead of growing with their number.
         self.workspace = kernels.Workspace()
@@ -100,18 +101,16 @@ class CompressedAllreduceState:
         one per ``fit``) makes them once with ``new_gather_groups`` and hands them over with
         :meth:`install_gather_groups` instead.
         """
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             return
-        from lightning_onebit.comm.groups import new_gather_groups
-
         self.install_gather_groups(*new_gather_groups(self.process_group, self.topology))
 
     def install_gather_groups(self, inter: Any, intra: Any = None) -> None:
         """Run the second phase in these ready-made groups (made by
-        :func:`~lightning_onebit.comm.topology.new_gather_groups` for this ``process_group`` and ``topology``): ``inter``
-        for the ``all_gather`` between servers (flat: a copy of ``process_group``), ``intra`` for the hierarchical node
-        gather (``None`` when flat). No collective; valid, as :meth:`create_gather_groups`' groups, until
-        ``process_group`` or ``topology`` change. The caller keeps ownership (and destroys them)."""
+        :func:`~lightning_onebit.comm.topology.new_gather_groups` for this ``process_group`` and ``topology``):
+        ``inter`` for the ``all_gather`` between servers (flat: a copy of ``process_group``), ``intra`` for the
+        hierarchical node gather (``None`` when flat). No collective; valid, as :meth:`create_gather_groups`' groups,
+        until ``process_group`` or ``topology`` change. The caller keeps ownership (and destroys them)."""
         topology = self.topology
         if inter is None or ((topology is not None and topology.is_hierarchical) != (intra is not None)):
             raise ValueError(
@@ -151,14 +150,26 @@ class CompressedAllreduceState:
 
     # ------------------------------------------------------------------ group
     def world_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.process_group)
+        """The ranks of :attr:`process_group` (1 without an initialised process group)."""
+        return group_size(self.process_group)
 
     def rank(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0
-        return dist.get_rank(self.process_group)
+        """This process's rank in :attr:`process_group` (0 without an initialised process group)."""
+        return group_rank(self.process_group)
+
+    def count_call(self, layout: BucketLayout, buffer: torch.Tensor) -> None:
+        """Count one compressed exchange of ``buffer`` (laid out as ``layout``) in :attr:`counters`: its bytes split
+        into intra- and inter-node bytes (:meth:`BucketLayout.bytes_sent`), its fp32 equivalent, two collectives (four
+        hierarchical) and one call."""
+        counters = self.counters
+        intra, inter = layout.bytes_sent(buffer.element_size(), self.topology, self.rank())
+        counters.bytes_sent += intra + inter
+        counters.bytes_received += intra + inter
+        counters.bytes_sent_intra_node += intra
+        counters.bytes_sent_inter_node += inter
+        counters.bytes_fp32_equivalent += layout.fp32_equivalent_bytes()
+        counters.collectives += 4 if self.ranks_per_node > 1 else 2
+        counters.calls += 1
 
     def settle_timings(self) -> CommunicationCounters:
         """Add the completed CUDA-event timings to :attr:`counters` (never waits for the device) and return them."""
@@ -166,14 +177,14 @@ class CompressedAllreduceState:
         return self.counters
 
     # ------------------------------------------------------------------ error feedback
-    def buffers(self, key: Hashable, layout: BucketLayout, like: torch.Tensor) -> _BucketBuffers:
+    def buffers(self, key: Hashable, layout: BucketLayout, like: torch.Tensor) -> BucketBuffers:
         """The bucket's buffers on ``like``'s device and dtype: created as zeros when new or when the layout changed
         (the error belongs to a layout); when only the device or dtype changed, the error is carried over."""
         buffers = self._buckets.get(key)
         if buffers is None or buffers.layout != layout or buffers.ranks_per_node != self.ranks_per_node:
-            buffers = self._buckets[key] = _BucketBuffers(layout, like, self.ranks_per_node)
+            buffers = self._buckets[key] = BucketBuffers(layout, like, self.ranks_per_node)
         elif buffers.worker_error.dtype != like.dtype or buffers.worker_error.device != like.device:
-            moved = _BucketBuffers(layout, like, self.ranks_per_node)
+            moved = BucketBuffers(layout, like, self.ranks_per_node)
             moved.worker_error.copy_(buffers.worker_error)
             moved.server_error.copy_(buffers.server_error)
             buffers = self._buckets[key] = moved
@@ -268,7 +279,7 @@ class CompressedAllreduceState:
         return self.topology.describe()
 
 
-def _error_norm(buffers: Iterable[_BucketBuffers]) -> float:
+def _error_norm(buffers: Iterable[BucketBuffers]) -> float:
     """The L2 norm of the worker and server errors of ``buffers``, summed in float64 on each device, one host read
     per device."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}

@@ -30,14 +30,15 @@ from typing import Any, Literal, Optional, Sequence
 
 import torch.distributed as dist
 
-# defined in comm.groups; imported here too, where callers have always imported them from
 from lightning_onebit._checks import check_integer
 from lightning_onebit._docs import docs_pointer
+from lightning_onebit.comm.agreement import agree
+# defined in comm.groups; imported here too, where callers have always imported them from
 from lightning_onebit.comm.groups import (
     destroy_groups,
     group_timeout,
+    is_distributed,
     is_registered,
-    new_gather_groups,
     new_group_family,
     split_group_supported,
 )
@@ -278,7 +279,7 @@ class Topology:
             ValueError: as :meth:`plan`; ``"hierarchical"`` with a ``ranks_per_node`` that does not divide the world
                 size is refused before any collective.
         """
-        if not (dist.is_available() and dist.is_initialized()):
+        if not is_distributed():
             topology = cls.plan(
                 [(node_rank, local_rank)], mode if mode != "hierarchical" else "auto", 0, ranks_per_node
             )
@@ -288,8 +289,7 @@ class Topology:
         if mode == "hierarchical" and ranks_per_node is not None:
             # refused here, locally, so that no rank waits in the gather below for one that raised
             cls.plan([(0, r) for r in range(world_size)], mode, None, ranks_per_node)
-        placements: list[Any] = [None] * world_size
-        dist.all_gather_object(placements, (int(node_rank), int(local_rank), mode, ranks_per_node), group=group)
+        placements = agree((int(node_rank), int(local_rank), mode, ranks_per_node), group)
         requested = {(m, k) for _, _, m, k in placements}
         if len(requested) != 1:
             raise ValueError(
@@ -337,6 +337,34 @@ class Topology:
     def groups(self) -> tuple[Any, ...]:
         """The process groups this topology holds (hierarchical: ``(intra_group, inter_group)``; else ``()``)."""
         return tuple(g for g in (self.intra_group, self.inter_group) if g is not None)
+
+
+def new_gather_groups(
+    process_group: Optional[dist.ProcessGroup], topology: Optional[Topology], timeout: Optional[timedelta] = None
+) -> tuple[Any, Any]:
+    """Process groups of their own for the second phase of the compressed exchange, ``(inter, intra)``.
+
+    The overlapped exchange launches bucket ``k - 1``'s ``all_gather`` right after bucket ``k``'s ``all_to_all``;
+    in groups of their own the two run concurrently (:meth:`CompressedAllreduceState.create_gather_groups`). Flat: a
+    copy of ``process_group`` and ``None``; hierarchical: copies of the topology's inter- and intra-node groups. A
+    collective, as :func:`new_group_family`; ``timeout`` as there (``None``: ``process_group``'s own). Where groups are
+    made with ``new_group`` and ``process_group`` holds only some ranks (FSDP's replicate group), every rank of WORLD
+    calls it with its own group, these groups being disjoint: they are gathered (one ``all_gather_object`` over
+    WORLD) and a copy of each is made.
+    """
+    if topology is not None and topology.is_hierarchical:
+        copy = topology.with_new_groups(process_group, timeout)
+        return copy.inter_group, copy.intra_group
+    size = dist.get_world_size(process_group)
+    if size == dist.get_world_size() or split_group_supported(process_group):
+        return new_group_family([list(range(size))], process_group, timeout), None
+    # A group of some ranks only (FSDP's replicate group): dist.new_group wants every rank of WORLD to create every
+    # group, so every rank makes a copy of each rank's group (WORLD is split into such groups, e.g. a mesh dimension).
+    families = agree(dist.get_process_group_ranks(process_group))
+    family = sorted({tuple(sorted(ranks)) for ranks in families})
+    if len({r for ranks in family for r in ranks}) != sum(len(ranks) for ranks in family):
+        raise ValueError(f"new_gather_groups: the ranks' process groups overlap without being equal: {family}")
+    return new_group_family(family, None, timeout if timeout is not None else group_timeout(process_group)), None
 
 
 def _uneven_override(ranks_per_node: int, world_size: int) -> str:

@@ -4,8 +4,9 @@
 * :mod:`~lightning_onebit.hooks.gradient_sync`: :class:`GradientSyncState` and :func:`switchable_allreduce_hook`,
   DDP's allreduce during warmup (or the user's ``ddp_comm_hook``), nothing afterwards;
 * :mod:`~lightning_onebit.hooks.overlap`: :class:`OverlapState` and :func:`overlapped_exchange_hook`, the compressed
-  momentum exchange started during backward, and what decides whether it may (:func:`leaves_gradients_unchanged`,
-  :class:`OverlapFallbackReason`);
+  momentum exchange started during backward, what decides whether it may (:func:`leaves_gradients_unchanged`,
+  :class:`OverlapFallbackReason`), and :class:`ExchangeHookState` with :func:`exchange_hook`, the one hook a strategy
+  registers before it knows which of the two it runs;
 * :mod:`~lightning_onebit.hooks.powersgd`: :class:`OrderedPowerSGDState` and :func:`ordered_powersgd_hook`, torch's
   PowerSGD with its buckets compressed in order (gloo-safe) and its bytes counted;
 * :mod:`~lightning_onebit.hooks.int8`: :class:`Int8AllreduceState` and :func:`int8_allreduce_hook`, gradients averaged
@@ -18,8 +19,10 @@
 from lightning_onebit.hooks.gradient_sync import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.hooks.int8 import Int8AllreduceState, int8_allreduce_hook
 from lightning_onebit.hooks.overlap import (
+    ExchangeHookState,
     OverlapFallbackReason,
     OverlapState,
+    exchange_hook,
     is_marked_read_only,
     leaves_gradients_unchanged,
     overlapped_exchange_hook,
@@ -27,11 +30,13 @@ from lightning_onebit.hooks.overlap import (
 from lightning_onebit.hooks.powersgd import OrderedPowerSGDState, ordered_powersgd_hook
 
 __all__ = [
+    "ExchangeHookState",
     "GradientSyncState",
     "Int8AllreduceState",
     "OrderedPowerSGDState",
     "OverlapFallbackReason",
     "OverlapState",
+    "exchange_hook",
     "is_marked_read_only",
     "int8_allreduce_hook",
     "leaves_gradients_unchanged",

@@ -138,14 +138,14 @@ class ShardedOverlapState:
 
     FSDP2 reduce-scatters an FSDP group's gradients inside the node as soon as backward has produced them (while
     backward goes on through the layers below), assigns each parameter's sharded gradient, and then calls the
-    parameter's post-accumulate-grad hooks: the point FSDP2 offers for optimizer work during backward. The
-    optimizer's momentum buckets follow the FSDP groups (one per ``fully_shard`` module,
-    :func:`~lightning_onebit.strategy.sharding.fsdp_buckets`), so when the last parameter of a bucket has its
-    gradient, the hook folds the bucket's gradient shards into its momenta, compresses them with error feedback and
-    launches the first collective of the exchange over the replicate group (on a CUDA side stream); the next bucket
-    launches the previous one's second phase (:meth:`~lightning_onebit.optim.CompressedOptimizer.start_bucket_exchange_`,
-    as with DDP's buckets). ``optimizer.step()`` then only finishes the exchanges, decodes and applies, with exactly
-    the bits of the exchange done in ``step``.
+    parameter's post-accumulate-grad hooks: the point FSDP2 offers for optimizer work during backward. The optimizer's
+    momentum buckets follow the FSDP groups (one per ``fully_shard`` module,
+    :func:`~lightning_onebit.strategy.sharding.fsdp_buckets`), so when the last parameter of a bucket has its gradient,
+    the hook folds the bucket's gradient shards into its momenta, compresses them with error feedback and launches the
+    first collective of the exchange over the replicate group (on a CUDA side stream); the next bucket launches the
+    previous one's second phase (:meth:`~lightning_onebit.optim.CompressedOptimizer.start_bucket_exchange_`, as with
+    DDP's buckets). ``optimizer.step()`` then only finishes the exchanges, decodes and applies, with exactly the bits of
+    the exchange done in ``step``.
 
     In warmup (and in 0/1 Adam's full-precision steps) the hook does nothing: :class:`ReplicaAllReduceState` averages
     the gradients. A bucket whose parameters did not all get a gradient in this backward (an unused layer), one whose

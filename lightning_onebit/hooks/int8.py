@@ -52,14 +52,13 @@ import torch.distributed as dist
 
 from lightning_onebit._checks import check_flag, check_integer
 from lightning_onebit.comm.accounting import CommunicationCounters, flat_two_phase_bytes, ring_allreduce_bytes
-from lightning_onebit.comm.exchange import all_gather_async
-from lightning_onebit.comm.layout import BucketLayout
+from lightning_onebit.comm.groups import all_gather_async
+from lightning_onebit.comm.layout import SCALE_BYTES, BucketLayout
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Segments
 
 #: The largest magnitude of an int8 value: symmetric range, so that ``-q`` is ``q`` negated
 INT8_LEVELS = 127
-_SCALE_BYTES = 4  # scales travel as float32
 
 
 def int8_segments(layout: BucketLayout, segment_numel: int) -> tuple[Segments, tuple[Segments, ...]]:
@@ -166,7 +165,7 @@ class Int8AllreduceState:
                   for n in (layout.padded_numel, layout.chunk_numel)]
         plan = self._buckets[index] = _Int8Bucket(
             tensor_numels, layout, segments, chunk_segments, chunk_scales, max_scales,
-            _SCALE_BYTES * max_scales + layout.chunk_numel, *errors,
+            SCALE_BYTES * max_scales + layout.chunk_numel, *errors,
         )
         return plan
 
@@ -183,13 +182,13 @@ class Int8AllreduceState:
 
 
 def _write_block(block: torch.Tensor, scales: torch.Tensor, q: torch.Tensor, max_scales: int) -> None:
-    block[: _SCALE_BYTES * scales.numel()].copy_(scales.view(torch.uint8))
-    block[_SCALE_BYTES * max_scales:].copy_(q.view(torch.uint8))
+    block[: SCALE_BYTES * scales.numel()].copy_(scales.view(torch.uint8))
+    block[SCALE_BYTES * max_scales:].copy_(q.view(torch.uint8))
 
 
 def _read_block(block: torch.Tensor, n_scales: int, max_scales: int) -> tuple[torch.Tensor, torch.Tensor]:
     # the clone realigns the scale bytes so that they can be viewed as float32
-    return block[: _SCALE_BYTES * n_scales].clone().view(torch.float32), block[_SCALE_BYTES * max_scales:].view(
+    return block[: SCALE_BYTES * n_scales].clone().view(torch.float32), block[SCALE_BYTES * max_scales:].view(
         torch.int8)
 
 

@@ -243,3 +243,27 @@ def overlapped_exchange_hook(state: OverlapState, bucket: dist.GradBucket) -> to
     local = torch.futures.Future()
     local.set_result(bucket.buffer())
     return local
+
+
+class ExchangeHookState:
+    """State of :func:`exchange_hook`: the warmup allreduce's :class:`GradientSyncState`, and the overlapped
+    exchange's :class:`OverlapState` once there is one (``None``: every bucket goes to
+    :func:`switchable_allreduce_hook`).
+
+    DDP takes one communication hook, registered before the optimizer exists; this state lets its owner (the Lightning
+    strategy) register :func:`exchange_hook` then and hand it the overlapped exchange, or take it back, between fits.
+    It holds no reference to its owner, so DDP (which keeps its hook state alive) holds no cycle through it."""
+
+    __slots__ = ("gradient_sync", "overlap")
+
+    def __init__(self, gradient_sync: GradientSyncState, overlap: Optional[OverlapState] = None) -> None:
+        self.gradient_sync = gradient_sync
+        self.overlap = overlap
+
+
+def exchange_hook(state: ExchangeHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: :func:`overlapped_exchange_hook` while ``state.overlap`` is set, else
+    :func:`switchable_allreduce_hook` with ``state.gradient_sync``."""
+    if state.overlap is not None:
+        return overlapped_exchange_hook(state.overlap, bucket)
+    return switchable_allreduce_hook(state.gradient_sync, bucket)

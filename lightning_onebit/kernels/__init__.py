@@ -109,7 +109,9 @@ def resolve_backend(tensor: torch.Tensor, backend: Backend = "auto") -> str:
         if not tensor.is_cuda:
             raise ValueError(f"backend='cupy' needs CUDA tensors, got a tensor on {tensor.device}")
         if not cupy_kernels.is_available():
-            raise RuntimeError("backend='cupy' was requested but cupy is not importable: pip install 'lightning-onebit[cuda]'")
+            raise RuntimeError(
+                "backend='cupy' was requested but cupy is not importable: pip install 'lightning-onebit[cuda]'"
+            )
     return backend
 
 
@@ -125,7 +127,7 @@ def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None, backend: Bac
     The bytes equal ``numpy.packbits(x >= 0)``. ``x.numel()`` must be a multiple of 8.
     """
     pack_bool, _ = _bit_kernels(resolve_backend(x, backend))
-    torch_kernels._check_packable(x)
+    torch_kernels.check_packable(x)
     return pack_bool(torch.ge(x, 0), out=out)
 
 
@@ -154,7 +156,7 @@ def compress_with_error_feedback(
         raise ValueError(f"x and error must match: {x.dtype}{tuple(x.shape)} vs {error.dtype}{tuple(error.shape)}")
     if segments.total != x.numel():
         raise ValueError(f"segments cover {segments.total} elements but the buffer has {x.numel()}")
-    torch_kernels._check_packable(x)
+    torch_kernels.check_packable(x)
     resolved = resolve_backend(x, backend)  # raises before `error` is touched
     error.add_(x)
     return compress_in_place(error, segments, packed_out=packed_out, backend=resolved, workspace=workspace)
@@ -175,7 +177,7 @@ def compress_in_place(
     """
     if segments.total != y.numel():
         raise ValueError(f"segments cover {segments.total} elements but the buffer has {y.numel()}")
-    torch_kernels._check_packable(y)
+    torch_kernels.check_packable(y)
     resolved = resolve_backend(y, backend)
     if resolved == "cpu":
         return cpu_kernels.compress_in_place(y, segments, packed_out=packed_out)
@@ -233,7 +235,8 @@ def add_mean_of_signs_(
     if resolved == "cpu":
         return cpu_kernels.add_mean_of_signs_(target, packed, scales, segments)
     _, signs_into = _bit_kernels(resolved)
-    return torch_kernels.add_mean_of_signs_(target, packed, scales, segments, signs_into=signs_into, workspace=workspace)
+    return torch_kernels.add_mean_of_signs_(target, packed, scales, segments, signs_into=signs_into,
+                                            workspace=workspace)
 
 
 def frozen_adam_update_(

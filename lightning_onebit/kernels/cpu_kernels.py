@@ -93,7 +93,9 @@ def add_mean_of_signs_(
         raise ValueError("add_mean_of_signs_: need one scale tensor per source and a target covering the segments")
     for p, sc in zip(packed, scales):
         if p.numel() * 8 != segments.total or sc.numel() != len(segments):
-            raise ValueError("add_mean_of_signs_: every source needs segments.total / 8 bytes and one scale per segment")
+            raise ValueError(
+                "add_mean_of_signs_: every source needs segments.total / 8 bytes and one scale per segment"
+            )
     count = len(packed)
     packed_pointers = (ctypes.c_void_p * count)(*(p.data_ptr() for p in packed))
     scale_pointers = (ctypes.c_void_p * count)(*(s.data_ptr() for s in scales))
@@ -161,7 +163,7 @@ def lamb_prepare_(
 
     Returns a float64 ``(len(params), 3)`` CPU tensor: per parameter the largest ratio (NaN if any is), the sum of
     ``u0^2`` and the sum of ``u^2`` (accumulated in float64). The torch ops of
-    :func:`~lightning_onebit.optim.lamb_math.compressed_lamb_update_` compute the same quantities; the norms differ in
+    :func:`~lightning_onebit.optim.functional.compressed_lamb_update_` compute the same quantities; the norms differ in
     their summation order, so the two can differ in the last bits (every rank runs the same backend, so replicas stay
     identical)."""
     prepare = _lib().onebit_lamb_prepare

@@ -63,7 +63,8 @@ class Segments:
         """Views of ``buffer`` (1-D), one per segment."""
         return [buffer[a:b] for a, b in self.bounds]
 
-    def _on_device(self, name: str, device: torch.device, build: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
+    def _on_device(self, name: str, device: torch.device,
+                   build: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
         """``build(device)``, computed once per (name, device)."""
         key = (name, torch.device(device))
         cached = self._device_tensors.get(key)

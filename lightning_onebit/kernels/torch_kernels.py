@@ -25,7 +25,7 @@ _REPLICATE = 0x0101010101010101
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _check_packable(x: torch.Tensor) -> None:
+def check_packable(x: torch.Tensor) -> None:
     if x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"expected a contiguous 1-D tensor, got shape {tuple(x.shape)}")
     if x.numel() % 8:
@@ -34,7 +34,7 @@ def _check_packable(x: torch.Tensor) -> None:
 
 def pack_bool(bits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pack a 1-D bool tensor (length multiple of 8) into uint8, most significant bit first."""
-    _check_packable(bits)
+    check_packable(bits)
     n_bytes = bits.numel() // 8
     if out is None:
         out = torch.empty(n_bytes, dtype=torch.uint8, device=bits.device)
@@ -70,7 +70,7 @@ def unpack_bool(packed: torch.Tensor, out: Optional[torch.Tensor] = None) -> tor
 
 def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pack ``x >= 0`` into bytes (MSB first); ``x.numel()`` must be a multiple of 8."""
-    _check_packable(x)
+    check_packable(x)
     return pack_bool(torch.ge(x, 0), out=out)
 
 

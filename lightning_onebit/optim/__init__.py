@@ -1,4 +1,5 @@
-"""The compressed optimizers: a shared base (:mod:`lightning_onebit.optim.base`) and one module per algorithm.
+"""The compressed optimizers: a shared base (:mod:`lightning_onebit.optim.base`) made of parts, the math
+(:mod:`lightning_onebit.optim.functional`) and one module per algorithm.
 
 * :class:`OnebitAdam` (:mod:`lightning_onebit.optim.onebit_adam`): AdamW warmup, then Adam with a frozen variance and
   1-bit compressed momentum averaging.
@@ -10,11 +11,11 @@
 """
 
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
-from lightning_onebit.optim.base import CompressedOptimizer, OnebitStage
+from lightning_onebit.optim.base import CompressedOptimizer
 from lightning_onebit.optim.masks import check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam
 from lightning_onebit.optim.onebit_lamb import OnebitLamb
-from lightning_onebit.optim.step_kind import StepKind
+from lightning_onebit.optim.phases import OnebitStage, StepKind
 from lightning_onebit.optim.zeroone_adam import ZeroOneAdam
 
 __all__ = [

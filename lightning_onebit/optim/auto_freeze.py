@@ -1,8 +1,9 @@
 """``freeze_step="auto"``: end the warmup once a variance frozen a window ago would have covered the gradients since,
 and training has left its initial plateau; decided by every rank together.
 
-The rule (1-bit Adam's variance-stability idea, reworked on the example's freeze-step sweep). Every ``check_every`` warmup steps, with ``v_t`` the raw
-variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and ``c`` the bias corrections:
+The rule (1-bit Adam's variance-stability idea, reworked on the example's freeze-step sweep). Every ``check_every``
+warmup steps, with ``v_t`` the raw variance now, ``v_{t-W}`` the one ``window`` steps earlier, ``a = beta2^W`` and ``c``
+the bias corrections:
 
 * the mean squared gradient of the last ``W`` steps follows from the two snapshots, with no extra state:
   ``E = (v_t - a v_{t-W}) / (1 - a)`` (weighted within the window as ``v`` weights it);
@@ -54,12 +55,8 @@ import torch.distributed as dist
 from lightning_onebit._checks import is_real
 
 # AutoFreeze and its defaults are defined in auto_freeze_config; imported here too, where callers import them from
-from lightning_onebit.optim.auto_freeze_config import (
-    _WINDOW_SHARE_OF_BOUND,
-    DEFAULT_BOUND_SHARE,
-    AutoFreeze,
-)
-from lightning_onebit.optim.auto_freeze_figures import _agree_max, _draw_sample, _excesses, _read_on_host
+from lightning_onebit.optim.auto_freeze_config import DEFAULT_BOUND_SHARE, WINDOW_SHARE_OF_BOUND, AutoFreeze
+from lightning_onebit.optim.auto_freeze_figures import agree_max, draw_sample, excesses, read_on_host
 
 __all__ = ["DEFAULT_BOUND_SHARE", "AutoFreeze", "FreezeDetector", "VarianceReading"]
 
@@ -135,7 +132,7 @@ class FreezeDetector:
         if config.window is not None:
             window = config.window
         else:
-            window = min(self.time_constant, max(4, self.max_step // _WINDOW_SHARE_OF_BOUND // 4 * 4))
+            window = min(self.time_constant, max(4, self.max_step // WINDOW_SHARE_OF_BOUND // 4 * 4))
         every = config.check_every or max(1, window // 4)
         while window % every:  # the largest divisor of the window not above W / 4
             every -= 1
@@ -197,9 +194,9 @@ class FreezeDetector:
 
     # ------------------------------------------------------------------ the decision
     def bound_by_run(self, run_steps: int) -> int:
-        """The latest step of the warmup for a run of ``run_steps`` optimizer steps: ``AutoFreeze(max_step)`` when
-        set, else :data:`DEFAULT_BOUND_SHARE` (half) of the run, which then becomes this detector's bound. The Lightning strategy calls it at the
-        start of every fit; outside it ``max_step`` must be set."""
+        """The latest step of the warmup for a run of ``run_steps`` optimizer steps: ``AutoFreeze(max_step)`` when set,
+        else :data:`DEFAULT_BOUND_SHARE` (half) of the run, which then becomes this detector's bound. The Lightning
+        strategy calls it at the start of every fit; outside it ``max_step`` must be set."""
         if self.max_step is None:
             self.max_step = max(1, int(DEFAULT_BOUND_SHARE * run_steps))
         if self.window is None:
@@ -213,7 +210,8 @@ class FreezeDetector:
         if self.max_step is None:
             raise ValueError(
                 f"{self.owner}(freeze_step='auto') needs AutoFreeze(max_step=...) outside the Lightning "
-                f"strategy (which defaults it to {DEFAULT_BOUND_SHARE:.0%} of the run): the latest step at which to end the warmup"
+                f"strategy (which defaults it to {DEFAULT_BOUND_SHARE:.0%} of the run): the latest step at which to "
+                "end the warmup"
             )
         if self.window is None:
             self._schedule()
@@ -234,9 +232,9 @@ class FreezeDetector:
                 log.info("freeze_step='auto': the measured parameters changed; measuring afresh from step %d", t)
             if old is not None:
                 numels = [numel for numel, *_ in reading.variances]
-                local = _excesses(old, snapshot, self._decays(reading), self._sample_counts(len(snapshot[1])), numels)
+                local = excesses(old, snapshot, self._decays(reading), self._sample_counts(len(snapshot[1])), numels)
                 local += self._loss_figures()
-                figures = _agree_max(local, reading.process_group, reading.device)
+                figures = agree_max(local, reading.process_group, reading.device)
                 sample, tensor, coeff_mean, coeff_max, loss_ratio, no_loss = figures
                 if no_loss:
                     raise ValueError(
@@ -318,12 +316,12 @@ class FreezeDetector:
         self, reading: VarianceReading
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], Optional[float]]:
         """``(sample of the raw v, sum of the raw v per tensor, the optimizer's extra settling figures)``, in float64 on
-        the CPU (the sample laid out tensor by tensor, see :func:`_draw_sample`), and the sum of the losses recorded
+        the CPU (the sample laid out tensor by tensor, see :func:`draw_sample`), and the sum of the losses recorded
         since the last check. Gathered on the device and read with one copy per device (one host synchronisation per
         check on a single GPU, not two per tensor)."""
         params = reading.variances
         if self._sample is None:
-            self._sample = _draw_sample([numel for numel, *_ in params], self.config.sample_size, self.config.seed)
+            self._sample = draw_sample([numel for numel, *_ in params], self.config.sample_size, self.config.seed)
             self._sample_on = {}
         parts: list[torch.Tensor] = []
         for _, v, _, _ in params:  # the sums
@@ -341,7 +339,7 @@ class FreezeDetector:
         parts.append(torch.zeros(0, dtype=torch.float64) if extra is None else extra.reshape(-1).double())
         if self._loss_sum is not None:
             parts.append(self._loss_sum.reshape(1))
-        host = _read_on_host(parts)
+        host = read_on_host(parts)
         n, k = len(params), len(self._sample)
         sums, sample, extra_host = host[:n], host[n : n + k], host[n + k]
         loss_total = float(host[n + k + 1][0]) if self._loss_sum is not None else self._loss_carry

@@ -15,7 +15,7 @@ from lightning_onebit._checks import check_integer, check_real
 #: frozen at 25%); the rule itself decides before the bound on the real fine-tuning tasks.
 DEFAULT_BOUND_SHARE = 0.5
 #: The default window is this fraction of ``max_step``: 1/12 of the run under the default bound.
-_WINDOW_SHARE_OF_BOUND = 6
+WINDOW_SHARE_OF_BOUND = 6
 
 
 @dataclasses.dataclass

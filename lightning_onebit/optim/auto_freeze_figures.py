@@ -9,14 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from lightning_onebit.comm.agreement import agree
+from lightning_onebit.comm.groups import group_size
 
 # A tensor whose variance per element is below this fraction of the median tensor's carries numerical noise only
 # (e.g. attention key biases, whose gradient is zero in exact arithmetic): its relative figures are left out.
 _NEGLIGIBLE_VARIANCE = 1e-8
 
 
-def _draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, torch.Tensor]]:
+def draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, torch.Tensor]]:
     """``size`` distinct coordinates drawn uniformly over all tensors (all if there are fewer), the same on every
     rank: ``(tensor index, flat indices)`` pairs, in tensor order."""
     total = sum(numels)
@@ -31,7 +33,7 @@ def _draw_sample(numels: list[int], size: int, seed: int) -> list[tuple[int, tor
     return out
 
 
-def _read_on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def read_on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each (1-D float64) tensor's values in CPU memory, with one copy per device: a device's tensors are concatenated
     there and copied at once (the one host synchronisation), then split on the CPU."""
     by_device: dict[torch.device, list[int]] = {}
@@ -50,7 +52,7 @@ def _window_moment(v_new: torch.Tensor, v_old: torch.Tensor, decay: torch.Tensor
     return (v_new - decay * v_old).div_(1 - decay).clamp_min_(0)
 
 
-def _excesses(
+def excesses(
     old: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...], decays: list[tuple[float, float]],
     sample_counts: torch.Tensor, numels: list[int],
 ) -> list[float]:
@@ -70,7 +72,7 @@ def _excesses(
         live &= frozen >= _NEGLIGIBLE_VARIANCE * frozen[live].median()
     ratio = torch.where(live, moment / frozen.clamp_min(1e-300), torch.zeros_like(frozen))
     tensor = float((ratio.sqrt() - 1).clamp_min(0).max()) if ratio.numel() else 0.0
-    # the sample: its coordinates lie tensor by tensor, in the order of _draw_sample
+    # the sample: its coordinates lie tensor by tensor, in the order of draw_sample
     if sample_new.numel():
         if bool((decay == decay[0]).all() and (correction == correction[0]).all()):
             # one beta2 and one step for every tensor (the usual case): scalars, not a per-coordinate expansion
@@ -98,11 +100,9 @@ def _excesses(
     return [sample, tensor, coeff_mean, coeff_max]
 
 
-def _agree_max(values: list[float], group: Any, device: torch.device) -> list[float]:
-    """Every rank's figures replaced by their maximum over the group (one all_reduce of a few floats, on the
-    parameters' device: NCCL takes CUDA tensors only)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+def agree_max(values: list[float], group: Any, device: torch.device) -> list[float]:
+    """Every rank's figures replaced by their maximum over the group (:func:`~lightning_onebit.comm.agreement.agree`:
+    one all_reduce of a few floats, on the parameters' device: NCCL takes CUDA tensors only)."""
+    if group_size(group) == 1:
         return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
+    return agree(torch.tensor(values, dtype=torch.float64, device=device), group, reduce="max").tolist()

@@ -1,84 +1,54 @@
-"""The lean base of the compressed optimizers: the step and its stage, the dispatch to a subclass's warmup and
-compressed steps, the freeze step, and the public entry points of what it delegates.
-
-What it delegates, one module each: the momentum buckets and their layout (:mod:`~lightning_onebit.optim.buckets`),
-their plan (:mod:`~lightning_onebit.optim.bucket_plan`), their compressed exchange and its error feedback
-(:mod:`~lightning_onebit.optim.exchange`; carried over to a new layout by
-:mod:`~lightning_onebit.optim.error_feedback`), masks and dead coordinates (:mod:`~lightning_onebit.optim.masks`),
-param-group options (:mod:`~lightning_onebit.optim.groups`), the full-precision average of ``compress=False`` groups
-(:mod:`~lightning_onebit.optim.uncompressed`), the checkpoint format (:mod:`~lightning_onebit.optim.checkpoint`), the
-phase sentences (:mod:`~lightning_onebit.optim.phase`) and the update math (:mod:`~lightning_onebit.optim.functional`).
-Three mixins give it the process group and topology (:mod:`~lightning_onebit.optim.process_group`), the measuring side
-of ``freeze_step="auto"`` (:mod:`~lightning_onebit.optim.freeze`; the rule is
-:mod:`~lightning_onebit.optim.auto_freeze`'s), and the parts its subclasses' steps are made of
-(:mod:`~lightning_onebit.optim.step_parts`).
-
-An algorithm is a subclass (:class:`~lightning_onebit.OnebitAdam`) that implements its warmup step and its
-compressed step; the compressed step calls :meth:`CompressedOptimizer._average_momenta_` to turn every rank's local
-momentum into the rank-identical compressed average, then applies its update.
-"""
+"""The base of the compressed optimizers: the step and its stage, and the public interface over their parts, each an
+attribute with a small interface: the momentum buckets and their exchange (``momentum_buckets``, ``exchange``) over the
+compressed allreduce's state (``compression``), the checkpoint writer (``checkpoint``), the freeze detector
+(``freezing``), the dead-coordinate masks (``masks``) and the sharded parameters' stand-ins (``shards``). The math is
+:mod:`~lightning_onebit.optim.functional`'s; an algorithm's compressed step reads fold, exchange, mask, update."""
 
 from __future__ import annotations
 
 import collections
-import enum
 import logging
-from typing import Any, Callable, Iterable, Optional, Sequence, Union, get_args
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from lightning_onebit import kernels
-from lightning_onebit._checks import check_bucket_cap_mb
 from lightning_onebit.comm.agreement import agree_kernel_backend
 from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
+from lightning_onebit.optim.auto_freeze import FreezeDetector, VarianceReading
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
-from lightning_onebit.optim.bucket_plan import Plan
-from lightning_onebit.optim.buckets import BucketSource, MomentumBucket, MomentumBuckets
-from lightning_onebit.optim.checkpoint import CheckpointMixin, state_family
-from lightning_onebit.optim.exchange import MomentumExchange
-from lightning_onebit.optim.freeze import AutoFreezeMixin, check_freeze_options
-from lightning_onebit.optim.groups import check_param_group
-from lightning_onebit.optim.masks import DeadCoordinates, set_exp_avg_mask
-from lightning_onebit.optim.phase import phase_sentence
-from lightning_onebit.optim.process_group import ProcessGroupMixin
+from lightning_onebit.optim.bucket_layout import Plan
+from lightning_onebit.optim.buckets import BucketSource, MomentumBucket, MomentumBuckets, MomentumExchange
+from lightning_onebit.optim.buckets import StepExchange, compressed_trainable
+from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY, CheckpointWriter, state_family
+from lightning_onebit.optim.error_feedback import feedback_mismatch, load_feedback_
+from lightning_onebit.optim.freeze import FreezeControl, variance_reading
+from lightning_onebit.optim.groups import average_gradients_, check_optimizer_options, check_param_group
+from lightning_onebit.optim.masks import DeadCoordinateMasks, DeadCoordinates, set_exp_avg_mask
+from lightning_onebit.optim.phases import OnebitStage, StepKind, phase_sentence
 from lightning_onebit.optim.sharded import ShardedParams, is_sharded
-from lightning_onebit.optim.step_kind import StepKind
-from lightning_onebit.optim.step_parts import StepPartsMixin
 
 log = logging.getLogger(__name__)
 
 #: Default size of a compressed momentum bucket, MB (DDP's default bucket size).
 DEFAULT_BUCKET_CAP_MB = 25.0
 
-class OnebitStage(str, enum.Enum):
-    """The stage an optimizer step runs in."""
 
-    WARMUP = "warmup"
-    COMPRESSION = "compression"
-
-
-class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, CheckpointMixin, torch.optim.Optimizer):
-    """Base of the optimizers that average 1-bit compressed momenta after a full-precision warmup.
-
-    It owns what they share: the global step and the stage (:attr:`stage`, :attr:`needs_gradient_allreduce`), the
-    momentum buckets (flat, zero-padded buffers whose views are the parameters' ``exp_avg``; laid out by
-    ``bucket_cap_mb`` or by :meth:`set_bucket_plan`), the compressed exchange and its counters, the overlap with
-    backward (:meth:`start_bucket_exchange_`), momentum masks (param-group option ``exp_avg_mask``), param groups kept
-    out of compression (param-group option ``compress=False``), dead-coordinate detection, and the checkpoint state
-    (:meth:`state_dict`, per-rank error feedback). Param groups hold ``lr``, ``betas``, ``eps``, ``weight_decay``,
-    ``bias_correction`` and ``compress``, checked when a group is added.
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers that average 1-bit compressed momenta after a full-precision warmup: the global step and
+    the stage (:attr:`stage`, :attr:`needs_gradient_allreduce`), the momentum buckets and their exchange, the overlap
+    with backward (:meth:`start_bucket_exchange_`), momentum masks (param-group option ``exp_avg_mask``), param groups
+    kept out of compression (``compress=False``), dead coordinates and the checkpoint state. Param groups hold ``lr``,
+    ``betas``, ``eps``, ``weight_decay``, ``bias_correction`` and ``compress``, checked when a group is added.
 
     A subclass passes its ``defaults`` and implements ``_warmup_step()`` (averaged gradients), ``_compressed_step()``
-    (local gradients; it calls :meth:`_average_momenta_`, or :meth:`_compressed_average_` for other quantities, and
-    applies its update) and ``_full_precision_update_(groups)`` (its warmup update of the given groups, on averaged
-    gradients, with ``exp_avg_mask`` applied to the momentum: what ``compress=False`` groups take in the compression
-    stage, after :meth:`_step_uncompressed_groups_` averaged their gradients); ``_warmup_step`` and
-    ``_compressed_step`` may return the kind of step they took (see :attr:`steps_by_kind`). See
-    :class:`~lightning_onebit.OnebitAdam` for the arguments, which every subclass shares.
+    (local gradients: fold, exchange, mask, update) and ``_full_precision_update_(groups)`` (its warmup update of
+    these groups, with ``exp_avg_mask`` applied to the momentum: what ``compress=False`` groups take in the compression
+    stage); the two steps may return the kind of step they took (:attr:`steps_by_kind`). See
+    :class:`~lightning_onebit.OnebitAdam` for the arguments, which every subclass shares, and CONTRIBUTING.md.
     """
 
     #: Why this optimizer's exchange cannot start during backward (``None``: it can, see
@@ -87,9 +57,14 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
     #: Whether the optimizer itself keeps coordinates with an exactly-zero variance at rest (their momentum is zeroed),
     #: instead of relying on masks fixed at the end of warmup (:class:`~lightning_onebit.MomentumMask`'s ``auto``).
     masks_zero_variance: bool = False
-    #: Why this optimizer cannot train sharded (``DTensor``, FSDP2) parameters (``None``: it can, see
-    #: :mod:`~lightning_onebit.optim.sharded`).
+    #: Why this optimizer cannot train sharded (``DTensor``, FSDP2) parameters (``None``: it can).
     sharded_unsupported_reason: Optional[str] = None
+    #: What :class:`~lightning_onebit.CommunicationMonitor`'s advice adds about the steps of this optimizer that it
+    #: does not time (``None``: it times every compressed step).
+    advisor_note: Optional[str] = None
+    #: The algorithms whose optimizer state this one can continue from (see :meth:`load_state_dict`);
+    #: ``"torch.optim"``: a torch optimizer's state dict (e.g. AdamW's: its moments and step).
+    _continues_state_of: tuple[str, ...] = ("OnebitAdam", "ZeroOneAdam", "torch.optim")
 
     def __init__(
         self,
@@ -104,53 +79,35 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         topology: Optional[Topology] = None,
         dead_coordinates: DeadCoordinates = "mask",
     ) -> None:
-        auto_freeze = check_freeze_options(freeze_step, auto_freeze, type(self).__name__)
-        check_bucket_cap_mb(bucket_cap_mb, "bucket_cap_mb")
-        if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-            raise ValueError(
-                f"process_group must be a torch.distributed.ProcessGroup or None (WORLD), got {process_group!r}"
-            )
-        if dead_coordinates not in get_args(DeadCoordinates):
-            raise ValueError(
-                f"dead_coordinates must be one of {get_args(DeadCoordinates)}, got {dead_coordinates!r}"
-            )
-        # which momenta share a bucket (packed by bucket_cap_mb, or as set_bucket_plan says) and the buckets; before
-        # the param groups are added (add_param_group invalidates the buckets)
+        name = type(self).__name__
+        auto_freeze = check_optimizer_options(name, freeze_step, auto_freeze, bucket_cap_mb, process_group, topology,
+                                              dead_coordinates, kernel_backend)
+        # parts made before the param groups are added (add_param_group invalidates the buckets)
         self.momentum_buckets = MomentumBuckets(int(bucket_cap_mb * 2**20))
         # DTensor parameters (FSDP2 shards) and the plain tensors over their local shards that stand in for them
-        self.shards = ShardedParams(type(self).__name__)
-        self._exchange_group_checked = False
+        self.shards = ShardedParams(name)
+        self.masks = DeadCoordinateMasks(dead_coordinates, name)
         # every param group is compressed unless it says compress=False (see _check_group)
         super().__init__(params, {**defaults, "compress": True})
-        self._init_freeze(freeze_step, auto_freeze)  # freeze_step, auto_freeze and what measures it
-        if topology is not None and not isinstance(topology, Topology):
-            raise ValueError(
-                f"topology must be a lightning_onebit.Topology (from Topology.build), got {type(topology).__name__}"
-            )
-        kernels.effective_backend(kernel_backend)  # raises on an unknown name
+        #: The last warmup step: an int, or ``None`` while ``freeze_step="auto"`` is still measuring.
+        self.freeze_step: Optional[int] = None if freeze_step == "auto" else freeze_step
+        self.freezing = FreezeControl((auto_freeze or AutoFreeze()) if freeze_step == "auto" else None, name)
         self.kernel_backend = kernel_backend
         self.compression = CompressedAllreduceState(process_group, kernel_backend, topology)
         self._backend_agreed = False
         self._step = 0
         # the buckets' compressed exchanges: started during backward (the overlap hook) or in step
         self.exchange = MomentumExchange(self.compression)
-        # id(param) -> factor (a 0-dim tensor on the parameter's device) its momentum is multiplied by for the
-        # exchange and divided by after it (exchange.scale_momenta_); set by a subclass (1-bit LAMB's scaling
-        # coefficients), empty for 1-bit Adam
+        self.checkpoint = CheckpointWriter(name, state_family(type(self), CompressedOptimizer),
+                                           self._continues_state_of)
+        # id(param) -> factor (a 0-dim tensor) its momentum is multiplied by for the exchange and divided by after it;
+        # set by a subclass (1-bit LAMB's scaling coefficients), empty for 1-bit Adam
         self._exchange_scale: dict[int, torch.Tensor] = {}
         self.last_dropped_error_norm: Optional[float] = None
-        self.dead_coordinates = dead_coordinates
-        self._dead_coordinates_masked_by: Optional[str] = None  # a callback that masks and reports them itself
-        # id(param) -> v == 0 of the compressed groups' dead coordinates, found at the first compressed step after
-        # construction or a load (None until then), kept at rest with dead_coordinates="mask"
-        self._zero_variance: Optional[dict[int, torch.Tensor]] = None
-        #: Steps this process took, by :class:`~lightning_onebit.optim.StepKind`: ``WARMUP`` and ``COMPRESSED``;
-        #: :class:`~lightning_onebit.ZeroOneAdam` takes ``VARIANCE``, ``COMPRESSED``, ``LOCAL`` and ``SYNC`` steps.
-        #: Not saved in checkpoints.
+        #: Steps this process took, by :class:`~lightning_onebit.optim.StepKind` (not saved in checkpoints).
         self.steps_by_kind: collections.Counter[StepKind] = collections.Counter()
         self.last_step_kind: Optional[StepKind] = None  # the kind of the latest step
 
-    # ------------------------------------------------------------------ validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (see the class docstring for its options). An invalid group raises ``ValueError`` naming
         the option and the group, and is not added."""
@@ -166,17 +123,13 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
             self.param_groups.pop()
             raise
         self.momentum_buckets.built = None  # a new group changes the bucket layout
-        self._zero_variance = None  # and may hold dead coordinates
+        self.masks.kept = None  # and may hold dead coordinates
 
     @classmethod
     def _check_group(cls, group: dict[str, Any], index: int) -> None:
         check_param_group(group, index, cls.__name__)
 
-    # ------------------------------------------------------------------ read-only status
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken so far (warmup and compressed)."""
-        return self._step
+    step_count = property(lambda self: self._step, doc="Optimizer steps taken so far (warmup and compressed).")
 
     @property
     def stage(self) -> OnebitStage:
@@ -191,55 +144,62 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         long as the freeze step is known, and ``WARMUP`` while ``freeze_step="auto"`` has not decided)."""
         return StepKind.WARMUP if self.stage is OnebitStage.WARMUP else StepKind.COMPRESSED
 
-    @property
-    def needs_gradient_allreduce(self) -> bool:
-        """Whether gradients of the next backward must be averaged across ranks (the next step's kind says so)."""
-        return self.next_step_kind.averages_gradients
-
-    #: What :class:`~lightning_onebit.CommunicationMonitor`'s advice adds about the steps of this optimizer that it
-    #: does not time (``None``: it times every compressed step).
-    advisor_note: Optional[str] = None
-
-    @property
-    def replicas_in_sync(self) -> bool:
-        """Whether every rank holds the same parameters now (always, except between the synchronisations of an
-        optimizer that takes local steps, :class:`~lightning_onebit.ZeroOneAdam`)."""
-        return True
+    needs_gradient_allreduce = property(lambda self: self.next_step_kind.averages_gradients, doc=(
+        "Whether gradients of the next backward must be averaged across ranks (the next step's kind says so)."))
+    #: Whether every rank holds the same parameters now (always, except between the synchronisations of an optimizer
+    #: that takes local steps, :class:`~lightning_onebit.ZeroOneAdam`).
+    replicas_in_sync = property(lambda self: True)
 
     def synchronize(self) -> bool:
-        """Make the replicas identical now if they are not (:attr:`replicas_in_sync`); a collective when it acts,
-        so call it on every rank (the strategy does, before it saves a checkpoint). Returns whether it communicated.
-        Nothing to do here: this optimizer's replicas are identical after every step."""
+        """Make the replicas identical now if they are not (:attr:`replicas_in_sync`): a collective when it acts, which
+        every rank calls (the strategy does, before it saves a checkpoint); returns whether it communicated. Nothing
+        to do here: the replicas are identical after every step."""
         return False
 
     def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
-        """Scale schedule arguments left to the run's length to ``total_steps`` optimizer steps (``None``: unknown;
-        the Lightning strategies call it at the start of ``fit``); returns what was set, for the log. Nothing here
-        (see :meth:`ZeroOneAdam.fit_schedule_to_run`)."""
+        """Scale schedule arguments left to the run's length to ``total_steps`` optimizer steps (``None``: unknown; the
+        strategies call it at the start of ``fit``); returns what was set, for the log. None here (see ZeroOneAdam)."""
         return None
 
     def describe_phase(self) -> tuple[StepKind, str]:
-        """``(phase, sentence)``: the phase the next step is in, named by the kind of step that characterises it, and
-        a sentence for the log saying what it does (:func:`~lightning_onebit.optim.phase.phase_sentence`). The
-        strategy announces each new phase once."""
+        """``(phase, sentence)``: the phase of the next step, named by the kind of step that characterises it, and what
+        it does (:func:`~lightning_onebit.optim.phases.phase_sentence`); the strategy announces each new phase once."""
         return phase_sentence(
-            type(self).__name__, self.stage is OnebitStage.WARMUP, self._step, self.freeze_step, self._detector,
-            lambda: self._ensure_detector().rule(), bool(self._uncompressed_groups()),
+            type(self).__name__, self.stage is OnebitStage.WARMUP, self._step, self.freeze_step,
+            self.freezing.detector, lambda: self._ensure_detector().rule(), bool(self._uncompressed_groups()),
         )
 
-    def _on_freeze(self) -> None:
-        """Called once, after the last warmup step (fixed or decided ``freeze_step``)."""
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group the momenta are averaged over (``None``: the default group). Setting another one resets
+        the error feedback, rebuilds the buckets at their next use and agrees the kernel backend again."""
+        return self.compression.process_group
 
-    def _settling_figures(self) -> Optional[torch.Tensor]:
-        """Other per-tensor figures that must settle before an automatic freeze (1-bit LAMB: its trust-ratio EMAs);
-        ``None``: only the variance."""
-        return None
+    @process_group.setter
+    def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        if group is not self.compression.process_group:
+            self.compression.process_group = group
+            self.compression.reset_error_feedback()
+            self.momentum_buckets.built = None
+            self._backend_agreed = self.shards.exchange_group_checked = False
 
-    def _steps_capped(self) -> bool:
-        """Whether no compressed step can be larger than a warmup step whatever the gradients do (see
-        ``VarianceReading.steps_capped``): then an automatic freeze waits neither for the gradient excess nor for the
-        largest tensor's settling figure."""
-        return False
+    @property
+    def topology(self) -> Optional[Topology]:
+        """The :class:`~lightning_onebit.Topology` of the momentum exchange (``None``: flat, nodes unknown)."""
+        return self.compression.topology
+
+    @topology.setter
+    def topology(self, topology: Optional[Topology]) -> None:
+        if topology is not None and not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a lightning_onebit.Topology, got {type(topology).__name__}")
+        if topology is not self.compression.topology:
+            self.compression.topology = topology
+            self.compression.reset_error_feedback()  # its shapes and meaning depend on the exchange
+
+    #: Cumulative :class:`~lightning_onebit.comm.CommunicationCounters` of the compressed allreduce on this rank, and
+    #: of the full-precision allreduce of ``compress=False`` groups (``bytes_sent_uncompressed``); not the warmup's. On
+    #: CUDA the times count once their events completed (read back here without waiting).
+    communication = property(lambda self: self.compression.settle_timings())
 
     def agree_kernel_backend(self) -> str:
         """Agree the kernel backend with every rank of :attr:`process_group` (a collective; see ``kernel_backend``).
@@ -248,7 +208,6 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         self._backend_agreed = True
         return self.compression.backend
 
-    # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimization step; warmup or compressed according to :attr:`stage`."""
@@ -256,13 +215,10 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if loss is not None and self._observe_closure_loss:
+            if loss is not None and self.freezing.observe_closure_loss:
                 self.observe_loss(loss)
-        if self.shards:
-            if not self._exchange_group_checked:  # before any collective of this step
-                self.shards.check_exchange_group(self.compression.process_group)
-                self._exchange_group_checked = True
-            self.shards.bind_gradients_()
+        if self.shards.pairs:  # gradients bound to the local shards; the exchange group checked before any collective
+            self.shards.prepare_step_(self.compression.process_group)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
@@ -274,8 +230,9 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         self._step += 1
         if stage is OnebitStage.WARMUP:
             kind = self._warmup_step() or StepKind.WARMUP
-            if self.freeze_step is None:
-                self._observe_variance()
+            if self.freeze_step is None:  # freeze_step="auto": measure after this warmup step, maybe end it here
+                self.freeze_step = self.freezing.after_warmup_step(
+                    self._step, self.param_groups[0]["betas"][1], self._variance_reading, self.compression.rank())
             if self.stage is OnebitStage.COMPRESSION:
                 self._on_freeze()
         else:
@@ -290,40 +247,63 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; sharded parameters' ``DTensor`` gradients are cleared too."""
         super().zero_grad(set_to_none)
-        if self.shards:
-            self.shards.clear_gradients_(set_to_none)
+        self.shards.clear_gradients_(set_to_none)
 
     def _warmup_step(self) -> Optional[StepKind]:
-        raise NotImplementedError
+        raise NotImplementedError  # the subclass's (see the class docstring), as the two below
 
     def _compressed_step(self) -> Optional[StepKind]:
         raise NotImplementedError
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
-        """The warmup update of these param groups on their (averaged) gradients, in the compression stage, with
-        explicit ``exp_avg_mask`` applied to the momentum: what ``compress=False`` groups take."""
         raise NotImplementedError
 
-    def dead_coordinates_masked_by(self, owner: str) -> None:
-        """Declare that ``owner`` masks and reports every dead coordinate itself (``MomentumMask(auto=True)`` does),
-        so that this optimizer does not warn about them."""
-        self._dead_coordinates_masked_by = owner
-        log.debug("%s: dead coordinates are masked by %s", type(self).__name__, owner)
+    def _on_freeze(self) -> None:
+        """Called once, after the last warmup step (fixed or decided ``freeze_step``)."""
 
-    # ------------------------------------------------------------------ overlap with backward
-    def start_bucket_exchange_(
-        self,
-        key: int,
-        params: Sequence[torch.Tensor],
-        gradients: Sequence[torch.Tensor],
-        clip_value: Optional[float] = None,
-    ) -> bool:
-        """Fold one bucket's local gradients into its momenta and start its compressed exchange, during backward (for
-        a DDP communication hook, :func:`~lightning_onebit.overlapped_exchange_hook`). ``key``: the momentum bucket
-        (:meth:`set_bucket_plan`); ``params``, ``gradients``: the gradient bucket's, in order; ``clip_value`` (default
-        ``None``: no clipping): clamp the gradients to ``[-clip_value, clip_value]`` first. Returns whether it started
-        (``False`` in warmup, and where the buckets do not fit: :meth:`MomentumExchange.start_bucket_`); raises
-        ``RuntimeError`` on a second backward pass before :meth:`step`."""
+    def _moment_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """``p``'s state with ``exp_avg`` and ``exp_avg_sq`` (zeros when new) for a step where ``p`` has a gradient
+        and its variance is updated: from then on ``p`` is no longer frozen."""
+        state = self.state[p]
+        if "exp_avg_sq" not in state:
+            if "exp_avg" not in state:  # else: a zero momentum view into a bucket built early
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self.momentum_buckets.frozen.discard(id(p))
+        return state
+
+    def _uncompressed_groups(self) -> list[dict[str, Any]]:
+        """The param groups with ``compress=False``."""
+        return [group for group in self.param_groups if not group["compress"]]
+
+    def _step_uncompressed_groups_(self, averaged: bool = False) -> None:
+        """Compression stage: the ``compress=False`` groups' gradients averaged in full precision (unless ``averaged``
+        by DDP already: 0/1 Adam's variance steps) and their warmup update."""
+        groups = self._uncompressed_groups()
+        if groups:
+            if not averaged:
+                average_gradients_(self.compression, groups)
+            self._full_precision_update_(groups)
+
+    def _begin_exchange(self) -> StepExchange:
+        """The compressed step's exchange of the momenta (:class:`~lightning_onebit.optim.buckets.StepExchange`: the
+        buckets, rebuilt if the trainable parameters changed, and those the overlap hook started; the caller folds the
+        rest and finishes). Finds the dead coordinates and agrees the kernel backend at the first compressed step."""
+        if self.masks.kept is None:  # the first compressed step (or the first after a load) finds them
+            self.masks.find(self.param_groups, self.state, self.compression.rank())
+        if not self._backend_agreed:
+            self.agree_kernel_backend()
+        return self.exchange.begin_step(self._ensure_buckets(carry=True), type(self).__name__)
+
+    def _updated_params(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        """The group's compressed trainable parameters with a variance estimate: what a compressed step updates."""
+        return [p for p in compressed_trainable(group) if id(p) not in self.momentum_buckets.frozen]
+
+    def start_bucket_exchange_(self, key: int, params: Sequence[torch.Tensor], gradients: Sequence[torch.Tensor],
+                               clip_value: Optional[float] = None) -> bool:
+        """Fold one gradient bucket's local gradients into momentum bucket ``key``'s momenta and start its compressed
+        exchange, during backward (:meth:`MomentumExchange.start_bucket_`, which says when it cannot: it returns
+        whether it started; never in warmup). ``clip_value`` (``None``: no clipping): clamp the gradients first."""
         if self.stage is not OnebitStage.COMPRESSION:
             return False
         return self.exchange.start_bucket_(
@@ -331,84 +311,140 @@ class CompressedOptimizer(ProcessGroupMixin, AutoFreezeMixin, StepPartsMixin, Ch
         )
 
     def progress_exchanges(self) -> None:
-        """Advance every exchange started during this backward to its last launch (serve it and launch its second
-        phase; :meth:`MomentumExchange.progress`). The overlap hook calls it for a gradient bucket that started no
-        exchange, which every rank does at the same point of the bucket schedule. Harmless at any time."""
+        """Advance every exchange started during this backward (:meth:`MomentumExchange.progress`); the overlap hook
+        calls it for a gradient bucket that started none, at the same point of the schedule on every rank."""
         self.exchange.progress()
 
-    @property
-    def exchanges_in_flight(self) -> int:
-        """Bucket exchanges started during backward and not yet finished by :meth:`step`."""
-        return self.exchange.in_flight
+    exchanges_in_flight = property(lambda self: self.exchange.in_flight,
+                                   doc="Bucket exchanges started during backward and not yet finished by ``step``.")
 
-    # ------------------------------------------------------------------ buckets
-    @property
-    def bucket_cap_bytes(self) -> int:
-        """The size a packed momentum bucket is filled to (``bucket_cap_mb``), bytes."""
-        return self.momentum_buckets.cap_bytes
-
-    @property
-    def plan_version(self) -> int:
-        """Incremented whenever the installed bucket plan changes (set or loaded)."""
-        return self.momentum_buckets.plan_version
+    bucket_cap_bytes = property(lambda self: self.momentum_buckets.cap_bytes,
+                                doc="The size a packed momentum bucket is filled to (``bucket_cap_mb``), bytes.")
+    plan_version = property(lambda self: self.momentum_buckets.plan_version,
+                            doc="Incremented whenever the installed bucket plan changes (set or loaded).")
 
     def set_bucket_plan(self, buckets: Optional[Sequence[Sequence[torch.Tensor]]]) -> bool:
-        """Lay the momenta out in these buckets (lists of parameters; bucket ``i`` is exchanged as one flat buffer of
-        key ``i``), or with ``None`` pack them by ``bucket_cap_mb`` again. Saved in :meth:`state_dict`. A collective
-        when it re-lays out buckets in the compression stage (call it on every rank); waits for the end of the next
-        :meth:`step` while exchanges are in flight. Returns whether the plan changed; raises ``ValueError`` for a
-        bucket that mixes devices or dtypes or names a parameter twice (:meth:`MomentumBuckets.request_plan`). A
-        sharded (``DTensor``) parameter may be named by itself or by its stand-in (:attr:`shards`): its bucket holds
-        its local shard."""
-        if buckets is not None and self.shards:  # sharded parameters may be named by their DTensor
+        """Lay the momenta out in these buckets (lists of parameters: bucket ``i`` is ``buckets[i]``'s momenta, in that
+        order, exchanged as one flat buffer), or with ``None`` pack them by ``bucket_cap_mb`` again; what a plan is and
+        when it takes effect: :mod:`~lightning_onebit.optim.bucket_layout`. A collective when it re-lays out built
+        buckets (call it on every rank). Returns whether the plan changed; ``ValueError`` for a bucket that mixes
+        devices or dtypes or names a parameter twice. A sharded parameter may be named by its ``DTensor``."""
+        if buckets is not None and self.shards.pairs:  # sharded parameters may be named by their DTensor
             buckets = [[self.shards.stand_in_of(p) for p in bucket] for bucket in buckets]
         return self.momentum_buckets.request_plan(
             buckets, self._bucket_source(), defer=self.exchange.in_flight > 0, install=self._install_plan
         )
 
     def _install_plan(self, plan: Plan) -> None:
-        """Install ``plan`` now, re-laying out built buckets (:meth:`MomentumBuckets.install_plan_`)."""
         self.momentum_buckets.install_plan_(plan, self._bucket_source())
 
-    @property
-    def bucket_plan(self) -> Optional[list[list[torch.Tensor]]]:
-        """The parameters of each planned momentum bucket (:meth:`set_bucket_plan`), or ``None``."""
-        return self.momentum_buckets.planned_params()
-
-    def _bucket_source(self) -> BucketSource:
-        """What the buckets are built from, now (:class:`~lightning_onebit.optim.buckets.BucketSource`)."""
-        return BucketSource(self.param_groups, self.state, self.compression, type(self).__name__, self._step)
-
-    def _ensure_buckets(self, carry: bool = False) -> list[MomentumBucket]:
-        """The momentum buckets, built or rebuilt if the compressed trainable parameters changed; ``carry=True``
-        carries the error feedback over to a new layout, a collective (:meth:`MomentumBuckets.ensure`)."""
-        return self.momentum_buckets.ensure(self._bucket_source(), carry)
-
-    def _bucket_layouts_now(self) -> dict[int, BucketLayout]:
-        """Layouts of the buckets as they are or would be built now, building none
-        (:meth:`MomentumBuckets.layouts`)."""
-        return self.momentum_buckets.layouts(self._bucket_source())
-
-    def set_exp_avg_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
-        """Set (or with ``None`` clear) the momentum mask of one parameter of this optimizer.
-
-        ``mask`` must have exactly the parameter's shape, be bool or floating point and hold only 0 and 1 (see the
-        class docstring); it is converted to the parameter's dtype and device and takes effect from the next compressed
-        step. Raises ``ValueError`` naming the parameter if the mask is invalid or the optimizer does not hold it. A
-        sharded (``DTensor``) parameter takes a mask of its whole shape (this rank's part is kept) or of its local
-        shard's shape.
-        """
-        if self.shards and is_sharded(param):  # a sharded parameter's mask: whole, or already this rank's part
-            if mask is not None and tuple(mask.shape) == tuple(param.shape):
-                mask = self.shards.local_part(param, mask)
-            param = self.shards.stand_in_of(param)
-        set_exp_avg_mask(self.param_groups, param, mask, type(self).__name__)
+    bucket_plan = property(lambda self: self.momentum_buckets.planned_params(),
+                           doc="The parameters of each planned momentum bucket (``set_bucket_plan``), or ``None``.")
 
     def bucket_layouts(self) -> dict[int, BucketLayout]:
         """Layouts of the compressed buckets (building them if needed); keys are bucket keys."""
         return {b.key: b.layout for b in self._ensure_buckets()}
 
-    def _state_family(self) -> str:
-        """The algorithm whose state this optimizer writes: the nearest class of this package in its MRO (a user's
-        subclass of OnebitAdam writes OnebitAdam's state)."""
-        return state_family(type(self), CompressedOptimizer)
+    def _bucket_source(self) -> BucketSource:
+        return BucketSource(self.param_groups, self.state, self.compression, type(self).__name__, self._step)
+
+    def _ensure_buckets(self, carry: bool = False) -> list[MomentumBucket]:
+        """The momentum buckets, built or rebuilt as needed (:meth:`MomentumBuckets.ensure`)."""
+        return self.momentum_buckets.ensure(self._bucket_source(), carry)
+
+    def set_exp_avg_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+        """Set (or with ``None`` clear) the momentum mask of one parameter from the next compressed step on
+        (:func:`~lightning_onebit.optim.masks.set_exp_avg_mask`, which says what a mask may be). A sharded (``DTensor``)
+        parameter takes a mask of its whole shape (this rank's part is kept) or of its local shard's shape."""
+        set_exp_avg_mask(self.param_groups, *self.shards.localize_mask(param, mask), type(self).__name__)
+
+    def dead_coordinates_masked_by(self, owner: str) -> None:
+        """Declare that ``owner`` masks and reports every dead coordinate itself (``MomentumMask(auto=True)`` does),
+        so that this optimizer does not warn about them."""
+        self.masks.masked_by = owner
+        log.debug("%s: dead coordinates are masked by %s", type(self).__name__, owner)
+
+    auto_freeze = property(lambda self: self.freezing.config,
+                           doc='The settings of ``freeze_step="auto"`` (``None`` with an integer ``freeze_step``).')
+    dead_coordinates = property(lambda self: self.masks.policy, doc="See :class:`~lightning_onebit.OnebitAdam`.")
+
+    def observe_loss(self, loss: Union[torch.Tensor, float]) -> None:
+        """Record a training loss for ``freeze_step="auto"`` (its ``loss_drop`` guard), every step or micro-batch on
+        every rank, before :meth:`step` (a ``closure`` passed to :meth:`step` is observed too; the Lightning strategy
+        calls this from ``backward``). A scalar tensor is summed on its device: no host synchronisation per step."""
+        if self.freezing.config is not None and self.freeze_step is None:
+            self._ensure_detector().record_loss(loss)
+
+    def observe_losses_from_caller(self) -> None:
+        """Declare that the caller passes every training loss to :meth:`observe_loss` itself, so that the loss a
+        ``closure`` given to :meth:`step` returns is not recorded a second time (the Lightning strategy does this)."""
+        self.freezing.observe_closure_loss = False
+
+    @property
+    def freeze_detector(self) -> Optional[FreezeDetector]:
+        """The measuring state of ``freeze_step="auto"`` (its figures, ``describe()``), ``None`` with an int."""
+        return self._ensure_detector() if self.freezing.config is not None else None
+
+    def _ensure_detector(self) -> FreezeDetector:
+        return self.freezing.ensure(self.param_groups[0]["betas"][1])
+
+    def _variance_reading(self) -> VarianceReading:
+        """What the detector reads at a check (:func:`~lightning_onebit.optim.freeze.variance_reading`), agreed by
+        every rank when the parameters are sharded (the ranks of a node must end their warmups together)."""
+        return variance_reading(self.param_groups, self.state, self._step, self._settling_figures(),
+                                None if self.shards.pairs else self.process_group, self._steps_capped())
+
+    def _settling_figures(self) -> Optional[torch.Tensor]:
+        """Per-tensor figures that must settle before an automatic freeze besides the variance (1-bit LAMB's)."""
+        return None
+
+    def _steps_capped(self) -> bool:
+        """Whether no compressed step can be larger than a warmup step (``VarianceReading.steps_capped``)."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step, the optimizer that wrote it and
+        the bucket plan (:class:`~lightning_onebit.optim.checkpoint.CheckpointWriter`). Not the masks and ``compress``
+        (they come from the code) nor the error feedback (per rank: :meth:`error_feedback_state_dict`)."""
+        return self.checkpoint.write(
+            super().state_dict(), step=self._step, freeze_step=self.freeze_step, plan=self.momentum_buckets.plan,
+            detector=self.freezing.detector, params=[p for group in self.param_groups for p in group["params"]])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or ``torch.optim.AdamW``'s: its per-parameter step); the stage
+        follows the step, masks and ``compress`` stay the code's, the error feedback is reset (its dropped norm:
+        :attr:`last_dropped_error_norm`). Another algorithm's state is read or refused as
+        :meth:`CheckpointWriter.readable <lightning_onebit.optim.checkpoint.CheckpointWriter.readable>` says."""
+        state_dict = self.checkpoint.readable(state_dict, warn=self.compression.rank() == 0)
+        meta, code_groups = state_dict.pop(CHECKPOINT_KEY, None), self.param_groups
+        super().load_state_dict(state_dict)
+        # freeze_step='auto': the detector is kept, not made anew (the strategy may have set its max_step already)
+        detector = self._ensure_detector() if self.auto_freeze is not None else None
+        self._step, self.freeze_step, plan = self.checkpoint.restore_(meta, self.param_groups, code_groups, self.state,
+                                                                      self.freeze_step, detector)
+        self.momentum_buckets.load_plan(plan)
+        self.masks.kept = None  # found again from the loaded variance
+        self.last_dropped_error_norm = self.compression.reset_error_feedback()
+
+    def error_feedback_state_dict(self) -> dict[str, Any]:
+        """This rank's compression error buffers (worker and server, per bucket). Each rank must save its own."""
+        return self.compression.error_feedback_state_dict()
+
+    def error_feedback_mismatch(self, state: Any) -> Optional[str]:
+        """Why ``state`` (from :meth:`error_feedback_state_dict`, possibly of another rank or run) cannot be restored
+        here (the optimizer state must fit the parameters; then :func:`~lightning_onebit.optim.error_feedback.
+        feedback_mismatch`), or ``None`` if it can. Changes nothing, no collective."""
+        return self.checkpoint.shape_mismatch(self.param_groups, self.state) or feedback_mismatch(
+            self.compression, state, lambda: self.momentum_buckets.layouts(self._bucket_source()))
+
+    def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` with the
+        reason of :meth:`error_feedback_mismatch` (changing nothing) if they do not fit."""
+        reason = self.checkpoint.shape_mismatch(self.param_groups, self.state)
+        if reason is not None:
+            raise ValueError(reason)
+        load_feedback_(self.compression, state, self._ensure_buckets)
+
+    def reset_error_feedback(self) -> float:
+        """Zero the compression error buffers; returns the L2 norm that was dropped."""
+        return self.compression.reset_error_feedback()

@@ -1,5 +1,5 @@
 """What a compressed optimizer's checkpoint holds beyond torch's optimizer state, and whose state another can
-continue from.
+continue from: the optimizer's checkpoint part, :class:`CheckpointWriter`, and the functions it is made of.
 
 ``state_dict()["onebit"]`` (:data:`CHECKPOINT_KEY`, written by :func:`onebit_state_dict`) records the global step,
 the freeze step, the algorithm that wrote it (``"optimizer"``), the state of ``freeze_step="auto"`` and the momentum
@@ -18,7 +18,7 @@ import torch
 
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.optim.auto_freeze import FreezeDetector
-from lightning_onebit.optim.bucket_plan import Plan
+from lightning_onebit.optim.bucket_layout import Plan
 from lightning_onebit.optim.masks import describe_param
 
 log = logging.getLogger(__name__)
@@ -191,122 +191,88 @@ def plan_from_indices(saved: Any, params: Sequence[torch.Tensor], name: str) -> 
         return None
 
 
-class CheckpointMixin:
-    """The checkpoint side of :class:`~lightning_onebit.optim.CompressedOptimizer`: its state dict (torch's plus
-    :data:`CHECKPOINT_KEY`), whose states it continues from, and the per-rank error feedback. The base sets the
-    attributes below and ``_state_family`` (the algorithm that writes the state)."""
+def take_scalar_state_(state_dict: dict[str, Any], names: Sequence[str]) -> dict[Any, dict[str, Any]]:
+    """Take the per-parameter entries ``names`` (0-dim float64 tensors, or the Python floats older checkpoints hold)
+    out of ``state_dict["state"]`` (a copy of it replaces it: the caller's is left alone), by saved parameter id, so
+    that torch's loading does not cast them to the parameters' dtype (:func:`restore_scalar_state_` puts them back)."""
+    scalars: dict[Any, dict[str, Any]] = {}
+    saved_state = {}
+    for key, entry in (state_dict.get("state") or {}).items():
+        if isinstance(entry, dict) and any(name in entry for name in names):
+            entry = dict(entry)
+            scalars[key] = {name: entry.pop(name) for name in names if name in entry}
+        saved_state[key] = entry
+    state_dict["state"] = saved_state
+    return scalars
 
-    param_groups: list[dict[str, Any]]
-    state: Any
-    _step: int
-    freeze_step: Optional[int]
-    auto_freeze: Any
-    _detector: Optional[FreezeDetector]
-    momentum_buckets: Any
-    compression: Any
-    exchange: Any
-    _zero_variance: Any
-    last_dropped_error_norm: Optional[float]
-    _ensure_detector: Any
-    _ensure_buckets: Any
-    _bucket_layouts_now: Any
-    _state_family: Any
 
-    def state_dict(self) -> dict[str, Any]:
-        """Torch's optimizer state plus ``"onebit"``: the global step, the freeze step, the optimizer that wrote it
-        (``"optimizer"``: OnebitAdam, ZeroOneAdam or OnebitLamb, checked by :meth:`load_state_dict`) and the momentum
-        bucket plan (:meth:`set_bucket_plan`, as parameter indices), if any. Masks, the groups' ``compress`` and
-        error feedback are not included (masks and ``compress`` come from the code; error feedback is per rank, see
-        :meth:`error_feedback_state_dict`). See :func:`~lightning_onebit.optim.checkpoint.onebit_state_dict`."""
-        return onebit_state_dict(
-            super().state_dict(),
-            step=self._step,
-            freeze_step=self.freeze_step,
-            family=self._state_family(),
-            detector=self._detector if self.auto_freeze is not None else None,
-            plan=self.momentum_buckets.plan,
-            params=self._all_params(),
-        )
+def restore_scalar_state_(state: Any, scalars: dict[Any, dict[str, Any]], saved_groups: Sequence[dict[str, Any]],
+                          groups: Sequence[dict[str, Any]]) -> None:
+    """Put :func:`take_scalar_state_`'s entries back into the loaded ``state``, as 0-dim float64 tensors on each
+    parameter's device (``saved_groups``: the state dict's param groups, which name the saved ids in order)."""
+    saved_ids = [i for group in saved_groups for i in group["params"]]
+    by_id = dict(zip(saved_ids, [p for group in groups for p in group["params"]]))
+    for key, values in scalars.items():
+        p = by_id.get(key)
+        if p is None:
+            continue
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                state[p][name] = value.detach().to(device=p.device, dtype=torch.float64).reshape(()).clone()
+            else:  # a Python number: filled on the device (no host-to-device copy)
+                state[p][name] = torch.full((), float(value), dtype=torch.float64, device=p.device)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or from ``torch.optim.AdamW``: the step is then taken from its
-        per-parameter ``step``). The stage is re-derived from the step; masks and each group's ``compress`` stay those
-        of the code (a group may be switched in or out of compression between runs: its momentum and variance are
-        ordinary state, and the buckets are rebuilt); error feedback is reset to zero and the norm that was dropped is
-        kept in :attr:`last_dropped_error_norm`.
 
-        The state of another algorithm is checked first (:meth:`_check_state_writer`): one this optimizer cannot
-        continue from (1-bit LAMB's and the Adam family's, either way) raises ``ValueError`` naming the optimizer that
-        wrote it and this one, changing nothing; OnebitAdam's and ZeroOneAdam's states continue each other with a
-        warning (the Adam moments and the step are carried, the other algorithm's own state is dropped)."""
-        state_dict = self._check_state_writer(state_dict)
-        meta = state_dict.pop(CHECKPOINT_KEY, None)
-        code_groups = self.param_groups
-        super().load_state_dict(state_dict)
-        keep_code_options_(self.param_groups, code_groups)
-        self._step = loaded_step(meta, self.state)
+class CheckpointWriter:
+    """The checkpoint part of a compressed optimizer: what its ``state_dict()`` holds beyond torch's
+    (:data:`CHECKPOINT_KEY`, :func:`onebit_state_dict`), which states it reads (:func:`continuable_state_dict`), and
+    whether a loaded state fits the parameters.
+
+    Args:
+        owner: the optimizer's class name, for messages.
+        family: the algorithm whose state the optimizer writes (:func:`state_family`).
+        continues_of: the algorithms whose state it can continue from (``"torch.optim"``: a torch optimizer's, e.g.
+            AdamW's moments and step).
+    """
+
+    def __init__(self, owner: str, family: str, continues_of: Sequence[str]) -> None:
+        self.owner, self.family, self.continues_of = owner, family, tuple(continues_of)
+
+    def write(self, state_dict: dict[str, Any], *, step: int, freeze_step: Optional[int],
+              detector: Optional[FreezeDetector], plan: Plan, params: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Torch's ``state_dict`` with :data:`CHECKPOINT_KEY` added (:func:`onebit_state_dict`)."""
+        return onebit_state_dict(state_dict, step=step, freeze_step=freeze_step, family=self.family,
+                                 detector=detector, plan=plan, params=params)
+
+    def readable(self, state_dict: dict[str, Any], warn: bool) -> dict[str, Any]:
+        """A shallow copy of ``state_dict`` the optimizer can load; ``ValueError`` before any step and any collective
+        when another algorithm wrote it that this one cannot continue from (:func:`continuable_state_dict`)."""
+        return continuable_state_dict(state_dict, self.family, self.owner, self.continues_of, warn)
+
+    def restore_(self, meta: Optional[dict[str, Any]], groups: Sequence[dict[str, Any]],
+                 code_groups: Sequence[dict[str, Any]], state: Any, freeze_step: Optional[int],
+                 detector: Optional[FreezeDetector]) -> tuple[int, Optional[int], Plan]:
+        """After torch loaded a state dict into ``groups`` and ``state`` (``meta``: its :data:`CHECKPOINT_KEY`, popped
+        first): the options the code's groups ``code_groups`` keep (:func:`keep_code_options_`), AdamW's per-parameter
+        step dropped, and ``(step, freeze step, bucket plan)`` to go on with (:func:`loaded_step`,
+        :func:`restored_freeze_step` with the code's ``freeze_step`` and ``detector``, :func:`plan_from_indices`)."""
+        keep_code_options_(groups, code_groups)
+        step = loaded_step(meta, state)
         if meta is not None:
-            # freeze_step='auto': the detector is kept, not made anew (the strategy may have set its max_step already)
-            detector = self._ensure_detector() if self.auto_freeze is not None else None
-            self.freeze_step = restored_freeze_step(meta, self._step, self.freeze_step, detector, type(self).__name__)
-        saved_plan = meta.get("bucket_plan") if meta is not None else None
-        self.momentum_buckets.load_plan(
-            plan_from_indices(saved_plan, self._all_params(), type(self).__name__) if saved_plan else None
-        )
-        self._zero_variance = None  # found again from the loaded variance
-        for state in self.state.values():
-            state.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
-        self.last_dropped_error_norm = self.compression.reset_error_feedback()
+            freeze_step = restored_freeze_step(meta, step, freeze_step, detector, self.owner)
+        for entry in state.values():
+            entry.pop("step", None)  # AdamW's per-parameter step; this optimizer keeps one global step
+        saved = meta.get("bucket_plan") if meta is not None else None
+        params = [p for group in groups for p in group["params"]]
+        return step, freeze_step, plan_from_indices(saved, params, self.owner) if saved else None
 
-    #: The algorithms whose optimizer state this one can continue from (see :meth:`_check_state_writer`);
-    #: ``"torch.optim"``: a torch optimizer's state dict (e.g. AdamW's: its moments and step).
-    _continues_state_of: tuple[str, ...] = ("OnebitAdam", "ZeroOneAdam", "torch.optim")
-
-    def _all_params(self) -> list[torch.Tensor]:
-        """Every parameter of every param group, in order (how checkpoints index them)."""
-        return [p for group in self.param_groups for p in group["params"]]
-
-    def _check_state_writer(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A shallow copy of ``state_dict`` that this optimizer can load (:func:`~lightning_onebit.optim.checkpoint.
-        continuable_state_dict`): raises ``ValueError`` before any step and any collective when another algorithm
-        wrote it that this one cannot continue from; keeps the Adam moments of one it can, with a warning (rank 0)."""
-        return continuable_state_dict(
-            state_dict, self._state_family(), type(self).__name__, self._continues_state_of,
-            warn=self.compression.rank() == 0,
-        )
-
-    def error_feedback_state_dict(self) -> dict[str, Any]:
-        """This rank's compression error buffers (worker and server, per bucket). Each rank must save its own."""
-        return self.compression.error_feedback_state_dict()
-
-    def error_feedback_mismatch(self, state: Any) -> Optional[str]:
-        """Why ``state`` (from :meth:`error_feedback_state_dict`, possibly of another rank or run) cannot be restored
-        here, or ``None`` if it can. Checks that the optimizer state fits the parameters (the buckets are built from
-        it), then the world size, the topology, the bucket layouts (those the buckets have or would have: none is
-        built here) and the buffers' sizes and values; changes nothing and does not communicate
-        (:meth:`MomentumExchange.feedback_mismatch`)."""
-        return self._state_shape_mismatch() or self.exchange.feedback_mismatch(state, self._bucket_layouts_now)
-
-    def _state_shape_mismatch(self) -> Optional[str]:
+    def shape_mismatch(self, groups: Sequence[dict[str, Any]], state: Any) -> Optional[str]:
         """The first parameter whose state holds a tensor of another shape than the parameter's (a checkpoint of a
         model that has changed since), described; ``None`` if none does."""
-        for g, group in enumerate(self.param_groups):
+        for g, group in enumerate(groups):
             for i, p in enumerate(group["params"]):
-                for key, value in (self.state[p] if p in self.state else {}).items():
+                for key, value in (state[p] if p in state else {}).items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
                         return (f"the optimizer state {key!r} of {describe_param(group, g, i, p)} has shape "
                                 f"{tuple(value.shape)}: the model changed since the checkpoint")
         return None
-
-    def load_error_feedback_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore buffers from :meth:`error_feedback_state_dict` of the same rank. Raises ``ValueError`` with the
-        reason of :meth:`error_feedback_mismatch` (changing nothing) if they do not fit; callers can then fall back
-        to the default reset (:meth:`MomentumExchange.load_feedback_`)."""
-        reason = self._state_shape_mismatch()
-        if reason is not None:
-            raise ValueError(reason)
-        self.exchange.load_feedback_(state, self._ensure_buckets)
-
-    def reset_error_feedback(self) -> float:
-        """Zero the compression error buffers; returns the L2 norm that was dropped."""
-        return self.compression.reset_error_feedback()

@@ -1,18 +1,21 @@
-"""The error feedback of the momentum buckets: the key of a bucket's error buffers in each compressed stream, and
-carrying the buffers over to a new bucket layout, coordinate by coordinate.
+"""The error feedback of the momentum buckets: the key of a bucket's error buffers in each compressed stream,
+carrying the buffers over to a new bucket layout coordinate by coordinate (:func:`relayout_`), and checking and
+restoring saved buffers against the buckets (:func:`feedback_mismatch`, :func:`load_feedback_`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional
+import logging
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from lightning_onebit.comm.exchange import _all_gather
+from lightning_onebit.comm.groups import all_gather_async
+from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.state import CompressedAllreduceState
+from lightning_onebit.optim.bucket_layout import MomentumBucket
 
-if TYPE_CHECKING:  # for annotations only: optim.buckets imports this module
-    from lightning_onebit.optim.buckets import MomentumBucket
+log = logging.getLogger(__name__)
 
 
 def feedback_key(stream: str, key: int) -> Hashable:
@@ -78,7 +81,7 @@ def carry_error_feedback_(
 
     def gather(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
         out = part.new_empty(n * part.numel())
-        _all_gather(out, part.contiguous(), group).wait()
+        all_gather_async(out, part.contiguous(), group).wait()
         return out
 
     # stream -> id(param) -> (worker error, server error) of the parameter's coordinates
@@ -117,3 +120,69 @@ def carry_error_feedback_(
             buffers.server_error.copy_(server[chunk * c : (chunk + 1) * c])
     lost = {i for per_param in carried.values() for i in per_param} - moved
     return new_buckets, len(lost), stale
+
+
+def relayout_(compression: CompressedAllreduceState, old_buckets: list[MomentumBucket],
+              build_new: Callable[[], list[MomentumBucket]], owner: str, step: int, why: str) -> None:
+    """The momentum buckets of the optimizer ``owner`` were re-laid out at ``step`` (``old_buckets`` is the layout the
+    error feedback belongs to; ``why``, for the log): build the new buckets and move every rank's error buffers into
+    them, coordinate by coordinate (:func:`carry_error_feedback_`, a collective when there is error feedback: every
+    rank calls it at the same point, as it does the bucket plan change). A parameter no longer in any bucket drops its
+    error (counted in the log)."""
+    carried = carry_error_feedback_(compression, old_buckets, build_new)
+    if carried is None:
+        log.info("%s: momentum buckets re-laid out at step %d (%s); no error feedback to carry over", owner, step, why)
+        return
+    new_buckets, lost, stale = carried
+    log.info(
+        "%s: momentum buckets re-laid out at step %d (%s); error feedback carried over coordinate by coordinate "
+        "(%d bucket(s) -> %d)%s", owner, step, why, len(old_buckets), len(new_buckets),
+        "".join([f"; dropped for {lost} parameter(s) no longer in the buckets" if lost else "",
+                 f"; {stale} buffer(s) of another layout dropped" if stale else ""]),
+    )
+
+
+def feedback_mismatch(compression: CompressedAllreduceState, state: Any,
+                      layouts: Callable[[], dict[int, BucketLayout]]) -> Optional[str]:
+    """Why ``state`` (the compression state's ``error_feedback_state_dict()``, possibly of another rank or run)
+    cannot be restored into ``compression``, or ``None`` if it can: the world size, the topology, the bucket layouts
+    ``layouts()`` returns (key -> layout; called only where ``state`` holds buffers) and the buffers' sizes and values.
+    Changes nothing and does not communicate: whatever one rank finds, every rank's buckets stay as they were, so that
+    ranks that go on to reset rather than restore take the same path through the next backward and step."""
+    if not isinstance(state, dict):
+        return f"the saved error feedback is a {type(state).__name__}, not a dict"
+    if state.get("world_size") != compression.world_size():
+        return (f"error feedback was saved with world size {state.get('world_size')}, "
+                f"the current world size is {compression.world_size()}")
+    if not state.get("buckets"):
+        return None  # nothing had been compressed: the saved error feedback is all zero
+    return compression.error_feedback_mismatch(state, _feedback_layouts(state, layouts()))
+
+
+def load_feedback_(compression: CompressedAllreduceState, state: dict[str, Any],
+                   built: Callable[[], list[MomentumBucket]]) -> None:
+    """Restore the error buffers of ``state`` into ``compression`` for the buckets ``built()`` returns. Raises
+    ``ValueError`` with the reason of :func:`feedback_mismatch` (changing nothing) if they do not fit."""
+    reason = feedback_mismatch(compression, state, lambda: {b.key: b.layout for b in built()})
+    if reason is not None:
+        raise ValueError(reason)
+    if not state.get("buckets"):
+        # Nothing had been compressed (one rank, or saved before the first compressed step): the saved error
+        # feedback is all zero. Building the layouts here would also be wrong during warmup.
+        compression.reset_error_feedback()
+        return
+    buckets = built()
+    layouts = _feedback_layouts(state, {b.key: b.layout for b in buckets})
+    flats = {b.key: b.flat for b in buckets}
+    like = {key: flats[key[1] if isinstance(key, tuple) else key] for key in layouts}
+    compression.load_error_feedback_state_dict(state, layouts, like)
+
+
+def _feedback_layouts(state: dict[str, Any], layouts: dict[int, BucketLayout]) -> dict[Hashable, BucketLayout]:
+    """Error-feedback key -> bucket layout, for every bucket of ``layouts`` (key -> layout) in every stream the saved
+    ``state`` holds: a stream saved for other buckets than the current ones then shows as a mismatch."""
+    try:
+        streams = {stream_of(key) for key in state["buckets"]}
+    except TypeError:
+        streams = {"momentum"}
+    return {feedback_key(stream, key): layout for stream in sorted(streams) for key, layout in layouts.items()}

@@ -1,6 +1,6 @@
-"""The optimizer's side of ``freeze_step="auto"``: the options checked at construction, the
-:class:`~lightning_onebit.optim.auto_freeze.FreezeDetector` it feeds, the training losses it records and the variance
-readings it takes after each warmup step. The rule that decides the freeze step is
+"""The optimizer's side of ``freeze_step="auto"``: the options checked at construction, the freeze-detector part
+(:class:`FreezeControl`, which makes and feeds the :class:`~lightning_onebit.optim.auto_freeze.FreezeDetector`) and the
+variance readings it takes after each warmup step. The rule that decides the freeze step is
 :mod:`~lightning_onebit.optim.auto_freeze`'s.
 """
 
@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_onebit._checks import check_integer
-from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.optim.auto_freeze import FreezeDetector, VarianceReading
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
-from lightning_onebit.optim.groups import trainable
+from lightning_onebit.optim.buckets import trainable
+from lightning_onebit.optim.functional import bias_corrections
 
 log = logging.getLogger(__name__)
 
@@ -47,88 +47,59 @@ def check_freeze_options(
     return auto_freeze
 
 
-class AutoFreezeMixin:
-    """``freeze_step="auto"`` for :class:`~lightning_onebit.optim.CompressedOptimizer`, which sets the attributes
-    below and calls :meth:`_observe_variance` after each warmup step while the freeze step is unknown."""
+class FreezeControl:
+    """The freeze-detector part of a compressed optimizer under ``freeze_step="auto"``: its settings (``config``,
+    ``None`` with an integer ``freeze_step``), its :class:`~lightning_onebit.optim.auto_freeze.FreezeDetector` (made at
+    first use: its default window follows the first param group's ``beta2``) and whether ``step(closure)`` records the
+    closure's loss (:attr:`observe_closure_loss`, off where the caller records every loss itself)."""
 
-    #: The last warmup step: an int, or ``None`` while ``freeze_step="auto"`` is still measuring.
-    freeze_step: Optional[int]
-    auto_freeze: Optional[AutoFreeze]  # the rule's options with freeze_step="auto", else None
-    _detector: Optional[FreezeDetector]  # created at the first warmup step (needs the betas)
-    _observe_closure_loss: bool  # whether step(closure) records the closure's loss (see observe_losses_from_caller)
-    param_groups: list[dict[str, Any]]
-    state: Any
-    _step: int
-    compression: CompressedAllreduceState
-    process_group: Optional[dist.ProcessGroup]
-    _settling_figures: Callable[[], Optional[torch.Tensor]]  # the optimizer's subclass hooks
-    _steps_capped: Callable[[], bool]
+    def __init__(self, config: Optional[AutoFreeze], owner: str) -> None:
+        self.config, self.owner = config, owner
+        self.detector: Optional[FreezeDetector] = None
+        self.observe_closure_loss = True
 
-    def _init_freeze(self, freeze_step: Union[int, str], auto_freeze: Optional[AutoFreeze]) -> None:
-        """Set the freeze attributes above from the options (checked by :func:`check_freeze_options`)."""
-        self.freeze_step = None if freeze_step == "auto" else freeze_step
-        self.auto_freeze = (auto_freeze or AutoFreeze()) if freeze_step == "auto" else None
-        self._detector = None
-        self._observe_closure_loss = True
+    def ensure(self, beta2: float) -> FreezeDetector:
+        """The detector, made now if it is not yet."""
+        if self.detector is None:
+            assert self.config is not None
+            self.detector = FreezeDetector(self.config, beta2, self.owner)
+        return self.detector
 
-    def observe_loss(self, loss: Union[torch.Tensor, float]) -> None:
-        """Record a training loss for ``freeze_step="auto"``, whose :class:`~lightning_onebit.AutoFreeze` ``loss_drop``
-        guard waits for the loss to leave its initial plateau. Call it every step (or every micro-batch) on every rank,
-        before :meth:`step`; a ``closure`` passed to :meth:`step` is observed too. The Lightning strategy calls it
-        from its ``backward``. A scalar tensor is summed on its device and read once per check, so this adds no host
-        synchronisation per step. Does nothing once the freeze step is known, or with an integer ``freeze_step``."""
-        if self.auto_freeze is None or self.freeze_step is not None:
-            return
-        self._ensure_detector().record_loss(loss)
+    def after_warmup_step(self, t: int, beta2: float, read: Callable[[], VarianceReading], rank: int) -> Optional[int]:
+        """Measure after warmup step ``t`` (``read()`` at check steps only; a collective from the first full window on:
+        every rank calls it at the same steps); returns ``t`` when the warmup ends with it, said on rank 0."""
+        detector = self.ensure(beta2)
+        decided = detector.observe(t, read)
+        if decided is not None and rank == 0:
+            log.info("%s: freeze_step='auto' decided %d (%s); the compression stage starts at step %d", self.owner,
+                     decided, detector.describe(), decided + 1)
+        return decided
 
-    def observe_losses_from_caller(self) -> None:
-        """Declare that the caller passes every training loss to :meth:`observe_loss` itself, so that the loss a
-        ``closure`` given to :meth:`step` returns is not recorded a second time. The Lightning strategy does this: it
-        records every loss in its ``backward`` (micro-batches and manual optimization included)."""
-        self._observe_closure_loss = False
 
-    def _ensure_detector(self) -> FreezeDetector:
-        if self._detector is None:
-            assert self.auto_freeze is not None
-            self._detector = FreezeDetector(self.auto_freeze, self.param_groups[0]["betas"][1], type(self).__name__)
-        return self._detector
+def variance_reading(groups: Sequence[dict[str, Any]], state: Any, step: int, extra: Optional[torch.Tensor],
+                     process_group: Optional[dist.ProcessGroup], steps_capped: bool) -> VarianceReading:
+    """What the freeze detector measures after warmup step ``step``: ``(numel, v, correction, beta2)`` for every
+    trainable parameter of the compressed param groups, in order (the update will use ``v / correction``, the
+    variance's bias correction, 1 without it; ``v`` is ``None`` where the parameter has no variance yet;
+    ``compress=False`` groups are left out: their variance is never frozen), the optimizer's ``extra`` settling
+    figures, the parameters' device and the ``process_group`` that decides."""
+    variances = []
+    for group in groups:
+        if group["compress"]:
+            b2, correction = group["betas"][1], bias_corrections(group, step, step)[1]
+            variances += [(p.numel(), state[p].get("exp_avg_sq"), correction, b2) for p in trainable(group)]
+    params = [p for group in groups for p in group["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    return VarianceReading(variances, extra, device, process_group, steps_capped)
 
-    @property
-    def freeze_detector(self) -> Optional[FreezeDetector]:
-        """The measuring state of ``freeze_step="auto"`` (its figures, ``describe()``), ``None`` with an int."""
-        return self._ensure_detector() if self.auto_freeze is not None else None
 
-    def _variance_reading(self) -> VarianceReading:
-        """What the freeze detector measures now: ``(numel, v, correction, beta2)`` for every trainable parameter of
-        the compressed param groups, in order (the update will use ``v / correction``, 1 without bias correction;
-        ``v`` is ``None`` where the parameter has no variance yet; ``compress=False`` groups are left out: their
-        variance is never frozen), the subclass's settling figures, the parameters' device and the process group
-        that decides (the default group when the parameters are sharded)."""
-        variances = []
-        for group in self.param_groups:
-            if not group["compress"]:
-                continue
-            b2 = group["betas"][1]
-            correction = 1 - b2**self._step if group["bias_correction"] else 1.0
-            variances += [(p.numel(), self.state[p].get("exp_avg_sq"), correction, b2) for p in trainable(group)]
-        params = [p for group in self.param_groups for p in group["params"]]
-        device = params[0].device if params else torch.device("cpu")
-        # sharded parameters: every rank measures its own shard, so every rank (not only the replicate group, which
-        # holds one shard) must agree, or the shards of a node would end their warmups at different steps
-        agree_over = None if self.shards else self.process_group
-        return VarianceReading(variances, self._settling_figures(), device, agree_over, self._steps_capped())
-
-    def _observe_variance(self) -> None:
-        """freeze_step='auto': measure after this warmup step; end the warmup here if the detector says so."""
-        detector = self._ensure_detector()
-        decided = detector.observe(self._step, self._variance_reading)
-        if decided is not None:
-            self.freeze_step = decided
-            if self.compression.rank() == 0:
-                log.info(
-                    "%s: freeze_step='auto' decided %d (%s); the compression stage starts at step %d",
-                    type(self).__name__,
-                    decided,
-                    detector.describe(),
-                    decided + 1,
-                )
+def state_figures(groups: Sequence[dict[str, Any]], state: Any, name: str) -> torch.Tensor:
+    """A per-tensor figure that must settle before an automatic freeze (``_settling_figures``), from the 0-dim state
+    entry ``name`` of every trainable parameter of the compressed groups (0 where it has none yet): one float64 tensor
+    on the first parameter's device, which the detector reads with its other figures, once per check."""
+    params = [p for group in groups for p in trainable(group) if group["compress"]]
+    if not params:
+        return torch.zeros(0, dtype=torch.float64)
+    home = params[0].device
+    return torch.stack([state[p][name].to(home) if name in state[p]
+                        else torch.full((), 0.0, dtype=torch.float64, device=home) for p in params])

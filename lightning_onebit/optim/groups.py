@@ -1,14 +1,69 @@
-"""Param groups of the compressed optimizers: their options, checked when a group is added, and which of their
-parameters are trained and compressed."""
+"""The compressed optimizers' arguments and param groups: the constructor's arguments and each param group's options,
+checked when given (a ``ValueError`` that names the option and the fix, before any collective), and the full-precision
+average of the groups kept out of compression (``compress=False``)."""
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Optional, Sequence, Union, get_args
 
 import torch
+import torch.distributed as dist
 
-from lightning_onebit._checks import check_flag, check_real, is_real
-from lightning_onebit.optim.masks import describe_param, normalise_masks
+from lightning_onebit import kernels
+from lightning_onebit._checks import check_bucket_cap_mb, check_flag, check_real, is_real
+from lightning_onebit.comm.full_precision import full_precision_allreduce_, sparse_rows_allreduce_
+from lightning_onebit.comm.state import CompressedAllreduceState
+from lightning_onebit.comm.topology import Topology
+from lightning_onebit.optim.auto_freeze_config import AutoFreeze
+from lightning_onebit.optim.buckets import trainable
+from lightning_onebit.optim.freeze import check_freeze_options
+from lightning_onebit.optim.masks import DeadCoordinates, describe_param, normalise_masks
+
+
+def check_optimizer_options(owner: str, freeze_step: Union[int, str], auto_freeze: Optional[AutoFreeze],
+                            bucket_cap_mb: float, process_group: Optional[dist.ProcessGroup],
+                            topology: Optional[Topology], dead_coordinates: DeadCoordinates,
+                            kernel_backend: str) -> Optional[AutoFreeze]:
+    """Check the arguments every compressed optimizer (class ``owner``) takes (:class:`~lightning_onebit.OnebitAdam`
+    documents them); returns the ``auto_freeze`` that applies (:func:`~lightning_onebit.optim.freeze.
+    check_freeze_options`)."""
+    auto_freeze = check_freeze_options(freeze_step, auto_freeze, owner)
+    check_bucket_cap_mb(bucket_cap_mb, "bucket_cap_mb")
+    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise ValueError(
+            f"process_group must be a torch.distributed.ProcessGroup or None (WORLD), got {process_group!r}"
+        )
+    if dead_coordinates not in get_args(DeadCoordinates):
+        raise ValueError(f"dead_coordinates must be one of {get_args(DeadCoordinates)}, got {dead_coordinates!r}")
+    if topology is not None and not isinstance(topology, Topology):
+        raise ValueError(
+            f"topology must be a lightning_onebit.Topology (from Topology.build), got {type(topology).__name__}"
+        )
+    kernels.effective_backend(kernel_backend)  # raises on an unknown name
+    return auto_freeze
+
+
+def check_exchange(exchange: Any, compress: Any) -> str:
+    """0/1 Adam's ``exchange`` (``"momentum"`` or ``"gradient"``), given as itself or by its former name ``compress``
+    (deprecated: it is also the name of the param-group option that keeps a group out of compression), which warns
+    with a ``FutureWarning`` at the caller of ``ZeroOneAdam(...)``; a ``ValueError`` for anything else or both."""
+    if compress is not None:
+        if exchange != "momentum" and compress != exchange:
+            raise ValueError(
+                f"ZeroOneAdam got exchange={exchange!r} and compress={compress!r}: compress is the former name of "
+                "exchange; pass exchange only"
+            )
+        warnings.warn(
+            f"ZeroOneAdam(compress={compress!r}) is deprecated: pass exchange={compress!r} (compress is also the "
+            "name of the param-group option that keeps a group out of compression)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        exchange = compress
+    if exchange not in ("momentum", "gradient"):
+        raise ValueError(f"exchange must be 'momentum' or 'gradient', got {exchange!r}")
+    return exchange
 
 
 def check_param_group(group: dict[str, Any], index: int, owner: str) -> None:
@@ -64,10 +119,23 @@ def _flag(group: dict[str, Any], name: str, default: bool, where: str, meaning: 
                       fix=f"a string or number is not read as a flag. {meaning}")
 
 
-def trainable(group: dict[str, Any]) -> list[torch.Tensor]:
-    return [p for p in group["params"] if p.requires_grad]
+def average_gradients_(compression: CompressedAllreduceState, groups: Sequence[dict[str, Any]]) -> None:
+    """Average the gradients of the trainable parameters of ``groups`` (the ``compress=False`` ones) over
+    ``compression``'s process group, in full precision, in place.
 
-
-def compressed_trainable(group: dict[str, Any]) -> list[torch.Tensor]:
-    """The group's trainable parameters whose momenta the 1-bit exchange averages (none with ``compress=False``)."""
-    return trainable(group) if group["compress"] else []
+    One ``all_reduce`` per (device, dtype) over all their gradients
+    (:func:`~lightning_onebit.comm.full_precision_allreduce_`), and for groups with ``sparse_rows=True`` two
+    ``all_gather`` of their nonzero rows (:func:`~lightning_onebit.comm.sparse_rows_allreduce_`). A parameter without a
+    gradient on this rank contributes a zero gradient (written into its ``.grad``), as in the compressed groups, so
+    that every rank sends the same buffer; afterwards ``.grad`` holds the averaged gradient. Since the momentum is
+    identical on every rank before the gradient is folded in, averaging the gradient is averaging the momentum
+    exactly.
+    """
+    dense, sparse = [], []
+    for group in groups:
+        for p in trainable(group):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+            (sparse if group["sparse_rows"] else dense).append(p.grad)
+    full_precision_allreduce_(compression, dense)
+    sparse_rows_allreduce_(compression, sparse)

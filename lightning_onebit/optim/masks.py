@@ -5,7 +5,8 @@ A momentum mask (param-group option ``exp_avg_mask``, DeepSpeed's semantics) hol
 gradient stayed exactly zero in every warmup step: their variance is zero, and 1-bit compression cannot send zero, so
 from the first compressed step they would receive ``+-scale`` momentum and their updates would explode unmasked.
 :func:`zero_variance_coordinates` finds them from the frozen variance (``v == 0``) at the first compressed step, and
-the optimizer keeps them at rest by default (``dead_coordinates="mask"``, :func:`apply_momentum_masks_`).
+the optimizer keeps them at rest by default (``dead_coordinates="mask"``,
+:func:`~lightning_onebit.optim.functional.mask_`).
 """
 
 from __future__ import annotations
@@ -87,37 +88,6 @@ def normalise_masks(mask: Any, group: dict[str, Any], group_index: int) -> list[
     return [None if m is None else check_exp_avg_mask(m, p, what) for m, p, what in zip(masks, params, names)]
 
 
-def mask_like(masks: list[Optional[torch.Tensor]], index: int, like: torch.Tensor) -> torch.Tensor:
-    """The mask on ``like``'s device and dtype, converted once and cached in the group's mask list."""
-    mask = masks[index]
-    if mask.device != like.device or mask.dtype != like.dtype:
-        mask = masks[index] = mask.to(device=like.device, dtype=like.dtype)
-    return mask
-
-
-def apply_momentum_masks_(
-    groups: Sequence[dict[str, Any]], state: Any, zero_variance: Optional[dict[int, torch.Tensor]] = None
-) -> None:
-    """Multiply the (averaged) momentum ``state[p]["exp_avg"]`` of every trainable parameter of the compressed param
-    groups by its mask, where it has one, and zero it where ``zero_variance`` (``{id(param): bool tensor}``, from
-    :func:`zero_variance_coordinates`) says the coordinate is dead. ``compress=False`` groups are masked in their own
-    update, after their gradient is folded in."""
-    zero_variance = zero_variance or {}
-    for group in groups:
-        if not group["compress"]:
-            continue
-        masks = group["exp_avg_mask"]
-        for i, p in enumerate(group["params"]):
-            if not p.requires_grad:
-                continue
-            if masks[i] is not None:
-                m = state[p]["exp_avg"]
-                m.mul_(mask_like(masks, i, m))
-            dead = zero_variance.get(id(p))
-            if dead is not None:
-                state[p]["exp_avg"].masked_fill_(dead, 0)
-
-
 def set_exp_avg_mask(
     groups: Sequence[dict[str, Any]], param: torch.Tensor, mask: Optional[torch.Tensor], owner: str
 ) -> None:
@@ -170,12 +140,48 @@ def zero_variance_coordinates(
     return masks, report
 
 
+class DeadCoordinateMasks:
+    """The masks part of a compressed optimizer: its ``dead_coordinates`` policy (``"mask"``, ``"warn"`` or
+    ``"ignore"``), the dead coordinates it keeps at rest (:attr:`kept`: ``{id(param): v == 0}``, found at the first
+    compressed step after construction or a load, ``None`` until then), and the callback that masks and reports them
+    itself, if any (:attr:`masked_by`: then the optimizer does not warn)."""
+
+    def __init__(self, policy: DeadCoordinates, owner: str) -> None:
+        self.policy, self.owner = policy, owner
+        self.kept: Optional[dict[int, torch.Tensor]] = None
+        self.masked_by: Optional[str] = None
+
+    def find(self, groups: Sequence[dict[str, Any]], state: Any, rank: int) -> dict[int, torch.Tensor]:
+        """:attr:`kept`, found now if not yet (:func:`dead_coordinates_to_keep`; reported on rank 0 unless a
+        callback masks them)."""
+        if self.kept is None:
+            self.kept = dead_coordinates_to_keep(groups, state, self.policy, self.owner,
+                                                 report=self.masked_by is None and rank == 0)
+        return self.kept
+
+
+def dead_coordinates_to_keep(groups: Sequence[dict[str, Any]], state: Any, policy: DeadCoordinates, owner: str,
+                             report: bool) -> dict[int, torch.Tensor]:
+    """The dead coordinates the optimizer class ``owner`` keeps at rest from its first compressed step on, by its
+    ``dead_coordinates`` ``policy``: ``{id(param): v == 0}`` with ``"mask"`` (:func:`zero_variance_coordinates`),
+    nothing with ``"warn"`` or ``"ignore"``; reported (:func:`warn_zero_variance`) if ``report`` (rank 0, and no
+    callback masks them itself), unless ``"ignore"``."""
+    if policy == "ignore":
+        return {}
+    zero_variance, found = zero_variance_coordinates(groups, state)
+    if found and report:
+        warn_zero_variance(found, owner, policy == "mask")
+    return zero_variance if policy == "mask" else {}
+
+
 def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, masked: bool) -> None:
     """Say, in two lines, how many dead coordinates :func:`zero_variance_coordinates` found and what happens to them:
     kept at rest (``masked``), or free to take the updates 1-bit noise gives them (up to ``lr * B`` a step under
     ``cap_update``, about ``lr * scale / eps`` without).
 
-    Called from the optimizer's ``_average_momenta_``: ``stacklevel=4`` points the warning at the caller of ``step``."""
+    Called from :func:`dead_coordinates_to_keep` at the first compressed step (by the optimizer's
+    ``_begin_exchange``, through :meth:`DeadCoordinateMasks.find`): ``stacklevel=5`` points the warning at the
+    algorithm's compressed step."""
     total = sum(count for _, count, _ in report)
     name, count, numel = report[0]
     more = f" and {len(report) - 1} more parameter(s)" if len(report) > 1 else ""
@@ -189,5 +195,5 @@ def warn_zero_variance(report: Sequence[tuple[str, int, int]], owner: str, maske
         f"{owner}: {total} coordinate(s) had no gradient in warmup ({name}: {count} of {numel}{more}) and {fate}. "
         f"{docs_pointer('guides/freeze-step', 'embedding-tables')}",
         UserWarning,
-        stacklevel=4,
+        stacklevel=5,
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -11,9 +11,34 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
-from lightning_onebit.optim.functional import adam_step_bound, adam_update_
+from lightning_onebit.optim.buckets import compressed_trainable
+from lightning_onebit.optim.functional import adam_step_bound, adam_update_, adamw_step_, fold_gradients_, mask_
+from lightning_onebit.optim.functional import mask_like
 from lightning_onebit.optim.masks import DeadCoordinates
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
+
+
+def adamw_steps_(groups: Sequence[dict[str, Any]], moments: Callable[[torch.Tensor], dict[str, Any]], t: int,
+                 compression_stage: bool = False) -> None:
+    """Step ``t`` of :class:`torch.optim.AdamW` (:func:`~lightning_onebit.optim.functional.adamw_step_`) on the
+    (averaged) gradients of the parameters of ``groups`` that have one, whose state ``moments(p)`` gives (with
+    ``exp_avg`` and ``exp_avg_sq``): the Adam family's warmup, and its ``compress=False`` groups in the compression
+    stage (``compression_stage=True``), where explicit ``exp_avg_mask`` multiply the momentum after the gradient is
+    folded in, as they multiply the averaged momentum of the compressed groups."""
+    for group in groups:
+        params, grads, exp_avgs, exp_avg_sqs, masks = [], [], [], [], []
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            state = moments(p)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if compression_stage and group["exp_avg_mask"][i] is not None:
+                masks.append((len(params) - 1, mask_like(group["exp_avg_mask"], i, state["exp_avg"])))
+        if params:
+            adamw_step_(group, params, grads, exp_avgs, exp_avg_sqs, t, masks)
 
 
 class OnebitAdam(CompressedOptimizer):
@@ -75,10 +100,11 @@ class OnebitAdam(CompressedOptimizer):
     compressed allreduce is the identity.
 
     Args:
-        params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names)
-            or param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
-            ``exp_avg_mask`` and ``compress`` (see below). Parameters must be floating point (float32, float64, float16, bfloat16): complex
-            and integer parameters are refused, since the compressed momentum exchange has no form for them.
+        params: parameters, ``(name, parameter)`` pairs (e.g. ``named_parameters()``: warnings then use the names) or
+            param-group dicts. Groups may set ``lr``, ``betas``, ``eps``, ``weight_decay``, ``bias_correction``,
+            ``exp_avg_mask`` and ``compress`` (see below). Parameters must be floating point (float32, float64, float16,
+            bfloat16): complex and integer parameters are refused, since the compressed momentum exchange has no form
+            for them.
         lr: learning rate, a finite float ``>= 0`` (a learning-rate scheduler may change it later). Default ``1e-3``.
         betas: ``(b1, b2)`` decay rates of momentum and variance, a pair of floats each in ``[0, 1)``. Default
             ``(0.9, 0.999)``.
@@ -198,29 +224,28 @@ class OnebitAdam(CompressedOptimizer):
                                   differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         cap_update=cap_update)
-        super().__init__(
-            params,
-            defaults,
-            freeze_step=freeze_step,
-            auto_freeze=auto_freeze,
-            bucket_cap_mb=bucket_cap_mb,
-            process_group=process_group,
-            kernel_backend=kernel_backend,
-            topology=topology,
-            dead_coordinates=dead_coordinates,
-        )
+        super().__init__(params, defaults, freeze_step=freeze_step, auto_freeze=auto_freeze,
+                         bucket_cap_mb=bucket_cap_mb, process_group=process_group, kernel_backend=kernel_backend,
+                         topology=topology, dead_coordinates=dead_coordinates)
 
     def _warmup_step(self) -> None:
-        self._adamw_step_(self._step)
+        adamw_steps_(self.param_groups, self._moment_state, self._step)
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
-        self._adamw_step_(self._step, groups, compression_stage=True)
+        adamw_steps_(groups, self._moment_state, self._step, compression_stage=True)
 
     def _compressed_step(self) -> None:
-        self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, AdamW
-        self._average_momenta_()
+        self._step_uncompressed_groups_()  # compress=False groups: gradients averaged in full precision, AdamW
+        exchange = self._begin_exchange()  # the buckets; those the overlap hook folded and started during backward
+        for group in self.param_groups:  # fold: m = b1 m + (1 - b1) g, with this rank's gradient
+            params = exchange.unfolded(group)
+            fold_gradients_([self.state[p]["exp_avg"] for p in params], [p.grad for p in params], group["betas"][0])
+        exchange.finish_(self.state)  # exchange: m = the 1-bit compressed average of every rank's m
+        for group in self.param_groups:  # mask: exp_avg_mask, and the dead coordinates kept at rest
+            params = compressed_trainable(group)
+            mask_(group, params, [self.state[p]["exp_avg"] for p in params], self.masks.kept)
         t, t_v = self._step, self.freeze_step
-        for group in self.param_groups:
+        for group in self.param_groups:  # update, with the variance frozen at the end of warmup
             params = self._updated_params(group)
             if params:
                 exp_avgs = [self.state[p]["exp_avg"] for p in params]

@@ -1,5 +1,5 @@
 """1-bit LAMB (arXiv 2104.06069) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``; its per-tensor math
-is :mod:`~lightning_onebit.optim.lamb_math`'s."""
+is :mod:`~lightning_onebit.optim.functional`'s."""
 
 from __future__ import annotations
 
@@ -15,21 +15,54 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
-from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
-from lightning_onebit.optim.functional import adam_step_bound, bias_corrections
-from lightning_onebit.optim.lamb_math import (
-    _SCALAR_STATE,
-    _as_scalar,
-    _chunks,
-    _clipped_ratios,
-    _scalar,
-    _scaling_coefficients,
-    _squared_norms,
-    _trust_ratios,
+from lightning_onebit.optim.buckets import compressed_trainable
+from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY, restore_scalar_state_, take_scalar_state_
+from lightning_onebit.optim.freeze import state_figures
+from lightning_onebit.optim.functional import (
+    adam_step_bound,
+    bias_corrections,
     compressed_lamb_update_,
+    fold_gradients_,
+    lamb_update_,
+    mask_,
+    mask_like,
+    scaling_coefficients,
+    squared_norms,
+    update_variances_,
 )
-from lightning_onebit.optim.masks import DeadCoordinates, mask_like
+from lightning_onebit.optim.masks import DeadCoordinates
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
+
+# per-parameter state held as 0-dim float64 tensors on the parameter's device
+_SCALAR_STATE = ("lamb_coeff", "lamb_last_factor", "lamb_scaling_coeff")
+# the warmup's multi-tensor ops run over at most this many elements at a time (their temporaries: u, denominators)
+_CHUNK_NUMEL = 2**24
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 tensor on ``device``, filled there (no host-to-device copy)."""
+    return torch.full((), value, dtype=torch.float64, device=device)
+
+
+def _chunks(params: Sequence[torch.Tensor], limit: Optional[int] = _CHUNK_NUMEL) -> list[list[int]]:
+    """Indices into ``params``, by device, in runs of at most ``limit`` elements (a larger tensor alone; ``None``:
+    one run per device)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
+    out = []
+    for indices in by_device.values():
+        chunk, size = [], 0
+        for i in indices:
+            n = params[i].numel()
+            if chunk and limit is not None and size + n > limit:
+                out.append(chunk)
+                chunk, size = [], 0
+            chunk.append(i)
+            size += n
+        if chunk:
+            out.append(chunk)
+    return out
 
 
 class OnebitLamb(CompressedOptimizer):
@@ -182,17 +215,9 @@ class OnebitLamb(CompressedOptimizer):
             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold,
             cap_trust_ratio=cap_trust_ratio, cap_update=cap_update,
         )
-        super().__init__(
-            params,
-            defaults,
-            freeze_step=freeze_step,
-            auto_freeze=auto_freeze,
-            bucket_cap_mb=bucket_cap_mb,
-            process_group=process_group,
-            kernel_backend=kernel_backend,
-            topology=topology,
-            dead_coordinates=dead_coordinates,
-        )
+        super().__init__(params, defaults, freeze_step=freeze_step, auto_freeze=auto_freeze,
+                         bucket_cap_mb=bucket_cap_mb, process_group=process_group, kernel_backend=kernel_backend,
+                         topology=topology, dead_coordinates=dead_coordinates)
 
     @classmethod
     def _check_group(cls, group: dict[str, Any], index: int) -> None:
@@ -248,44 +273,18 @@ class OnebitLamb(CompressedOptimizer):
                 indices.append(i)
             # Under sharding a group is one run (per device), so that its figures travel in one collective: this keeps
             # one u per local shard of the group alive at once, which the shards (1/L of the model) bound.
+            reduce = self.shards.reduce_tensor_figures if sharded else None
             for chunk in (_chunks(params, limit=None) if sharded else _chunks(params)):
                 ps = [params[k] for k in chunk]
                 states = [self.state[p] for p in ps]
                 ms, vs, gs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [p.grad for p in ps]
-                torch._foreach_lerp_(ms, gs, 1 - b1)
+                fold_gradients_(ms, gs, b1)
                 if compression_stage:
                     for m, k in zip(ms, chunk):
                         if masks[indices[k]] is not None:
                             m.mul_(mask_like(masks, indices[k], m))
-                torch._foreach_mul_(vs, b2)
-                torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
-                # u = (m / bc1) / (sqrt(v / bc2) + eps) (+ wd p)
-                us = torch._foreach_div(ms, bc1)
-                denominators = torch._foreach_div(vs, bc2)
-                kernels.foreach_sqrt_(denominators)
-                torch._foreach_add_(denominators, group["eps"])
-                torch._foreach_div_(us, denominators)
-                del denominators
-                if group["weight_decay"]:
-                    torch._foreach_add_(us, ps, alpha=group["weight_decay"])
-                if sharded:
-                    local = torch.stack([_squared_norms(ps), _squared_norms(us)], 1)
-                    _, squares = self.shards.reduce_tensor_figures(ps, None, local)
-                    assert squares is not None
-                    norms = kernels.sqrt_into(squares, torch.empty_like(squares))
-                    ratios = _clipped_ratios(norms[:, 0], norms[:, 1], group["min_coeff"], group["max_coeff"])
-                else:
-                    ratios = _trust_ratios(ps, us, group["min_coeff"], group["max_coeff"])
-                coeffs = [s["lamb_coeff"] for s in states]
-                beta, coeff = group["coeff_beta"], torch.stack(coeffs)
-                # the EMA skips tensors whose ratio is 1 (a zero norm)
-                torch._foreach_copy_(coeffs, torch.where(ratios != 1.0, beta * coeff + (1 - beta) * ratios, coeff)
-                                     .unbind(0))
-                # p = p - lr r u, the step size a device tensor: addcmul, where the per-tensor version called
-                # p.add_(u, alpha=-lr * r). The same bits in float32 (tested); with bf16/fp16 parameters addcmul
-                # rounds the step size to the parameters' dtype before multiplying (add_ kept it in float32), so
-                # they can differ in the last bit.
-                torch._foreach_addcmul_(ps, us, (ratios * -group["lr"]).unbind(0))
+                update_variances_(vs, gs, b2)
+                lamb_update_(group, ps, ms, vs, [s["lamb_coeff"] for s in states], (bc1, bc2), reduce)
 
     def _on_freeze(self) -> None:
         self._remember_momenta()  # the first compressed step reconstructs the gradient from them
@@ -296,26 +295,26 @@ class OnebitLamb(CompressedOptimizer):
 
     def _settling_figures(self) -> torch.Tensor:
         """freeze_step='auto' also waits for the compressed tensors' trust-ratio EMAs (the coefficients that get
-        frozen; ``compress=False`` groups keep updating theirs): one tensor on the first parameter's device (the
-        detector reads it with its other figures, once per check)."""
-        params = [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
-        if not params:
-            return torch.zeros(0, dtype=torch.float64)
-        home = params[0].device
-        return torch.stack([
-            self.state[p]["lamb_coeff"].to(home) if "lamb_coeff" in self.state[p] else _scalar(0.0, home)
-            for p in params
-        ])
+        frozen; ``compress=False`` groups keep updating theirs)."""
+        return state_figures(self.param_groups, self.state, "lamb_coeff")
 
     # ------------------------------------------------------------------ compression stage
     def _compressed_step(self) -> None:
-        self._step_uncompressed_groups_()  # compress=False groups: full-precision gradient average, LAMB
+        self._step_uncompressed_groups_()  # compress=False groups: gradients averaged in full precision, LAMB
         if not self._exchange_scale:
             self._set_scaling_coefficients()
         self._remember_momenta(missing_only=True)  # a group that became compressed on resume
-        self._average_momenta_()
+        exchange = self._begin_exchange()  # the buckets; those the overlap hook folded and started during backward
+        for group in self.param_groups:  # fold: m = b1 m + (1 - b1) g, with this rank's gradient
+            params = exchange.unfolded(group)
+            fold_gradients_([self.state[p]["exp_avg"] for p in params], [p.grad for p in params], group["betas"][0])
+        # exchange: m = the 1-bit compressed average of every rank's m, each tensor scaled by its coefficient for it
+        exchange.finish_(self.state, self._exchange_scale)
+        for group in self.param_groups:  # mask: exp_avg_mask, and the dead coordinates kept at rest
+            params = compressed_trainable(group)
+            mask_(group, params, [self.state[p]["exp_avg"] for p in params], self.masks.kept)
         t, t_v = self._step, self.freeze_step
-        for group in self.param_groups:
+        for group in self.param_groups:  # update: LAMB with the frozen variance, the fresh one and the trust ratio
             params = self._updated_params(group)
             for chunk in _chunks(params, limit=None):
                 self._compressed_update_(group, [params[k] for k in chunk], t, t_v)
@@ -339,7 +338,7 @@ class OnebitLamb(CompressedOptimizer):
     def _reduces_figures(self) -> bool:
         """Whether per-tensor figures are reduced over the shard group: some parameter is sharded (``DTensor``) over
         more than one rank. Otherwise every path is the unsharded one, bit for bit."""
-        return bool(self.shards) and self.shards.reduces_figures()
+        return bool(self.shards.pairs) and self.shards.reduces_figures()
 
     def _remember_momenta(self, missing_only: bool = False) -> None:
         """Keep the (averaged) momenta of the compressed groups for the next step's gradient reconstruction; they are
@@ -372,7 +371,7 @@ class OnebitLamb(CompressedOptimizer):
         (:attr:`_exchange_scale`). Sharded parameters: ``||m||`` and ``numel`` are the whole tensor's (the squared
         norms of the local shards added over the shard group, one collective), so every rank of a node gets the
         coefficients of the unsharded run, to rounding."""
-        trainable = self._compressed_trainable()
+        trainable = [p for group in self.param_groups for p in compressed_trainable(group)]
         if not trainable:
             self._exchange_scale = {}
             return
@@ -390,7 +389,7 @@ class OnebitLamb(CompressedOptimizer):
                     else _scalar(0.0, home)
                     for p in trainable
                 ])
-            coeffs = _scaling_coefficients(rms)
+            coeffs = scaling_coefficients(rms)
             index = {id(p): i for i, p in enumerate(trainable)}
             for p in missing:
                 self.state[p]["lamb_scaling_coeff"] = coeffs[index[id(p)]].to(p.device).clone()
@@ -400,7 +399,7 @@ class OnebitLamb(CompressedOptimizer):
                    ) -> torch.Tensor:
         """Sharded parameters: ``||m|| / sqrt(numel)`` of each whole tensor (0 without a momentum), a float64 vector
         on ``home``: the local shards' squared norms added over the shard group, the whole tensor's ``numel``."""
-        squares = dict(zip(map(id, with_m), _squared_norms([self.state[p]["exp_avg"] for p in with_m]).to(home)
+        squares = dict(zip(map(id, with_m), squared_norms([self.state[p]["exp_avg"] for p in with_m]).to(home)
                            if with_m else ()))
         local = torch.stack([squares[id(p)] if id(p) in squares else _scalar(0.0, home) for p in trainable])
         _, total = self.shards.reduce_tensor_figures(trainable, None, local)
@@ -417,40 +416,24 @@ class OnebitLamb(CompressedOptimizer):
         from tensors or from the Python floats that checkpoints written before they were tensors hold (torch's own
         loading would cast a tensor to the parameter's dtype and lose their bits). Another algorithm's state
         (OnebitAdam, ZeroOneAdam, a torch optimizer's) raises ``ValueError`` naming it, before anything is loaded."""
-        state_dict = self._check_state_writer(state_dict)  # before the coefficients are taken out (they identify it)
+        # before the coefficients are taken out (they identify the state's writer)
+        state_dict = self.checkpoint.readable(state_dict, warn=self.compression.rank() == 0)
         meta = state_dict.get(CHECKPOINT_KEY)
-        if isinstance(meta, dict):
-            state_dict[CHECKPOINT_KEY] = dict(meta, optimizer=self._state_family())  # checked: the base need not infer it
-        scalars: dict[Any, dict[str, Any]] = {}
-        saved_state = {}
-        for key, entry in (state_dict.get("state") or {}).items():
-            if isinstance(entry, dict) and any(name in entry for name in _SCALAR_STATE):
-                entry = dict(entry)
-                scalars[key] = {name: entry.pop(name) for name in _SCALAR_STATE if name in entry}
-            saved_state[key] = entry
-        state_dict["state"] = saved_state
+        if isinstance(meta, dict):  # checked: the base need not infer it
+            state_dict[CHECKPOINT_KEY] = dict(meta, optimizer=self.checkpoint.family)
+        scalars = take_scalar_state_(state_dict, _SCALAR_STATE)  # torch's load would cast them to the params' dtype
         super().load_state_dict(state_dict)
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        by_id = dict(zip(saved_ids, params))
-        for key, values in scalars.items():
-            p = by_id.get(key)
-            if p is not None:
-                for name, value in values.items():
-                    self.state[p][name] = _as_scalar(value, p.device)
+        restore_scalar_state_(self.state, scalars, state_dict["param_groups"], self.param_groups)
         # The exchange's factors are the loaded coefficients: the overlapped exchange may start during the first
         # backward after the resume, before this step could read them (rank-identical: every rank loads the same).
         # A tensor without one (its group switched to compress=True) gets one at the next compressed step, which no
         # exchange starts before (start_bucket_exchange_).
         self._exchange_scale = self._loaded_exchange_scale()
 
-    def _compressed_trainable(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups if group["compress"] for p in group["params"] if p.requires_grad]
-
     def _loaded_exchange_scale(self) -> dict[int, torch.Tensor]:
         """The exchange's factors from the loaded ``lamb_scaling_coeff`` s, if every compressed trainable tensor has
         one; else empty (set at the next compressed step, :meth:`_set_scaling_coefficients`)."""
-        trainable = self._compressed_trainable()
+        trainable = [p for group in self.param_groups for p in compressed_trainable(group)]
         if not all("lamb_scaling_coeff" in self.state.get(p, {}) for p in trainable):
             return {}
         return {id(p): self.state[p]["lamb_scaling_coeff"] for p in trainable}

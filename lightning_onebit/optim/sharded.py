@@ -22,6 +22,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.comm.groups import group_size, is_distributed
+
 try:  # torch >= 2.4 (the package requires 2.4+ for FSDP2; DDP users never reach a DTensor)
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover - older torch
@@ -44,13 +46,16 @@ class ShardedParams:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (stand-in, DTensor)
+        #: ``(stand-in, DTensor)`` per sharded parameter (empty when none is sharded).
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Whether the optimizer's exchange group was checked against the shard group (:meth:`prepare_step_`).
+        self.exchange_group_checked = False
         self._dtensor_of: dict[int, torch.Tensor] = {}  # id(stand-in) -> DTensor
         self._stand_in_of: dict[int, torch.Tensor] = {}  # id(DTensor) -> stand-in
         self.mesh: Optional[Any] = None  # the one mesh the parameters are sharded over
 
     def __bool__(self) -> bool:
-        return bool(self._pairs)
+        return bool(self.pairs)
 
     @property
     def shard_group(self) -> Optional[dist.ProcessGroup]:
@@ -72,7 +77,7 @@ class ShardedParams:
                 with torch.no_grad():
                     stand_in = p.to_local().detach()
                 stand_in.requires_grad_(p.requires_grad)
-                self._pairs.append((stand_in, p))
+                self.pairs.append((stand_in, p))
                 self._dtensor_of[id(stand_in)] = p
                 self._stand_in_of[id(p)] = stand_in
             out.append(stand_in)
@@ -111,6 +116,16 @@ class ShardedParams:
             return chunks[index]
         return whole.narrow(0, whole.shape[0], 0)
 
+    def localize_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(the tensor the optimizer holds for param, its mask)``: a sharded parameter's stand-in, with this rank's
+        part of a mask of the whole parameter's shape (a mask of the local shard's shape is kept as it is)."""
+        if not is_sharded(param):
+            return param, mask
+        if mask is not None and tuple(mask.shape) == tuple(param.shape):
+            mask = self.local_part(param, mask)
+        return self.stand_in_of(param), mask
+
     def whole_of(self, stand_in: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor whose local parts (shaped like ``stand_in``, on every rank of the shard group) are
         ``local``: a collective over the shard group (every rank calls it, in the same order)."""
@@ -120,11 +135,19 @@ class ShardedParams:
         return DTensor.from_local(local, owner.device_mesh, owner.placements, run_check=False, shape=owner.shape,
                                   stride=owner.stride()).full_tensor()
 
+    def prepare_step_(self, exchange_group: Optional[dist.ProcessGroup]) -> None:
+        """Before a step: check once that the momenta are averaged over ``exchange_group`` correctly
+        (:meth:`check_exchange_group`, before any collective), then bind the gradients (:meth:`bind_gradients_`)."""
+        if not self.exchange_group_checked:
+            self.check_exchange_group(exchange_group)
+            self.exchange_group_checked = True
+        self.bind_gradients_()
+
     def bind_gradients_(self) -> None:
         """Before a step: each stand-in's ``.grad`` becomes its ``DTensor``'s gradient's local shard (or ``None``), and
         its ``requires_grad`` follows the ``DTensor``'s (a model may freeze and unfreeze parameters). No copy, no
         host synchronisation. Re-aliases a stand-in whose ``DTensor`` moved its local shard to other storage."""
-        for stand_in, p in self._pairs:
+        for stand_in, p in self.pairs:
             with torch.no_grad():
                 local = p.to_local()
                 if local.data_ptr() != stand_in.data_ptr() or local.shape != stand_in.shape:
@@ -138,13 +161,13 @@ class ShardedParams:
         """Each stand-in's ``requires_grad`` becomes its ``DTensor``'s (what :meth:`bind_gradients_` also does), for
         code that reads which parameters train before the step: the overlapped exchange, at the start of a backward
         pass. No communication."""
-        for stand_in, p in self._pairs:
+        for stand_in, p in self.pairs:
             if stand_in.requires_grad != p.requires_grad:
                 stand_in.requires_grad_(p.requires_grad)
 
     def clear_gradients_(self, set_to_none: bool) -> None:
         """``zero_grad`` for the ``DTensor`` gradients (the stand-ins' are cleared by the optimizer itself)."""
-        for _, p in self._pairs:
+        for _, p in self.pairs:
             if p.grad is None:
                 continue
             if set_to_none:
@@ -156,7 +179,7 @@ class ShardedParams:
         """Whether :meth:`reduce_figures` communicates: some parameter is sharded over a shard group of more than one
         rank (the same answer on every rank of the group)."""
         group = self.shard_group
-        return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+        return group is not None and group_size(group) > 1
 
     def reduce_figures(self, maxima: Optional[torch.Tensor] = None, sums: Optional[torch.Tensor] = None
                        ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -212,7 +235,7 @@ class ShardedParams:
         """Raise ``ValueError`` (before any collective) unless ``group``, which the momenta are averaged over, holds
         this rank and no other rank of its shard group: it must pair this rank with the ranks that hold the same
         shard (the replicate dimension of the mesh)."""
-        if not self._pairs or not (dist.is_available() and dist.is_initialized()):
+        if not self.pairs or not is_distributed():
             return
         shard_ranks = set(dist.get_process_group_ranks(self.shard_group))
         exchange_ranks = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))

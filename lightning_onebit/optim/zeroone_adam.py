@@ -1,10 +1,11 @@
-"""0/1 Adam (arXiv 2202.06009) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``: its arguments, its
-variance and compressed steps, and what it reports. The schedules and their checkpoint state are
-:mod:`~lightning_onebit.optim.zeroone_schedule`'s, the local steps and syncs
-:mod:`~lightning_onebit.optim.zeroone_local_steps`'."""
+"""0/1 Adam (arXiv 2202.06009) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``: its variance,
+compressed and local steps, and what it reports. Its schedule is a part of its own
+(:class:`~lightning_onebit.optim.zeroone_schedule.ZeroOneSchedule`), and so are the local steps' sums and syncs
+(:class:`~lightning_onebit.optim.local_steps.LocalSteps`)."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Iterable, Literal, Optional, Sequence, Union
 
@@ -12,30 +13,29 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit._checks import check_integer
-from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
-from lightning_onebit.optim.functional import adam_update_, fold_gradients_, update_variances_
-from lightning_onebit.optim.groups import compressed_trainable
-from lightning_onebit.optim.masks import mask_like
-from lightning_onebit.optim.phase import resumed_at
-from lightning_onebit.optim.step_kind import StepKind
+from lightning_onebit.optim.bucket_layout import MomentumBucket
+from lightning_onebit.optim.buckets import compressed_trainable
+from lightning_onebit.optim.error_feedback import feedback_key
+from lightning_onebit.optim.functional import adam_update_, fold_gradients_, mask_, update_variances_
+from lightning_onebit.optim.groups import check_exchange
+from lightning_onebit.optim.local_steps import LocalSteps
+from lightning_onebit.optim.onebit_adam import adamw_steps_
+from lightning_onebit.optim.phases import StepKind, zeroone_phase_sentence
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
-from lightning_onebit.optim.zeroone_local_steps import LocalStepsMixin
 from lightning_onebit.optim.zeroone_schedule import (
     DEEPSPEED_LOCAL_STEP_SCALER,
     DEEPSPEED_VAR_FREEZE_STEP,
     DEEPSPEED_VAR_UPDATE_SCALER,
-    ZeroOneScheduleMixin,
+    SYNC_STATE,
+    ZeroOneSchedule,
 )
 
+log = logging.getLogger(__name__)
 
-#: The page with 0/1 Adam's schedules (what its phase announcements summarise).
-_DOCS = docs_pointer("guides/configuration")
-
-
-class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
+class ZeroOneAdam(CompressedOptimizer):
     r"""0/1 Adam: Adam whose variance is updated on ever rarer steps, with 1-bit compressed communication in
     between, then local steps whose accumulated update is synchronised ever more rarely.
 
@@ -108,12 +108,12 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
     Host synchronisations: none in any step after the warmup (the step kinds and schedules are decided from Python
     numbers; the zero-variance masks and denominators stay on the device).
 
-    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`) take an AdamW
-    step at *every* step (momentum and variance updated, bias corrections of the true step ``t``), on gradients
+    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`) take an
+    AdamW step at *every* step (momentum and variance updated, bias corrections of the true step ``t``), on gradients
     averaged in full precision: by DDP's allreduce on variance steps, by one ``all_reduce`` in :meth:`step` on every
-    other step, local and sync steps included. They are left out of the buckets, the local-step sums and the syncs,
-    and their replicas stay identical after every step. The cost: such a group communicates every step, like DDP
-    (``2 (P-1)/P * 4`` bytes per element in fp32), so a local step is no longer silent; use it for small groups or
+    other step, local and sync steps included. They are left out of the buckets, the local-step sums and the syncs, and
+    their replicas stay identical after every step. The cost: such a group communicates every step, like DDP (``2
+    (P-1)/P * 4`` bytes per element in fp32), so a local step is no longer silent; use it for small groups or
     embeddings.
 
     Args:
@@ -158,6 +158,7 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         "ZeroOneAdam decides in optimizer.step what each step exchanges, so its exchange cannot start during backward"
     )
     masks_zero_variance = True
+    advisor_note = " (ZeroOneAdam: for its 1-bit steps only; its variance steps cost about a warmup step)"
 
     def __init__(
         self,
@@ -186,115 +187,107 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         topology: Optional[Topology] = None,
     ) -> None:
         # the schedule arguments left to the run's length (fit_schedule_to_run); DeepSpeed's values until then
-        self._schedule_from_run = {name for name, value in (("var_freeze_step", var_freeze_step),
-                                                            ("var_update_scaler", var_update_scaler),
-                                                            ("local_step_scaler", local_step_scaler)) if value is None}
-        var_freeze_step = DEEPSPEED_VAR_FREEZE_STEP if var_freeze_step is None else var_freeze_step
-        var_update_scaler = DEEPSPEED_VAR_UPDATE_SCALER if var_update_scaler is None else var_update_scaler
-        local_step_scaler = DEEPSPEED_LOCAL_STEP_SCALER if local_step_scaler is None else local_step_scaler
-        var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper = (
-            check_integer(value, name) for name, value in (
-                ("var_freeze_step", var_freeze_step), ("var_update_scaler", var_update_scaler),
-                ("local_step_scaler", local_step_scaler), ("local_step_clipper", local_step_clipper),
-            )
-        )
-        if compress is not None:
-            if exchange != "momentum" and compress != exchange:
-                raise ValueError(
-                    f"ZeroOneAdam got exchange={exchange!r} and compress={compress!r}: compress is the former name of "
-                    "exchange; pass exchange only"
-                )
-            warnings.warn(
-                f"ZeroOneAdam(compress={compress!r}) is deprecated: pass exchange={compress!r} (compress is also the "
-                "name of the param-group option that keeps a group out of compression)",
-                FutureWarning,
-                stacklevel=2,
-            )
-            exchange = compress
-        if exchange not in ("momentum", "gradient"):
-            raise ValueError(f"exchange must be 'momentum' or 'gradient', got {exchange!r}")
+        from_run = {name for name, value in (("var_freeze_step", var_freeze_step),
+                                             ("var_update_scaler", var_update_scaler),
+                                             ("local_step_scaler", local_step_scaler)) if value is None}
+        arguments = (("var_freeze_step", var_freeze_step, DEEPSPEED_VAR_FREEZE_STEP),
+                     ("var_update_scaler", var_update_scaler, DEEPSPEED_VAR_UPDATE_SCALER),
+                     ("local_step_scaler", local_step_scaler, DEEPSPEED_LOCAL_STEP_SCALER),
+                     ("local_step_clipper", local_step_clipper, None))
+        schedule = ZeroOneSchedule(*(check_integer(default if value is None else value, name)
+                                     for name, value, default in arguments), from_run=from_run)
+        exchange = check_exchange(exchange, compress)
         check_torch_adamw_options(type(self).__name__, amsgrad=amsgrad, maximize=maximize,
                                   differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(
-            params,
-            defaults,
-            # the steps before any compression: the first var_update_scaler steps are all variance steps
-            freeze_step=min(var_update_scaler, var_freeze_step),
-            bucket_cap_mb=bucket_cap_mb,
-            process_group=process_group,
-            kernel_backend=kernel_backend,
-            topology=topology,
-            dead_coordinates="ignore",  # kept at rest by _keep_at_rest_ while the variance still changes
-        )
-        self.var_freeze_step = var_freeze_step
-        self.var_update_scaler = var_update_scaler
-        self.local_step_scaler = local_step_scaler
-        self.local_step_clipper = local_step_clipper
+        super().__init__(params, defaults, freeze_step=schedule.warmup_steps, bucket_cap_mb=bucket_cap_mb,
+                         process_group=process_group, kernel_backend=kernel_backend, topology=topology,
+                         dead_coordinates="ignore")  # kept at rest by _keep_at_rest_ while the variance still changes
+        #: The schedules (:class:`ZeroOneSchedule`) and the local steps' sums and syncs (a part each).
+        self.schedule = schedule
+        self.local_steps = LocalSteps(self.momentum_buckets)
         self.exchange_kind = exchange  # what the compressed steps before var_freeze_step average in 1 bit
-        self._replay_schedules(0)
-        self.forced_syncs = 0  # syncs made by synchronize() between scheduled ones (e.g. before a checkpoint)
         # id(param) -> bool tensor of its coordinates whose variance is exactly zero (1 byte per element); valid until
         # the variance next changes
         self._zero_variance: dict[int, torch.Tensor] = {}
 
-    # ------------------------------------------------------------------ status
+    # ------------------------------------------------------------------ status (the schedule's and the local steps')
+    var_freeze_step = property(lambda self: self.schedule.var_freeze_step, doc="The last step that may update v.")
+    var_update_scaler = property(lambda self: self.schedule.var_update_scaler, doc="``kappa`` (see the class).")
+    local_step_scaler = property(lambda self: self.schedule.local_step_scaler, doc="See the class docstring.")
+    local_step_clipper = property(lambda self: self.schedule.local_step_clipper, doc="``H`` (see the class).")
+    var_interval = property(lambda self: self.schedule.var_interval, doc="Steps between variance steps now.")
+    local_step_interval = property(lambda self: self.schedule.local_step_interval, doc="Local steps between syncs.")
+    variance_updates = property(lambda self: self.schedule.variance_updates, doc="Variance steps taken so far.")
+    forced_syncs = property(lambda self: self.local_steps.forced_syncs, doc="Syncs by :meth:`synchronize`.")
+    local_steps_since_sync = property(lambda self: self.local_steps.since_sync, doc="0: every replica the same.")
+
+    def is_variance_step(self, t: int) -> bool:
+        """Whether step ``t`` updates the variance (:meth:`ZeroOneSchedule.is_variance_step`)."""
+        return self.schedule.is_variance_step(t)
+
     @property
-    def advisor_note(self) -> str:
-        return " (ZeroOneAdam: for its 1-bit steps only; its variance steps cost about a warmup step)"
+    def next_step_kind(self) -> StepKind:
+        """``VARIANCE`` (the warmup's steps and every ``var_interval``-th step up to ``var_freeze_step``: gradients
+        averaged in full precision), ``COMPRESSED`` (the other steps until then), then ``LOCAL``, or ``SYNC`` every
+        ``local_step_interval``-th step. Exact: the schedules depend only on the step."""
+        return self.schedule.kind(self._step + 1)
+
+    @property
+    def replicas_in_sync(self) -> bool:
+        """False after a local step, until the next sync."""
+        return self.local_steps.since_sync == 0
+
+    def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
+        """Scale the schedule arguments given as ``None`` to a run of ``total_steps`` optimizer steps (the Lightning
+        strategies call this at the start of ``fit`` with the Trainer's estimate): ``var_update_scaler`` a tenth of
+        the run (the steps that are all variance steps), ``var_freeze_step`` half the run (at least
+        ``var_update_scaler``), ``local_step_scaler`` such that ``local_step_interval`` reaches
+        ``local_step_clipper`` a quarter of the way into the remaining steps. Returns what was set, for the log
+        (``None``: every argument was given). ``total_steps=None`` (a run of unknown length) raises ``ValueError``
+        naming the arguments to give, unless every one was given; so does anything but ``None`` or an integer
+        ``>= 1`` (a bool, a float, a string)."""
+        scaled = self.schedule.fit_to_run(total_steps, self._step)
+        if scaled is not None:
+            self.freeze_step = self.schedule.warmup_steps
+        return scaled
 
     def describe_phase(self) -> tuple[StepKind, str]:
-        t = self._step + 1
-        if t <= self.freeze_step:
-            return StepKind.WARMUP, (
-                f"warmup until optimizer step {self.freeze_step}: every step a variance step (gradients averaged in full precision, "
-                f"full-precision Adam update); {_DOCS}"
-            )
-        if t <= self.var_freeze_step:
-            averaged = "momenta" if self.exchange_kind == "momentum" else "gradients"
-            return StepKind.VARIANCE, (
-                f"from optimizer step {self.freeze_step + 1}{resumed_at(self._step, self.freeze_step)}: a variance "
-                f"step (DDP allreduce) every {self.var_interval} steps, the "
-                f"interval doubling every {self.var_update_scaler} of them, until step {self.var_freeze_step}; "
-                f"{averaged} averaged in 1 bit in between; {_DOCS}"
-            )
-        uncompressed = " (compress=False groups: full precision every step)" if self._uncompressed_groups() else ""
-        return StepKind.LOCAL, (
-            f"from optimizer step {self.var_freeze_step + 1}{resumed_at(self._step, self.var_freeze_step)}: variance "
-            f"frozen; local steps without communication{uncompressed}, the "
-            f"accumulated update averaged in 1 bit every {self.local_step_interval} steps (doubling every "
-            f"{self.local_step_scaler} steps up to {self.local_step_clipper}); {_DOCS}"
-        )
+        schedule = self.schedule
+        return zeroone_phase_sentence(self._step, schedule.warmup_steps, schedule.var_freeze_step,
+                                      schedule.var_interval, schedule.var_update_scaler, schedule.local_step_interval,
+                                      schedule.local_step_scaler, schedule.local_step_clipper, self.exchange_kind,
+                                      bool(self._uncompressed_groups()))
 
     # ------------------------------------------------------------------ steps
     def _warmup_step(self) -> StepKind:
         t = self._step  # every warmup step is a variance step: t variance updates so far, as AdamW's step t
-        self._adamw_step_(t)
-        self._advance_schedules(t)
+        adamw_steps_(self.param_groups, self._moment_state, t)
+        self.schedule.advance(t)
         return StepKind.VARIANCE
 
     def _full_precision_update_(self, groups: Sequence[dict[str, Any]]) -> None:
         # every step of a compress=False group is an AdamW step: its variance has received t updates
-        self._adamw_step_(self._step, groups, compression_stage=True)
+        adamw_steps_(groups, self._moment_state, self._step, compression_stage=True)
 
     def _compressed_step(self) -> StepKind:
         t = self._step
         # compress=False groups: an AdamW step every step; variance steps' gradients are already averaged by DDP
-        self._step_uncompressed_groups_(averaged=self.is_variance_step(t))
-        if t > self.var_freeze_step:
+        self._step_uncompressed_groups_(averaged=self.schedule.is_variance_step(t))
+        if t > self.schedule.var_freeze_step:
             kind = self._local_step(t)
-        elif t % self.var_interval == 0:
+        elif t % self.schedule.var_interval == 0:
             kind = self._variance_step(t)
         else:
             kind = self._compressed_exchange_step(t)
-        self._advance_schedules(t)
+        self.schedule.advance(t)
         return kind
 
     def _variance_step(self, t: int) -> StepKind:
         """Averaged gradients: ``m`` and ``v`` updated (parameters without a gradient are skipped, as in AdamW)."""
         self._ensure_buckets(carry=True)
         self._zero_variance.clear()
-        n = self.variance_updates + 1
+        n = self.schedule.variance_updates + 1
         for group in self.param_groups:
             params = [p for p in compressed_trainable(group) if p.grad is not None]
             if not params:
@@ -310,10 +303,15 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
         return StepKind.VARIANCE
 
     def _compressed_exchange_step(self, t: int) -> StepKind:
-        """Local gradients reach the momentum through one 1-bit compressed exchange (of the momenta, or of the
-        gradients with ``exchange="gradient"``); ``v`` unchanged."""
+        """Local gradients reach the momentum through one 1-bit compressed exchange, of the momenta (fold, exchange)
+        or of the gradients with ``exchange="gradient"`` (exchange, fold); then mask and update, ``v`` unchanged."""
         if self.exchange_kind == "momentum":
-            self._average_momenta_()  # m = CompressedAllreduce(b1 m + (1 - b1) g_local), masked
+            exchange = self._begin_exchange()
+            for group in self.param_groups:  # fold: m = b1 m + (1 - b1) g, with this rank's gradient
+                params = exchange.unfolded(group)
+                fold_gradients_([self.state[p]["exp_avg"] for p in params], [p.grad for p in params],
+                                group["betas"][0])
+            exchange.finish_(self.state)  # exchange: m = the 1-bit compressed average of every rank's m
         else:
             self._average_gradients_into_momenta_()
         for group in self.param_groups:
@@ -321,54 +319,123 @@ class ZeroOneAdam(ZeroOneScheduleMixin, LocalStepsMixin, CompressedOptimizer):
             if not params:
                 continue
             exp_avgs = [self.state[p]["exp_avg"] for p in params]
-            self._keep_at_rest_(group, params, exp_avgs)
+            self._keep_at_rest_(group, params, exp_avgs)  # mask: exp_avg_mask, and zero-variance coordinates
             exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.variance_updates, self.compression.backend)
+            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.schedule.variance_updates,
+                         self.compression.backend)
         return StepKind.COMPRESSED
 
     def _average_gradients_into_momenta_(self) -> None:
         """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``."""
-        buckets = self._ensure_buckets(carry=True)
         averaged: dict[int, torch.Tensor] = {}
         pairs = []
-        for bucket in buckets:
-            flat = bucket.extra.get("gradient")
-            if flat is None:
-                flat = bucket.extra["gradient"] = torch.zeros_like(bucket.flat)
-            offset = 0
-            for p in bucket.params:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is None:
-                    view.zero_()  # this rank contributes a zero gradient
-                else:
-                    view.copy_(p.grad)
-                averaged[id(p)] = view
+        for bucket in self._ensure_buckets(carry=True):  # a missing gradient: this rank contributes a zero one
+            flat, views = bucket.filled("gradient", [p.grad for p in bucket.params])
+            averaged.update(zip(map(id, bucket.params), views))
             pairs.append((bucket, flat))
         self._compressed_average_("gradient", pairs)
         for group in self.param_groups:
             params = self._updated_params(group)
             if params:
-                exp_avgs = [self.state[p]["exp_avg"] for p in params]
-                torch._foreach_lerp_(exp_avgs, [averaged[id(p)] for p in params], 1 - group["betas"][0])
+                fold_gradients_([self.state[p]["exp_avg"] for p in params], [averaged[id(p)] for p in params],
+                                group["betas"][0])
+
+    def _local_step(self, t: int) -> StepKind:
+        """A step on this rank's own gradient with no communication (fold, mask, accumulate, update); a sync after it
+        when the schedule says so."""
+        local = self.local_steps
+        buckets = self._ensure_buckets(carry=True)
+        if local.lr_sum is None:
+            local.begin_(self._bucket_source(), buckets, self.schedule.var_freeze_step)
+        local.update_buffers(self._bucket_source(), buckets)
+        for index, group in enumerate(self.param_groups):
+            params = local.updated(group)
+            if not params:
+                continue
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            fold_gradients_(exp_avgs, [p.grad for p in params], group["betas"][0])  # a missing gradient: zero
+            self._keep_at_rest_(group, params, exp_avgs)
+            local.accumulate_(index, group, params, exp_avgs, self.state, t)
+            exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+            adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.schedule.variance_updates,
+                         self.compression.backend)
+        local.since_sync += 1
+        if t % self.schedule.local_step_interval == 0:
+            self._sync(t)
+            return StepKind.SYNC
+        return StepKind.LOCAL
+
+    @torch.no_grad()
+    def synchronize(self) -> bool:
+        """Sync now if local steps were taken since the last sync (every rank must call it; the next scheduled sync
+        still comes when the schedule says). Returns whether it synced.
+
+        This sync averages the accumulated updates in full precision (one ``all_reduce`` of their size), not in 1
+        bit, and leaves the compression error feedback to the next scheduled sync. A 1-bit sync here, a step or two
+        after a scheduled one, would fold the compression error of a whole interval (up to ``local_step_clipper``
+        steps of updates) into an update of one step, and the momentum it sets (the average update over the summed
+        learning rate) would grow by that ratio: on the example, syncs before every validation so made the local
+        steps diverge."""
+        if self.local_steps.since_sync == 0:
+            return False
+        self._sync(self._step, exact=True)
+        self.local_steps.forced_syncs += 1
+        return True
+
+    def _sync(self, t: int, exact: bool = False) -> None:
+        """Average the accumulated updates (1 bit; ``exact``: in full precision) and move every replica to the same
+        new point (:meth:`LocalSteps.sync_`)."""
+        self.local_steps.sync_(self._bucket_source(), self._ensure_buckets(carry=True), t,
+                               self.schedule.variance_updates, lambda pairs: self._compressed_average_("update", pairs),
+                               self._keep_at_rest_, exact)
+
+    def _compressed_average_(self, stream: str, buffers: Sequence[tuple[MomentumBucket, torch.Tensor]]) -> None:
+        """Replace each buffer (laid out like its bucket) by its error-compensated 1-bit average over the process
+        group, identical on every rank; the error feedback is ``stream``'s. Buckets are pipelined."""
+        if not self._backend_agreed:
+            self.agree_kernel_backend()
+        self.exchange.average_([(feedback_key(stream, bucket.key), flat, bucket.layout) for bucket, flat in buffers])
 
     def _keep_at_rest_(self, group: dict[str, Any], params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
         """Multiply ``tensors`` (one per parameter: momenta, exchanged gradients or updates) by the parameters' masks
-        and zero them where the variance is exactly zero."""
-        masks = group["exp_avg_mask"]
-        index = {id(q): i for i, q in enumerate(group["params"])}
-        for p, x in zip(params, tensors):
-            i = index[id(p)]
-            if masks[i] is not None:
-                x.mul_(mask_like(masks, i, x))
-            x.masked_fill_(self._zero_variance_of(p), 0)
+        and zero them where the variance is exactly zero (``v == 0``, a bool tensor per parameter kept until the
+        variance next changes: always a tensor, also where no coordinate is zero, since asking whether any is would
+        synchronise the host with the device once per parameter after every variance step)."""
+        for p in params:
+            if id(p) not in self._zero_variance:
+                self._zero_variance[id(p)] = self.state[p]["exp_avg_sq"] == 0
+        mask_(group, params, tensors, self._zero_variance)
 
-    def _zero_variance_of(self, p: torch.Tensor) -> torch.Tensor:
-        """``v == 0`` for ``p`` (a bool tensor, kept until the variance next changes). Always a tensor, also where no
-        coordinate is zero: asking whether any is (``bool(zero.any())``) would synchronise the host with the device
-        once per parameter after every variance step; the ``masked_fill_`` it would save is one pass."""
-        key = id(p)
-        zero = self._zero_variance.get(key)
-        if zero is None:
-            zero = self._zero_variance[key] = self.state[p]["exp_avg_sq"] == 0
-        return zero
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`CompressedOptimizer.state_dict`, plus the sums since the last sync. Between syncs (after a
+        local step) it holds this rank's own replica state and warns: call :meth:`synchronize` on every rank first
+        for a checkpoint that resumes exactly (the Lightning strategy does)."""
+        if self.local_steps.since_sync:
+            warnings.warn(
+                f"ZeroOneAdam.state_dict() after {self.local_steps.since_sync} local step(s) since the last sync: "
+                "this rank's replica differs from the others'; call synchronize() on every rank before saving for "
+                "an exact resume",
+                UserWarning,
+                stacklevel=2,
+            )
+        state_dict = super().state_dict()
+        # the schedules themselves follow from the step and their arguments (load_state_dict replays them)
+        state_dict["onebit"][SYNC_STATE] = dict(self.local_steps.state_dict(),
+                                                 schedule_arguments=self.schedule.arguments())
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`CompressedOptimizer.load_state_dict`; the schedules are recomputed from the loaded step with
+        this optimizer's schedule arguments (logged if the checkpoint was saved with others), the sums since the last
+        sync are restored."""
+        saved = (state_dict.get("onebit") or {}).get(SYNC_STATE)
+        super().load_state_dict(state_dict)
+        self.schedule.replay(self._step)
+        self._zero_variance = {}
+        self.local_steps.load_state_dict(saved or {}, len(self.param_groups))
+        if saved is None:
+            return  # e.g. an AdamW or OnebitAdam state dict: local steps (if any) start from the loaded point
+        if saved.get("schedule_arguments") not in (None, self.schedule.arguments()):
+            log.info("ZeroOneAdam: the checkpoint was saved with schedule arguments %s; continuing from step %d "
+                     "with those of the code, %s", saved["schedule_arguments"], self._step, self.schedule.arguments())

@@ -38,7 +38,8 @@ def default_auto_freeze_bound(
     total = length(trainer)
     if total is None:
         raise ValueError(
-            f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by {DEFAULT_BOUND_SHARE:.0%} of the run, but the Trainer's "
+            f"{type(optimizer).__name__}(freeze_step='auto') bounds the warmup by {DEFAULT_BOUND_SHARE:.0%} of the "
+            "run, but the Trainer's "
             "length is unknown (no max_steps or max_epochs, or an iterable dataset without max_steps): set "
             "max_steps/max_epochs, or AutoFreeze(max_step=...)"
         )

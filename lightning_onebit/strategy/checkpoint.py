@@ -15,8 +15,7 @@ import os
 import uuid
 from typing import Any, Optional, Union
 
-import torch
-
+from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY, read_sidecar, sidecar_path, write_sidecar
 
@@ -32,12 +31,9 @@ NO_PER_RANK_FILES = "the checkpoint records no per-rank files"
 
 
 def agree_run_id(global_rank: int) -> str:
-    """Rank 0's fresh run id, broadcast to every rank (a collective when the default process group exists): it
-    identifies this run's checkpoints in their per-rank files."""
-    run_id = [uuid.uuid4().hex if global_rank == 0 else None]
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.broadcast_object_list(run_id, src=0)
-    return run_id[0]
+    """Rank 0's fresh run id, the same on every rank (:func:`~lightning_onebit.comm.agree`: a collective when the
+    default process group exists): it identifies this run's checkpoints in their per-rank files."""
+    return agree(uuid.uuid4().hex if global_rank == 0 else None)[0]
 
 
 def save_per_rank_state(

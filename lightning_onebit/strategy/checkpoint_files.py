@@ -5,16 +5,16 @@
 :mod:`~lightning_onebit.strategy.sidecar`). A save (:class:`FolderSave`):
 
 1. writes everything into a temporary sibling folder ``<name>.onebit-partial-<save id>``, each rank its own files;
-2. each rank computes the size and SHA-256 of the files it wrote, and rank 0 gathers them (one ``gather_object``);
+2. each rank computes the size and SHA-256 of the files it wrote, and the ranks gather them (one ``agree``);
 3. rank 0 writes ``meta.pt`` and the manifest (:data:`MANIFEST_NAME`: the save id, and every file's size and digest,
    the sidecars' aside: they carry their own digest and the save id, and a bad one follows the ``error_feedback``
    policy), then puts the folder in place (:func:`put_in_place`: an atomic exchange with what was there, then removes
-   it), and tells every rank whether it succeeded (one ``broadcast``): every rank returns, or every rank raises.
+   it), and every rank learns whether it succeeded (one more ``agree``): every rank returns, or every rank raises.
 
 A save that dies before the exchange leaves the previous checkpoint under that name as it was, and its partial
 folder, which the next save to that name removes. On load, every rank checks what the path holds (a folder of this
 kind, not one file or a missing path) and a share of the files against the manifest, the ranks agree (one
-``all_gather_object``), and every rank raises the same :class:`CheckpointIntegrityError` (or ``ValueError`` for a
+``agree``), and every rank raises the same :class:`CheckpointIntegrityError` (or ``ValueError`` for a
 checkpoint of the other strategy) before any tensor is read, or none does.
 """
 
@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from lightning_onebit.comm.agreement import agree
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
 from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY
 
@@ -138,16 +139,6 @@ def put_in_place(new: Path, target: Path) -> None:
     _fsync_dir(target.parent)
 
 
-def _gather_everywhere(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (one ``all_gather_object`` when a process group exists)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return everyone
-
 
 def _leftovers(target: Path) -> list[Path]:
     """Partial and set-aside folders of earlier saves to ``target`` that did not finish."""
@@ -187,7 +178,7 @@ class FolderSave:
             write_own_files(self.folder)
         except Exception as err:  # noqa: BLE001 - every rank must hear of it, then raise
             failure = f"rank {self.rank} could not write its files ({type(err).__name__}: {err})"
-        self._raise_if_failed(_gather_everywhere(failure))
+        self._raise_if_failed(agree(failure))
 
     def _raise_if_failed(self, failures: list[Optional[str]]) -> None:
         found = "; ".join(f for f in failures if f is not None)
@@ -204,11 +195,9 @@ class FolderSave:
     def finish(self, writer: Any, checkpoint: Optional[dict[str, Any]]) -> None:
         """After ``torch.distributed.checkpoint.save`` returned on every rank: digests gathered on rank 0, which
         writes ``checkpoint`` (rank 0's; the others pass theirs, unused) as ``meta.pt`` and the manifest and puts the
-        folder in place. Collectives: one ``gather_object``, one ``broadcast_object_list``. Raises the same
-        ``RuntimeError`` on every rank if any rank failed (the partial folder is removed; the previous checkpoint
-        under the name is untouched)."""
-        import torch.distributed as dist
-
+        folder in place. Collectives: two :func:`~lightning_onebit.comm.agree` (the digests, then rank 0's outcome).
+        Raises the same ``RuntimeError`` on every rank if any rank failed (the partial folder is removed; the previous
+        checkpoint under the name is untouched)."""
         mine: dict[str, Any] = {}
         failure = None
         try:
@@ -216,11 +205,9 @@ class FolderSave:
             mine = {name: file_digest(self.folder / name) for name in names}
         except OSError as err:
             failure = f"rank {self.rank} could not read back what it wrote ({type(err).__name__}: {err})"
-        everyone: Optional[list[Any]] = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object((mine, failure), everyone, dst=0)
+        everyone = agree((mine, failure))
         status: list[Optional[str]] = [None]
         if self.rank == 0:
-            assert everyone is not None
             failures = [f for _, f in everyone if f is not None]
             if not failures:
                 try:
@@ -228,8 +215,7 @@ class FolderSave:
                 except Exception as err:  # noqa: BLE001 - every rank must hear of it, then raise
                     failures.append(f"rank 0 could not finish it ({type(err).__name__}: {err})")
             status[0] = "; ".join(failures) or None
-        dist.broadcast_object_list(status, src=0)
-        self._raise_if_failed(status)
+        self._raise_if_failed(agree(status[0])[:1])  # rank 0's outcome
 
     def abandon(self) -> None:
         """Rank 0 removes the partial folder after a save that failed on every rank (DCP's own errors are)."""
@@ -445,9 +431,7 @@ def agree_on_problems(problems: LoadProblems, path: Any, strategy_name: str) -> 
     one, every rank raises the same error with all of them (each once, in rank order) so that no rank goes on into a
     collective that another left: ``ValueError`` if any rank found the wrong kind of checkpoint, else
     :class:`CheckpointIntegrityError`. Returns whether every rank verified its files."""
-    import torch.distributed as dist
-
-    everyone = _gather_everywhere(problems)
+    everyone = agree(problems)
 
     def found(kind: str) -> list[str]:
         texts: list[str] = []

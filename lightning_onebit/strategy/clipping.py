@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 
+from lightning_onebit.comm.groups import group_size
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.sharded import is_sharded
 
@@ -52,7 +53,7 @@ def optimizer_with_local_gradients(optimizer: Any) -> Optional[CompressedOptimiz
     inner = getattr(optimizer, "_optimizer", optimizer)
     if not isinstance(inner, CompressedOptimizer) or inner.needs_gradient_allreduce:
         return None
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(inner.process_group) < 2:
+    if group_size(inner.process_group) < 2:
         return None
     return inner
 

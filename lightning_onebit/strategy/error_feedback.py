@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_onebit._docs import docs_pointer
+from lightning_onebit.comm.agreement import agree
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.checkpoint import NO_PER_RANK_FILES, PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY
 
@@ -164,7 +164,7 @@ class ErrorFeedbackKeeper:
         if reason is None:
             reason = optimizer.error_feedback_mismatch(pending)
         # over every rank of the strategy (under onebit_fsdp the optimizer's group is one replicate group only)
-        verdicts = gather_verdicts((global_rank, status.get("file"), reason), None)
+        verdicts = agree((global_rank, status.get("file"), reason))
         failures = [(rank, file, why) for rank, file, why in verdicts if why is not None]
         if not failures:
             assert pending is not None
@@ -219,11 +219,3 @@ def failures_text(failures: list[tuple]) -> str:
         by_reason.setdefault(why, []).append(f"rank {rank} ({file})")
     return "; ".join(f"{', '.join(ranks)}: {why}" for why, ranks in by_reason.items())
 
-
-def gather_verdicts(mine: tuple, group: Any) -> list[tuple]:
-    """Every rank's ``(rank, file, reason)``, in rank order (one small all_gather_object)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [mine]
-    everyone: list[Any] = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(everyone, mine, group=group)
-    return everyone

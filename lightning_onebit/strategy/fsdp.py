@@ -21,7 +21,6 @@ from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -38,27 +37,23 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_onebit._checks import check_flag
 from lightning_onebit.comm.accounting import CommunicationCounters
-from lightning_onebit.comm.groups import destroy_groups, new_gather_groups
+from lightning_onebit.comm.agreement import agree
+from lightning_onebit.comm.groups import destroy_groups
+from lightning_onebit.comm.topology import new_gather_groups
 from lightning_onebit.hooks import OverlapFallbackReason
 from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
 from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_mixed_precision, check_overlap, check_process_group_options
 from lightning_onebit.strategy.arguments import check_ranks_per_node, shard_module_classes, the_compressed_optimizer
-from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
-from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
-from lightning_onebit.strategy.checkpoint import owned_sidecar, remove_sidecar, restore_per_rank_state
-from lightning_onebit.strategy.checkpoint import save_per_rank_state
-from lightning_onebit.strategy.checkpoint_files import MANIFEST_NAME, SAVE_RECORD_KEY, CheckpointIntegrityError
-from lightning_onebit.strategy.checkpoint_files import FolderSave, agree_on_problems, first_line, folder_problems
-from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
+from lightning_onebit.strategy.checkpoint import restore_per_rank_state, save_per_rank_state
+from lightning_onebit.strategy.checkpoint_files import MANIFEST_NAME, SAVE_RECORD_KEY, FolderSave, agree_on_problems
+from lightning_onebit.strategy.checkpoint_files import folder_problems
+from lightning_onebit.strategy.error_feedback import ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import decide_overlap, overlap_blocker, overlap_fallback
 from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
-from lightning_onebit.strategy.sharded_checkpoint import (
-    is_distributed_checkpoint,
-    load_sharded_optimizer_state,
-    sharded_optimizer_state,
-)
+from lightning_onebit.strategy.sharded_checkpoint import is_distributed_checkpoint, load_sharded_checkpoint
+from lightning_onebit.strategy.sharded_checkpoint import save_sharded_checkpoint, sharded_optimizer_state
 from lightning_onebit.strategy.sharding import (
     broadcast_from_first_replica,
     check_sharded,
@@ -157,7 +152,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     ) -> None:
         check_overlap(overlap)
         check_ranks_per_node(ranks_per_node)
-        self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         check_flag(save_distributed_checkpoint, "save_distributed_checkpoint")
         check_process_group_options(timeout, process_group_backend)
         shard_modules = shard_module_classes(shard_modules)  # one class alone is a list of one
@@ -168,7 +162,8 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
                     "mixed_precision applies to the modules the strategy shards (shard_modules); with configure_model, "
                     "pass mp_policy=... to your fully_shard calls instead"
                 )
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout,
+        super().__init__(error_feedback=error_feedback, stage_log=StageLog(self.strategy_name, "each node's averaged "
+                         "gradient"), process_group_backend=process_group_backend, timeout=timeout,
                          save_distributed_checkpoint=save_distributed_checkpoint)
         self.ranks_per_node = ranks_per_node
         self.shard_modules = shard_modules
@@ -178,8 +173,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         self.overlap_state: Optional[ShardedOverlapState] = None
         self.overlap_fallback_reason: Optional[OverlapFallbackReason] = None
         self._gather_group: Optional[Any] = None  # the overlapped exchange's second-phase group (this fit's)
-        self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._stage_log = StageLog("onebit_fsdp", "each node's averaged gradient")
         self._names_before_sharding: dict[int, tuple[Any, str]] = {}
 
     # ------------------------------------------------------------------ precision
@@ -211,9 +204,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         """The ``(M, L)`` ``("replicate", "shard")`` mesh from every rank's placement (a collective)."""
         env = self.cluster_environment
         assert env is not None
-        placements: list[Any] = [None] * self.world_size
-        dist.all_gather_object(placements, (env.node_rank(), env.local_rank()))
-        grid = node_mesh_ranks(placements, self.ranks_per_node)
+        grid = node_mesh_ranks(agree((env.node_rank(), env.local_rank())), self.ranks_per_node)
         rank_zero_info(
             f"onebit_fsdp: {len(grid)} nodes x {len(grid[0])} ranks; parameters sharded inside each node, momenta "
             "compressed across nodes"
@@ -291,13 +282,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         optimizer.process_group = self.device_mesh["replicate"].get_group()
         assert self.model is not None
         optimizer.set_bucket_plan(fsdp_buckets(self.model, optimizer))
-        optimizer.agree_kernel_backend()
-        default_auto_freeze_bound(trainer, optimizer, run_length, self.strategy_name)
-        fit_schedule_to_run(trainer, optimizer, self.strategy_name, run_length)
-        warn_if_run_ends_in_warmup(trainer, optimizer, run_length, self.strategy_name)
-        optimizer.observe_losses_from_caller()
-        self._onebit_optimizer = optimizer
-        self._stage_log.new_fit()
+        self._take_optimizer(trainer, optimizer)
         self._configure_overlap(trainer, optimizer)
 
     # ------------------------------------------------------------------ overlap
@@ -354,14 +339,6 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         variance steps'); :attr:`communication` adds the compressed exchange's."""
         return CommunicationCounters() if self.replica_sync is None else self.replica_sync.counters.snapshot()
 
-    @property
-    def communication(self) -> CommunicationCounters:
-        """This rank's cumulative communication across nodes: the warmup replica all-reduces plus the compressed
-        momentum exchanges (FSDP's own all-gathers and reduce-scatters inside the node are not counted)."""
-        total = CommunicationCounters() if self.replica_sync is None else self.replica_sync.counters.snapshot()
-        if self._onebit_optimizer is not None:
-            total = total + self._onebit_optimizer.communication
-        return total
 
     # ------------------------------------------------------------------ stepping
     @contextmanager
@@ -407,23 +384,13 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported: the "
                             "strategy writes its distributed checkpoints itself, not through a CheckpointIO")
-        import torch.distributed.checkpoint as dcp
-
         # rank 0's path (Lightning's rule) and a save id, the same on every rank
-        target, save_id = self.broadcast((filepath, uuid.uuid4().hex if self.global_rank == 0 else None))
+        target, save_id = agree((filepath, uuid.uuid4().hex if self.global_rank == 0 else None))[0]
         save = FolderSave(Path(target), save_id, self.global_rank, self.world_size)
         self._error_feedback.save(checkpoint, self._onebit_optimizer)
         save.begin(lambda folder: save_per_rank_state(checkpoint, sidecar_in_folder(folder, self.global_rank), save_id,
                                                       self.global_rank, self.world_size, None))
-        shards = {"state_dict": checkpoint.pop("state_dict")}
-        shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        writer = save.storage_writer()
-        try:
-            dcp.save(shards, storage_writer=writer)
-        except BaseException:
-            save.abandon()  # DCP gathers every rank's failure: every rank is here
-            raise
-        save.finish(writer, checkpoint)
+        save_sharded_checkpoint(save, checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -434,9 +401,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         checkpoint_files.agree_on_problems`): ``ValueError`` for a path that holds no distributed checkpoint (a
         ``onebit_adam`` file, say), :class:`~lightning_onebit.strategy.checkpoint_files.CheckpointIntegrityError`
         for a damaged one or one that mixes saves."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-        path = Path(self.broadcast(checkpoint_path))
+        path = Path(agree(checkpoint_path)[0])
         onebit = self._onebit_optimizer
         problems = folder_problems(path, self.global_rank, self.world_size, onebit is not None, weights_only)
         verified = agree_on_problems(problems, path, self.strategy_name)
@@ -446,35 +411,14 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         if onebit is None or not is_distributed_checkpoint(path):
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
         else:
-            import torch.distributed.checkpoint as dcp
-
-            assert self.model is not None and self.lightning_module is not None
-            try:
-                model_state = {"state_dict": get_model_state_dict(self.model)}
-                dcp.load(model_state, checkpoint_id=str(path))
-                set_model_state_dict(self.model, model_state["state_dict"])
-                load_sharded_optimizer_state(onebit, self.model, path, "optimizer_0")
-            except dcp.CheckpointException as err:  # DCP's read errors, gathered and raised on every rank
-                if verified:
-                    raise
-                raise CheckpointIntegrityError(
-                    f"the checkpoint {path} could not be read ({type(err).__name__}: {first_line(err)}); it records "
-                    "no digests of its files (written before lightning_onebit recorded them), so which file is "
-                    "damaged is not known: resume from another checkpoint"
-                ) from err
-            checkpoint = torch.load(path / "meta.pt", weights_only=weights_only)
+            assert self.model is not None
+            checkpoint = load_sharded_checkpoint(self.model, onebit, path, verified, weights_only)
         # a save that recorded itself keeps the sidecars in its folder; earlier ones, next to it
         in_folder = checkpoint.pop(SAVE_RECORD_KEY, None) is not None
         sidecar = sidecar_in_folder(path, self.global_rank) if in_folder else sidecar_path(path, self.global_rank)
         restore_per_rank_state(checkpoint, sidecar, self.global_rank, self.world_size)
         self._error_feedback.load(checkpoint)
         return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        sidecar = owned_sidecar(filepath, self.global_rank)
-        super().remove_checkpoint(filepath)
-        remove_sidecar(sidecar)
 
     # ------------------------------------------------------------------ registry
     @classmethod

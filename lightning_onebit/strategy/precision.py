@@ -14,6 +14,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.comm.agreement import agree
+from lightning_onebit.comm.groups import is_distributed
+
 
 class RankSyncedGradScaler(torch.amp.GradScaler):
     """A :class:`torch.amp.GradScaler` whose inf/NaN verdict is agreed across ``process_group`` (default WORLD).
@@ -43,12 +46,12 @@ class RankSyncedGradScaler(torch.amp.GradScaler):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
-        if not self.is_enabled() or not (dist.is_available() and dist.is_initialized()):
+        if not self.is_enabled() or not is_distributed():
             return
         found_inf = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         agreed = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for value in found_inf.values():
             agreed = torch.maximum(agreed, value.to(agreed.device))
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+        agree(agreed, self.process_group, reduce="max")  # on the device: no host synchronisation
         for value in found_inf.values():
             value.copy_(agreed)

@@ -22,10 +22,12 @@ from torch.nn import Module
 
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
+from lightning_onebit.strategy.checkpoint_files import CheckpointIntegrityError, FolderSave, first_line
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_sharded_optimizer_state", "sharded_optimizer_state"]
+__all__ = ["load_sharded_checkpoint", "load_sharded_optimizer_state", "save_sharded_checkpoint",
+           "sharded_optimizer_state"]
 
 # the optimizer's record of the auto-freeze measurement (per rank under sharding: not saved, see the module docstring)
 _DETECTOR_KEY = "auto_freeze"
@@ -143,3 +145,46 @@ def _set_path(container: Any, path: tuple, value: Any) -> None:
 def is_distributed_checkpoint(path: Optional[Path]) -> bool:
     """Whether ``path`` is a folder written by ``torch.distributed.checkpoint``."""
     return path is not None and path.is_dir() and (path / ".metadata").is_file()
+
+
+def save_sharded_checkpoint(save: FolderSave, checkpoint: dict[str, Any]) -> None:
+    """Write ``checkpoint`` (model and optimizer states as ``DTensor`` shards, the rest rank 0's ``meta.pt``) through
+    ``save`` (:class:`~lightning_onebit.strategy.checkpoint_files.FolderSave`, begun): ``torch.distributed.checkpoint``
+    writes every rank's shards, then ``save.finish`` puts the folder in place. A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    shards = {"state_dict": checkpoint.pop("state_dict")}
+    shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    writer = save.storage_writer()
+    try:
+        dcp.save(shards, storage_writer=writer)
+    except BaseException:
+        save.abandon()  # DCP gathers every rank's failure: every rank is here
+        raise
+    save.finish(writer, checkpoint)
+
+
+def load_sharded_checkpoint(model: Module, optimizer: CompressedOptimizer, path: Path, verified: bool,
+                            weights_only: Optional[bool]) -> dict[str, Any]:
+    """Load the distributed checkpoint at ``path`` into ``model`` and ``optimizer`` (resharded to this run's mesh)
+    and return its ``meta.pt``. A read error of ``torch.distributed.checkpoint`` (raised on every rank) is raised as
+    it is where the files were ``verified`` against their digests, else as a
+    :class:`~lightning_onebit.strategy.checkpoint_files.CheckpointIntegrityError` (which file is damaged is not
+    known). A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    try:
+        model_state = {"state_dict": get_model_state_dict(model)}
+        dcp.load(model_state, checkpoint_id=str(path))
+        set_model_state_dict(model, model_state["state_dict"])
+        load_sharded_optimizer_state(optimizer, model, path, "optimizer_0")
+    except dcp.CheckpointException as err:  # DCP's read errors, gathered and raised on every rank
+        if verified:
+            raise
+        raise CheckpointIntegrityError(
+            f"the checkpoint {path} could not be read ({type(err).__name__}: {first_line(err)}); it records no digests "
+            "of its files (written before lightning_onebit recorded them), so which file is damaged is not known: "
+            "resume from another checkpoint"
+        ) from err
+    return torch.load(path / "meta.pt", weights_only=weights_only)

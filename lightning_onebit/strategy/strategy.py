@@ -3,10 +3,8 @@ warmup (1-bit Adam, 1-bit LAMB) or on chosen steps only (0/1 Adam)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -24,26 +22,22 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.topology import Topology, TopologyMode
-from lightning_onebit.hooks import GradientSyncState, OverlapFallbackReason, OverlapState
+from lightning_onebit.hooks import ExchangeHookState, GradientSyncState, OverlapFallbackReason, OverlapState
+from lightning_onebit.hooks import exchange_hook
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_options, check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
-from lightning_onebit.strategy.auto_freeze import default_auto_freeze_bound, fit_schedule_to_run, run_length
-from lightning_onebit.strategy.auto_freeze import warn_if_run_ends_in_warmup
 from lightning_onebit.strategy.clipping import AgreedClippingPrecision, agreed_clipping_precision
-from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
-from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id
+from lightning_onebit.strategy.checkpoint import restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems, ddp_folder_problem
-from lightning_onebit.strategy.comm_hook import _gradient_allreduce_needed, _HookState, _strategy_comm_hook
-from lightning_onebit.strategy.error_feedback import ErrorFeedbackKeeper, ErrorFeedbackPolicy
+from lightning_onebit.strategy.error_feedback import ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, decide_overlap, note_bucket_cap, overlap_blocker
 from lightning_onebit.strategy.overlap_policy import overlap_fallback
 from lightning_onebit.strategy.precision import RankSyncedGradScaler
-from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology
+from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology, release_at_exit
 from lightning_onebit.strategy.sidecar import sidecar_path
-from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.stepping import CompressedStepping
-from lightning_onebit.strategy.teardown import _LIVE_STRATEGIES, _register_exit_handler
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +168,10 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     ) -> None:
         check_options(overlap, topology, ranks_per_node)
         check_process_group_options(timeout, process_group_backend)
-        self._error_feedback = ErrorFeedbackKeeper(error_feedback, self.strategy_name, type(self).__name__)
         self.topology_mode = topology
         self.overlap = overlap
-        self.overlap_state: Optional[OverlapState] = None
         self.overlap_fallback_reason: Optional[str] = None
         self.ranks_per_node = ranks_per_node
-        self._groups = OwnedProcessGroups()  # the topology and every process group this strategy made
         self._run_id = "unset"  # agreed at setup; identifies this run's checkpoints in their per-rank files
         self._save_index = 0
         ddp_kwargs = ddp_kwargs_for(
@@ -189,6 +180,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
             ddp_comm_hook=ddp_comm_hook,
         )
         super().__init__(
+            error_feedback=error_feedback,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -199,12 +191,11 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self._sync_predicate = functools.partial(_gradient_allreduce_needed, weakref.ref(self))
-        self.gradient_sync = GradientSyncState(
-            sync_predicate=self._sync_predicate, averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state
-        )
-        self._onebit_optimizer: Optional[CompressedOptimizer] = None
-        self._stage_log = StageLog()
+        # the warmup allreduce (its predicate follows each fit's optimizer, from setup_optimizers on), the one DDP comm
+        # hook's state (holds no reference to the strategy: DDP keeps it alive) and every process group made
+        self.gradient_sync = GradientSyncState(averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state)
+        self._hook = ExchangeHookState(self.gradient_sync)
+        self._groups = OwnedProcessGroups(self.gradient_sync)
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -220,8 +211,16 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        _LIVE_STRATEGIES.add(self)
-        _register_exit_handler()
+        release_at_exit(self._groups)
+
+    @property
+    def overlap_state(self) -> Optional[OverlapState]:
+        """The overlapped exchange's hook state this ``fit`` (``None``: the exchange runs in ``optimizer.step``)."""
+        return self._hook.overlap
+
+    @overlap_state.setter
+    def overlap_state(self, state: Optional[OverlapState]) -> None:
+        self._hook.overlap = state
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -240,15 +239,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         return self._groups.topology
 
     @property
-    def communication(self) -> CommunicationCounters:
-        """This rank's cumulative communication: warmup gradient allreduces plus compressed momentum allreduces."""
-        self.gradient_sync.settle_timings()
-        total = self.gradient_sync.counters.snapshot()
-        if self._onebit_optimizer is not None:
-            total = total + self._onebit_optimizer.communication
-        return total
-
-    @property
     def warmup_communication(self) -> CommunicationCounters:
         """This rank's cumulative counters of the full-precision gradient averages (the warmup's, and 0/1 Adam's
         variance steps'); :attr:`communication` adds the compressed exchange's."""
@@ -261,7 +251,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         # registered before the optimizer exists: it dispatches to the overlapped hook once setup_optimizers made one.
         assert isinstance(self.model, DistributedDataParallel)
         self.gradient_sync.process_group = self.model.process_group
-        self.model.register_comm_hook(_HookState(self), _strategy_comm_hook)
+        self.model.register_comm_hook(self._hook, exchange_hook)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -273,27 +263,10 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         process_group = self.model.process_group
         self._groups.attach(optimizer, process_group, self.build_topology)
         self.gradient_sync.topology = self.topology
-        # the overlapped hook of an earlier fit pointed the predicate at that fit's optimizer
-        self.gradient_sync.sync_predicate = self._sync_predicate
-        optimizer.agree_kernel_backend()  # replicas stay identical only if every rank runs the same kernels
-        self._default_auto_freeze_bound(trainer, optimizer)
-        fit_schedule_to_run(trainer, optimizer, self.strategy_name, self._run_length)
-        self._warn_if_run_ends_in_warmup(trainer, optimizer)
-        optimizer.observe_losses_from_caller()  # pre_backward records every loss, micro-batches and manual steps too
-        self._onebit_optimizer = optimizer
-        self._stage_log.new_fit()
+        # gradients are averaged when this fit's optimizer asks (a closure over it: it holds no strategy)
+        self.gradient_sync.sync_predicate = lambda: optimizer.needs_gradient_allreduce
+        self._take_optimizer(trainer, optimizer)
         self.overlap_state = self._configure_overlap(trainer, optimizer)
-
-    # freeze_step="auto" bounded by the run's length, and the warning about a run that would end in the warmup
-    _run_length = staticmethod(run_length)
-
-    @classmethod
-    def _default_auto_freeze_bound(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        default_auto_freeze_bound(trainer, optimizer, cls._run_length, cls.strategy_name)
-
-    @classmethod
-    def _warn_if_run_ends_in_warmup(cls, trainer: "pl.Trainer", optimizer: CompressedOptimizer) -> None:
-        warn_if_run_ends_in_warmup(trainer, optimizer, cls._run_length, cls.strategy_name)
 
     # ------------------------------------------------------------------ overlap
     def overlap_unsupported_reason(self, trainer: "pl.Trainer") -> Optional[str]:
@@ -346,15 +319,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         """
         self._groups.detach_optimizers()
         self.overlap_state = None
-        self.gradient_sync.topology = None
         self._groups.destroy()
-
-    def _release_ddp_group(self) -> None:
-        """Drop the strategy's and its optimizers' references to DDP's process group (WORLD), at interpreter exit
-        only: once torch has destroyed WORLD too, nothing of ours keeps its gloo backend, and with it its threads,
-        alive into the process's C++ exit. A process that goes on keeps them: a later ``fit`` uses them again."""
-        self._groups.release_ddp_group()
-        self.gradient_sync.process_group = None
 
     def build_topology(self, process_group: Any) -> Topology:
         """Every rank's ``(node_rank, local_rank)`` from the cluster environment, gathered, and the process groups of
@@ -366,7 +331,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None
+        self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"],
+        storage_options: Optional[Any] = None,
     ) -> None:
         # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
         # with it the checkpoint id, is the same on every rank without a collective.
@@ -393,12 +359,6 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
                                self.world_size)
         self._error_feedback.load(checkpoint)
         return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
-        sidecar = owned_sidecar(filepath, self.global_rank)  # before the file goes (a link owns no sidecar)
-        super().remove_checkpoint(filepath)
-        remove_sidecar(sidecar)
 
     # ------------------------------------------------------------------ registry
     @classmethod

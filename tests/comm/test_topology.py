@@ -356,14 +356,14 @@ def test_ranks_with_different_topology_settings_fail_together():
 def test_per_rank_counters_add_up_to_the_per_node_formula(nodes, per_node, mode):
     """What the counters attribute to the ranks of a node equals the documented bytes leaving a node, up to the
     scales and padding (one large tensor)."""
-    from lightning_onebit.comm import _bytes_sent, bytes_leaving_node
+    from lightning_onebit.comm import bytes_leaving_node
 
     world = nodes * per_node
     layout = BucketLayout.build([1_000_000], world)
     placements = [(r // per_node, r % per_node) for r in range(world)]
     for node in range(nodes):
         inter = sum(
-            _bytes_sent(layout, 4, Topology.plan(placements, mode, rank=r), r)[1]
+            layout.bytes_sent(4, Topology.plan(placements, mode, rank=r), r)[1]
             for r in range(node * per_node, (node + 1) * per_node)
         )
         expected = bytes_leaving_node(layout.numel, nodes, per_node, mode)

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lightning_onebit.comm as comm
 import lightning_onebit.comm.exchange as comm_exchange
 import lightning_onebit.optim.base as optim_base
-import lightning_onebit.optim.exchange as optim_exchange
+import lightning_onebit.optim.buckets as optim_exchange
 import lightning_onebit.optim.functional as functional_module
 from lightning_onebit import OnebitAdam, OnebitLamb, Topology, ZeroOneAdam
 from lightning_onebit.hooks import GradientSyncState, OverlapState, overlapped_exchange_hook, switchable_allreduce_hook
@@ -205,14 +205,15 @@ def _old_progress_exchanges_(
     if not state.has_gather_groups or not pending:
         return
     started = time.perf_counter()
-    last = comm_exchange._NODE_GATHER if pending[0].hierarchical else comm_exchange._GATHER
-    for phase in range(comm_exchange._ALL_TO_ALL, last):
+    phases = comm_exchange.ExchangePhase
+    last = phases.NODE_GATHER if pending[0].hierarchical else phases.GATHER
+    for phase in range(phases.ALL_TO_ALL, last):
         for p in pending:
             if p.phase > phase:
                 continue
             if p.phase < phase or not p.work.is_completed():
                 break
-            comm_exchange._advance(state, p)
+            comm_exchange.advance_exchange_(state, p)
     state.counters.time_s += time.perf_counter() - started
 
 

@@ -509,7 +509,7 @@ def test_a_check_reads_the_device_once_not_per_tensor(optimizer_class: type) -> 
     # one device-to-host copy of everything (it was 12 reads: one float(v.sum()) per tensor); the counter also sees
     # the float() of the loss sum, which reads that host copy (CPU memory, no device involved)
     assert sorted(e.what for e in syncs.events) in (["cpu"], ["__float__", "cpu"]), syncs.summary()
-    assert [e.where for e in syncs.events if e.what == "cpu"][0].endswith("_read_on_host"), syncs.summary()
+    assert [e.where for e in syncs.events if e.what == "cpu"][0].endswith("read_on_host"), syncs.summary()
     assert loss == float(torch.tensor(_falling_loss(3)))  # the losses since the check at step 2 (check_every 2)
     assert snapshot[1].shape == (12,) and (snapshot[2].shape == (12,)) == (optimizer_class is OnebitLamb)
 
@@ -535,11 +535,11 @@ def _settled_snapshot(coefficients: list[float]) -> tuple[torch.Tensor, torch.Te
 def test_trust_ratios_are_read_like_the_variance_averaged_over_coordinates_and_per_tensor(
     numels: list[int], before: list[float], after: list[float], passes: bool
 ) -> None:
-    from lightning_onebit.optim.auto_freeze_figures import _excesses
+    from lightning_onebit.optim.auto_freeze_figures import excesses
 
     config = AutoFreeze()
     decays = [(0.9**4, 1.0)] * len(numels)  # no bias correction: a steady variance gives no excess
-    sample, tensor, mean, largest = _excesses(
+    sample, tensor, mean, largest = excesses(
         _settled_snapshot(before), _settled_snapshot(after), decays, torch.tensor([4, 0]), numels
     )
     assert sample == pytest.approx(0) and tensor == pytest.approx(0)
@@ -549,7 +549,7 @@ def test_trust_ratios_are_read_like_the_variance_averaged_over_coordinates_and_p
 
 
 def test_settling_figures_must_give_one_value_per_measured_tensor() -> None:
-    from lightning_onebit.optim.auto_freeze_figures import _excesses
+    from lightning_onebit.optim.auto_freeze_figures import excesses
 
     with pytest.raises(ValueError, match="one per tensor"):
-        _excesses(_settled_snapshot([1.0]), _settled_snapshot([1.0]), [(0.5, 1.0)] * 2, torch.tensor([4, 0]), [3, 3])
+        excesses(_settled_snapshot([1.0]), _settled_snapshot([1.0]), [(0.5, 1.0)] * 2, torch.tensor([4, 0]), [3, 3])

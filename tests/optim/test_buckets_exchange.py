@@ -1,4 +1,4 @@
-"""The momentum buckets (lightning_onebit/optim/buckets.py) and their exchange (lightning_onebit/optim/exchange.py)
+"""The momentum buckets and their exchange (lightning_onebit/optim/buckets.py, laid out by bucket_layout.py)
 on their own, without an optimizer: plain tensors stand for the parameters and a plain dict for the optimizer state.
 
 Single process:
@@ -8,7 +8,8 @@ Single process:
 * :func:`checked_plan` drops untrainable parameters and emptied buckets, refuses mixed dtypes and a parameter named
   twice; :func:`same_plan` compares by identity;
 * :meth:`MomentumBuckets.build` turns every ``state[p]["exp_avg"]`` into a view of its bucket's zero-padded flat buffer
-  holding the old values; :meth:`MomentumBuckets.fits` follows the trainable set, the world size and the plan;
+  holding the old values, and groups its parameters by ``beta1`` for the fold; :meth:`MomentumBuckets.fits` follows
+  the trainable set, the world size and the plan;
   :meth:`MomentumBucket.state_buffer` does the same for another state name;
 * :func:`feedback_key` and :func:`stream_of` are inverse (the momentum stream keeps bare bucket keys).
 
@@ -31,22 +32,21 @@ import pytest
 import torch
 
 from lightning_onebit.comm import (
-    _ALL_TO_ALL,
-    _GATHER,
     BucketLayout,
     CompressedAllreduceState,
+    ExchangePhase,
     compressed_allreduce_buckets_,
 )
 from lightning_onebit.optim.buckets import (
     MomentumBucket,
     MomentumBuckets,
+    MomentumExchange,
     carry_error_feedback_,
     checked_plan,
     feedback_key,
     same_plan,
     stream_of,
 )
-from lightning_onebit.optim.exchange import MomentumExchange
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.tensors import same_bits, seed_of
 
@@ -161,11 +161,11 @@ def test_build_makes_the_momenta_views_of_zero_padded_flat_buffers():
     params = _params([((2, 3), f32), ((4,), f64), ((5,), f32), ((1, 7), f32)])
     state = _state(params, "build")
     before = {id(p): state[p]["exp_avg"].clone() for p in params}
-    fold_weight = {id(p): w for p, w in zip(params, (0.1, 0.1, 0.2, 0.1))}
+    beta1 = {id(p): b for p, b in zip(params, (0.9, 0.9, 0.8, 0.9))}
     buckets = MomentumBuckets(cap_bytes=10**6)
     built_for = buckets.inputs(params, WORLD_SIZE)
     assert not buckets.fits(built_for)  # nothing built yet
-    built = buckets.build(params, state, fold_weight, WORLD_SIZE)
+    built = buckets.build(params, state, beta1, WORLD_SIZE)
 
     assert buckets.built is built and buckets.fits(built_for)
     assert buckets.by_key == {b.key: b for b in built}
@@ -190,9 +190,9 @@ def test_build_makes_the_momenta_views_of_zero_padded_flat_buffers():
         for p in bucket.params:
             assert torch.equal(state[p]["exp_avg"], before[id(p)] + 1)
         bucket.flat.sub_(1)
-    # one fold group per distinct weight, indices into the bucket's parameters
+    # one fold group per distinct beta1, indices into the bucket's parameters
     mixed = next(b for b in built if len(b.params) == 3)
-    assert sorted(mixed.fold_groups) == [(0.1, [0, 2]), (0.2, [1])]
+    assert sorted(mixed.fold_groups) == [(0.8, [1]), (0.9, [0, 2])]
 
     # a rebuild is due when the trainable set, the world size or the plan changes
     assert buckets.fits(buckets.inputs(params, WORLD_SIZE))
@@ -213,7 +213,7 @@ def test_state_buffer_lays_another_state_out_like_the_momenta():
     for p in params[::2]:  # the middle parameter has none yet: zeros
         state[p]["exp_avg_sq"] = old_sq[id(p)].clone()
     buckets = MomentumBuckets(cap_bytes=10**6)
-    (bucket,) = buckets.build(params, state, {id(p): 0.1 for p in params},
+    (bucket,) = buckets.build(params, state, {id(p): 0.9 for p in params},
                               WORLD_SIZE)
     flat = bucket.state_buffer("exp_avg_sq", state)
     assert flat.shape == bucket.flat.shape and flat.dtype == bucket.flat.dtype
@@ -248,17 +248,17 @@ def test_feedback_key_and_stream_of_round_trip():
 EXCHANGE_SPECS = [((3, 5), torch.float32), ((7,), torch.float32), ((40,), torch.float32), ((2, 2, 2), torch.float64),
                   ((100,), torch.float32), ((9,), torch.float32)]
 EXCHANGE_CAP = 200  # bytes: buckets [0, 1], [2], [4], [5] (float32) and [3] (float64)
-FOLD_WEIGHTS = (0.1, 0.05, 0.1, 0.1, 0.05, 0.1)
+BETA1 = (0.9, 0.95, 0.9, 0.9, 0.95, 0.9)
 # per step: the buckets started "during backward", in start order; the others are finished with them
 STARTED = ([0, 4, 2], [3, 1])
 
 
 def _fold(bucket: MomentumBucket, state: dict, grads: dict[int, torch.Tensor]) -> None:
     """What the optimizer's fill does: ``m = lerp(m, g, 1 - beta1)`` per fold group."""
-    for weight, indices in bucket.fold_groups:
+    for beta1, indices in bucket.fold_groups:
         torch._foreach_lerp_(
             [state[bucket.params[i]]["exp_avg"] for i in indices], [grads[id(bucket.params[i])] for i in indices],
-            weight,
+            1 - beta1,
         )
 
 
@@ -266,8 +266,7 @@ def _momentum_buckets(params, rank: int) -> tuple[dict, MomentumBuckets]:
     """Buckets over ``params`` holding this rank's initial momenta (the same on every call)."""
     state = _state(params, "momentum", rank)
     buckets = MomentumBuckets(EXCHANGE_CAP)
-    fold_weight = {id(p): w for p, w in zip(params, FOLD_WEIGHTS)}
-    buckets.build(params, state, fold_weight, WORLD_SIZE)
+    buckets.build(params, state, {id(p): b for p, b in zip(params, BETA1)}, WORLD_SIZE)
     return state, buckets
 
 
@@ -412,7 +411,7 @@ def _laid_out(grouping, params, state) -> tuple[MomentumBuckets, Any, list[int]]
     def build() -> list[MomentumBucket]:
         calls.append(1)
         return buckets.build(trainable, state,
-                             {id(p): 0.1 for p in trainable}, WORLD_SIZE)
+                             {id(p): 0.9 for p in trainable}, WORLD_SIZE)
 
     return buckets, build, calls
 
@@ -531,10 +530,10 @@ def test_exchange_started_progressed_and_finished_equals_one_pipelined_call(sess
             # each start advanced the earlier exchanges (own second-phase groups), progress() all of them
             if gather_groups:
                 for n, phases in enumerate(actual["phases"]):
-                    assert phases == [_GATHER] * n + [_ALL_TO_ALL], where
-                assert actual["phases_after_progress"] == [_GATHER] * len(started_keys), where
+                    assert phases == [ExchangePhase.GATHER] * n + [ExchangePhase.ALL_TO_ALL], where
+                assert actual["phases_after_progress"] == [ExchangePhase.GATHER] * len(started_keys), where
             else:
-                assert actual["phases_after_progress"] == [_ALL_TO_ALL] * len(started_keys), where
+                assert actual["phases_after_progress"] == [ExchangePhase.ALL_TO_ALL] * len(started_keys), where
         assert run["hook_s"] > 0, "the work started during backward is timed as hook_s"
         assert run["exposed_s"] == 0, "finish_ alone is not timed (the caller wraps it in exposed())"
 

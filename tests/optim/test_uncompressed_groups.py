@@ -402,9 +402,10 @@ def test_zeroone_adam_takes_the_group_option_beside_its_own_exchange_argument() 
 
 def test_zeroone_adam_compress_argument_is_the_deprecated_name_of_exchange() -> None:
     net = EmbNet()
-    with pytest.warns(FutureWarning, match=r"pass exchange='gradient'"):
+    with pytest.warns(FutureWarning, match=r"pass exchange='gradient'") as record:
         opt = ZeroOneAdam(groups(net), compress="gradient")
     assert opt.exchange_kind == "gradient"
+    assert record[0].filename == __file__  # the warning points at the caller
     with pytest.raises(ValueError, match=r"pass exchange only"):
         ZeroOneAdam(groups(net), exchange="gradient", compress="momentum")
     with pytest.raises(ValueError, match=r"exchange must be 'momentum' or 'gradient'"):
@@ -465,7 +466,7 @@ def test_momentum_mask_auto_skips_uncompressed_groups(caplog: pytest.LogCaptureF
     callback.setup(trainer, net, "fit")
     callback.on_fit_start(trainer, net)
     assert "emb.weight" not in callback._seen_nonzero and "hidden.weight" in callback._seen_nonzero
-    assert opt._dead_coordinates_masked_by == "MomentumMask(auto=True)"  # the optimizer does not warn too
+    assert opt.masks.masked_by == "MomentumMask(auto=True)"  # the optimizer does not warn too
     # a saved auto mask of the embedding (from a run where it was compressed) is not applied now: no mask, no warning
     unseen = torch.ones(VOCAB, DIM)
     unseen[SEEN_ROWS:] = 0

@@ -87,7 +87,7 @@ def _fit(rank: int, world_size: int, model: OptionsRegressor, callbacks: list[pl
         used=[float(w[:USED_ROWS].abs().max()) for w in model.emb_trace],
         finite=bool(all(torch.isfinite(p).all() for p in model.parameters())),
         # elements of the dead-coordinate masks the optimizer keeps (dead_coordinates="mask")
-        kept=sum(m.numel() for m in (onebit._zero_variance or {}).values()) if onebit is not None else None,
+        kept=sum(m.numel() for m in (onebit.masks.kept or {}).values()) if onebit is not None else None,
     )
 
 
@@ -639,9 +639,9 @@ def test_every_auto_freeze_argument_is_checked_at_construction(kwargs: dict[str,
     the settings are made; a negative seed is in torch's range and draws the same sample every time."""
     with pytest.raises(ValueError, match=re.escape(message)):
         AutoFreeze(**kwargs)
-    from lightning_onebit.optim.auto_freeze_figures import _draw_sample
+    from lightning_onebit.optim.auto_freeze_figures import draw_sample
 
     seed = AutoFreeze(seed=-1).seed
-    first, again = _draw_sample([50, 50], 10, seed), _draw_sample([50, 50], 10, seed)
+    first, again = draw_sample([50, 50], 10, seed), draw_sample([50, 50], 10, seed)
     assert sum(len(i) for _, i in first) == 10
     assert all(a == b and torch.equal(x, y) for (a, x), (b, y) in zip(first, again))

@@ -289,7 +289,7 @@ def _train(rank: int, steps: range, state: Any = None, exchange: str = "momentum
             params = [p for group in opt.param_groups for p in group["params"]]
             out["before_sync"] = dict(
                 updates=[opt.state[p]["update_since_sync"].clone() for p in params],
-                lr_sums=[opt._lr_sum[i] for i, group in enumerate(opt.param_groups) for _ in group["params"]],
+                lr_sums=[opt.local_steps.lr_sum[i] for i, group in enumerate(opt.param_groups) for _ in group["params"]],
                 error_feedback=copy.deepcopy(opt.error_feedback_state_dict()),
             )
             out["synchronized"] = opt.synchronize()

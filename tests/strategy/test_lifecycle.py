@@ -179,7 +179,7 @@ def scenario_exit_handler(rank: int, world_size: int, workdir: str) -> dict[str,
         owned = [weakref.ref(g) for g in strategy.process_groups]
         registered = len(owned)
         world = weakref.ref(dist.group.WORLD)
-        strategy_module._release_process_groups_at_exit()
+        strategy_module.release_process_groups_at_exit()
         return dict(
             owned=registered, freed=sum(r() is None for r in owned), world_destroyed=not dist.is_initialized(),
             # the strategy and its optimizers held DDP's group (WORLD) too: released, its gloo backend is freed now,

@@ -280,7 +280,8 @@ def one_rank_world() -> Any:
 def test_new_groups_take_the_given_timeout_or_their_parents(one_rank_world: Any) -> None:
     """torch gives a new group its default of 30 minutes whatever its parent's timeout: a stalled peer then held the
     ranks of the topology's and the overlap's groups for half an hour."""
-    from lightning_onebit.comm.groups import new_gather_groups, new_group_family
+    from lightning_onebit.comm.groups import new_group_family
+    from lightning_onebit.comm.topology import new_gather_groups
 
     assert _timeout_s(new_group_family([[0]])) == 7.0  # the parent's (WORLD's)
     assert _timeout_s(new_group_family([[0]], None, datetime.timedelta(seconds=3))) == 3.0
