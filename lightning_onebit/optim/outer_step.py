@@ -27,6 +27,7 @@ bucket a piece list of the parameters it cuts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Optional, Sequence
 
@@ -198,9 +199,9 @@ class OuterStep:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's outer optimizer state, error feedback and sync count (the outer parameters are the model's
-        checkpoint, the same on every rank)."""
-        return {"optimizer": self.optimizer.state_dict(), "error_feedback": self.compressor.error_state_dict(),
+        """This rank's outer optimizer state, error feedback and sync count, copied (the outer parameters are the
+        model's checkpoint, the same on every rank)."""
+        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()), "error_feedback": self.compressor.error_state_dict(),
                 "syncs": self.syncs, "shards": (self.shard_index, self.shards),
                 "numels": [f.numel for f in self._flats]}
 
