@@ -43,7 +43,7 @@ from lightning_onebit.comm.outer import OuterCompression, make_outer_compressor
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS, OuterStep
-from lightning_onebit.strategy.arguments import check_process_group_options
+from lightning_onebit.strategy.arguments import check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id
 from lightning_onebit.strategy.checkpoint import owned_sidecar, remove_sidecar, restore_per_rank_state
 from lightning_onebit.strategy.checkpoint import save_per_rank_state
@@ -120,7 +120,11 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         bucket_cap_mb: most MB of one bucket of the outer exchange (of one rank's shard). Default 16.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
             timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
-        **ddp_kwargs: ``DistributedDataParallel`` arguments of the inner DDP (not ``process_group``: the node's).
+        find_unused_parameters, static_graph, gradient_as_bucket_view: passed to the inner ``DistributedDataParallel``.
+            Default ``False``.
+        ddp_bucket_cap_mb: the inner DDP's gradient bucket size in MB; ``None`` keeps DDP's default (25).
+        ddp_kwargs: any other ``DistributedDataParallel`` arguments of the inner DDP (not ``process_group``: it is
+            the node's).
     """
 
     strategy_name = "onebit_diloco"
@@ -142,7 +146,11 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **ddp_kwargs: Any,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        ddp_bucket_cap_mb: Optional[float] = None,
+        ddp_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
         self.sync_every = check_integer(sync_every, "sync_every")
         self.compression = OuterCompression.of(compressor)
@@ -154,8 +162,11 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         self.ranks_per_node = check_integer(ranks_per_node, "ranks_per_node", none=True)
         self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb, "bucket_cap_mb")
         check_process_group_options(timeout, process_group_backend)
-        if "process_group" in ddp_kwargs:
+        if ddp_kwargs is not None and "process_group" in ddp_kwargs:
             raise ValueError("the inner DDP runs over the ranks of each replica (node); do not pass process_group")
+        ddp_kwargs = ddp_kwargs_for(ddp_kwargs, find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                                    gradient_as_bucket_view=gradient_as_bucket_view,
+                                    ddp_bucket_cap_mb=ddp_bucket_cap_mb, ddp_comm_hook=None)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -165,6 +176,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         self.gradient_sync = GradientSyncState()
         self.outer_step: Optional[OuterStep] = None
         self.inner_steps = 0
+        #: outer syncs run by this strategy (every fit's)
+        self.outer_syncs = 0
         self.last_sync_communication = CommunicationCounters()
         self._finished_outer = CommunicationCounters()  # the outer counters of fits that ended
         self._stashed: Optional[list[torch.Tensor]] = None  # the local parameters while the outer ones validate
@@ -281,6 +294,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         assert self.outer_step is not None
         before = self.outer_step.communication
         self.outer_step.sync()
+        self.outer_syncs += 1
         self.last_sync_communication = self.outer_step.communication - before
 
     @override

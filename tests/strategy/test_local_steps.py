@@ -300,7 +300,8 @@ def test_a_missing_sidecar_stops_every_rank_with_the_reason(sessions):
     (dict(outer_momentum=1.0), "outer_momentum must be"),
     (dict(ranks_per_node=0), "ranks_per_node must be"),
     (dict(bucket_cap_mb=0), "bucket_cap_mb must be"),
-    (dict(process_group=None), "do not pass process_group"),
+    (dict(ddp_kwargs={"process_group": None}), "do not pass process_group"),
+    (dict(ddp_kwargs={"bucket_cap_mb": 1}), "ddp_bucket_cap_mb"),
 ])
 def test_bad_arguments_are_refused_where_they_are_given(kwargs, match):
     with pytest.raises(ValueError, match=match):
