@@ -118,8 +118,10 @@ class OnebitDiLoCoStrategy(DDPStrategy):
             one host); ``None`` (default): the nodes of Lightning's cluster environment (``Trainer(num_nodes=M,
             devices=L)``). It must divide the world size into two replicas or more.
         bucket_cap_mb: most MB of one bucket of the outer exchange (of one rank's shard). Default 16.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
-            timeout, start_method: as for :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        precision_plugin, process_group_backend, timeout, start_method: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
         find_unused_parameters, static_graph, gradient_as_bucket_view: passed to the inner ``DistributedDataParallel``.
             Default ``False``.
         ddp_bucket_cap_mb: the inner DDP's gradient bucket size in MB; ``None`` keeps DDP's default (25).
