@@ -53,7 +53,9 @@ def _quantized(levels: torch.Tensor, codes: torch.Tensor, dtype: torch.dtype) ->
     return torch.where(codes >= 2, -magnitude, magnitude)
 
 
-def topk_encode(values: torch.Tensor, chunk: int, keep: int, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_encode(
+    values: torch.Tensor, chunk: int, keep: int, payload: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``values`` (1-D, a multiple of ``chunk`` long) into ``payload`` (uint8, :func:`topk_payload_bytes`
     long; its alignment padding is zeroed).
 

@@ -201,7 +201,8 @@ class OuterStep:
     def state_dict(self) -> dict[str, Any]:
         """This rank's outer optimizer state, error feedback and sync count, copied (the outer parameters are the
         model's checkpoint, the same on every rank)."""
-        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()), "error_feedback": self.compressor.error_state_dict(),
+        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "error_feedback": self.compressor.error_state_dict(),
                 "syncs": self.syncs, "shards": (self.shard_index, self.shards),
                 "numels": [f.numel for f in self._flats]}
 
@@ -211,7 +212,8 @@ class OuterStep:
                 f.numel for f in self._flats]:
             raise ValueError(
                 f"the outer state was saved as shard {tuple(state['shards'])} of parameters of sizes {state['numels']}"
-                f" and this rank holds shard {(self.shard_index, self.shards)} of sizes {[f.numel for f in self._flats]}"
+                f" and this rank holds shard {(self.shard_index, self.shards)} of sizes "
+                f"{[f.numel for f in self._flats]}"
             )
         self.compressor.load_error_state_dict(state["error_feedback"], self.buckets)
         self.optimizer.load_state_dict(state["optimizer"])

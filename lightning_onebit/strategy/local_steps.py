@@ -166,8 +166,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         check_process_group_options(timeout, process_group_backend)
         if ddp_kwargs is not None and "process_group" in ddp_kwargs:
             raise ValueError("the inner DDP runs over the ranks of each replica (node); do not pass process_group")
-        ddp_kwargs = ddp_kwargs_for(ddp_kwargs, find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                                    gradient_as_bucket_view=gradient_as_bucket_view,
+        ddp_kwargs = ddp_kwargs_for(ddp_kwargs, find_unused_parameters=find_unused_parameters,
+                                    static_graph=static_graph, gradient_as_bucket_view=gradient_as_bucket_view,
                                     ddp_bucket_cap_mb=ddp_bucket_cap_mb, ddp_comm_hook=None)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -302,8 +302,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         if self.outer_step is not None and self.steps_since_sync:
-            rank_zero_info(f"onebit_diloco: outer step at the end of fit ({self.steps_since_sync} inner steps since the "
-                           "last sync), so that the model holds every step")
+            rank_zero_info(f"onebit_diloco: outer step at the end of fit ({self.steps_since_sync} inner steps since "
+                           "the last sync), so that the model holds every step")
             self.sync()
         super().on_train_end()
 
@@ -361,7 +361,10 @@ class OnebitDiLoCoStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"], storage_options: Optional[Any] = None
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Union[str, "os.PathLike[str]"],
+        storage_options: Optional[Any] = None,
     ) -> None:
         # every rank comes here for every save (Lightning writes the main file on rank 0 only)
         if self.outer_step is not None:
