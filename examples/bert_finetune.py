@@ -47,8 +47,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
-from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitFSDPStrategy, OnebitStrategy
-from lightning_onebit.comm import CommunicationCounters
+from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitDiLoCoStrategy, OnebitFSDPStrategy
+from lightning_onebit import OnebitStrategy
+from lightning_onebit.comm import CommunicationCounters, ring_allreduce_bytes
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -633,6 +634,17 @@ class BertFinetuneCLI(LightningCLI):
             monitor = _monitor(trainer)
             if monitor is not None and monitor.advice is not None:  # "will compression help?", and the measured answer
                 summary["advice"] = dataclasses.asdict(monitor.advice)
+        elif isinstance(strategy, OnebitDiLoCoStrategy):
+            counters = strategy.communication
+            trainable = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
+            summary.update(
+                outer_syncs=strategy.outer_syncs,
+                bytes_sent=counters.bytes_sent,
+                bytes_sent_inter_node=counters.bytes_sent_inter_node,
+                # what DDP would send: an fp32 ring allreduce of the gradients at every step
+                bytes_fp32_equivalent=trainer.global_step * ring_allreduce_bytes(trainable, 4, trainer.world_size),
+                rounds_per_100_steps=_per_100(strategy.outer_syncs, trainer.global_step),
+            )
         else:
             monitor = _monitor(trainer)
             # DDP: the strategy's own count, or the monitor's (None: DDP had a comm hook of its own that nothing

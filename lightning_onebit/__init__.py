@@ -1,8 +1,8 @@
 """lightning-onebit: 1-bit Adam for PyTorch Lightning, on plain torch.distributed (NCCL and gloo).
 
 Importing the package registers the ``onebit_adam`` strategies (``onebit_adam``, ``onebit_adam_spawn``,
-``onebit_adam_fork``, ``onebit_adam_notebook``) and ``onebit_fsdp`` (sharded inside a node, 1-bit across nodes) with
-Lightning's ``StrategyRegistry``.
+``onebit_adam_fork``, ``onebit_adam_notebook``), ``onebit_fsdp`` (sharded inside a node, 1-bit across nodes) and
+``onebit_diloco`` (local steps, a compressed outer step across nodes) with Lightning's ``StrategyRegistry``.
 
 The top level holds what a Lightning user needs: the strategy, the optimizers, the callbacks and :class:`Topology`.
 The lower layers have their own namespaces: the compressed collective and its accounting in
@@ -21,7 +21,7 @@ from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, 
 from lightning_onebit.callbacks import MomentumMask, ReplicaCheck
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
-from lightning_onebit.strategy import OnebitAdamStrategy, OnebitFSDPStrategy, OnebitStrategy
+from lightning_onebit.strategy import OnebitAdamStrategy, OnebitDiLoCoStrategy, OnebitFSDPStrategy, OnebitStrategy
 from lightning_onebit.strategy.pytorch_lightning_guard import guard_pytorch_lightning
 
 __version__ = "0.1.0"
@@ -30,6 +30,8 @@ if "onebit_adam" not in StrategyRegistry:
     OnebitStrategy.register_strategies(StrategyRegistry)
 if "onebit_fsdp" not in StrategyRegistry:
     OnebitFSDPStrategy.register_strategies(StrategyRegistry)
+if "onebit_diloco" not in StrategyRegistry:
+    OnebitDiLoCoStrategy.register_strategies(StrategyRegistry)
 guard_pytorch_lightning()  # pytorch_lightning.Trainer(strategy="onebit_adam") says to use lightning.pytorch
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
+    "OnebitDiLoCoStrategy",
     "OnebitFSDPStrategy",
     "OnebitLamb",
     "OnebitStage",

@@ -22,6 +22,7 @@ KEPT = {
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
+    "OnebitDiLoCoStrategy",
     "OnebitFSDPStrategy",
     "OnebitLamb",
     "OnebitStage",

@@ -24,7 +24,7 @@ from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
-from lightning_onebit.strategy import OnebitFSDPStrategy, OnebitStrategy
+from lightning_onebit.strategy import OnebitDiLoCoStrategy, OnebitFSDPStrategy, OnebitStrategy
 from lightning_onebit.strategy.stepping import onebit_optimizer, onebit_strategy
 
 #: Where the advisor's messages send the user: how the estimate is made, and why a link may give no speedup.
@@ -145,7 +145,8 @@ class CommunicationMonitor(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = self._strategy = _monitored_strategy(trainer)
-        if isinstance(strategy, OnebitFSDPStrategy):  # counted by the strategy; no advice (yet) under sharding
+        # counted by the strategy; no advice (yet) under sharding or for local steps
+        if isinstance(strategy, (OnebitFSDPStrategy, OnebitDiLoCoStrategy)):
             self._start = self._last = strategy.communication
             self._last_step = trainer.global_step
             return
@@ -247,10 +248,10 @@ class CommunicationMonitor(Callback):
             )
 
     def _counters_now(
-        self, strategy: Union[OnebitStrategy, OnebitFSDPStrategy, DDPStrategy]
+        self, strategy: Union[OnebitStrategy, OnebitFSDPStrategy, OnebitDiLoCoStrategy, DDPStrategy]
     ) -> Optional[CommunicationCounters]:
         """This rank's cumulative counters now (``None``: plain DDP with a hook of the user's, nothing counted)."""
-        if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy)):
+        if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy, OnebitDiLoCoStrategy)):
             return strategy.communication
         if self._ddp_sync is None:
             return None

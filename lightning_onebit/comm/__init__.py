@@ -18,7 +18,10 @@ on, and the accounting of what it sends. It knows nothing of optimizers, DDP or 
 * :mod:`~lightning_onebit.comm.groups`: making process groups (one ``split_group`` per family where the backend can
   split), their timeouts and their destruction, the asynchronous ``all_gather``, and
   :class:`CollectiveFailedError`, a failed collective named with its group;
-* :mod:`~lightning_onebit.comm.accounting`: :class:`CommunicationCounters` and the byte formulas.
+* :mod:`~lightning_onebit.comm.accounting`: :class:`CommunicationCounters` and the byte formulas;
+* :mod:`~lightning_onebit.comm.outer`: the compressed average of local-steps training's outer pseudo-gradient over
+  the replicas (:class:`OuterCompression`, :func:`make_outer_compressor`: fp32, bf16, 1-bit, top-k + 2-bit), and
+  :mod:`~lightning_onebit.comm.topk`, the chunked top-k codec.
 
 Everything is re-exported here (``from lightning_onebit.comm import X``). Monkeypatch a function in the module that
 defines it, where its callers look it up. The private helpers this namespace used to re-export for tests and
@@ -52,15 +55,26 @@ from lightning_onebit.comm.exchange import (
 from lightning_onebit.comm.full_precision import full_precision_allreduce_, sparse_rows_allreduce_
 from lightning_onebit.comm.groups import CollectiveFailedError, all_gather_async
 from lightning_onebit.comm.layout import BucketLayout
+from lightning_onebit.comm.outer import (
+    OUTER_COMPRESSIONS,
+    OuterBucket,
+    OuterCompression,
+    OuterCompressor,
+    make_outer_compressor,
+)
 from lightning_onebit.comm.state import CompressedAllreduceState
 from lightning_onebit.comm.topology import Topology
 
 __all__ = [
+    "OUTER_COMPRESSIONS",
     "BucketLayout",
     "CollectiveFailedError",
     "CommunicationCounters",
     "CompressedAllreduceState",
     "ExchangePhase",
+    "OuterBucket",
+    "OuterCompression",
+    "OuterCompressor",
     "PendingExchange",
     "Topology",
     "add_traffic",
@@ -76,6 +90,7 @@ __all__ = [
     "finish_exchanges_",
     "flat_two_phase_bytes",
     "full_precision_allreduce_",
+    "make_outer_compressor",
     "sparse_rows_allreduce_",
     "progress_exchanges_",
     "replica_checksums",

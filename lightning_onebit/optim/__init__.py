@@ -8,6 +8,9 @@
   updates ever more rarely.
 * :class:`OnebitLamb` (:mod:`lightning_onebit.optim.onebit_lamb`): LAMB warmup, then LAMB with a frozen variance,
   a reconstructed fresh variance for the trust factor, and 1-bit compressed momentum averaging.
+
+:class:`OuterStep` (:mod:`lightning_onebit.optim.outer_step`) is no compressed optimizer: it is the outer step of
+local-steps training (DiLoCo family), the outer parameters and optimizer of ``strategy="onebit_diloco"``.
 """
 
 from lightning_onebit.optim.auto_freeze_config import AutoFreeze
@@ -15,6 +18,7 @@ from lightning_onebit.optim.base import CompressedOptimizer
 from lightning_onebit.optim.masks import check_exp_avg_mask
 from lightning_onebit.optim.onebit_adam import OnebitAdam
 from lightning_onebit.optim.onebit_lamb import OnebitLamb
+from lightning_onebit.optim.outer_step import OuterStep
 from lightning_onebit.optim.phases import OnebitStage, StepKind
 from lightning_onebit.optim.zeroone_adam import ZeroOneAdam
 
@@ -24,6 +28,7 @@ __all__ = [
     "OnebitAdam",
     "OnebitLamb",
     "OnebitStage",
+    "OuterStep",
     "StepKind",
     "ZeroOneAdam",
     "check_exp_avg_mask",

@@ -15,6 +15,7 @@ from tests.paths import EXAMPLE, ROOT, script_env
 CONFIG = ROOT / "examples" / "configs" / "bert_onebit.yaml"
 DDP_CONFIG = ROOT / "examples" / "configs" / "bert_adamw.yaml"
 FSDP_CONFIG = ROOT / "examples" / "configs" / "bert_fsdp.yaml"
+DILOCO_CONFIG = ROOT / "examples" / "configs" / "bert_diloco.yaml"
 #: what benchmarks/ read from a DDP run's --summary_json (bert_parity, convergence, freeze_sweep, result_tables)
 DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "wall_s", "val_loss", "val_acc", "val_f1", "bytes_sent",
                     "bytes_fp32_equivalent", "rounds_per_100_steps"}
@@ -244,6 +245,24 @@ def test_the_sharded_config_trains_on_4_processes_as_2_nodes(tmp_path):
     assert result["steps"] == 12 and result["stage"] == "compression" and result["freeze_step"] == 6, result
     assert 0 < result["bytes_sent_compression"] / 6 < result["bytes_sent_warmup"] / 6 / 10, result
     assert "MomentumMask:" in proc.stdout + proc.stderr and "(rank 0's shard)" in proc.stdout + proc.stderr
+
+
+def test_the_local_steps_config_trains_on_2_processes_as_2_replicas(tmp_path):
+    """bert_diloco.yaml as shipped (AdamW inner steps, a 1-bit outer step), with a shorter outer period so that a
+    short run syncs: 2 outer syncs in 8 steps (after steps 4 and 8), nothing sent between them."""
+    summary = tmp_path / "summary.json"
+    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(DILOCO_CONFIG), "--trainer.max_steps", "8",
+               "--trainer.strategy.init_args.sync_every", "4", "--model.num_layers", "2", "--model.hidden_size", "64",
+               "--model.intermediate_size", "256", "--data.num_val", "100", "--trainer.enable_progress_bar", "false",
+               "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
+    proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["strategy"] == "OnebitDiLoCoStrategy" and result["optimizer"] == "AdamW", result
+    assert result["steps"] == 8 and result["outer_syncs"] == 2, result
+    # two 1-bit syncs against eight fp32 allreduces: far more than 32 x 4 fewer bytes
+    assert 0 < result["bytes_sent"] < result["bytes_fp32_equivalent"] / 100, result
+    assert result["bytes_sent"] == result["bytes_sent_inter_node"], result  # a replica per process: nothing intra
 
 
 def test_summary_table_is_short_and_aligned(example):

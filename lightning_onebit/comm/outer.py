@@ -1,0 +1,345 @@
+"""The compressed average of the outer step's pseudo-gradient over the *replica group* (DiLoCo family): one rank per
+replica, each holding the same part of the pseudo-gradient of its replica.
+
+:class:`OuterCompression` says how (checked where it is given, before any collective); :func:`make_outer_compressor`
+makes the compressor that does it over a process group:
+
+* ``"none"`` (:class:`DenseAverage`): an fp32 ``all_reduce`` (sum, then division by the number of replicas): plain
+  DiLoCo, the honest baseline; no error feedback, nothing is lost but the sum's rounding.
+* ``"bf16"`` (:class:`DenseAverage`): the pseudo-gradient plus its error feedback rounded to bf16, divided by the
+  number of replicas and summed by a bf16 ``all_reduce`` (half the bytes); the rounding residual stays local as error
+  feedback (exact: the residual of a rounding to bf16 is representable in fp32).
+* ``"onebit"`` (:class:`OnebitAverage`): the project's error-compensated 1-bit sign + scale exchange
+  (:func:`~lightning_onebit.comm.compressed_allreduce_buckets_`, one scale per tensor piece of a bucket), ~32x fewer
+  bytes than fp32; worker and server error feedback per rank.
+* ``"topk"`` (:class:`TopkAverage`): SparseLoCo's chunked top-k with 2-bit values (:mod:`~lightning_onebit.comm.topk`),
+  exchanged with one ``all_gather`` per bucket (every rank keeps a different set) and decoded by every rank in rank
+  order, so every replica gets the same bits; the residual (what was not sent) stays local as error feedback.
+
+Error feedback (all but ``"none"``): per bucket and rank, ``e <- error_decay * e + x`` is compressed, and ``e`` keeps
+what was not sent; so ``sent + e_new == x + error_decay * e_old`` (exactly for ``"bf16"`` and off the kept
+elements for ``"topk"``; elsewhere to the fp32 rounding of one subtraction).
+
+Bytes are counted per rank in :attr:`OuterCompressor.counters` on the ring model of
+:mod:`~lightning_onebit.comm.accounting` (every peer of the replica group is on another node: inter-node bytes):
+a ring ``all_reduce`` sends ``2 (M-1)/M`` of the buffer, a ring ``all_gather`` ``(M-1)`` payloads, the 1-bit exchange
+its layout's :meth:`~lightning_onebit.comm.BucketLayout.bytes_per_call`. :meth:`OuterCompressor.bytes_per_call` gives
+the figure for one bucket without a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit._checks import check_integer, check_real
+from lightning_onebit.comm.accounting import CommunicationCounters, ring_allreduce_bytes
+from lightning_onebit.comm.agreement import agree_kernel_backend
+from lightning_onebit.comm.exchange import compressed_allreduce_buckets_
+from lightning_onebit.comm.groups import all_gather_async, group_size, naming_the_group
+from lightning_onebit.comm.layout import BucketLayout
+from lightning_onebit.comm.state import CompressedAllreduceState
+from lightning_onebit.comm.topk import MAX_CHUNK, topk_decode_add_, topk_encode, topk_payload_bytes
+
+__all__ = [
+    "OUTER_COMPRESSIONS",
+    "DenseAverage",
+    "OnebitAverage",
+    "OuterBucket",
+    "OuterCompression",
+    "OuterCompressor",
+    "TopkAverage",
+    "count_ring_all_gather",
+    "make_outer_compressor",
+]
+
+#: The compressions of the outer pseudo-gradient, by name.
+OUTER_COMPRESSIONS = ("none", "bf16", "onebit", "topk")
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterCompression:
+    """How the outer pseudo-gradient is compressed (see the module docstring); checked when made.
+
+    Attributes:
+        kind: ``"none"``, ``"bf16"``, ``"onebit"`` or ``"topk"``.
+        chunk: ``"topk"``: values per chunk, 2 to 32,768 (indices are int16). Default 4096.
+        keep: ``"topk"``: values kept per chunk, 1 to ``chunk``. Default 64 (1.56%, SparseLoCo's at 72B).
+        error_decay: the error feedback is multiplied by it before the next pseudo-gradient is added, in (0, 1].
+            Default 1 (classic error feedback: nothing is forgotten). Not for ``"none"``, which keeps none.
+    """
+
+    kind: str = "onebit"
+    chunk: int = 4096
+    keep: int = 64
+    error_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in OUTER_COMPRESSIONS:
+            raise ValueError(f"compressor must be one of {OUTER_COMPRESSIONS}, got {self.kind!r}")
+        check_integer(self.chunk, "OuterCompression chunk", at_least=2, at_most=MAX_CHUNK)
+        check_integer(self.keep, "OuterCompression keep", at_most=self.chunk,
+                      what=f"an integer in [1, chunk = {self.chunk}]")
+        check_real(self.error_decay, "OuterCompression error_decay", above=0.0, at_most=1.0)
+        if self.kind == "none" and self.error_decay != 1.0:
+            raise ValueError("compressor 'none' keeps no error feedback, so error_decay does not apply: leave it at 1")
+
+    @classmethod
+    def of(cls, value: Any) -> "OuterCompression":
+        """``value`` if it is one, else ``OuterCompression(kind=value)`` (a name of :data:`OUTER_COMPRESSIONS`)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str):
+            raise ValueError(f"compressor must be one of {OUTER_COMPRESSIONS} or an OuterCompression, got {value!r}")
+        return cls(kind=value)
+
+    def quantum(self, replicas: int) -> int:
+        """Every bucket's length must be a multiple of this (1-bit: ``8 M``, so its layout adds no padding; top-k:
+        the chunk)."""
+        return {"onebit": 8 * replicas, "topk": self.chunk}.get(self.kind, 1)
+
+
+class OuterBucket(NamedTuple):
+    """One bucket of the pseudo-gradient: ``key`` names its error feedback across calls (the same on every rank of
+    the replica group), ``values`` (1-D, contiguous) is averaged in place, ``pieces`` are the element counts of the
+    tensors (or parts of tensors) it holds, in order, summing to its length (the 1-bit exchange keeps a scale per
+    piece), and ``real`` the leading elements that are not padding (padding enters as zeros and leaves as zeros)."""
+
+    key: Hashable
+    values: torch.Tensor
+    pieces: tuple[int, ...]
+    real: int
+
+
+class OuterCompressor:
+    """The compressed average over ``group`` (the replica group; ``None``: WORLD), with this rank's error feedback
+    per bucket and its byte counters. Made by :func:`make_outer_compressor`."""
+
+    def __init__(self, config: OuterCompression, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.config = config
+        self.group = group
+        self.counters = CommunicationCounters()
+        self._errors: dict[Hashable, torch.Tensor] = {}
+
+    @property
+    def replicas(self) -> int:
+        """``M``, the ranks of the replica group."""
+        return group_size(self.group)
+
+    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+        """Replace every bucket's values by the compressed average over the replica group (a collective: every rank
+        of the group passes buckets of the same keys and sizes in the same order)."""
+        raise NotImplementedError
+
+    def bytes_per_call(self, bucket: OuterBucket) -> int:
+        """Bytes this rank sends (and receives) to average ``bucket`` once (the ring model; 0 with one replica)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ error feedback
+    def error_feedback(self, key: Hashable) -> Optional[torch.Tensor]:
+        """This rank's error feedback of bucket ``key`` (``None`` before its first call, or without error feedback)."""
+        return self._errors.get(key)
+
+    def _accumulate(self, bucket: OuterBucket) -> torch.Tensor:
+        """The error feedback of ``bucket`` now holding ``error_decay * e + values``: what is to be compressed."""
+        error = self._errors.get(bucket.key)
+        if error is None or error.shape != bucket.values.shape or error.dtype != bucket.values.dtype:
+            error = self._errors[bucket.key] = torch.zeros_like(bucket.values)
+        elif self.config.error_decay != 1.0:
+            error.mul_(self.config.error_decay)
+        return error.add_(bucket.values)
+
+    def error_state_dict(self) -> dict[str, Any]:
+        """This rank's error feedback, for its per-rank checkpoint."""
+        return {"kind": self.config.kind, "replicas": self.replicas,
+                "buckets": {key: e.detach().clone() for key, e in self._errors.items()}}
+
+    def load_error_state_dict(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> None:
+        """Restore :meth:`error_state_dict` for ``buckets`` (the layout in use now); ``ValueError`` naming the reason,
+        with nothing changed, unless it fits exactly."""
+        reason = self._mismatch(state, buckets)
+        if reason is not None:
+            raise ValueError(reason)
+        self._errors = {b.key: state["buckets"][b.key].to(b.values).clone() for b in buckets
+                        if b.key in state["buckets"]}
+
+    def _mismatch(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> Optional[str]:
+        if state.get("kind") != self.config.kind or state.get("replicas") != self.replicas:
+            return (f"the error feedback was saved for compressor {state.get('kind')!r} over {state.get('replicas')} "
+                    f"replicas and this run uses {self.config.kind!r} over {self.replicas}")
+        saved = state.get("buckets", {})
+        for b in buckets:
+            if b.key in saved and tuple(saved[b.key].shape) != tuple(b.values.shape):
+                return f"bucket {b.key!r}: the saved error feedback has {saved[b.key].numel()} elements, not " \
+                       f"{b.values.numel()} (the model or the bucket size changed?)"
+        unknown = set(saved) - {b.key for b in buckets}
+        return f"saved buckets {sorted(map(str, unknown))} do not exist in this run" if unknown else None
+
+    def _count(self, sent: int, numel: int) -> None:
+        """Count one call of ``sent`` bytes averaging ``numel`` values (every peer is on another node)."""
+        self.counters.bytes_sent += sent
+        self.counters.bytes_received += sent
+        self.counters.bytes_sent_inter_node += sent
+        self.counters.bytes_fp32_equivalent += ring_allreduce_bytes(numel, 4, self.replicas)
+        self.counters.calls += 1
+
+
+class DenseAverage(OuterCompressor):
+    """``"none"``: fp32 (the values' dtype) ``all_reduce``; ``"bf16"``: bf16 ``all_reduce`` with error feedback.
+    One ``all_reduce`` per bucket, all launched before the first is waited for."""
+
+    @property
+    def _wire_dtype(self) -> Optional[torch.dtype]:
+        return torch.bfloat16 if self.config.kind == "bf16" else None
+
+    def bytes_per_call(self, bucket: OuterBucket) -> int:
+        size = 2 if self._wire_dtype is not None else bucket.values.element_size()
+        return ring_allreduce_bytes(bucket.values.numel(), size, self.replicas)
+
+    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+        replicas = self.replicas
+        if replicas == 1:
+            return
+        launched = []
+        for bucket in buckets:
+            if self._wire_dtype is None:
+                wire = bucket.values
+            else:
+                accumulated = self._accumulate(bucket)
+                wire = accumulated.to(self._wire_dtype)
+                accumulated.sub_(wire)  # the rounding residual: exact in the values' dtype
+                wire.div_(replicas)  # before the sum, as torch's bf16_compress_hook: no overflow in bf16
+            with naming_the_group("outer all_reduce of the pseudo-gradient", self.group):
+                work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            launched.append((bucket, wire, work))
+            self._count(self.bytes_per_call(bucket), bucket.values.numel())
+            self.counters.collectives += 1
+        for bucket, wire, work in launched:
+            with naming_the_group("outer all_reduce of the pseudo-gradient", self.group):
+                work.wait()
+            if self._wire_dtype is None:
+                bucket.values.div_(replicas)  # gloo has no AVG: sum, then divide
+            else:
+                bucket.values.copy_(wire)
+
+
+class OnebitAverage(OuterCompressor):
+    """``"onebit"``: the error-compensated 1-bit exchange of each bucket (flat, over the replica group), its error
+    feedback in a :class:`~lightning_onebit.comm.CompressedAllreduceState` (worker and server error)."""
+
+    def __init__(self, config: OuterCompression, group: Optional[dist.ProcessGroup] = None,
+                 backend: str = "auto") -> None:
+        super().__init__(config, group)
+        self.state = CompressedAllreduceState(process_group=group, backend=backend)
+        self.counters = self.state.counters
+
+    @staticmethod
+    def _layout(bucket: OuterBucket, replicas: int) -> BucketLayout:
+        return BucketLayout.build(bucket.pieces, replicas)
+
+    def bytes_per_call(self, bucket: OuterBucket) -> int:
+        return self._layout(bucket, self.replicas).bytes_per_call()
+
+    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+        replicas = self.replicas
+        if replicas == 1:
+            return
+        triples = []
+        for bucket in buckets:
+            layout = self._layout(bucket, replicas)
+            if layout.padded_numel != bucket.values.numel():
+                raise ValueError(f"bucket {bucket.key!r}: {bucket.values.numel()} values is not a multiple of "
+                                 f"8 x {replicas} replicas (OuterCompression.quantum)")
+            if self.config.error_decay != 1.0:
+                self.state.buffers(bucket.key, layout, bucket.values).worker_error.mul_(self.config.error_decay)
+            triples.append((bucket.key, bucket.values, layout))
+        compressed_allreduce_buckets_(self.state, triples)
+
+    def error_feedback(self, key: Hashable) -> Optional[torch.Tensor]:
+        """The worker error of bucket ``key`` (the server error is the state's)."""
+        state = self.state.error_feedback_state_dict()["buckets"].get(key)
+        return None if state is None else state["worker_error"]
+
+    def error_state_dict(self) -> dict[str, Any]:
+        return {"kind": self.config.kind, "replicas": self.replicas, "exchange": self.state.error_feedback_state_dict()}
+
+    def load_error_state_dict(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> None:
+        if state.get("kind") != self.config.kind or state.get("replicas") != self.replicas:
+            raise ValueError(f"the error feedback was saved for compressor {state.get('kind')!r} over "
+                             f"{state.get('replicas')} replicas and this run uses {self.config.kind!r} over "
+                             f"{self.replicas}")
+        saved = state["exchange"]
+        present = [b for b in buckets if b.key in saved["buckets"]]
+        layouts = {b.key: self._layout(b, self.replicas) for b in present}
+        self.state.load_error_feedback_state_dict(saved, layouts, {b.key: b.values for b in present})
+
+
+class TopkAverage(OuterCompressor):
+    """``"topk"``: chunked top-k + 2-bit values (:mod:`~lightning_onebit.comm.topk`); one ``all_gather`` of every
+    rank's payload per bucket (all launched before the first is decoded), decoded in rank order by every rank, then
+    divided by the number of replicas."""
+
+    def bytes_per_call(self, bucket: OuterBucket) -> int:
+        payload = topk_payload_bytes(bucket.values.numel(), self.config.chunk, self.config.keep)
+        return (self.replicas - 1) * payload
+
+    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+        replicas = self.replicas
+        if replicas == 1:
+            return
+        chunk, keep = self.config.chunk, self.config.keep
+        launched = []
+        for bucket in buckets:
+            values = bucket.values
+            accumulated = self._accumulate(bucket)
+            payload = torch.empty(topk_payload_bytes(values.numel(), chunk, keep), dtype=torch.uint8,
+                                  device=values.device)
+            indices, sent = topk_encode(accumulated, chunk, keep, payload)
+            table = accumulated.view(-1, chunk)
+            table.scatter_(1, indices, table.gather(1, indices) - sent)  # what was not sent stays here
+            accumulated[bucket.real :].zero_()  # padding carries no error
+            gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=values.device)
+            with naming_the_group("outer all_gather of the top-k payloads", self.group):
+                work = all_gather_async(gathered, payload, self.group)
+            launched.append((bucket, gathered, payload.numel(), work))
+            self._count(self.bytes_per_call(bucket), values.numel())
+            self.counters.collectives += 1
+        for bucket, gathered, size, work in launched:
+            with naming_the_group("outer all_gather of the top-k payloads", self.group):
+                work.wait()
+            values = bucket.values.zero_()
+            for rank in range(replicas):  # rank order: the same sum on every rank
+                topk_decode_add_(values, gathered[rank * size : (rank + 1) * size], chunk, keep)
+            values.div_(replicas)
+
+
+def make_outer_compressor(
+    compression: Any, group: Optional[dist.ProcessGroup] = None, backend: str = "auto"
+) -> OuterCompressor:
+    """The compressor of ``compression`` (an :class:`OuterCompression` or its ``kind``) over ``group``, the replica
+    group (``None``: WORLD). For ``"onebit"``, the kernel ``backend`` every rank of ``group`` runs is agreed first
+    (:func:`~lightning_onebit.comm.agree_kernel_backend`, a collective over ``group``)."""
+    config = OuterCompression.of(compression)
+    if config.kind == "onebit":
+        return OnebitAverage(config, group, agree_kernel_backend(backend, group))
+    if config.kind == "topk":
+        return TopkAverage(config, group)
+    return DenseAverage(config, group)
+
+
+def count_ring_all_gather(counters: CommunicationCounters, shard_bytes: int, world_size: int, intra_node: bool) -> None:
+    """Count a ring ``all_gather`` of ``shard_bytes`` per rank: ``(P - 1)`` shards sent to the next rank, intra- or
+    inter-node bytes as ``intra_node`` says, and as themselves in fp32 equivalent (nothing is compressed)."""
+    sent = (world_size - 1) * shard_bytes
+    counters.bytes_sent += sent
+    counters.bytes_received += sent
+    if intra_node:
+        counters.bytes_sent_intra_node += sent
+    else:
+        counters.bytes_sent_inter_node += sent
+    counters.bytes_fp32_equivalent += sent
+    counters.collectives += 1
+    counters.calls += 1

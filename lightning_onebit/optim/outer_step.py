@@ -1,0 +1,221 @@
+"""The outer step of local-steps training (DiLoCo family): :class:`OuterStep`, which keeps the outer parameters and
+the outer optimizer, and every ``sync_every`` inner steps replaces each replica's parameters by the new outer ones.
+
+One sync (:meth:`OuterStep.sync`):
+
+1. pseudo-gradient ``delta = theta_outer - theta_local`` (the replica's parameters after its inner steps);
+2. ``delta`` averaged over the replicas by the compressor (:mod:`~lightning_onebit.comm.outer`, error feedback
+   per rank);
+3. the outer optimizer applies the average to ``theta_outer``: ``torch.optim.SGD``, with Nesterov momentum
+   (``"nesterov"``: DiLoCo's outer lr 0.7, momentum 0.9) or without momentum (``"sgd"``: ``theta_outer -= lr *
+   average``, SparseLoCo's error-feedback-only form, whose memory is the error feedback);
+4. every parameter of the replica is set to ``theta_outer``, bitwise the same on every rank.
+
+**Sharded inside a replica.** A replica of ``L`` ranks (a node) holds ``L`` copies of the same parameters, so rank
+``l`` of each replica takes shard ``l`` of the flat pseudo-gradient: it exchanges only that shard with rank ``l`` of
+the other replicas (the replica group), keeps its error feedback and outer momentum only for it, steps only it, and
+the new shards are all-gathered inside the replica (``shard_group``: the fast link). So the bytes that leave a
+replica per sync are those of one full exchange, spread over its ``L`` ranks, and the error feedback and momentum
+cost ``1/L`` of the parameters per rank. The outer parameters are kept whole on every rank (``N`` values): a
+checkpoint and the validation of the outer model need no collective.
+
+Layout: the trainable parameters, per dtype in order of first appearance, flattened and zero-padded to a multiple of
+``L x quantum`` (the compressor's :meth:`~lightning_onebit.comm.outer.OuterCompression.quantum`), cut into ``L``
+equal shards, and each shard into buckets of at most ``bucket_numel`` values (a multiple of the quantum), each
+bucket a piece list of the parameters it cuts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.groups import all_gather_async, group_rank, group_size, naming_the_group
+from lightning_onebit.comm.outer import OuterBucket, OuterCompressor, count_ring_all_gather
+
+__all__ = ["OUTER_OPTIMIZERS", "OuterStep"]
+
+#: The outer optimizers, by name.
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+
+
+@dataclasses.dataclass
+class _Flat:
+    """The parameters of one dtype: their outer values, flat and padded, and this rank's shard of them."""
+
+    params: list[torch.Tensor]
+    offsets: list[int]
+    numel: int
+    outer: torch.Tensor  # padded_numel values, whole on every rank
+    shard: slice
+    pseudo: torch.Tensor  # this rank's shard of the pseudo-gradient (a workspace)
+    buckets: list[OuterBucket]
+
+
+class OuterStep:
+    """Outer parameters, outer optimizer and the sync of local-steps training (see the module docstring).
+
+    Args:
+        params: the replica's trainable parameters (every rank of every replica in the same order and shapes); their
+            values now are the first outer parameters (they must be the same on every rank).
+        compressor: the average over the replica group (:func:`~lightning_onebit.comm.outer.make_outer_compressor`);
+            rank ``l`` of each replica passes one over the group of the ranks ``l`` of every replica.
+        optimizer: ``"nesterov"`` (default) or ``"sgd"`` (no momentum).
+        lr: the outer learning rate, > 0. Default 0.7 (DiLoCo's).
+        momentum: ``"nesterov"``'s momentum, in (0, 1). Default 0.9 (DiLoCo's).
+        shard_group: the ranks of this replica (``None``: the replica is this rank alone). Rank ``l`` of it handles
+            shard ``l``.
+        bucket_numel: most values per bucket of the exchange. Default ``2**22``.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        compressor: OuterCompressor,
+        optimizer: str = "nesterov",
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        shard_group: Optional[dist.ProcessGroup] = None,
+        bucket_numel: int = 2**22,
+    ) -> None:
+        if optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer_optimizer must be one of {OUTER_OPTIMIZERS}, got {optimizer!r}")
+        params = list(params)
+        if not params:
+            raise ValueError("the outer step needs at least one trainable parameter")
+        self.compressor = compressor
+        self.shard_group = shard_group
+        # None is a replica of this rank alone (not WORLD)
+        self.shards = 1 if shard_group is None else group_size(shard_group)
+        self.shard_index = 0 if shard_group is None else group_rank(shard_group)
+        #: the all-gathers of the new outer shards inside the replica (intra-node bytes)
+        self.gather_counters = CommunicationCounters()
+        quantum = compressor.config.quantum(compressor.replicas)
+        bucket_numel = max(quantum, bucket_numel // quantum * quantum)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self._flats = [self._flat(dtype, same, quantum, bucket_numel) for dtype, same in by_dtype.items()]
+        shards = [f.outer[f.shard] for f in self._flats]
+        if optimizer == "nesterov":
+            self.optimizer = torch.optim.SGD(shards, lr=lr, momentum=momentum, nesterov=True)
+        else:
+            self.optimizer = torch.optim.SGD(shards, lr=lr)
+        self.syncs = 0
+
+    def _flat(self, dtype: torch.dtype, params: list[torch.Tensor], quantum: int, bucket_numel: int) -> _Flat:
+        offsets, numel = [], 0
+        for p in params:
+            offsets.append(numel)
+            numel += p.numel()
+        unit = quantum * self.shards
+        padded = -(-numel // unit) * unit
+        outer = torch.zeros(padded, dtype=dtype, device=params[0].device)
+        for p, offset in zip(params, offsets):
+            outer[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        size = padded // self.shards
+        lo = self.shard_index * size
+        pseudo = torch.zeros(size, dtype=dtype, device=outer.device)
+        ends = sorted({min(max(o - lo, 0), size) for o in offsets + [numel]} | {0, size})
+        buckets = []
+        for index, start in enumerate(range(0, size, bucket_numel)):
+            stop = min(start + bucket_numel, size)
+            cuts = [start] + [e for e in ends if start < e < stop] + [stop]
+            pieces = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+            real = min(max(numel - lo - start, 0), stop - start)
+            buckets.append(OuterBucket((str(dtype), self.shard_index, index), pseudo[start:stop], pieces, real))
+        return _Flat(params, offsets, numel, outer, slice(lo, lo + size), pseudo, buckets)
+
+    # ------------------------------------------------------------------ the sync
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the outer step keeps, in its order (by dtype, then as given)."""
+        return [p for f in self._flats for p in f.params]
+
+    @property
+    def buckets(self) -> list[OuterBucket]:
+        """This rank's buckets of the pseudo-gradient, in exchange order."""
+        return [b for f in self._flats for b in f.buckets]
+
+    def sync(self) -> None:
+        """One outer step (a collective over the replica group, then the replica's ranks): after it every parameter
+        holds the new outer value, the same bits on every rank."""
+        for f in self._flats:
+            self._local_shard_into(f, f.pseudo)
+            torch.sub(f.outer[f.shard], f.pseudo, out=f.pseudo)
+        self.compressor.average_(self.buckets)
+        for shard, f in zip(self.optimizer.param_groups[0]["params"], self._flats):
+            shard.grad = f.pseudo
+        self.optimizer.step()
+        for shard in self.optimizer.param_groups[0]["params"]:
+            shard.grad = None
+        self._gather_shards()
+        self.copy_outer_to_params()
+        self.syncs += 1
+
+    def _local_shard_into(self, f: _Flat, out: torch.Tensor) -> None:
+        """This rank's shard of the flat local parameters, written into ``out`` (padding zero)."""
+        lo, hi = f.shard.start, f.shard.stop
+        out.zero_()
+        for p, offset in zip(f.params, f.offsets):
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                out[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+
+    def _gather_shards(self) -> None:
+        """Every rank of the replica gets every new outer shard (one all-gather per dtype, inside the replica)."""
+        if self.shards == 1:
+            return
+        for f in self._flats:
+            mine = f.outer[f.shard].clone()  # the gather's input must not alias its output
+            with naming_the_group("all_gather of the outer shards inside the replica", self.shard_group):
+                all_gather_async(f.outer, mine, self.shard_group).wait()
+            # every peer of the gather is on this rank's node
+            count_ring_all_gather(self.gather_counters, mine.numel() * mine.element_size(), self.shards,
+                                  intra_node=True)
+
+    def copy_outer_to_params(self) -> None:
+        """Set every parameter to its outer value (no communication)."""
+        with torch.no_grad():
+            for f in self._flats:
+                for p, offset in zip(f.params, f.offsets):
+                    p.copy_(f.outer[offset : offset + p.numel()].view_as(p))
+
+    def outer_values(self) -> dict[int, torch.Tensor]:
+        """``id(parameter) -> its outer value`` (views of the outer parameters: clone to keep them)."""
+        return {id(p): f.outer[offset : offset + p.numel()].view_as(p)
+                for f in self._flats for p, offset in zip(f.params, f.offsets)}
+
+    @property
+    def communication(self) -> CommunicationCounters:
+        """This rank's cumulative bytes of the outer syncs: the exchange over the replica group (inter-node) plus the
+        all-gathers inside the replica (intra-node)."""
+        return self.compressor.counters + self.gather_counters
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's outer optimizer state, error feedback and sync count, copied (the outer parameters are the
+        model's checkpoint, the same on every rank)."""
+        return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "error_feedback": self.compressor.error_state_dict(),
+                "syncs": self.syncs, "shards": (self.shard_index, self.shards),
+                "numels": [f.numel for f in self._flats]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; ``ValueError`` naming what differs when it was saved for another layout."""
+        if tuple(state["shards"]) != (self.shard_index, self.shards) or list(state["numels"]) != [
+                f.numel for f in self._flats]:
+            raise ValueError(
+                f"the outer state was saved as shard {tuple(state['shards'])} of parameters of sizes {state['numels']}"
+                f" and this rank holds shard {(self.shard_index, self.shards)} of sizes "
+                f"{[f.numel for f in self._flats]}"
+            )
+        self.compressor.load_error_state_dict(state["error_feedback"], self.buckets)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.syncs = int(state["syncs"])
+

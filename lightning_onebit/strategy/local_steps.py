@@ -1,0 +1,463 @@
+"""The ``onebit_diloco`` Lightning strategy (:class:`OnebitDiLoCoStrategy`): local steps inside each replica and a
+compressed outer step across replicas every ``sync_every`` inner steps (DiLoCo, SparseLoCo).
+
+A replica is a node (:class:`~lightning_onebit.Topology`; ``ranks_per_node`` simulates nodes on one host). Inside it
+the inner steps are ordinary DDP over the node's ranks (gradients averaged on the fast link) with the user's own
+optimizer; across replicas nothing is sent between outer syncs. The outer step is
+:class:`~lightning_onebit.optim.outer_step.OuterStep`: rank ``l`` of every replica exchanges shard ``l`` of the
+pseudo-gradient with rank ``l`` of the others (the topology's inter-node group), so the bytes leaving a node per sync
+are those of one exchange, spread over its ranks, and the new shards are all-gathered inside the node.
+
+The provisional defaults (:data:`PROVISIONAL_DEFAULTS`) are the one place where ``sync_every``, the compressor and
+the outer optimizer's settings are chosen; they are to be replaced by measured ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_onebit._checks import check_bucket_cap_mb, check_integer, check_real
+from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.agreement import agree
+from lightning_onebit.comm.groups import destroy_groups, naming_the_group
+from lightning_onebit.comm.outer import OuterCompression, make_outer_compressor
+from lightning_onebit.comm.topology import Topology
+from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
+from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS, OuterStep
+from lightning_onebit.strategy.arguments import check_process_group_options, ddp_kwargs_for
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id
+from lightning_onebit.strategy.checkpoint import owned_sidecar, remove_sidecar, restore_per_rank_state
+from lightning_onebit.strategy.checkpoint import save_per_rank_state
+from lightning_onebit.strategy.sidecar import sidecar_path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PROVISIONAL_DEFAULTS", "LocalStepsDefaults", "OnebitDiLoCoStrategy"]
+
+#: The key of this strategy's part of a rank's per-rank checkpoint state.
+STATE_KEY = "onebit_diloco"
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalStepsDefaults:
+    """The strategy's defaults, in one place. PROVISIONAL: chosen before the measurements that are to settle them.
+
+    * ``sync_every = 32``: SparseLoCo syncs every 15 to 250 inner steps (30 at 72B) and DiLoCo every 500 in
+      pretraining; fine-tuning runs of a few thousand steps get about a hundred syncs with 32.
+    * ``compressor = "onebit"``: the project's error-compensated 1-bit exchange, ~32x fewer bytes per sync than fp32.
+    * ``outer_optimizer = "nesterov"``, ``outer_lr = 0.7``, ``outer_momentum = 0.9``: DiLoCo's.
+    """
+
+    sync_every: int = 32
+    compressor: str = "onebit"
+    outer_optimizer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    bucket_cap_mb: float = 16.0
+
+
+PROVISIONAL_DEFAULTS = LocalStepsDefaults()
+_D = PROVISIONAL_DEFAULTS
+
+
+class OnebitDiLoCoStrategy(DDPStrategy):
+    """Local steps with a compressed outer step (the DiLoCo family) on Lightning's DDP.
+
+    Replicas are nodes: ``M`` nodes of ``L`` ranks each train ``M`` replicas. ``configure_optimizers`` returns any
+    torch optimizer (the *inner* optimizer, e.g. ``torch.optim.AdamW``), with LR schedulers as usual; inside a
+    replica its steps run on gradients averaged by DDP over the node's ranks; a replica of one rank trains alone.
+    After every ``sync_every`` inner optimizer steps the outer step runs (:class:`~lightning_onebit.optim.outer_step.
+    OuterStep`): the pseudo-gradient ``theta_outer - theta_local`` is averaged over the replicas by ``compressor``
+    (with error feedback per rank), the outer optimizer applies it, and every rank's parameters become the new outer
+    parameters, bitwise the same everywhere. At the start of ``fit`` every rank gets rank 0's parameters and buffers.
+
+    * **Validation** runs on the synced outer model: between syncs each rank's parameters are swapped for the outer
+      ones for the validation loop and swapped back after it (one copy of the parameters meanwhile).
+    * **End of fit:** when the last outer period is partial, one more outer step runs, so that the model ``fit``
+      leaves behind holds every inner step, the same on every rank.
+    * **Checkpoints** hold the outer model as the module's ``state_dict`` (loadable by the plain model, what every
+      replica agrees on); each rank writes a sidecar (``<checkpoint>.onebit-rank<r>``) with its own parameters, the
+      inner optimizers' states, its outer-optimizer state and error feedback (its shard) and the position in the
+      outer period: a resumed run continues bit for bit. Resuming needs every rank's sidecar: a missing or foreign
+      one stops every rank with the reason.
+    * **Bytes:** :attr:`communication` (inner DDP allreduces inside the node, outer syncs), :attr:`outer_communication`
+      and :attr:`last_sync_communication`; :class:`~lightning_onebit.CommunicationMonitor` logs them per step.
+    * Buffers (e.g. BatchNorm statistics) are not averaged across replicas: each replica keeps its own.
+    * Several optimizers: every optimizer step counts as an inner step.
+
+    Args:
+        sync_every: inner optimizer steps between outer syncs, an integer >= 1. Default
+            :data:`PROVISIONAL_DEFAULTS` (provisional).
+        compressor: ``"none"`` (fp32), ``"bf16"``, ``"onebit"`` or ``"topk"``, or an
+            :class:`~lightning_onebit.comm.outer.OuterCompression` with its options (top-k's chunk and kept values,
+            error decay). Default provisional.
+        outer_optimizer: ``"nesterov"`` (SGD with Nesterov momentum, DiLoCo) or ``"sgd"`` (no momentum:
+            ``theta_outer -= outer_lr * average``, SparseLoCo's error-feedback-only form). Default provisional.
+        outer_lr: the outer learning rate, > 0. Default provisional (0.7).
+        outer_momentum: ``"nesterov"``'s momentum, in (0, 1). Default provisional (0.9).
+        ranks_per_node: ranks per replica: ranks ``kL .. kL + L - 1`` form replica ``k`` (e.g. to simulate nodes on
+            one host); ``None`` (default): the nodes of Lightning's cluster environment (``Trainer(num_nodes=M,
+            devices=L)``). It must divide the world size into two replicas or more.
+        bucket_cap_mb: most MB of one bucket of the outer exchange (of one rank's shard). Default 16.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        precision_plugin, process_group_backend, timeout, start_method: as for
+            :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        find_unused_parameters, static_graph, gradient_as_bucket_view: passed to the inner ``DistributedDataParallel``.
+            Default ``False``.
+        ddp_bucket_cap_mb: the inner DDP's gradient bucket size in MB; ``None`` keeps DDP's default (25).
+        ddp_kwargs: any other ``DistributedDataParallel`` arguments of the inner DDP (not ``process_group``: it is
+            the node's).
+    """
+
+    strategy_name = "onebit_diloco"
+
+    def __init__(
+        self,
+        sync_every: int = _D.sync_every,
+        compressor: Union[str, OuterCompression] = _D.compressor,
+        outer_optimizer: str = _D.outer_optimizer,
+        outer_lr: float = _D.outer_lr,
+        outer_momentum: float = _D.outer_momentum,
+        ranks_per_node: Optional[int] = None,
+        bucket_cap_mb: float = _D.bucket_cap_mb,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        ddp_bucket_cap_mb: Optional[float] = None,
+        ddp_kwargs: Optional[dict[str, Any]] = None,
+    ) -> None:
+        self.sync_every = check_integer(sync_every, "sync_every")
+        self.compression = OuterCompression.of(compressor)
+        if outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer_optimizer must be one of {OUTER_OPTIMIZERS}, got {outer_optimizer!r}")
+        self.outer_optimizer = outer_optimizer
+        self.outer_lr = check_real(outer_lr, "outer_lr", above=0.0)
+        self.outer_momentum = check_real(outer_momentum, "outer_momentum", above=0.0, below=1.0)
+        self.ranks_per_node = check_integer(ranks_per_node, "ranks_per_node", none=True)
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb, "bucket_cap_mb")
+        check_process_group_options(timeout, process_group_backend)
+        if ddp_kwargs is not None and "process_group" in ddp_kwargs:
+            raise ValueError("the inner DDP runs over the ranks of each replica (node); do not pass process_group")
+        ddp_kwargs = ddp_kwargs_for(ddp_kwargs, find_unused_parameters=find_unused_parameters,
+                                    static_graph=static_graph, gradient_as_bucket_view=gradient_as_bucket_view,
+                                    ddp_bucket_cap_mb=ddp_bucket_cap_mb, ddp_comm_hook=None)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, **ddp_kwargs)
+        self.topology: Optional[Topology] = None
+        #: the inner gradient allreduce inside the replica, counted (its process group is the node's)
+        self.gradient_sync = GradientSyncState()
+        self.outer_step: Optional[OuterStep] = None
+        self.inner_steps = 0
+        #: outer syncs run by this strategy (every fit's)
+        self.outer_syncs = 0
+        self.last_sync_communication = CommunicationCounters()
+        self._finished_outer = CommunicationCounters()  # the outer counters of fits that ended
+        self._stashed: Optional[list[torch.Tensor]] = None  # the local parameters while the outer ones validate
+        self._run_id, self._save_index = "", 0
+
+    # ------------------------------------------------------------------ replicas
+    def replica_layout(self) -> tuple[int, int]:
+        """``(M replicas, L ranks per replica)`` from ``ranks_per_node`` or the Trainer's nodes and devices, checked
+        (``ValueError`` naming the fix) before any collective."""
+        world_size = self.num_nodes * self.num_processes
+        per_replica = self.ranks_per_node if self.ranks_per_node is not None else self.num_processes
+        if world_size % per_replica:
+            raise ValueError(
+                f"ranks_per_node={per_replica} does not divide the {world_size} ranks into equal replicas: pass a "
+                "ranks_per_node that divides the world size"
+            )
+        replicas = world_size // per_replica
+        if replicas < 2:
+            raise ValueError(
+                f"onebit_diloco needs two replicas or more, but all {world_size} rank(s) form one replica, so there is "
+                "nothing to synchronise: run more nodes (Trainer(num_nodes=M)), pass ranks_per_node=K to treat every "
+                "K ranks as a replica, or use strategy='ddp'"
+            )
+        return replicas, per_replica
+
+    @override
+    def setup_distributed(self) -> None:
+        self.replica_layout()  # before the process group: a bad layout stops every rank here
+        super().setup_distributed()
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            replicas, per_replica = self.replica_layout()
+            env = self.cluster_environment
+            assert env is not None
+            self.topology = Topology.build(env.node_rank(), env.local_rank(),
+                                           mode="hierarchical" if per_replica > 1 else "flat",
+                                           ranks_per_node=self.ranks_per_node, timeout=self._timeout)
+            self._run_id, self._save_index = agree_run_id(self.global_rank), 0
+            rank_zero_info(f"onebit_diloco: {replicas} replicas x {per_replica} rank(s); outer step every "
+                           f"{self.sync_every} inner steps, compressor {self.compression.kind!r}, outer "
+                           f"{self.outer_optimizer} lr {self.outer_lr:g}")
+        super().setup(trainer)
+
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks with this rank's local index in every replica, which exchange one shard (``None``: WORLD)."""
+        topology = self.topology
+        return topology.inter_group if topology is not None and topology.is_hierarchical else None
+
+    @property
+    def node_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks of this rank's replica (``None``: the replica is this rank alone)."""
+        topology = self.topology
+        return topology.intra_group if topology is not None and topology.is_hierarchical else None
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        _broadcast_module_(model)  # every replica starts from rank 0's model
+        group = self.node_group
+        if group is None:
+            return model  # a replica of one rank: its inner steps need no communication
+        self.gradient_sync.process_group = group
+        # every peer of the inner allreduce is on this rank's node
+        self.gradient_sync.topology = Topology.plan([(0, r) for r in range(dist.get_world_size(group))], "flat",
+                                                    dist.get_rank(group))
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), process_group=group,
+                                       **self._ddp_kwargs)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.register_comm_hook(self.gradient_sync, switchable_allreduce_hook)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        assert module is not None
+        params = [p for p in module.parameters() if p.requires_grad]
+        compressor = make_outer_compressor(self.compression, self.replica_group)
+        element = params[0].element_size() if params else 4
+        self.outer_step = OuterStep(params, compressor, self.outer_optimizer, self.outer_lr, self.outer_momentum,
+                                    shard_group=self.node_group,
+                                    bucket_numel=max(1, int(self.bucket_cap_mb * 2**20) // element))
+        self.inner_steps = 0
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.outer_step is not None:
+            self.inner_steps += 1
+            if self.inner_steps % self.sync_every == 0:
+                self.sync()
+        return output
+
+    @property
+    def steps_since_sync(self) -> int:
+        """Inner steps taken since the last outer sync (the position in the outer period)."""
+        return self.inner_steps % self.sync_every
+
+    def sync(self) -> None:
+        """Run the outer step now (a collective: every rank calls it at the same inner step)."""
+        assert self.outer_step is not None
+        before = self.outer_step.communication
+        self.outer_step.sync()
+        self.outer_syncs += 1
+        self.last_sync_communication = self.outer_step.communication - before
+
+    @override
+    def on_train_end(self) -> None:
+        if self.outer_step is not None and self.steps_since_sync:
+            rank_zero_info(f"onebit_diloco: outer step at the end of fit ({self.steps_since_sync} inner steps since "
+                           "the last sync), so that the model holds every step")
+            self.sync()
+        super().on_train_end()
+
+    # ------------------------------------------------------------------ validation on the outer model
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.outer_step is not None and self.steps_since_sync and self._stashed is None:
+            self._stashed = [p.detach().clone() for p in self._params()]
+            self.outer_step.copy_outer_to_params()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._stashed is not None:
+            with torch.no_grad():
+                for p, local in zip(self._params(), self._stashed):
+                    p.copy_(local)
+            self._stashed = None
+        super().on_validation_end()
+
+    def _params(self) -> list[torch.Tensor]:
+        assert self.outer_step is not None
+        return self.outer_step.params
+
+    # ------------------------------------------------------------------ bytes
+    @property
+    def outer_communication(self) -> CommunicationCounters:
+        """This rank's cumulative bytes of the outer syncs (this ``fit``'s and earlier ones')."""
+        live = self.outer_step.communication if self.outer_step is not None else CommunicationCounters()
+        return self._finished_outer + live
+
+    @property
+    def communication(self) -> CommunicationCounters:
+        """This rank's cumulative communication: the inner gradient allreduces inside the replica (intra-node) and
+        the outer syncs (:attr:`outer_communication`)."""
+        self.gradient_sync.settle_timings()
+        return self.gradient_sync.counters.snapshot() + self.outer_communication
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with the outer parameters (the model every replica agrees on)."""
+        module = self.lightning_module
+        if self.outer_step is None or module is None:
+            return super().lightning_module_state_dict()
+        outer = self.outer_step.outer_values()
+        return {name: outer[id(t)].clone() if id(t) in outer else t.detach()
+                for name, t in module.state_dict(keep_vars=True).items()}
+
+    def _per_rank_state(self) -> dict[str, Any]:
+        assert self.outer_step is not None
+        local = self._stashed if self._stashed is not None else [p.detach().clone() for p in self._params()]
+        return {"inner_steps": self.inner_steps, "local_params": local, "outer": self.outer_step.state_dict(),
+                "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
+
+    @override
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Union[str, "os.PathLike[str]"],
+        storage_options: Optional[Any] = None,
+    ) -> None:
+        # every rank comes here for every save (Lightning writes the main file on rank 0 only)
+        if self.outer_step is not None:
+            checkpoint[PER_RANK_STATE_KEY] = {STATE_KEY: self._per_rank_state()}
+            checkpoint_id = f"{self._run_id}/{self._save_index + 1}"
+            if save_per_rank_state(checkpoint, sidecar_path(filepath, self.global_rank), checkpoint_id,
+                                   self.global_rank, self.world_size, self.topology):
+                self._save_index += 1
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        restore_per_rank_state(checkpoint, sidecar_path(checkpoint_path, self.global_rank), self.global_rank,
+                               self.world_size)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The inner optimizers' states, then this rank's own state from its sidecar (every rank, or a
+        ``RuntimeError`` on every rank naming the ranks whose sidecar cannot be used)."""
+        super().load_optimizer_state_dict(checkpoint)
+        if self.outer_step is None:
+            return
+        state = (checkpoint.get(PER_RANK_STATE_KEY) or {}).get(STATE_KEY)
+        status = checkpoint.get(PER_RANK_STATUS_KEY) or {}
+        reason = None if state is not None else (status.get("reason") or "it holds no onebit_diloco state")
+        problems = {rank: (file, why) for rank, (file, why) in enumerate(agree((status.get("file"), reason)))
+                    if why is not None}
+        if problems:
+            raise RuntimeError(
+                "onebit_diloco cannot resume: every rank needs its own sidecar (its parameters, inner optimizer state, "
+                f"error feedback and outer momentum), and {problems} (rank: (file, reason)). Resume from a checkpoint "
+                "whose sidecars are all present, or load only its weights (the outer model) and start a new fit"
+            )
+        self._load_per_rank_state(state)
+
+    def _load_per_rank_state(self, state: dict[str, Any]) -> None:
+        assert self.outer_step is not None
+        self.outer_step.load_state_dict(state["outer"])
+        for optimizer, saved in zip(self.optimizers, state["inner_optimizers"]):
+            optimizer.load_state_dict(saved)
+        with torch.no_grad():
+            for p, local in zip(self._params(), state["local_params"]):
+                p.copy_(local)
+        self.inner_steps = int(state["inner_steps"])
+
+    @override
+    def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
+        sidecar = owned_sidecar(filepath, self.global_rank)  # before the file goes (a link owns no sidecar)
+        super().remove_checkpoint(filepath)
+        remove_sidecar(sidecar)
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        super().teardown()  # unwraps DDP, which holds the node group
+        if self.outer_step is not None:
+            self._finished_outer = self.outer_communication
+            self.outer_step = None  # its compressor holds the replica group
+        self.gradient_sync.process_group = None
+        self.gradient_sync.topology = None
+        if self.topology is not None:
+            destroy_groups(self.topology.groups)
+            self.topology = None
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("onebit_diloco", "popen"), ("onebit_diloco_spawn", "spawn"),
+                                   ("onebit_diloco_fork", "fork")):
+            strategy_registry.register(
+                name, cls, description=f"local steps with a compressed outer step (DiLoCo family), start_method "
+                f"'{start_method}'", start_method=start_method)
+
+
+def _broadcast_module_(module: Module) -> None:
+    """Rank 0's parameters and buffers to every rank: one broadcast per dtype (no collective per parameter)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            with naming_the_group("broadcast of rank 0's model at setup", None):
+                dist.broadcast(flat, src=0)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
