@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+#: Most bytes one broadcast of :func:`broadcast_coalesced` carries (DDP's broadcast bucket is 250 MiB).
+BROADCAST_BUCKET_BYTES = 256 * 2**20
 
 
 def is_distributed() -> bool:
@@ -171,3 +174,40 @@ def destroy_groups(groups: Sequence[Any]) -> int:
             dist.destroy_process_group(group)
             destroyed += 1
     return destroyed
+
+
+def broadcast_coalesced(tensors: Iterable[torch.Tensor], group: Any = None,
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> int:
+    """Broadcast ``tensors`` from the first rank of ``group`` (``None``: WORLD) in flat buffers of one device and
+    dtype each, at most ``bucket_bytes`` (default 256 MiB; a larger tensor alone), copied back on the other ranks: one
+    collective per buffer, not one per tensor. A collective: every rank of ``group`` calls it with tensors of the same
+    shapes, dtypes and order. Returns how many broadcasts it made (0 in a group of one rank)."""
+    if dist.get_world_size(group) == 1:
+        return 0
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}
+    for t in tensors:
+        if t.numel() == 0:  # an empty shard: its replicate peers hold the same empty shard
+            continue
+        kind, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
+        runs = buckets.setdefault(kind, [[]])
+        if runs[-1] and filled[kind] + nbytes > bucket_bytes:
+            runs.append([])
+            filled[kind] = 0
+        runs[-1].append(t)
+        filled[kind] = filled.get(kind, 0) + nbytes
+    source = dist.get_rank(group) == 0
+    count = 0
+    for runs in buckets.values():
+        for run in runs:
+            flat = torch.cat([t.detach().reshape(-1) for t in run])
+            with naming_the_group(f"broadcast of {len(run)} tensor(s) from the group's first rank", group):
+                dist.broadcast(flat, group=group, group_src=0)
+            count += 1
+            if source:
+                continue
+            offset = 0
+            for t in run:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return count

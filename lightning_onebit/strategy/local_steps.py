@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 from lightning_onebit._checks import check_bucket_cap_mb, check_integer, check_real
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.agreement import agree
-from lightning_onebit.comm.groups import destroy_groups, naming_the_group
+from lightning_onebit.comm.groups import broadcast_coalesced, destroy_groups, is_distributed
 from lightning_onebit.comm.outer import OuterCompression, make_outer_compressor
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
@@ -239,7 +239,9 @@ class OnebitDiLoCoStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        _broadcast_module_(model)  # every replica starts from rank 0's model
+        if is_distributed():  # every replica starts from rank 0's model (one broadcast per dtype, not per tensor)
+            with torch.no_grad():
+                broadcast_coalesced(list(model.parameters()) + list(model.buffers()))
         group = self.node_group
         if group is None:
             return model  # a replica of one rank: its inner steps need no communication
@@ -443,21 +445,3 @@ class OnebitDiLoCoStrategy(DDPStrategy):
                 name, cls, description=f"local steps with a compressed outer step (DiLoCo family), start_method "
                 f"'{start_method}'", start_method=start_method)
 
-
-def _broadcast_module_(module: Module) -> None:
-    """Rank 0's parameters and buffers to every rank: one broadcast per dtype (no collective per parameter)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for same in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            with naming_the_group("broadcast of rank 0's model at setup", None):
-                dist.broadcast(flat, src=0)
-            offset = 0
-            for t in same:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()

@@ -14,16 +14,13 @@ import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.comm.groups import new_group_family
+from lightning_onebit.comm.groups import BROADCAST_BUCKET_BYTES, broadcast_coalesced, new_group_family
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks.fsdp import fsdp_managed_parameters, fsdp_modules
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.sharded import is_sharded
 
 log = logging.getLogger(__name__)
-
-#: Most bytes one broadcast of :func:`broadcast_from_first_replica` carries (DDP's broadcast bucket is 250 MiB).
-BROADCAST_BUCKET_BYTES = 256 * 2**20
 
 
 def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optional[int]) -> list[list[int]]:
@@ -149,41 +146,8 @@ def broadcast_from_first_replica(model: Module, replicate_group: Any,
     shards = [p.to_local() for p in model.parameters() if is_sharded(p)]
     buffers = list(model.buffers())
     with torch.no_grad():
-        count = _broadcast_coalesced(shards, replicate_group, bucket_bytes)
-        count += _broadcast_coalesced(buffers, None, bucket_bytes)
-    return count
-
-
-def _broadcast_coalesced(tensors: Iterable[torch.Tensor], group: Any, bucket_bytes: int) -> int:
-    """Broadcast ``tensors`` from the first rank of ``group`` (``None``: WORLD) in flat buffers of one device and
-    dtype each, at most ``bucket_bytes`` (a larger tensor alone); copied back on the other ranks."""
-    if dist.get_world_size(group) == 1:
-        return 0
-    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-    filled: dict[tuple[torch.device, torch.dtype], int] = {}
-    for t in tensors:
-        if t.numel() == 0:  # an empty shard: its replicate peers hold the same empty shard
-            continue
-        kind, nbytes = (t.device, t.dtype), t.numel() * t.element_size()
-        runs = buckets.setdefault(kind, [[]])
-        if runs[-1] and filled[kind] + nbytes > bucket_bytes:
-            runs.append([])
-            filled[kind] = 0
-        runs[-1].append(t)
-        filled[kind] = filled.get(kind, 0) + nbytes
-    source = dist.get_rank(group) == 0
-    count = 0
-    for runs in buckets.values():
-        for run in runs:
-            flat = torch.cat([t.detach().reshape(-1) for t in run])
-            dist.broadcast(flat, group=group, group_src=0)
-            count += 1
-            if source:
-                continue
-            offset = 0
-            for t in run:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        count = broadcast_coalesced(shards, replicate_group, bucket_bytes)
+        count += broadcast_coalesced(buffers, None, bucket_bytes)
     return count
 
 
