@@ -234,3 +234,22 @@ def test_the_exit_release_keeps_its_old_private_name_with_a_future_warning() -> 
     with pytest.warns(FutureWarning, match="use lightning_onebit.strategy.release_process_groups_at_exit;"):
         old = strategy._release_process_groups_at_exit
     assert old is strategy.release_process_groups_at_exit
+
+
+#: Names that left an optim module when 0/1 Adam's schedule moved beside its step (issue 45), and their new module.
+OPTIM_MOVED = {
+    ("lightning_onebit.optim.zeroone_schedule", "ZeroOneSchedule"): "lightning_onebit.optim.zeroone_adam",
+    ("lightning_onebit.optim.zeroone_schedule", "SYNC_STATE"): "lightning_onebit.optim.checkpoint",
+}
+
+
+@pytest.mark.parametrize("old, name", sorted(OPTIM_MOVED))
+def test_a_name_moved_inside_optim_still_imports_from_its_old_module_with_a_future_warning(old: str, name: str) -> None:
+    new_home = OPTIM_MOVED[(old, name)]
+    namespace: dict = {}
+    with pytest.warns(FutureWarning, match=f"{old}.{name} moved to {new_home}.{name}; import it from there") as record:
+        exec(f"from {old} import {name}", namespace)
+    assert namespace[name] is getattr(importlib.import_module(new_home), name)
+    assert record[0].filename == "<string>"  # the warning points at the importer
+    with pytest.raises(AttributeError, match="has no attribute 'NOT_THERE'"):
+        getattr(importlib.import_module(old), "NOT_THERE")

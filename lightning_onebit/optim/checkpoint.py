@@ -4,7 +4,8 @@ continue from: the optimizer's checkpoint part, :class:`CheckpointWriter`, and t
 ``state_dict()["onebit"]`` (:data:`CHECKPOINT_KEY`, written by :func:`onebit_state_dict`) records the global step,
 the freeze step, the algorithm that wrote it (``"optimizer"``), the state of ``freeze_step="auto"`` and the momentum
 bucket plan as parameter indices; loading reads them back (:func:`loaded_step`, :func:`restored_freeze_step`,
-:func:`plan_from_indices`). Error feedback is per rank and saved apart
+:func:`plan_from_indices`). 0/1 Adam adds its local steps' sums and its schedule arguments (:data:`SYNC_STATE`,
+:class:`LocalStepsEntry`). Error feedback is per rank and saved apart
 (:meth:`CompressedOptimizer.error_feedback_state_dict`).
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 #: The entry of an optimizer state dict that holds what torch's does not.
 CHECKPOINT_KEY = "onebit"
+#: Key of 0/1 Adam's local-step sums and schedule arguments inside the :data:`CHECKPOINT_KEY` entry.
+SYNC_STATE = "zeroone"
 
 
 def onebit_state_dict(
@@ -119,7 +122,7 @@ def state_writer(state_dict: dict[str, Any]) -> Optional[str]:
         return "torch.optim" if states else None
     if meta.get("optimizer"):
         return str(meta["optimizer"])
-    if "zeroone" in meta:
+    if SYNC_STATE in meta:
         return "ZeroOneAdam"
     if any(k.startswith("lamb_") or k in ("exp_avg_last", "exp_avg_sq_fresh") for s in states for k in s):
         return "OnebitLamb"
@@ -223,6 +226,46 @@ def restore_scalar_state_(state: Any, scalars: dict[Any, dict[str, Any]], saved_
                 state[p][name] = torch.full((), float(value), dtype=torch.float64, device=p.device)
 
 
+class LocalStepsEntry:
+    """0/1 Adam's extension of its checkpoint, under :data:`SYNC_STATE`, which its :class:`CheckpointWriter` writes
+    and restores with the rest (:attr:`CheckpointWriter.extension`): the sums of the local steps since the last sync
+    (``local_steps``, a :class:`~lightning_onebit.optim.local_steps.LocalSteps`) and the schedule's four arguments
+    (``schedule``, a :class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`; the schedule itself follows from
+    the step and them, and is replayed to the loaded step). ``at_load``: what else a load resets (the zero-variance
+    masks, found again from the loaded variance). ``owner``: the optimizer's class name, for messages."""
+
+    def __init__(self, owner: str, local_steps: Any, schedule: Any, at_load: Callable[[], None]) -> None:
+        self.owner, self.local_steps, self.schedule, self.at_load = owner, local_steps, schedule, at_load
+
+    def write(self, meta: dict[str, Any]) -> None:
+        """Add the entry to ``meta`` (a state dict's :data:`CHECKPOINT_KEY`). Between syncs (local steps since the
+        last) it holds this rank's own replica state, and warns."""
+        saved = self.local_steps.state_dict()
+        if saved["local_steps_since_sync"]:
+            warnings.warn(
+                f"{self.owner}.state_dict() after {saved['local_steps_since_sync']} local step(s) since the last "
+                "sync: this rank's replica differs from the others'; call synchronize() on every rank before saving "
+                "for an exact resume",
+                UserWarning,
+                stacklevel=4,  # the caller of state_dict(), through CompressedOptimizer.state_dict and write
+            )
+        meta[SYNC_STATE] = dict(saved, schedule_arguments=self.schedule.arguments())
+
+    def restore(self, meta: Optional[dict[str, Any]], step: int, groups: int) -> None:
+        """After a load at ``step`` (``meta``: the state dict's :data:`CHECKPOINT_KEY`, ``None`` for a torch
+        optimizer's): the schedule replayed to it with the code's arguments (logged when the checkpoint's differ),
+        the sums of ``groups`` param groups restored (none in an AdamW or OnebitAdam state dict: the local steps, if
+        any, start from the loaded point)."""
+        saved = (meta or {}).get(SYNC_STATE) or {}
+        self.schedule.replay(step)
+        self.at_load()
+        arguments = self.schedule.arguments()
+        if saved.get("schedule_arguments") not in (None, arguments):
+            log.info("%s: the checkpoint was saved with schedule arguments %s; continuing from step %d with those of "
+                     "the code, %s", self.owner, saved["schedule_arguments"], step, arguments)
+        self.local_steps.load_state_dict(saved, groups)
+
+
 class CheckpointWriter:
     """The checkpoint part of a compressed optimizer: what its ``state_dict()`` holds beyond torch's
     (:data:`CHECKPOINT_KEY`, :func:`onebit_state_dict`), which states it reads (:func:`continuable_state_dict`), and
@@ -237,12 +280,19 @@ class CheckpointWriter:
 
     def __init__(self, owner: str, family: str, continues_of: Sequence[str]) -> None:
         self.owner, self.family, self.continues_of = owner, family, tuple(continues_of)
+        #: An algorithm's state beyond the moments, written and restored with the rest (0/1 Adam's
+        #: :class:`LocalStepsEntry`); ``None``: none.
+        self.extension: Optional[LocalStepsEntry] = None
 
     def write(self, state_dict: dict[str, Any], *, step: int, freeze_step: Optional[int],
               detector: Optional[FreezeDetector], plan: Plan, params: Sequence[torch.Tensor]) -> dict[str, Any]:
-        """Torch's ``state_dict`` with :data:`CHECKPOINT_KEY` added (:func:`onebit_state_dict`)."""
-        return onebit_state_dict(state_dict, step=step, freeze_step=freeze_step, family=self.family,
-                                 detector=detector, plan=plan, params=params)
+        """Torch's ``state_dict`` with :data:`CHECKPOINT_KEY` added (:func:`onebit_state_dict`, and the
+        :attr:`extension`'s entry)."""
+        state_dict = onebit_state_dict(state_dict, step=step, freeze_step=freeze_step, family=self.family,
+                                       detector=detector, plan=plan, params=params)
+        if self.extension is not None:
+            self.extension.write(state_dict[CHECKPOINT_KEY])
+        return state_dict
 
     def readable(self, state_dict: dict[str, Any], warn: bool) -> dict[str, Any]:
         """A shallow copy of ``state_dict`` the optimizer can load; ``ValueError`` before any step and any collective
@@ -254,10 +304,13 @@ class CheckpointWriter:
                  detector: Optional[FreezeDetector]) -> tuple[int, Optional[int], Plan]:
         """After torch loaded a state dict into ``groups`` and ``state`` (``meta``: its :data:`CHECKPOINT_KEY`, popped
         first): the options the code's groups ``code_groups`` keep (:func:`keep_code_options_`), AdamW's per-parameter
-        step dropped, and ``(step, freeze step, bucket plan)`` to go on with (:func:`loaded_step`,
-        :func:`restored_freeze_step` with the code's ``freeze_step`` and ``detector``, :func:`plan_from_indices`)."""
+        step dropped, the :attr:`extension` restored, and ``(step, freeze step, bucket plan)`` to go on with
+        (:func:`loaded_step`, :func:`restored_freeze_step` with the code's ``freeze_step`` and ``detector``,
+        :func:`plan_from_indices`)."""
         keep_code_options_(groups, code_groups)
         step = loaded_step(meta, state)
+        if self.extension is not None:
+            self.extension.restore(meta, step, len(groups))
         if meta is not None:
             freeze_step = restored_freeze_step(meta, step, freeze_step, detector, self.owner)
         for entry in state.values():

@@ -170,6 +170,13 @@ def adamw_step_(group: dict[str, Any], params: list[torch.Tensor], grads: list[t
     adam_update_(group, params, exp_avgs, exp_avg_sqs, t, t)
 
 
+def accumulate_update_(group: dict[str, Any], updates: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                       t: int) -> None:
+    """A local step's momentum step added to the sum since the last sync (0/1 Adam): ``U = U + lr m / bc1``, before
+    the update is applied (:func:`sync_update_` averages ``U``)."""
+    torch._foreach_add_(updates, exp_avgs, alpha=group["lr"] / bias_corrections(group, t, t)[0])
+
+
 def sync_update_(group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor],
                  exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], synced: list[torch.Tensor],
                  lr_sum: float, decay: float, t: int, t_v: int, backend: Backend) -> None:

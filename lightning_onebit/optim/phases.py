@@ -12,7 +12,7 @@ Adam).
 from __future__ import annotations
 
 import enum
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from lightning_onebit._docs import docs_pointer
 from lightning_onebit.optim.auto_freeze import FreezeDetector
@@ -91,13 +91,13 @@ def resumed_at(step: int, last_step_before: int) -> str:
 _ZEROONE_DOCS = docs_pointer("guides/configuration")
 
 
-def zeroone_phase_sentence(step: int, freeze_step: int, var_freeze_step: int, var_interval: int, var_update_scaler: int,
-                           local_step_interval: int, local_step_scaler: int, local_step_clipper: int,
-                           exchange: str, uncompressed: bool) -> tuple[StepKind, str]:
-    """``(phase, sentence)`` for 0/1 Adam's next step after ``step`` steps: its warmup (every step a variance step),
-    then variance steps every ``var_interval`` steps with 1-bit exchanges of ``exchange`` (``"momentum"`` or
-    ``"gradient"``) in between until ``var_freeze_step``, then local steps synced every ``local_step_interval``
-    steps (``uncompressed``: some param groups have ``compress=False``)."""
+def zeroone_phase_sentence(step: int, schedule: Any, exchange: str, uncompressed: bool) -> tuple[StepKind, str]:
+    """``(phase, sentence)`` for 0/1 Adam's next step after ``step`` steps, by its ``schedule`` (a
+    :class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`): its warmup (every step a variance step), then
+    variance steps every ``var_interval`` steps with 1-bit exchanges of ``exchange`` (``"momentum"`` or
+    ``"gradient"``) in between until ``var_freeze_step``, then local steps synced every ``local_step_interval`` steps
+    (``uncompressed``: some param groups have ``compress=False``)."""
+    freeze_step, var_freeze_step = schedule.warmup_steps, schedule.var_freeze_step
     t = step + 1
     if t <= freeze_step:
         return StepKind.WARMUP, (
@@ -108,12 +108,13 @@ def zeroone_phase_sentence(step: int, freeze_step: int, var_freeze_step: int, va
         averaged = "momenta" if exchange == "momentum" else "gradients"
         return StepKind.VARIANCE, (
             f"from optimizer step {freeze_step + 1}{resumed_at(step, freeze_step)}: a variance step (DDP allreduce) "
-            f"every {var_interval} steps, the interval doubling every {var_update_scaler} of them, until step "
-            f"{var_freeze_step}; {averaged} averaged in 1 bit in between; {_ZEROONE_DOCS}"
+            f"every {schedule.var_interval} steps, the interval doubling every {schedule.var_update_scaler} of them, "
+            f"until step {var_freeze_step}; {averaged} averaged in 1 bit in between; {_ZEROONE_DOCS}"
         )
     groups = " (compress=False groups: full precision every step)" if uncompressed else ""
     return StepKind.LOCAL, (
         f"from optimizer step {var_freeze_step + 1}{resumed_at(step, var_freeze_step)}: variance frozen; local steps "
-        f"without communication{groups}, the accumulated update averaged in 1 bit every {local_step_interval} steps "
-        f"(doubling every {local_step_scaler} steps up to {local_step_clipper}); {_ZEROONE_DOCS}"
+        f"without communication{groups}, the accumulated update averaged in 1 bit every "
+        f"{schedule.local_step_interval} steps (doubling every {schedule.local_step_scaler} steps up to "
+        f"{schedule.local_step_clipper}); {_ZEROONE_DOCS}"
     )

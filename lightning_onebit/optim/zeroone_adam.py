@@ -1,39 +1,87 @@
-"""0/1 Adam (arXiv 2202.06009) as a ``torch.optim.Optimizer`` over plain ``torch.distributed``: its variance,
-compressed and local steps, and what it reports. Its schedule is a part of its own
-(:class:`~lightning_onebit.optim.zeroone_schedule.ZeroOneSchedule`), and so are the local steps' sums and syncs
-(:class:`~lightning_onebit.optim.local_steps.LocalSteps`)."""
+"""0/1 Adam (arXiv 2202.06009) over plain ``torch.distributed``: its variance, compressed, local and sync steps, each
+read top-down here, and the schedule they consult (:class:`ZeroOneSchedule`); the local steps' sums and the schedule's
+arguments are parts of their own (``optim/local_steps.py``, ``optim/zeroone_schedule.py``)."""
 
 from __future__ import annotations
 
 import logging
-import warnings
-from typing import Any, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Hashable, Iterable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from lightning_onebit._checks import check_integer
+from lightning_onebit.comm.full_precision import full_precision_allreduce_
+from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
-from lightning_onebit.optim.bucket_layout import MomentumBucket
 from lightning_onebit.optim.buckets import compressed_trainable
+from lightning_onebit.optim.checkpoint import LocalStepsEntry
 from lightning_onebit.optim.error_feedback import feedback_key
-from lightning_onebit.optim.functional import adam_update_, fold_gradients_, mask_, update_variances_
+from lightning_onebit.optim.functional import accumulate_update_, adam_update_, fold_gradients_, mask_, sync_update_
+from lightning_onebit.optim.functional import update_variances_
 from lightning_onebit.optim.groups import check_exchange
-from lightning_onebit.optim.local_steps import LocalSteps
+from lightning_onebit.optim.local_steps import SYNCED, UPDATE, LocalSteps
 from lightning_onebit.optim.onebit_adam import adamw_steps_
 from lightning_onebit.optim.phases import StepKind, zeroone_phase_sentence
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
-from lightning_onebit.optim.zeroone_schedule import (
-    DEEPSPEED_LOCAL_STEP_SCALER,
-    DEEPSPEED_VAR_FREEZE_STEP,
-    DEEPSPEED_VAR_UPDATE_SCALER,
-    SYNC_STATE,
-    ZeroOneSchedule,
-)
+from lightning_onebit.optim.zeroone_schedule import SCHEDULE_ARGUMENTS, fitted_arguments, schedule_arguments
 
 log = logging.getLogger(__name__)
+
+
+class ZeroOneSchedule:
+    """0/1 Adam's schedule (:class:`ZeroOneAdam` says what its arguments and counters mean): which step updates the
+    variance, which is a local step and which syncs. It follows from the step and the four arguments alone
+    (:meth:`replay`: a resumed run replays it). ``from_run``: the arguments given as ``None``, which
+    :meth:`ZeroOneAdam.fit_schedule_to_run` scales to the run's length."""
+
+    def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int, local_step_clipper: int,
+                 from_run: set[str]) -> None:
+        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
+        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
+        self.from_run = from_run
+        self.replay(0)
+
+    warmup_steps = property(lambda self: min(self.var_update_scaler, self.var_freeze_step), doc=(
+        "The optimizer's ``freeze_step``: its first ``var_update_scaler`` steps are all variance steps."))
+
+    def arguments(self) -> dict[str, int]:
+        """The four schedule arguments (what a checkpoint records)."""
+        return {name: getattr(self, name) for name in SCHEDULE_ARGUMENTS}
+
+    def replay(self, steps: int) -> None:
+        """Set the counters to their state after ``steps`` steps."""
+        self.var_interval, self.var_counter, self.variance_updates = 1, 0, 0
+        self.local_step_interval, self.local_step_counter = 1, 0
+        for t in range(1, steps + 1):
+            self.advance(t)
+
+    def is_variance_step(self, t: int) -> bool:
+        """Whether step ``t`` (the next one: exact) updates the variance with averaged gradients."""
+        return t <= self.var_freeze_step and t % self.var_interval == 0
+
+    def kind(self, t: int) -> StepKind:
+        """What step ``t`` (the next one) does: ``VARIANCE``, ``COMPRESSED``, then ``LOCAL`` or ``SYNC``."""
+        if t > self.var_freeze_step:
+            return StepKind.SYNC if t % self.local_step_interval == 0 else StepKind.LOCAL
+        return StepKind.VARIANCE if self.is_variance_step(t) else StepKind.COMPRESSED
+
+    def advance(self, t: int) -> None:
+        """The counters after step ``t``."""
+        if t <= self.var_freeze_step:
+            if t % self.var_interval == 0:
+                self.variance_updates += 1
+                self.var_counter += 1
+                if self.var_counter == self.var_update_scaler:
+                    self.var_counter = 0
+                    self.var_interval *= 2
+        else:
+            self.local_step_counter += 1
+            if self.local_step_counter == self.local_step_scaler:
+                self.local_step_counter = 0
+                self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
+
 
 class ZeroOneAdam(CompressedOptimizer):
     r"""0/1 Adam: Adam whose variance is updated on ever rarer steps, with 1-bit compressed communication in
@@ -73,48 +121,30 @@ class ZeroOneAdam(CompressedOptimizer):
         p = p_sync D - W / (sqrt(v_hat) + eps);  p_sync = p;  U = 0;  lr_sum = 0;  D = 1
 
     ``p_sync``, the parameters at the last sync, is kept (one copy of the parameters), so that every replica computes
-    the new point from rank-identical values only: replicas are bitwise identical after every sync. (DeepSpeed rolled
-    each replica back by subtracting its own update, which is exact only up to rounding.) ``local_step_interval``
-    starts at 1 and doubles after every ``local_step_scaler`` local steps, up to ``local_step_clipper``. If a param
-    group's learning rate was 0 over a whole interval (``lr_sum = 0``, where DeepSpeed divided by zero), its momenta
-    themselves are averaged instead and its parameters stay at ``p_sync``. The error feedback restarts from zero when
-    the local steps begin (it held momentum or gradient errors, it now holds update errors).
+    the new point from rank-identical values only: replicas are bitwise identical after every sync.
+    ``local_step_interval`` starts at 1 and doubles after every ``local_step_scaler`` local steps, up to
+    ``local_step_clipper``. A param group whose learning rate was 0 over a whole interval (``lr_sum = 0``) averages
+    its momenta instead and stays at ``p_sync``. The error feedback restarts from zero when the local steps begin.
 
-    Between syncs the replicas differ (that is the point of local steps): :attr:`replicas_in_sync` is false, and
-    :meth:`synchronize` (a collective) syncs at once. The Lightning strategies sync before every validation (so the
-    metrics are those of the one model the ranks share), before every checkpoint they save (so a checkpoint holds the
-    rank-identical model, and resuming from it continues exactly as the run that saved it) and at the end of ``fit``;
-    without Lightning call :meth:`synchronize` on every rank before evaluating or saving.
+    Between syncs the replicas differ: :attr:`replicas_in_sync` is false, :meth:`state_dict` holds this rank's replica
+    and warns, and :meth:`synchronize` (a collective) syncs at once. The Lightning strategies sync before every
+    validation, before every checkpoint they save and at the end of ``fit``; without Lightning call
+    :meth:`synchronize` on every rank before evaluating or saving (docs/guides/configuration.md says why).
 
-    **Zero-variance coordinates.** A coordinate whose variance is still exactly zero (no variance step has seen a
-    nonzero averaged gradient for it: embedding rows not looked up yet, position embeddings past the sequence length)
-    has its momentum zeroed after every compressed or local update, so it stays at rest (weight decay aside) instead
-    of exploding to ``lr m / eps`` from 1-bit noise; it starts training at the first variance step that gives it a
-    variance. :class:`~lightning_onebit.MomentumMask` with ``auto=True`` is therefore refused with this optimizer
-    (its masks are fixed after the first ``var_update_scaler`` steps and would freeze such rows for good); explicit
-    masks (``exp_avg_mask``) apply to the exchanged gradients, updates and momenta.
+    **Zero-variance coordinates** (no variance step has seen a nonzero averaged gradient for them: embedding rows not
+    looked up yet) have their momentum zeroed after every compressed or local update, so they stay at rest instead of
+    exploding to ``lr m / eps`` from 1-bit noise, until a variance step gives them a variance; hence
+    :class:`~lightning_onebit.MomentumMask` with ``auto=True`` is refused. Explicit masks (``exp_avg_mask``) apply to
+    the exchanged gradients, updates and momenta.
 
     Bias correction (``bias_correction=True``) divides ``m`` by ``1 - b1^t`` and ``v`` by ``1 - b2^n``, ``n`` the
-    number of variance steps so far. With ``bias_correction=False`` neither is corrected, which is what DeepSpeed did
-    whatever the flag said. Step numbers: DeepSpeed's first ``step()`` only allocated state, so its step ``s`` is this
-    optimizer's step ``s - 1``, and its schedules counted its own steps.
+    number of variance steps so far (``False``: neither, which is what DeepSpeed did whatever the flag said).
+    DeepSpeed's first ``step()`` only allocated state: its step ``s`` is this optimizer's step ``s - 1``.
 
-    Memory: besides Adam's ``m`` and ``v``, the error feedback (about ``N (1 + 1/P)`` elements) and, in the
-    local-step phase, ``U`` and ``p_sync`` (``exchange="gradient"`` also keeps a gradient-sized exchange buffer
-    before it); after the warmup, a bool ``v == 0`` per parameter (1 byte per element) and, where the update runs
-    the torch kernels (CUDA, or ``kernel_backend="torch"``), the frozen variance's denominator ``sqrt(v_hat) + eps``
-    (one tensor per parameter, recomputed after each variance step).
-
-    Host synchronisations: none in any step after the warmup (the step kinds and schedules are decided from Python
-    numbers; the zero-variance masks and denominators stay on the device).
-
-    **Param groups with** ``compress=False`` (the param-group option of :class:`~lightning_onebit.OnebitAdam`) take an
-    AdamW step at *every* step (momentum and variance updated, bias corrections of the true step ``t``), on gradients
-    averaged in full precision: by DDP's allreduce on variance steps, by one ``all_reduce`` in :meth:`step` on every
-    other step, local and sync steps included. They are left out of the buckets, the local-step sums and the syncs, and
-    their replicas stay identical after every step. The cost: such a group communicates every step, like DDP (``2
-    (P-1)/P * 4`` bytes per element in fp32), so a local step is no longer silent; use it for small groups or
-    embeddings.
+    Memory: besides Adam's ``m`` and ``v``, the error feedback (about ``N (1 + 1/P)`` elements), ``U`` and ``p_sync``
+    in the local-step phase, and a bool ``v == 0`` per parameter (1 byte per element); no host synchronisation in any
+    step after the warmup (docs/guides/configuration.md has the details, and ``compress=False`` groups: an AdamW step
+    on averaged gradients every step, local steps included, at DDP's cost).
 
     Args:
         params, lr, betas, eps: as for :class:`~lightning_onebit.OnebitAdam`.
@@ -133,17 +163,14 @@ class ZeroOneAdam(CompressedOptimizer):
         var_update_scaler: ``kappa``, the number of variance steps at each ``var_interval`` before it doubles. Also
             the number of initial steps that are all variance steps (AdamW, gradients averaged in full precision).
             Default ``None``: a tenth of the run under the Lightning strategies (:meth:`fit_schedule_to_run`), else
-            ``16`` (DeepSpeed's default, made for pretraining behind a long learning-rate warmup; on the example
-            from scratch, 16 compressed from step 17, in the middle of the loss's fall, and ended 4.8 points under
-            AdamW; a tenth of the run, with ``local_step_clipper`` 4, within 0.4 point of it on two seeds,
-            docs/benchmarks.md).
+            ``16`` (DeepSpeed's default, made for pretraining behind a long learning-rate warmup: from scratch, the
+            example ended 4.8 points under AdamW with it, within 0.4 with a tenth of the run, docs/benchmarks.md).
         local_step_scaler: local steps at each ``local_step_interval`` before it doubles. Default ``None``: under the
             Lightning strategies, such that the interval reaches ``local_step_clipper`` a quarter of the way into the
             local steps (:meth:`fit_schedule_to_run`), else ``32678`` (DeepSpeed's default, which keeps syncing every
             step in practice; its tutorial uses ``1000``).
-        local_step_clipper: ``H``, the largest ``local_step_interval``, in steps. Default ``4`` (DeepSpeed's is
-            16: on the example from scratch, validated on the synced model, 16 ended 0.8 and 1.2 points under AdamW
-            on two seeds, 4 ended +0.2 and -0.4 points, with the same bytes: the syncs are 1-bit and few).
+        local_step_clipper: ``H``, the largest ``local_step_interval``, in steps. Default ``4`` (DeepSpeed's 16
+            ended 0.8 and 1.2 points under AdamW on the example, 4 within 0.4, with the same bytes).
         exchange: what the compressed steps before ``var_freeze_step`` average in 1 bit: ``"momentum"`` (default,
             the momentum after folding in the local gradient, as 1-bit Adam) or ``"gradient"`` (the local gradient,
             DeepSpeed's form).
@@ -186,16 +213,10 @@ class ZeroOneAdam(CompressedOptimizer):
         kernel_backend: Backend = "auto",
         topology: Optional[Topology] = None,
     ) -> None:
-        # the schedule arguments left to the run's length (fit_schedule_to_run); DeepSpeed's values until then
-        from_run = {name for name, value in (("var_freeze_step", var_freeze_step),
-                                             ("var_update_scaler", var_update_scaler),
-                                             ("local_step_scaler", local_step_scaler)) if value is None}
-        arguments = (("var_freeze_step", var_freeze_step, DEEPSPEED_VAR_FREEZE_STEP),
-                     ("var_update_scaler", var_update_scaler, DEEPSPEED_VAR_UPDATE_SCALER),
-                     ("local_step_scaler", local_step_scaler, DEEPSPEED_LOCAL_STEP_SCALER),
-                     ("local_step_clipper", local_step_clipper, None))
-        schedule = ZeroOneSchedule(*(check_integer(default if value is None else value, name)
-                                     for name, value, default in arguments), from_run=from_run)
+        # those left to the run's length (fit_schedule_to_run) are DeepSpeed's until then
+        arguments, from_run = schedule_arguments(var_freeze_step, var_update_scaler, local_step_scaler,
+                                                 local_step_clipper)
+        schedule = ZeroOneSchedule(**arguments, from_run=from_run)
         exchange = check_exchange(exchange, compress)
         check_torch_adamw_options(type(self).__name__, amsgrad=amsgrad, maximize=maximize,
                                   differentiable=differentiable, capturable=capturable, foreach=foreach, fused=fused)
@@ -203,15 +224,17 @@ class ZeroOneAdam(CompressedOptimizer):
         super().__init__(params, defaults, freeze_step=schedule.warmup_steps, bucket_cap_mb=bucket_cap_mb,
                          process_group=process_group, kernel_backend=kernel_backend, topology=topology,
                          dead_coordinates="ignore")  # kept at rest by _keep_at_rest_ while the variance still changes
-        #: The schedules (:class:`ZeroOneSchedule`) and the local steps' sums and syncs (a part each).
+        #: The schedule (:class:`ZeroOneSchedule`) and the local steps' sums (:class:`LocalSteps`): a part each.
         self.schedule = schedule
-        self.local_steps = LocalSteps(self.momentum_buckets)
+        self.local_steps = LocalSteps()
         self.exchange_kind = exchange  # what the compressed steps before var_freeze_step average in 1 bit
         # id(param) -> bool tensor of its coordinates whose variance is exactly zero (1 byte per element); valid until
         # the variance next changes
         self._zero_variance: dict[int, torch.Tensor] = {}
+        # the checkpoint holds the local steps' sums and the schedule's arguments too (state_dict warns between syncs)
+        self.checkpoint.extension = LocalStepsEntry(type(self).__name__, self.local_steps, schedule,
+                                                    self._zero_variance.clear)
 
-    # ------------------------------------------------------------------ status (the schedule's and the local steps')
     var_freeze_step = property(lambda self: self.schedule.var_freeze_step, doc="The last step that may update v.")
     var_update_scaler = property(lambda self: self.schedule.var_update_scaler, doc="``kappa`` (see the class).")
     local_step_scaler = property(lambda self: self.schedule.local_step_scaler, doc="See the class docstring.")
@@ -239,25 +262,22 @@ class ZeroOneAdam(CompressedOptimizer):
         return self.local_steps.since_sync == 0
 
     def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
-        """Scale the schedule arguments given as ``None`` to a run of ``total_steps`` optimizer steps (the Lightning
-        strategies call this at the start of ``fit`` with the Trainer's estimate): ``var_update_scaler`` a tenth of
-        the run (the steps that are all variance steps), ``var_freeze_step`` half the run (at least
-        ``var_update_scaler``), ``local_step_scaler`` such that ``local_step_interval`` reaches
-        ``local_step_clipper`` a quarter of the way into the remaining steps. Returns what was set, for the log
-        (``None``: every argument was given). ``total_steps=None`` (a run of unknown length) raises ``ValueError``
-        naming the arguments to give, unless every one was given; so does anything but ``None`` or an integer
-        ``>= 1`` (a bool, a float, a string)."""
-        scaled = self.schedule.fit_to_run(total_steps, self._step)
-        if scaled is not None:
-            self.freeze_step = self.schedule.warmup_steps
-        return scaled
+        """Scale the schedule arguments given as ``None`` to a run of ``total_steps`` optimizer steps, as the Args say
+        (the Lightning strategies call this at the start of ``fit`` with the Trainer's estimate;
+        :func:`~lightning_onebit.optim.zeroone_schedule.fitted_arguments`). Returns what was set, for the log (``None``:
+        every argument was given). ``ValueError`` for ``total_steps=None`` (a run of unknown length), naming the
+        arguments to give, unless every one was given, and for anything but ``None`` or an integer ``>= 1``."""
+        fitted = fitted_arguments(self.schedule.arguments(), self.schedule.from_run, total_steps)
+        if fitted is None:
+            return None
+        for name, value in fitted[0].items():  # in place: the checkpoint's entry holds the schedule
+            setattr(self.schedule, name, value)
+        self.schedule.replay(self._step)
+        self.freeze_step = self.schedule.warmup_steps
+        return fitted[1]
 
     def describe_phase(self) -> tuple[StepKind, str]:
-        schedule = self.schedule
-        return zeroone_phase_sentence(self._step, schedule.warmup_steps, schedule.var_freeze_step,
-                                      schedule.var_interval, schedule.var_update_scaler, schedule.local_step_interval,
-                                      schedule.local_step_scaler, schedule.local_step_clipper, self.exchange_kind,
-                                      bool(self._uncompressed_groups()))
+        return zeroone_phase_sentence(self._step, self.schedule, self.exchange_kind, bool(self._uncompressed_groups()))
 
     # ------------------------------------------------------------------ steps
     def _warmup_step(self) -> StepKind:
@@ -295,9 +315,8 @@ class ZeroOneAdam(CompressedOptimizer):
             states = [self._moment_state(p) for p in params]  # a parameter first seen now gets its variance here
             grads = [p.grad for p in params]
             exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-            b1, b2 = group["betas"]
-            fold_gradients_(exp_avgs, grads, b1)
-            update_variances_(exp_avg_sqs, grads, b2)
+            fold_gradients_(exp_avgs, grads, group["betas"][0])
+            update_variances_(exp_avg_sqs, grads, group["betas"][1])
             self._keep_at_rest_(group, params, exp_avgs)
             adam_update_(group, params, exp_avgs, exp_avg_sqs, t, n, self.compression.backend)
         return StepKind.VARIANCE
@@ -328,12 +347,12 @@ class ZeroOneAdam(CompressedOptimizer):
     def _average_gradients_into_momenta_(self) -> None:
         """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``."""
         averaged: dict[int, torch.Tensor] = {}
-        pairs = []
+        items = []
         for bucket in self._ensure_buckets(carry=True):  # a missing gradient: this rank contributes a zero one
             flat, views = bucket.filled("gradient", [p.grad for p in bucket.params])
             averaged.update(zip(map(id, bucket.params), views))
-            pairs.append((bucket, flat))
-        self._compressed_average_("gradient", pairs)
+            items.append((feedback_key("gradient", bucket.key), flat, bucket.layout))
+        self._compressed_average_(items)
         for group in self.param_groups:
             params = self._updated_params(group)
             if params:
@@ -343,19 +362,18 @@ class ZeroOneAdam(CompressedOptimizer):
     def _local_step(self, t: int) -> StepKind:
         """A step on this rank's own gradient with no communication (fold, mask, accumulate, update); a sync after it
         when the schedule says so."""
-        local = self.local_steps
-        buckets = self._ensure_buckets(carry=True)
-        if local.lr_sum is None:
-            local.begin_(self._bucket_source(), buckets, self.schedule.var_freeze_step)
-        local.update_buffers(self._bucket_source(), buckets)
+        local = self._laid_out_local_steps()
         for index, group in enumerate(self.param_groups):
-            params = local.updated(group)
+            params = self._updated_params(group)
             if not params:
                 continue
             exp_avgs = [self.state[p]["exp_avg"] for p in params]
             fold_gradients_(exp_avgs, [p.grad for p in params], group["betas"][0])  # a missing gradient: zero
             self._keep_at_rest_(group, params, exp_avgs)
-            local.accumulate_(index, group, params, exp_avgs, self.state, t)
+            # U = U + lr m_hat (before the update), lr_sum = lr_sum + lr, D = D (1 - lr wd)
+            accumulate_update_(group, [self.state[p][UPDATE] for p in params], exp_avgs, t)
+            local.lr_sum[index] += group["lr"]
+            local.decay[index] *= 1 - group["lr"] * group["weight_decay"]
             exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
             adam_update_(group, params, exp_avgs, exp_avg_sqs, t, self.schedule.variance_updates,
                          self.compression.backend)
@@ -369,13 +387,9 @@ class ZeroOneAdam(CompressedOptimizer):
     def synchronize(self) -> bool:
         """Sync now if local steps were taken since the last sync (every rank must call it; the next scheduled sync
         still comes when the schedule says). Returns whether it synced.
-
-        This sync averages the accumulated updates in full precision (one ``all_reduce`` of their size), not in 1
-        bit, and leaves the compression error feedback to the next scheduled sync. A 1-bit sync here, a step or two
-        after a scheduled one, would fold the compression error of a whole interval (up to ``local_step_clipper``
-        steps of updates) into an update of one step, and the momentum it sets (the average update over the summed
-        learning rate) would grow by that ratio: on the example, syncs before every validation so made the local
-        steps diverge."""
+        It averages the updates in full precision (one ``all_reduce`` of their size), not in 1 bit: a 1-bit sync a step
+        after a scheduled one would fold a whole interval's compression error into one step (on the example, syncs
+        before every validation so made the local steps diverge)."""
         if self.local_steps.since_sync == 0:
             return False
         self._sync(self._step, exact=True)
@@ -383,18 +397,46 @@ class ZeroOneAdam(CompressedOptimizer):
         return True
 
     def _sync(self, t: int, exact: bool = False) -> None:
-        """Average the accumulated updates (1 bit; ``exact``: in full precision) and move every replica to the same
-        new point (:meth:`LocalSteps.sync_`)."""
-        self.local_steps.sync_(self._bucket_source(), self._ensure_buckets(carry=True), t,
-                               self.schedule.variance_updates, lambda pairs: self._compressed_average_("update", pairs),
-                               self._keep_at_rest_, exact)
+        """Average the accumulated updates ``U`` (1 bit; ``exact``: in full precision) and move every replica to the
+        same new point from rank-identical values only (:func:`~lightning_onebit.optim.functional.sync_update_`);
+        a param group whose learning rate was 0 over the whole interval averages its momenta instead."""
+        local, state = self._laid_out_local_steps(), self.state
+        for index, group in enumerate(self.param_groups):
+            params = self._updated_params(group)
+            if local.lr_sum[index] == 0 and params:  # lr was 0 throughout: nothing moved; average the momenta
+                torch._foreach_copy_([state[p][UPDATE] for p in params], [state[p]["exp_avg"] for p in params])
+        if exact:  # W = the average of U
+            full_precision_allreduce_(self.compression, local.flats)
+        else:
+            self._compressed_average_(local.items)
+        for index, group in enumerate(self.param_groups):
+            params = self._updated_params(group)
+            if not params:
+                continue
+            updates = [state[p][UPDATE] for p in params]
+            self._keep_at_rest_(group, params, updates)
+            sync_update_(group, params, updates, [state[p]["exp_avg"] for p in params],
+                         [state[p]["exp_avg_sq"] for p in params], [state[p][SYNCED] for p in params],
+                         local.lr_sum[index], local.decay[index], t, self.schedule.variance_updates,
+                         self.compression.backend)
+        for flat in local.flats:  # U = 0;  lr_sum = 0;  D = 1
+            flat.zero_()
+        local.lr_sum, local.decay, local.since_sync = [0.0] * len(local.decay), [1.0] * len(local.decay), 0
 
-    def _compressed_average_(self, stream: str, buffers: Sequence[tuple[MomentumBucket, torch.Tensor]]) -> None:
-        """Replace each buffer (laid out like its bucket) by its error-compensated 1-bit average over the process
-        group, identical on every rank; the error feedback is ``stream``'s. Buckets are pipelined."""
+    def _laid_out_local_steps(self) -> LocalSteps:
+        """The local steps' sums, begun at the first local step; ``U`` laid out like the buckets (again if rebuilt)."""
+        local, buckets = self.local_steps, self._ensure_buckets(carry=True)
+        if local.lr_sum is None:
+            local.begin_(self._bucket_source(), buckets, self._updated_params, self.schedule.var_freeze_step)
+        elif local.laid_out_for is not buckets:
+            local.lay_out_(self._bucket_source(), buckets, self._updated_params)
+        return local
+
+    def _compressed_average_(self, items: Sequence[tuple[Hashable, torch.Tensor, BucketLayout]]) -> None:
+        """Replace each ``(error-feedback key, flat, layout)`` by its 1-bit average over the group (rank-identical)."""
         if not self._backend_agreed:
             self.agree_kernel_backend()
-        self.exchange.average_([(feedback_key(stream, bucket.key), flat, bucket.layout) for bucket, flat in buffers])
+        self.exchange.average_(items)
 
     def _keep_at_rest_(self, group: dict[str, Any], params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
         """Multiply ``tensors`` (one per parameter: momenta, exchanged gradients or updates) by the parameters' masks
@@ -405,37 +447,3 @@ class ZeroOneAdam(CompressedOptimizer):
             if id(p) not in self._zero_variance:
                 self._zero_variance[id(p)] = self.state[p]["exp_avg_sq"] == 0
         mask_(group, params, tensors, self._zero_variance)
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """As :meth:`CompressedOptimizer.state_dict`, plus the sums since the last sync. Between syncs (after a
-        local step) it holds this rank's own replica state and warns: call :meth:`synchronize` on every rank first
-        for a checkpoint that resumes exactly (the Lightning strategy does)."""
-        if self.local_steps.since_sync:
-            warnings.warn(
-                f"ZeroOneAdam.state_dict() after {self.local_steps.since_sync} local step(s) since the last sync: "
-                "this rank's replica differs from the others'; call synchronize() on every rank before saving for "
-                "an exact resume",
-                UserWarning,
-                stacklevel=2,
-            )
-        state_dict = super().state_dict()
-        # the schedules themselves follow from the step and their arguments (load_state_dict replays them)
-        state_dict["onebit"][SYNC_STATE] = dict(self.local_steps.state_dict(),
-                                                 schedule_arguments=self.schedule.arguments())
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As :meth:`CompressedOptimizer.load_state_dict`; the schedules are recomputed from the loaded step with
-        this optimizer's schedule arguments (logged if the checkpoint was saved with others), the sums since the last
-        sync are restored."""
-        saved = (state_dict.get("onebit") or {}).get(SYNC_STATE)
-        super().load_state_dict(state_dict)
-        self.schedule.replay(self._step)
-        self._zero_variance = {}
-        self.local_steps.load_state_dict(saved or {}, len(self.param_groups))
-        if saved is None:
-            return  # e.g. an AdamW or OnebitAdam state dict: local steps (if any) start from the loaded point
-        if saved.get("schedule_arguments") not in (None, self.schedule.arguments()):
-            log.info("ZeroOneAdam: the checkpoint was saved with schedule arguments %s; continuing from step %d "
-                     "with those of the code, %s", saved["schedule_arguments"], self._step, self.schedule.arguments())

@@ -1,18 +1,18 @@
-"""0/1 Adam's schedules (:class:`ZeroOneSchedule`, a part of :class:`~lightning_onebit.ZeroOneAdam`): which step
-updates the variance, which takes a local step and which syncs. They follow from the step and the four schedule
-arguments alone, so a resumed run replays them; DeepSpeed's defaults, and the shares of a run they take when they are
-left to its length."""
+"""0/1 Adam's schedule arguments: DeepSpeed's defaults, the shares of a run they take when they are left to its
+length, and fitting them to it (:func:`fitted_arguments`). What the arguments decide step by step (which step updates
+the variance, which is a local step, which syncs) is :class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`'s,
+beside the step that uses it; it moved there, and still resolves here, with a ``FutureWarning``, until 0.3."""
 
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+import warnings
+from typing import Any, Optional
 
 from lightning_onebit._checks import check_integer
-from lightning_onebit.optim.phases import StepKind
 
-#: Key of 0/1 Adam's schedule and sync state inside the optimizer state dict's "onebit" entry.
-SYNC_STATE = "zeroone"
-
+#: The four schedule arguments, in the order :class:`~lightning_onebit.ZeroOneAdam` takes and checks them.
+SCHEDULE_ARGUMENTS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
 #: DeepSpeed's defaults, used when the run's length is not known (no Lightning strategy).
 DEEPSPEED_VAR_FREEZE_STEP, DEEPSPEED_VAR_UPDATE_SCALER, DEEPSPEED_LOCAL_STEP_SCALER = 100000, 16, 32678
 #: Without ``var_update_scaler``: the share of the run that starts with full-precision (variance) steps only. The
@@ -28,86 +28,58 @@ VAR_FREEZE_SHARE = 0.5
 LOCAL_RAMP_SHARE = 0.25
 
 
-class ZeroOneSchedule:
-    """0/1 Adam's schedules: which step updates the variance, which takes a local step and which syncs. They follow
-    from the step and the four schedule arguments alone (:meth:`replay`), so a resumed run replays them.
+def schedule_arguments(var_freeze_step: Optional[int], var_update_scaler: Optional[int],
+                       local_step_scaler: Optional[int], local_step_clipper: int) -> tuple[dict[str, int], set[str]]:
+    """The four schedule arguments as :class:`~lightning_onebit.ZeroOneAdam` was given them, checked (integers
+    ``>= 1``; ``ValueError`` naming the argument otherwise), with DeepSpeed's defaults for those given as ``None``,
+    and the names of those, which :func:`fitted_arguments` scales to the run's length."""
+    given = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+                 local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+    defaults = dict(var_freeze_step=DEEPSPEED_VAR_FREEZE_STEP, var_update_scaler=DEEPSPEED_VAR_UPDATE_SCALER,
+                    local_step_scaler=DEEPSPEED_LOCAL_STEP_SCALER)
+    arguments = {name: check_integer(defaults[name] if value is None else value, name) for name, value in given.items()}
+    return arguments, {name for name, value in given.items() if value is None}
 
-    Variance steps (``t <= var_freeze_step`` and ``t % var_interval == 0``) double ``var_interval`` every
-    ``var_update_scaler`` of them; local steps (after ``var_freeze_step``) double ``local_step_interval`` every
-    ``local_step_scaler`` of them, up to ``local_step_clipper``; a local step syncs when ``t % local_step_interval ==
-    0``. ``from_run``: the arguments given as ``None``, which :meth:`fit_to_run` scales to the run's length."""
 
-    def __init__(self, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int, local_step_clipper: int,
-                 from_run: set[str]) -> None:
-        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
-        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        self.from_run = from_run
-        self.replay(0)
+def fitted_arguments(arguments: dict[str, int], from_run: set[str],
+                     total_steps: Optional[int]) -> Optional[tuple[dict[str, int], str]]:
+    """``arguments`` with those named in ``from_run`` scaled to a run of ``total_steps`` optimizer steps, and what
+    was set, for the log (:meth:`ZeroOneAdam.fit_schedule_to_run <lightning_onebit.ZeroOneAdam.fit_schedule_to_run>`
+    says how); ``None`` when ``from_run`` is empty. ``ValueError`` for ``total_steps`` neither ``None`` nor an integer
+    ``>= 1``, and for ``None`` (a run of unknown length) unless ``from_run`` is empty."""
+    check_integer(total_steps, "ZeroOneAdam.fit_schedule_to_run total_steps", none=True,
+                  what="an integer >= 1 (the run's length in optimizer steps)", fix="None when it is unknown")
+    if not from_run:
+        return None
+    if total_steps is None:
+        raise ValueError(
+            f"ZeroOneAdam scales {', '.join(sorted(from_run))} to the run, but its length is unknown (no "
+            "max_steps or max_epochs, or an iterable dataset without max_steps): set max_steps/max_epochs, or "
+            "give them"
+        )
+    fitted = dict(arguments)
+    if "var_update_scaler" in from_run:
+        fitted["var_update_scaler"] = max(1, round(VAR_WARMUP_SHARE * total_steps))
+    if "var_freeze_step" in from_run:
+        fitted["var_freeze_step"] = max(fitted["var_update_scaler"], round(VAR_FREEZE_SHARE * total_steps))
+    if "local_step_scaler" in from_run:
+        doublings = max(1, fitted["local_step_clipper"].bit_length() - 1)  # intervals 1, 2, 4, ... up to the clipper
+        local_steps = max(1, total_steps - fitted["var_freeze_step"])
+        fitted["local_step_scaler"] = max(1, round(LOCAL_RAMP_SHARE * local_steps / doublings))
+    return fitted, (f"var_update_scaler {fitted['var_update_scaler']}, var_freeze_step {fitted['var_freeze_step']}, "
+                    f"local_step_scaler {fitted['local_step_scaler']} (scaled to {total_steps} steps)")
 
-    @property
-    def warmup_steps(self) -> int:
-        """The steps before any compression (the optimizer's ``freeze_step``): the first ``var_update_scaler`` steps
-        are all variance steps."""
-        return min(self.var_update_scaler, self.var_freeze_step)
 
-    def replay(self, steps: int) -> None:
-        """Set the schedules to their state after ``steps`` steps."""
-        self.var_interval, self.var_counter, self.variance_updates = 1, 0, 0
-        self.local_step_interval, self.local_step_counter = 1, 0
-        for t in range(1, steps + 1):
-            self.advance(t)
+#: Names that moved from this module, and the module each is imported from now. They still resolve here, with a
+#: ``FutureWarning``, until 0.3; imported on access.
+_MOVED = {"ZeroOneSchedule": "lightning_onebit.optim.zeroone_adam", "SYNC_STATE": "lightning_onebit.optim.checkpoint"}
 
-    def is_variance_step(self, t: int) -> bool:
-        """Whether step ``t`` (the next one is ``step_count + 1``) updates the variance with averaged gradients,
-        given the current ``var_interval`` (exact for the next step)."""
-        return t <= self.var_freeze_step and t % self.var_interval == 0
 
-    def kind(self, t: int) -> StepKind:
-        """What step ``t`` (the next one) does: ``VARIANCE``, ``COMPRESSED``, then ``LOCAL`` or ``SYNC``."""
-        if t > self.var_freeze_step:
-            return StepKind.SYNC if t % self.local_step_interval == 0 else StepKind.LOCAL
-        return StepKind.VARIANCE if self.is_variance_step(t) else StepKind.COMPRESSED
-
-    def advance(self, t: int) -> None:
-        """The schedule counters after step ``t``."""
-        if t <= self.var_freeze_step:
-            if t % self.var_interval == 0:
-                self.variance_updates += 1
-                self.var_counter += 1
-                if self.var_counter == self.var_update_scaler:
-                    self.var_counter = 0
-                    self.var_interval *= 2
-        else:
-            self.local_step_counter += 1
-            if self.local_step_counter == self.local_step_scaler:
-                self.local_step_counter = 0
-                self.local_step_interval = min(self.local_step_clipper, 2 * self.local_step_interval)
-
-    def fit_to_run(self, total_steps: Optional[int], step: int) -> Optional[str]:
-        """:meth:`ZeroOneAdam.fit_schedule_to_run`, at optimizer step ``step`` (the schedules are replayed to it)."""
-        check_integer(total_steps, "ZeroOneAdam.fit_schedule_to_run total_steps", none=True,
-                      what="an integer >= 1 (the run's length in optimizer steps)", fix="None when it is unknown")
-        if not self.from_run:
-            return None
-        if total_steps is None:
-            raise ValueError(
-                f"ZeroOneAdam scales {', '.join(sorted(self.from_run))} to the run, but its length is unknown (no "
-                "max_steps or max_epochs, or an iterable dataset without max_steps): set max_steps/max_epochs, or "
-                "give them"
-            )
-        if "var_update_scaler" in self.from_run:
-            self.var_update_scaler = max(1, round(VAR_WARMUP_SHARE * total_steps))
-        if "var_freeze_step" in self.from_run:
-            self.var_freeze_step = max(self.var_update_scaler, round(VAR_FREEZE_SHARE * total_steps))
-        if "local_step_scaler" in self.from_run:
-            doublings = max(1, self.local_step_clipper.bit_length() - 1)  # intervals 1, 2, 4, ... up to the clipper
-            local_steps = max(1, total_steps - self.var_freeze_step)
-            self.local_step_scaler = max(1, round(LOCAL_RAMP_SHARE * local_steps / doublings))
-        self.replay(step)
-        return (f"var_update_scaler {self.var_update_scaler}, var_freeze_step {self.var_freeze_step}, "
-                f"local_step_scaler {self.local_step_scaler} (scaled to {total_steps} steps)")
-
-    def arguments(self) -> dict[str, int]:
-        """The four schedule arguments (what a checkpoint records)."""
-        return dict(var_freeze_step=self.var_freeze_step, var_update_scaler=self.var_update_scaler,
-                    local_step_scaler=self.local_step_scaler, local_step_clipper=self.local_step_clipper)
+def __getattr__(name: str) -> Any:
+    """A moved name (:data:`_MOVED`), from its new module, with a ``FutureWarning`` that names it (PEP 562)."""
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} moved to {module}.{name}; import it from there. It will be removed here in 0.3.",
+                  FutureWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), name)

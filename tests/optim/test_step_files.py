@@ -1,5 +1,7 @@
 """How many library files one compressed step takes to read (issue 45): the files whose Python functions run during
-one steady-state compressed ``step()`` of each optimizer, traced with ``sys.setprofile`` on 2 gloo ranks.
+one steady-state compressed ``step()`` of each optimizer, traced with ``sys.setprofile`` on 2 gloo ranks. 0/1 Adam's
+compression stage has four kinds of step (a variance step, a 1-bit exchange of the momenta or of the gradients, a
+local step and a sync step); each is traced.
 
 The step reads top-down in the algorithm's own file (fold -> exchange -> mask -> update) over three more optim files:
 ``base.py`` (``step()`` itself and the bucket helpers), ``buckets.py`` (the exchange part) and ``functional.py`` (the
@@ -25,6 +27,8 @@ from tests.paths import ROOT
 LIBRARY = ROOT / "lightning_onebit"
 #: The optim-layer files of a compressed step besides the algorithm's own (its parts and math).
 PARTS = {"base.py", "buckets.py", "functional.py"}
+#: At most this many optim files for one step of any kind (issue 45).
+MOST_FILES = 4
 
 
 def _make(name: str) -> Callable[[Any], Any]:
@@ -32,51 +36,56 @@ def _make(name: str) -> Callable[[Any], Any]:
 
     return {
         "OnebitAdam": lambda params: lo.OnebitAdam(params, lr=1e-3, freeze_step=2),
-        # var_update_scaler=2: steps 1-2 are variance steps, then every other step is a compressed one
-        "ZeroOneAdam": lambda params: lo.ZeroOneAdam(params, lr=1e-3, var_freeze_step=100, var_update_scaler=2),
+        # steps 1-2 variance steps (the warmup), then a variance step every 2nd step up to step 6, every 4th up to
+        # 12: compressed steps 3, 5, 7, 9-11; local steps from 13, syncing every step twice, then every 2nd step
+        "ZeroOneAdam": lambda params: lo.ZeroOneAdam(params, lr=1e-3, var_freeze_step=12, var_update_scaler=2,
+                                                     local_step_scaler=2),
+        "ZeroOneAdam-gradient": lambda params: lo.ZeroOneAdam(params, lr=1e-3, var_freeze_step=12,
+                                                              var_update_scaler=2, exchange="gradient"),
         "OnebitLamb": lambda params: lo.OnebitLamb(params, lr=1e-3, freeze_step=2),
     }[name]
 
 
-def _traced_step(rank: int, world_size: int, name: str) -> dict[str, Any]:
-    """The library files entered during the second compressed step (the first one also lays the buckets out and
-    finds the dead coordinates, once), by layer, with the functions entered in each."""
-    from lightning_onebit.optim import StepKind
+def _traced_steps(rank: int, world_size: int, name: str, kinds: tuple[str, ...]) -> dict[str, dict[str, list[str]]]:
+    """For each step kind in ``kinds``, the library files entered during the second step of that kind in the
+    compression stage (the first compressed step also lays the buckets out and finds the dead coordinates, the first
+    local step starts the sums since the last sync: once), with the functions entered in each."""
+    from lightning_onebit.optim import OnebitStage, StepKind
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     optimizer = _make(name)(model.parameters())
-
-    def backward() -> None:
+    library = str(LIBRARY)
+    seen: collections.Counter[str] = collections.Counter()
+    traced: dict[str, dict[str, list[str]]] = {}
+    while set(traced) != set(kinds):
+        kind = optimizer.next_step_kind
         optimizer.zero_grad()
         model(torch.randn(4, 8)).pow(2).mean().backward()
-        if optimizer.needs_gradient_allreduce:  # what the strategy's DDP hook does in the warmup
+        if optimizer.needs_gradient_allreduce:  # what the strategy's DDP hook does on these steps
             for p in model.parameters():
                 torch.distributed.all_reduce(p.grad)
                 p.grad /= world_size
+        trace = optimizer.stage is OnebitStage.COMPRESSION and kind.name in kinds and seen[kind.name] == 1
+        if optimizer.stage is OnebitStage.COMPRESSION:
+            seen[kind.name] += 1
+        functions: dict[str, set[str]] = collections.defaultdict(set)
 
-    compressed_steps = 0
-    while compressed_steps < 2:
-        kind = optimizer.next_step_kind
-        backward()
-        if kind is StepKind.COMPRESSED and compressed_steps == 1:
-            break
-        optimizer.step()
-        compressed_steps += kind is StepKind.COMPRESSED
-    functions: dict[str, set[str]] = collections.defaultdict(set)
-    library = str(LIBRARY)
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename.startswith(library):
+                functions[os.path.relpath(frame.f_code.co_filename, library)].add(frame.f_code.co_name)
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(library):
-            functions[os.path.relpath(frame.f_code.co_filename, library)].add(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        optimizer.step()
-    finally:
-        sys.setprofile(None)
-    assert optimizer.last_step_kind is StepKind.COMPRESSED
-    return {path: sorted(names) for path, names in functions.items()}
+        if trace:
+            sys.setprofile(profile)
+        try:
+            optimizer.step()
+        finally:
+            sys.setprofile(None)
+        assert optimizer.last_step_kind is StepKind[kind.name]
+        if trace:
+            traced[kind.name] = {path: sorted(names) for path, names in functions.items()}
+        assert optimizer.step_count < 40, f"{name} took no second step of each kind in {kinds}: {dict(seen)}"
+    return traced
 
 
 def _by_layer(files: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -87,18 +96,31 @@ def _by_layer(files: dict[str, list[str]]) -> dict[str, list[str]]:
     return dict(layers)
 
 
-@pytest.mark.parametrize("name, own", [("OnebitAdam", {"onebit_adam.py"}), ("OnebitLamb", {"onebit_lamb.py"}),
-                                       ("ZeroOneAdam", {"zeroone_adam.py", "zeroone_schedule.py"})])
-def test_a_compressed_step_reads_in_its_own_file_and_three_parts(name: str, own: set[str]) -> None:
-    files = run_distributed(_traced_step, 2, name)[0]
-    layers = _by_layer(files)
-    print(f"\n{name}: {len(files)} library files run in one compressed step; optim {len(layers['optim'])}: "
-          f"{layers['optim']}; below it: {({k: v for k, v in layers.items() if k != 'optim'})}")
-    for path, names in sorted(files.items()):
-        print(f"    {path}: {', '.join(names)}")
-    # the algorithm's file, base.py, buckets.py (the exchange) and functional.py (the math); 0/1 Adam's schedule
-    # (a part of its own: the step's kind, and its counters after the step) besides
-    assert set(layers["optim"]) == own | PARTS
-    # nothing above the optimizers, and the exchange goes through the comm layer's compressed allreduce
-    assert set(layers) <= {"optim", "comm", "kernels", "lightning_onebit"}
-    assert "exchange.py" in layers["comm"]
+@pytest.mark.parametrize("name, own, kinds", [
+    ("OnebitAdam", "onebit_adam.py", ("COMPRESSED",)),
+    ("OnebitLamb", "onebit_lamb.py", ("COMPRESSED",)),
+    ("ZeroOneAdam", "zeroone_adam.py", ("VARIANCE", "COMPRESSED", "LOCAL", "SYNC")),
+    # DeepSpeed's form fills a gradient buffer per bucket every step (MomentumBucket.filled, bucket_layout.py) and
+    # names its error-feedback stream (error_feedback.py): 6 optim files, not yet 4
+    pytest.param("ZeroOneAdam-gradient", "zeroone_adam.py", ("COMPRESSED",), marks=pytest.mark.xfail(
+        strict=True, reason="exchange='gradient' fills its buckets' gradient buffers in bucket_layout.py")),
+])
+def test_a_compressed_step_reads_in_its_own_file_and_three_parts(name: str, own: str, kinds: tuple[str, ...]) -> None:
+    traced = run_distributed(_traced_steps, 2, name, kinds)[0]
+    for kind in kinds:
+        files = traced[kind]
+        layers = _by_layer(files)
+        print(f"\n{name}, a {kind} step: {len(files)} library files run; optim {len(layers['optim'])}: "
+              f"{layers['optim']}; below it: {({k: v for k, v in layers.items() if k != 'optim'})}")
+        for path, names in sorted(files.items()):
+            print(f"    {path}: {', '.join(names)}")
+    for kind in kinds:
+        layers = _by_layer(traced[kind])
+        # the algorithm's file, base.py, buckets.py (the exchange) and functional.py (the math), and nothing else
+        # of the optim layer: 0/1 Adam's schedule and local-step sums are parts held in its own file's step
+        assert set(layers["optim"]) <= {own} | PARTS, (kind, layers["optim"])
+        assert own in layers["optim"] and len(layers["optim"]) <= MOST_FILES, (kind, layers["optim"])
+        # nothing above the optimizers
+        assert set(layers) <= {"optim", "comm", "kernels", "lightning_onebit"}, (kind, sorted(layers))
+    for kind in set(kinds) & {"COMPRESSED", "SYNC"}:  # the 1-bit exchange goes through the comm layer's allreduce
+        assert "exchange.py" in _by_layer(traced[kind])["comm"], kind

@@ -245,14 +245,53 @@ def test_state_dict_between_syncs_warns_until_synchronize() -> None:
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
     assert opt.last_step_kind == "local" and not opt.replicas_in_sync
-    with pytest.warns(UserWarning, match="1 local step.*synchronize"):
+    with pytest.warns(UserWarning, match="ZeroOneAdam.state_dict.. after 1 local step.*synchronize") as record:
         opt.state_dict()
+    assert record[0].filename == __file__  # the warning points at the caller of state_dict()
     assert opt.synchronize() and opt.replicas_in_sync and opt.forced_syncs == 1
     assert not opt.synchronize()  # nothing left to sync
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         saved = opt.state_dict()
     assert saved["onebit"]["zeroone"]["local_steps_since_sync"] == 0
+
+
+def test_a_load_replays_the_schedule_with_the_codes_arguments_and_restores_the_sums(caplog) -> None:
+    """The checkpoint holds the local steps' sums and the schedule's arguments; a load replays the schedule to the
+    loaded step with the loading optimizer's arguments (logging the checkpoint's when they differ) and restores the
+    sums."""
+    net = Net()
+    opt = ZeroOneAdam(net.parameters(), lr=1e-2, var_freeze_step=VFS, var_update_scaler=KAPPA,
+                      local_step_scaler=ALPHA, local_step_clipper=CLIPPER)
+    for t in range(1, 20):
+        opt.zero_grad()
+        x, y = rank_batch(0, t)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    opt.synchronize()
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["onebit"]["zeroone"] == dict(
+        lr_sum=[0.0] * len(opt.param_groups), decay=[1.0] * len(opt.param_groups), local_steps_since_sync=0,
+        schedule_arguments=dict(var_freeze_step=VFS, var_update_scaler=KAPPA, local_step_scaler=ALPHA,
+                                local_step_clipper=CLIPPER))
+    other = ZeroOneAdam(Net().parameters(), lr=1e-2, var_freeze_step=VFS, var_update_scaler=KAPPA,
+                        local_step_scaler=ALPHA + 1, local_step_clipper=CLIPPER)
+    fresh = ZeroOneAdam(Net().parameters(), lr=1e-2, var_freeze_step=VFS, var_update_scaler=KAPPA,
+                        local_step_scaler=ALPHA + 1, local_step_clipper=CLIPPER)
+    fresh.schedule.replay(19)
+    with caplog.at_level("INFO", logger="lightning_onebit.optim.checkpoint"):
+        other.load_state_dict(saved)
+    assert f"saved with schedule arguments {saved['onebit']['zeroone']['schedule_arguments']}" in caplog.text
+    assert f"local_step_scaler': {ALPHA + 1}" in caplog.text  # the code's go on
+    assert (other.step_count, other.var_interval, other.local_step_interval, other.variance_updates) == (
+        19, fresh.var_interval, fresh.local_step_interval, fresh.variance_updates)
+    assert other.local_steps.lr_sum == [0.0] * len(other.param_groups) and other.local_steps_since_sync == 0
+    saved["onebit"]["zeroone"].update(lr_sum=[0.5] * len(opt.param_groups), local_steps_since_sync=1)
+    caplog.clear()
+    opt.load_state_dict(saved)  # its own arguments: nothing logged
+    assert "schedule arguments" not in caplog.text
+    assert opt.local_steps.lr_sum == [0.5] * len(opt.param_groups) and opt.local_steps_since_sync == 1
+    assert not opt.replicas_in_sync
 
 
 # ------------------------------------------------------------------------------------------------ distributed
