@@ -82,6 +82,20 @@ def choose_warmup_exchange(
     return name, None, None
 
 
+def check_sharded_warmup_exchange(warmup_exchange: Any) -> None:
+    """``OnebitFSDPStrategy(warmup_exchange=...)``: ``None`` or ``"fp32"``, else a ``ValueError`` that says why and
+    what to use (its warmup allreduces FSDP's gradient shards across nodes, not DDP buckets)."""
+    if warmup_exchange is None or warmup_exchange == "fp32":
+        return
+    known = isinstance(warmup_exchange, str) and warmup_exchange in WARMUP_EXCHANGES
+    raise ValueError(
+        f"OnebitFSDPStrategy(warmup_exchange={warmup_exchange!r}): onebit_fsdp's warmup averages FSDP's gradient "
+        "shards across nodes in fp32 (a reduce-scatter in the node, an allreduce across), which the DDP-bucket "
+        "exchanges do not apply to; it takes 'fp32' only"
+        + ("; for a compressed warmup use strategy='onebit_adam' (OnebitStrategy)" if known else "")
+    )
+
+
 class WarmupExchangeKeeper:
     """A stateful warmup exchange's per-rank state across checkpoints, under the strategy's ``error_feedback`` policy:
     ``"keep"`` saves it next to each checkpoint (one file per rank) and restores it on every rank if every rank can

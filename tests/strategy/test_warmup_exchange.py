@@ -160,3 +160,12 @@ def test_the_default_is_the_one_place_and_a_hook_given_wins_over_it() -> None:
     assert OnebitStrategy().warmup_exchange == DEFAULT_WARMUP_EXCHANGE
     hooked = OnebitStrategy(ddp_comm_hook=lambda state, bucket: None)
     assert hooked.warmup_exchange is None and hooked.warmup_exchange_state is None
+
+
+@pytest.mark.parametrize("exchange", ["bf16", "int8", "powersgd", "int4"])
+def test_onebit_fsdp_refuses_a_warmup_exchange_it_cannot_honour(exchange: str) -> None:
+    from lightning_onebit import OnebitFSDPStrategy
+
+    with pytest.raises(ValueError, match="onebit_fsdp's warmup averages FSDP's gradient shards across nodes in fp32"):
+        OnebitFSDPStrategy(warmup_exchange=exchange)
+    OnebitFSDPStrategy(warmup_exchange="fp32")  # what it does anyway
