@@ -97,7 +97,8 @@ class ParameterKeyedState:
         if not isinstance(state, dict) or not isinstance(state.get("parameters"), dict):
             return "the per-rank file holds no warmup exchange state"
         if state.get("exchange") != self.exchange:
-            return f"it holds the state of the {state.get('exchange')!r} warmup exchange, this run's is {self.exchange!r}"
+            return (f"it holds the state of the {state.get('exchange')!r} warmup exchange, this run's is "
+                    f"{self.exchange!r}")
         if state.get("config") != self.config():
             return f"it was saved with {state.get('config')}, this run's exchange has {self.config()}"
         for index, kept in state["parameters"].items():

@@ -57,7 +57,8 @@ def choose_warmup_exchange(
             f"OnebitStrategy takes warmup_exchange={warmup_exchange!r} or ddp_comm_hook=..., not both: they both say "
             "how warmup gradients are averaged. Pass one of them"
         )
-    if warmup_exchange is not None and (not isinstance(warmup_exchange, str) or warmup_exchange not in WARMUP_EXCHANGES):
+    known = isinstance(warmup_exchange, str) and warmup_exchange in WARMUP_EXCHANGES
+    if warmup_exchange is not None and not known:
         raise ValueError(f"warmup_exchange must be one of {', '.join(map(repr, WARMUP_EXCHANGES))}, got "
                          f"{warmup_exchange!r}")
     name = None if ddp_comm_hook is not None else (warmup_exchange or DEFAULT_WARMUP_EXCHANGE)
