@@ -215,7 +215,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         self._warmup_state = averaging_state if isinstance(averaging_state, ParameterKeyedState) else None
         self._warmup_keeper = WarmupExchangeKeeper(self.strategy_name)
         self._hook = ExchangeHookState(self.gradient_sync)
-        self._groups = OwnedProcessGroups(self.gradient_sync)
+        self._groups = OwnedProcessGroups(self.gradient_sync,
+                                          self._warmup_state if self.warmup_exchange is not None else None)
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
