@@ -154,7 +154,7 @@ def test_exchange_report_of_each_strategy():
                                                 compressed_buckets=0)
     from lightning_onebit import OnebitStrategy
 
-    assert fs.exchange_report(OnebitStrategy()) is None  # the plain fp32 allreduce
+    assert fs.exchange_report(OnebitStrategy(warmup_exchange="fp32")) is None  # the plain fp32 allreduce
     onebit = OnebitStrategy(ddp_comm_hook=int8_allreduce_hook, ddp_comm_state=Int8AllreduceState())
     assert fs.exchange_report(onebit) == dict(exchange="int8_allreduce_hook", calls=0)
     named = OnebitStrategy(warmup_exchange="powersgd", powersgd_rank=2, powersgd_vanilla_steps=5)
