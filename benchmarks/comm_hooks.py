@@ -6,8 +6,9 @@
   every device and counted, for the example's DDP baselines (``freeze_sweep``'s ``ddp_bf16`` and
   ``ddp_powersgd_rR@F`` runs). Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers its hook on CUDA only: on CPU
   it is silently ignored. This strategy registers on any device and fails the run when the exchange did not run;
-* :func:`exchange_state_json`: the ``--trainer.strategy.ddp_comm_state`` value (a ``class_path`` dict) that gives
-  ``OnebitStrategy``'s warmup the same exchanges.
+* :func:`onebit_exchange_args`: the example's arguments that give ``OnebitStrategy``'s warmup the same exchanges by
+  name (``--trainer.strategy.warmup_exchange``: the library's int8 and PowerSGD exchanges, whose state is kept per
+  parameter; the DDP baselines' PowerSGD stays torch's, what a DDP user has).
 
 Bytes are counted as the library counts its warmup (:class:`~lightning_onebit.hooks.GradientSyncState`, the counter
 of ``CommunicationMonitor``'s DDP baseline too): ring allreduces in the gradient's dtype (fp32), in bf16 for torch's
@@ -17,7 +18,6 @@ bf16 hook, and what the PowerSGD and 8-bit states count for their collectives
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal, Optional
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -34,11 +34,6 @@ from lightning_onebit.hooks import ordered_powersgd_hook, switchable_allreduce_h
 EXCHANGES = ("fp32", "bf16", "powersgd", "int8")
 Exchange = Literal["fp32", "bf16", "powersgd", "int8"]
 
-_HOOK_PATHS = {
-    "bf16": "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook",
-    "powersgd": "lightning_onebit.hooks.ordered_powersgd_hook",
-    "int8": "lightning_onebit.hooks.int8_allreduce_hook",
-}
 
 
 def bf16_compress_hook_any_backend(process_group, bucket):  # type: ignore[no-untyped-def]
@@ -70,28 +65,16 @@ def exchange_hook(exchange: Exchange, powersgd_rank: int = 4, powersgd_start: in
     raise ValueError(f"gradient_exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
 
 
-def exchange_state_json(exchange: Exchange, powersgd_rank: int = 4, powersgd_start: int = 2) -> Optional[str]:
-    """``OnebitStrategy``'s ``ddp_comm_state`` for ``exchange`` as the example's command line takes it (JSON of a
-    ``class_path`` dict), or ``None`` where the hook takes the default state (bf16: WORLD)."""
-    if exchange == "powersgd":
-        state = dict(class_path=f"{PowerSGDState.__module__}.PowerSGDState",
-                     init_args=dict(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                    start_powerSGD_iter=powersgd_start, use_error_feedback=True, warm_start=True))
-        return json.dumps(dict(class_path="lightning_onebit.hooks.OrderedPowerSGDState", init_args=dict(state=state)))
-    if exchange == "int8":
-        return json.dumps(dict(class_path="lightning_onebit.hooks.Int8AllreduceState"))
-    return None
-
-
 def onebit_exchange_args(exchange: Exchange, powersgd_rank: int = 4, powersgd_start: int = 2) -> list[str]:
     """The example's arguments that make a 1-bit run's warmup average with ``exchange`` (``OnebitStrategy(
-    ddp_comm_hook=..., ddp_comm_state=...)``); none for fp32."""
+    warmup_exchange=..., powersgd_rank=..., powersgd_vanilla_steps=...)``); none for fp32."""
     if exchange == "fp32":
         return []
-    args = ["--trainer.strategy", "lightning_onebit.OnebitStrategy", "--trainer.strategy.ddp_comm_hook",
-            _HOOK_PATHS[exchange]]
-    state = exchange_state_json(exchange, powersgd_rank, powersgd_start)
-    return args + (["--trainer.strategy.ddp_comm_state", state] if state is not None else [])
+    args = ["--trainer.strategy", "lightning_onebit.OnebitStrategy", "--trainer.strategy.warmup_exchange", exchange]
+    if exchange == "powersgd":
+        args += ["--trainer.strategy.powersgd_rank", str(powersgd_rank), "--trainer.strategy.powersgd_vanilla_steps",
+                 str(powersgd_start)]
+    return args
 
 
 class CountedDDPStrategy(DDPStrategy):

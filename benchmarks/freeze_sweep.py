@@ -52,17 +52,19 @@ Issue 44's runs (not in the default runs): the DDP baselines and the 1-bit runs 
   allreduce (its default ``start_powerSGD_iter`` of 1000 would never compress a 600-step run), its buckets compressed
   in order (``lightning_onebit.hooks.ordered_powersgd_hook``: gloo refuses collectives issued in different orders);
 * ``RUN+EXCHANGE`` for ``onebit_adam@F``, ``onebit_adam@auto``, ``onebit_lamb@...`` and ``zeroone_adam``: the run's
-  arguments and ``--trainer.strategy lightning_onebit.OnebitStrategy --trainer.strategy.ddp_comm_hook HOOK
-  [--trainer.strategy.ddp_comm_state STATE]``, so that its warmup (and 0/1 Adam's variance steps) averages gradients
-  with ``EXCHANGE``: ``bf16`` (torch's ``bf16_compress_hook``), ``int8`` (``int8_allreduce_hook`` with an
-  ``Int8AllreduceState()``: 8 bits a value, per-segment scales, error feedback) or ``powersgdR`` / ``powersgdRsS``
-  (``ordered_powersgd_hook``, PowerSGD rank ``R`` with error feedback after ``S`` vanilla steps, default
-  ``WARMUP_POWERSGD_START`` = 10).
+  arguments and ``--trainer.strategy lightning_onebit.OnebitStrategy --trainer.strategy.warmup_exchange EXCHANGE``
+  (with ``powersgd_rank`` and ``powersgd_vanilla_steps`` for PowerSGD), so that its warmup (and 0/1 Adam's variance
+  steps) averages gradients with ``EXCHANGE``: ``bf16`` (torch's ``bf16_compress_hook``), ``int8``
+  (``int8_allreduce_hook``: 8 bits a value, per-segment scales, error feedback) or ``powersgdR`` / ``powersgdRsS``
+  (the library's ``powersgd_exchange_hook``, PowerSGD rank ``R`` with error feedback after ``S`` vanilla steps,
+  default ``WARMUP_POWERSGD_START`` = 10).
 
 Bytes are whole-run bytes per rank on the ring model of ``lightning_onebit.comm.accounting``, counted for every run:
 AdamW-DDP by ``CommunicationMonitor``, the DDP baselines and the warmups by the hooks' counters (bf16: a ring
-allreduce of 2-byte elements; PowerSGD: its vanilla allreduces, then per bucket the allreduces of the uncompressed
-tensors, of ``P`` and of ``Q``; int8: an ``all_to_all`` and an ``all_gather`` of int8 blocks with float32 scales).
+allreduce of 2-byte elements; PowerSGD: its vanilla allreduces, then torch's (the DDP baselines) per bucket the
+allreduces of the uncompressed tensors, of ``P`` and of ``Q``, the library's (the warmups) per step one of the
+uncompressed tensors and every ``P``, and one of every ``Q``; int8: an ``all_to_all`` and an ``all_gather`` of int8
+blocks with float32 scales).
 Each such run records what its hook did (``exchange``: calls, and PowerSGD's vanilla and compressed buckets) and the
 sweep fails it when the hook did not run.
 
@@ -589,8 +591,9 @@ class VarianceTrace(L.Callback):
 def exchange_report(strategy: Any) -> Optional[dict[str, Any]]:
     """What a run's gradient-averaging hook did on this rank, or ``None`` without one (plain fp32 allreduce): the
     DDP baselines' :meth:`~benchmarks.comm_hooks.CountedDDPStrategy.exchange_report`, or for ``OnebitStrategy(
-    ddp_comm_hook=...)`` the hook's name, its calls (buckets) and for PowerSGD its vanilla and compressed buckets."""
-    from lightning_onebit.hooks import OrderedPowerSGDState
+    warmup_exchange=...)`` (or ``ddp_comm_hook=...``) the hook's name, its calls (buckets) and for PowerSGD its vanilla
+    and compressed buckets."""
+    from lightning_onebit.hooks import OrderedPowerSGDState, PowerSGDExchangeState
 
     report = getattr(strategy, "exchange_report", None)
     if callable(report):
@@ -604,6 +607,9 @@ def exchange_report(strategy: Any) -> Optional[dict[str, Any]]:
     if isinstance(state, OrderedPowerSGDState):
         out.update(rank=state.powersgd.matrix_approximation_rank, start=state.powersgd.start_powerSGD_iter,
                    vanilla_buckets=state.vanilla_buckets, compressed_buckets=state.compressed_buckets)
+    if isinstance(state, PowerSGDExchangeState):
+        out.update(rank=state.rank, start=state.vanilla_steps, vanilla_buckets=state.vanilla_buckets,
+                   compressed_buckets=state.compressed_buckets)
     return out
 
 

@@ -231,3 +231,41 @@ def fit_save_and_resume(fit: Any, workdir: str, **common: Any) -> dict[str, dict
                          ckpt_path=os.path.join(workdir, "full", "epoch=1.ckpt"), **common)
     out["resumed"]["restored"] = keep.restored
     return out
+
+
+class TinyClassifier(pl.LightningModule):
+    """A small model shaped like the example's (a token embedding, dense layers with a LayerNorm, a classification
+    head; cross-entropy), trained by OnebitAdam on data that follow the step (``token_batch(data_seed, step)``: a
+    resumed run sees what the original saw). Records the flat parameters after every optimizer step."""
+
+    vocab, width, classes = 40, 16, 3
+
+    def __init__(self, freeze_step: int = 8, data_seed: int = 0, lr: float = 1e-2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(self.vocab, self.width)
+        self.dense = nn.Linear(self.width, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, self.classes)
+        self.freeze_step, self.data_seed, self.lr = freeze_step, data_seed, lr
+        self.params_after: list[torch.Tensor] = []
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.tanh(self.dense(self.emb(tokens).mean(1)))))
+
+    @classmethod
+    def token_batch(cls, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed * 100_003 + step)
+        tokens = torch.randint(0, cls.vocab, (8, 5), generator=generator)
+        return tokens, tokens[:, 0] % cls.classes  # the class is in the first token
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, labels = self.token_batch(self.data_seed, self.global_step)
+        return nn.functional.cross_entropy(self(tokens), labels)
+
+    def configure_optimizers(self) -> Any:
+        return OnebitAdam(self.parameters(), lr=self.lr, freeze_step=self.freeze_step)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.params_after.append(flat_params(self))

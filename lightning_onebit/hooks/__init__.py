@@ -9,8 +9,13 @@
   registers before it knows which of the two it runs;
 * :mod:`~lightning_onebit.hooks.powersgd`: :class:`OrderedPowerSGDState` and :func:`ordered_powersgd_hook`, torch's
   PowerSGD with its buckets compressed in order (gloo-safe) and its bytes counted;
+* :mod:`~lightning_onebit.hooks.powersgd_exchange`: :class:`PowerSGDExchangeState` and
+  :func:`powersgd_exchange_hook`, the library's own PowerSGD (state kept per parameter, so it resumes bit for bit; one
+  allreduce per phase per step; no host synchronisation): ``OnebitStrategy(warmup_exchange="powersgd")``;
 * :mod:`~lightning_onebit.hooks.int8`: :class:`Int8AllreduceState` and :func:`int8_allreduce_hook`, gradients averaged
-  with 8 bits per element and error feedback;
+  with 8 bits per element and error feedback kept per parameter;
+* :mod:`~lightning_onebit.hooks.parameter_state`: :class:`ParameterKeyedState`, what those two states share (their
+  per-rank state keyed by parameter, saved and restored with checkpoints);
 * :mod:`~lightning_onebit.hooks.fsdp` (imported on its own, it needs FSDP2): the FSDP2 counterparts,
   :class:`~lightning_onebit.hooks.fsdp.ReplicaAllReduceState` (the warmup's average across nodes) and
   :class:`~lightning_onebit.hooks.fsdp.ShardedOverlapState` (the exchange of each FSDP group started during backward).
@@ -27,7 +32,9 @@ from lightning_onebit.hooks.overlap import (
     leaves_gradients_unchanged,
     overlapped_exchange_hook,
 )
+from lightning_onebit.hooks.parameter_state import ParameterKeyedState
 from lightning_onebit.hooks.powersgd import OrderedPowerSGDState, ordered_powersgd_hook
+from lightning_onebit.hooks.powersgd_exchange import PowerSGDExchangeState, powersgd_exchange_hook
 
 __all__ = [
     "ExchangeHookState",
@@ -36,11 +43,14 @@ __all__ = [
     "OrderedPowerSGDState",
     "OverlapFallbackReason",
     "OverlapState",
+    "ParameterKeyedState",
+    "PowerSGDExchangeState",
     "exchange_hook",
     "is_marked_read_only",
     "int8_allreduce_hook",
     "leaves_gradients_unchanged",
     "ordered_powersgd_hook",
     "overlapped_exchange_hook",
+    "powersgd_exchange_hook",
     "switchable_allreduce_hook",
 ]

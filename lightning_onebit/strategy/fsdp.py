@@ -66,6 +66,7 @@ from lightning_onebit.strategy.sharding import (
 from lightning_onebit.strategy.sidecar import sidecar_in_folder, sidecar_path
 from lightning_onebit.strategy.stage_log import StageLog
 from lightning_onebit.strategy.stepping import CompressedStepping
+from lightning_onebit.strategy.warmup_exchange import check_sharded_warmup_exchange
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,11 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             a gradient-editing hook, manual optimization, 0/1 Adam), which is logged once
             (:attr:`overlap_fallback_reason`); ``True``: overlap, and a run it cannot serve is a ``ValueError`` at
             setup; ``False``: exchange in ``optimizer.step``. Same bits either way.
+        warmup_exchange: how the warmup averages gradients across nodes: ``"fp32"`` only (each node's gradients are
+            reduce-scattered by FSDP, and the shards allreduced across nodes in fp32,
+            :class:`~lightning_onebit.hooks.fsdp.ReplicaAllReduceState`; the DDP-bucket exchanges of
+            ``OnebitStrategy(warmup_exchange=...)``, ``"bf16"``, ``"int8"`` and ``"powersgd"``, do not apply to
+            shards and are a ``ValueError``). Default ``None``: ``"fp32"`` (whatever ``OnebitStrategy``'s default).
 
     Checkpoints are distributed checkpoints (a folder with a shard per rank; model and optimizer state as
     ``DTensor`` s), loadable at another world size; per-rank error feedback goes to a sidecar file per rank
@@ -149,8 +155,10 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         error_feedback: ErrorFeedbackPolicy = "keep",
         save_distributed_checkpoint: bool = True,
         overlap: Union[bool, Literal["auto"]] = "auto",
+        warmup_exchange: Optional[str] = None,
     ) -> None:
         check_overlap(overlap)
+        check_sharded_warmup_exchange(warmup_exchange)
         check_ranks_per_node(ranks_per_node)
         check_flag(save_distributed_checkpoint, "save_distributed_checkpoint")
         check_process_group_options(timeout, process_group_backend)

@@ -22,7 +22,7 @@ from lightning_onebit._docs import docs_pointer
 from lightning_onebit.comm.groups import destroy_groups, is_distributed
 from lightning_onebit.comm.topology import new_gather_groups
 from lightning_onebit.comm.topology import Topology, TopologyMode
-from lightning_onebit.hooks import GradientSyncState
+from lightning_onebit.hooks import GradientSyncState, ParameterKeyedState
 from lightning_onebit.optim import CompressedOptimizer
 
 log = logging.getLogger(__name__)
@@ -57,10 +57,13 @@ class OwnedProcessGroups:
 
     Args:
         gradient_sync: the strategy's warmup allreduce state, which holds DDP's process group and the topology too.
+        warmup_state: the warmup exchange's state the strategy built (``warmup_exchange="int8"``/``"powersgd"``),
+            which holds them too; ``None``: none. Default ``None``.
     """
 
-    def __init__(self, gradient_sync: GradientSyncState) -> None:
+    def __init__(self, gradient_sync: GradientSyncState, warmup_state: Optional[ParameterKeyedState] = None) -> None:
         self.gradient_sync = gradient_sync
+        self.warmup_state = warmup_state
         self.topology: Optional[Topology] = None
         self._made_for: Any = None  # the process group self.topology and the groups below were made for
         self._gather: Optional[tuple[Any, Any]] = None  # the overlapped exchange's second phase (inter, intra)
@@ -111,6 +114,8 @@ class OwnedProcessGroups:
             if optimizer.topology is not None and optimizer.topology.groups:
                 optimizer.topology = None  # its groups are about to go (this resets the optimizer's error feedback)
         self.gradient_sync.topology = None
+        if self.warmup_state is not None:
+            self.warmup_state.topology = None
 
     def release_at_exit(self) -> None:
         """At interpreter exit: drop every reference of ours to DDP's process group (WORLD; the optimizers' and the
@@ -120,6 +125,10 @@ class OwnedProcessGroups:
         for optimizer in list(self._optimizers):
             optimizer.process_group = None
         self.gradient_sync.process_group = None
+        if self.warmup_state is not None:
+            self.warmup_state.process_group = None
+        if isinstance(self.gradient_sync.averaging_hook_state, dist.ProcessGroup):  # the bf16 hook's state
+            self.gradient_sync.averaging_hook_state = None
         self.detach_optimizers()
         self.destroy()
 

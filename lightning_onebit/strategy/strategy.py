@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.topology import Topology, TopologyMode
 from lightning_onebit.hooks import ExchangeHookState, GradientSyncState, OverlapFallbackReason, OverlapState
-from lightning_onebit.hooks import exchange_hook
+from lightning_onebit.hooks import ParameterKeyedState, exchange_hook
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_options, check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.arguments import the_compressed_optimizer
@@ -38,6 +38,7 @@ from lightning_onebit.strategy.precision import RankSyncedGradScaler
 from lightning_onebit.strategy.process_groups import OwnedProcessGroups, build_topology, release_at_exit
 from lightning_onebit.strategy.sidecar import sidecar_path
 from lightning_onebit.strategy.stepping import CompressedStepping
+from lightning_onebit.strategy.warmup_exchange import WarmupExchange, WarmupExchangeKeeper, choose_warmup_exchange
 
 log = logging.getLogger(__name__)
 
@@ -98,15 +99,27 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         ddp_bucket_cap_mb: DDP's gradient bucket size in MB (warmup allreduce), a number > 0 (below ``2**43``);
             ``None`` keeps DDP's default (25).
         ddp_kwargs: any other ``DistributedDataParallel`` arguments (e.g. ``{"broadcast_buffers": False}``).
-        ddp_comm_hook: a DDP comm hook that averages gradients whenever the strategy averages them (the warmup, and
-            0/1 Adam's variance steps) instead of the plain fp32 ``mean`` allreduce, as Lightning's ``DDPStrategy``
-            takes it, on every device (CPU too). E.g. ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
-            bf16_compress_hook``: warmup gradients sent in bf16, half the warmup's bytes; or
-            :func:`~lightning_onebit.hooks.ordered_powersgd_hook` (torch's PowerSGD) and
-            :func:`~lightning_onebit.hooks.int8_allreduce_hook` (8 bits per element with error feedback) with their
-            states. The compression stage is unchanged. Bytes: a hook whose state counts its own (those two) is
-            counted as it counts; torch's two compression hooks as a ring allreduce in bf16/fp16; any other in the
-            gradient's dtype. Default ``None``.
+        warmup_exchange: how gradients are averaged whenever the strategy averages them (the warmup, and 0/1 Adam's
+            variance steps; the compression stage is unchanged): ``"fp32"`` (DDP's ``mean`` allreduce), ``"bf16"``
+            (torch's ``bf16_compress_hook``: half the bytes), ``"int8"`` (8 bits per element with error feedback,
+            :func:`~lightning_onebit.hooks.int8_allreduce_hook`: about a quarter) or ``"powersgd"`` (PowerSGD of
+            rank ``powersgd_rank`` with error feedback and warm start after ``powersgd_vanilla_steps`` uncompressed
+            steps, :func:`~lightning_onebit.hooks.powersgd_exchange_hook`: ``(n + m) r`` elements per ``n x m``
+            matrix). The int8 and PowerSGD state (error feedback, ``Q``, step count) is kept per rank across
+            checkpoints under ``error_feedback``'s policy, so a resumed run continues bit for bit. Default ``None``:
+            :data:`~lightning_onebit.strategy.warmup_exchange.DEFAULT_WARMUP_EXCHANGE` (``"fp32"``), or the
+            ``ddp_comm_hook`` when one is given; both at once are a ``ValueError``.
+        powersgd_rank: PowerSGD's rank ``r``, an integer >= 1 (only with ``warmup_exchange="powersgd"``). Default
+            ``None``: 4.
+        powersgd_vanilla_steps: the first averaged steps (optimizer steps whose gradients are averaged) PowerSGD
+            sends uncompressed, an integer >= 0 (only with ``warmup_exchange="powersgd"``). Default ``None``: 10.
+        ddp_comm_hook: a DDP comm hook of your own that averages gradients whenever the strategy averages them,
+            instead of a ``warmup_exchange``, as Lightning's ``DDPStrategy`` takes it, on every device (CPU too);
+            e.g. :func:`~lightning_onebit.hooks.ordered_powersgd_hook` (torch's PowerSGD). Bytes: a hook whose state
+            counts its own is counted as it counts; torch's bf16/fp16 compression hooks as a ring allreduce in
+            bf16/fp16; any other in the gradient's dtype. A state that keeps per-parameter state
+            (:class:`~lightning_onebit.hooks.ParameterKeyedState`: the int8 and PowerSGD exchanges' states) is bound
+            to the model and saved with checkpoints as the named exchanges' are. Default ``None``.
         ddp_comm_state: the state passed to ``ddp_comm_hook`` (torch's default hooks take a process group; ``None``:
             WORLD). Default ``None``.
         topology: how compressed momenta travel between ranks. ``"auto"`` (default): hierarchical when there are
@@ -165,8 +178,13 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         ddp_comm_hook: Optional[Callable[..., Any]] = None,
         ddp_comm_state: Optional[object] = None,
         error_feedback: ErrorFeedbackPolicy = "keep",
+        warmup_exchange: Optional[WarmupExchange] = None,
+        powersgd_rank: Optional[int] = None,
+        powersgd_vanilla_steps: Optional[int] = None,
     ) -> None:
         check_options(overlap, topology, ranks_per_node)
+        self.warmup_exchange, averaging_hook, averaging_state = choose_warmup_exchange(
+            warmup_exchange, ddp_comm_hook, ddp_comm_state, powersgd_rank, powersgd_vanilla_steps)
         check_process_group_options(timeout, process_group_backend)
         self.topology_mode = topology
         self.overlap = overlap
@@ -193,9 +211,12 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         )
         # the warmup allreduce (its predicate follows each fit's optimizer, from setup_optimizers on), the one DDP comm
         # hook's state (holds no reference to the strategy: DDP keeps it alive) and every process group made
-        self.gradient_sync = GradientSyncState(averaging_hook=ddp_comm_hook, averaging_hook_state=ddp_comm_state)
+        self.gradient_sync = GradientSyncState(averaging_hook=averaging_hook, averaging_hook_state=averaging_state)
+        self._warmup_state = averaging_state if isinstance(averaging_state, ParameterKeyedState) else None
+        self._warmup_keeper = WarmupExchangeKeeper(self.strategy_name)
         self._hook = ExchangeHookState(self.gradient_sync)
-        self._groups = OwnedProcessGroups(self.gradient_sync)
+        self._groups = OwnedProcessGroups(self.gradient_sync,
+                                          self._warmup_state if self.warmup_exchange is not None else None)
 
     # ------------------------------------------------------------------ precision
     @property  # type: ignore[override]
@@ -251,6 +272,12 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         # registered before the optimizer exists: it dispatches to the overlapped hook once setup_optimizers made one.
         assert isinstance(self.model, DistributedDataParallel)
         self.gradient_sync.process_group = self.model.process_group
+        if self.warmup_exchange == "bf16":
+            self.gradient_sync.averaging_hook_state = self.model.process_group
+        if self._warmup_state is not None:
+            if self.warmup_exchange is not None:  # built here: the strategy's group (a user's state keeps its own)
+                self._warmup_state.process_group = self.model.process_group
+            self._warmup_state.bind(self.model)  # its state is kept per parameter (by index in the module)
         self.model.register_comm_hook(self._hook, exchange_hook)
 
     @override
@@ -263,6 +290,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         process_group = self.model.process_group
         self._groups.attach(optimizer, process_group, self.build_topology)
         self.gradient_sync.topology = self.topology
+        if self._warmup_state is not None and self.warmup_exchange is not None:
+            self._warmup_state.topology = self.topology
         # gradients are averaged when this fit's optimizer asks (a closure over it: it holds no strategy)
         self.gradient_sync.sync_predicate = lambda: optimizer.needs_gradient_allreduce
         self._take_optimizer(trainer, optimizer)
@@ -337,6 +366,7 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         # Every rank comes here for every save (Lightning writes the main file on rank 0 only), so the save index, and
         # with it the checkpoint id, is the same on every rank without a collective.
         self._error_feedback.save(checkpoint, self._onebit_optimizer)
+        self._warmup_keeper.save(checkpoint, self._warmup_state, self.error_feedback)
         checkpoint_id = f"{self._run_id}/{self._save_index + 1}"
         if save_per_rank_state(checkpoint, sidecar_path(filepath, self.global_rank), checkpoint_id, self.global_rank,
                                self.world_size, self.topology):
@@ -358,7 +388,30 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
         restore_per_rank_state(checkpoint, sidecar_path(checkpoint_path, self.global_rank), self.global_rank,
                                self.world_size)
         self._error_feedback.load(checkpoint)
+        self._warmup_keeper.load(checkpoint)
         return checkpoint
+
+    @property
+    def warmup_exchange_state(self) -> Optional[ParameterKeyedState]:
+        """The warmup exchange's per-parameter state (int8, PowerSGD; a ``ddp_comm_state`` of that kind), ``None``
+        for a stateless exchange."""
+        return self._warmup_state
+
+    @property
+    def warmup_exchange_restored(self) -> Optional[bool]:
+        """After a resume with a stateful warmup exchange: ``True`` if its state was restored on every rank, ``False``
+        if reset; ``None`` before."""
+        return self._warmup_keeper.restored
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()  # the optimizer's error feedback first
+        self._warmup_keeper.on_train_start(self._warmup_state, self.error_feedback, self.global_rank)
+
+    @override
+    def teardown(self) -> None:
+        self._warmup_keeper.end_run()
+        super().teardown()
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_onebit import CommunicationMonitor, CompressionAdvice
+from lightning_onebit import CommunicationMonitor, CompressionAdvice, OnebitStrategy
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.hooks import GradientSyncState, gradient_sync, switchable_allreduce_hook
 from tests.capture import capture_logs
@@ -172,7 +172,9 @@ def _fit_with_monitor(rank: int, world_size: int, workdir: str, name: str, **mod
     model = SlowRankRegressor(freeze_step=FREEZE, **model_kwargs)
     logger = CSVLogger(workdir, name=name, version=0)
     trainer = pl.Trainer(
-        **trainer_kwargs(world_size, MAX_STEPS, callbacks=[monitor], logger=logger, log_every_n_steps=1)
+        # the fp32 warmup: what slow_gradient_allreduce slows (whatever the library's default warmup exchange)
+        **trainer_kwargs(world_size, MAX_STEPS, callbacks=[monitor], logger=logger, log_every_n_steps=1,
+                         strategy=OnebitStrategy(warmup_exchange="fp32"))
     )
     with capture_logs() as messages:
         trainer.fit(model, loader(rank, MAX_STEPS))

@@ -1,10 +1,11 @@
 """int8_allreduce_hook on plain DDP (2 and 3 gloo ranks, several buckets, several steps): every rank's averaged
 bucket is the same bits, those of a one-process reference of the 8-bit exchange with its error feedback (written here
-segment by segment), close to the exact mean; the bytes are the two-phase exchange's, by hand."""
+parameter by parameter, segment by segment: the error feedback follows a parameter across DDP's bucket rebuild),
+close to the exact mean; the bytes are the two-phase exchange's, by hand."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ class _Recording:
 
 
 def _recording_hook(recording, bucket):  # type: ignore[no-untyped-def]
-    call = dict(index=bucket.index(), numels=[g.numel() for g in bucket.gradients()], input=bucket.buffer().clone())
+    call = dict(params=list(recording.state.parameter_indices(bucket)), numels=[g.numel() for g in bucket.gradients()],
+                input=bucket.buffer().clone())
     recording.calls.append(call)
 
     def done(future):  # type: ignore[no-untyped-def]
@@ -47,6 +49,7 @@ def _model() -> nn.Module:
 def _train(rank: int, world_size: int, segment_numel: int) -> dict[str, Any]:
     model = DistributedDataParallel(_model(), bucket_cap_mb=0.002)  # 2 kB buckets: several of them
     recording = _Recording(Int8AllreduceState(segment_numel=segment_numel))
+    recording.state.bind(model)
     model.register_comm_hook(recording, _recording_hook)
     generator = torch.Generator().manual_seed(1000 + rank)
     for _ in range(STEPS):
@@ -56,39 +59,20 @@ def _train(rank: int, world_size: int, segment_numel: int) -> dict[str, Any]:
         loss.backward()
     counters = recording.state.counters
     return dict(calls=recording.calls, bytes_sent=counters.bytes_sent, bytes_fp32=counters.bytes_fp32_equivalent,
-                collectives=counters.collectives, call_count=counters.calls, world=dist.get_world_size())
+                collectives=counters.collectives, call_count=counters.calls, world=dist.get_world_size(),
+                state=recording.state.state_dict())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the reference: one process, every rank's input, segment by segment
-def _reference_segments(numels: list[int], world_size: int, segment_numel: int) -> tuple[int, int, list[list[int]]]:
-    """``(padded, chunk, offsets per chunk)``: padded to a multiple of 8 P; cuts at tensor ends, chunk boundaries and
-    the end of the real elements, then every ``segment_numel`` elements from each segment's start."""
-    n = sum(numels)
-    padded = -(-n // (8 * world_size)) * 8 * world_size
-    chunk = padded // world_size
-    cuts = {0, n, padded, *range(0, padded, chunk)}
-    total = 0
-    for m in numels:
-        total += m
-        cuts.add(total)
-    cuts = sorted(cuts)
-    fine = set()
-    for a, b in zip(cuts, cuts[1:]):
-        fine.update(range(a, b, segment_numel))
-    fine.add(padded)
-    fine = sorted(fine)
-    return padded, chunk, [[o - r * chunk for o in fine if r * chunk <= o <= (r + 1) * chunk]
-                           for r in range(world_size)]
-
-
-def _quantize(y: torch.Tensor, offsets: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+# the reference: one process, every rank's input, parameter by parameter and segment by segment
+def _quantize(y: torch.Tensor, segment_numel: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """One parameter's chunk ``y`` quantized in pieces of ``segment_numel`` elements from its start."""
     scales, qs, error = [], [], torch.empty_like(y)
-    for a, b in zip(offsets, offsets[1:]):
-        part = y[a:b]
+    for a in range(0, y.numel(), segment_numel):
+        part = y[a:a + segment_numel]
         scale = part.abs().max() / 127
         q = torch.zeros_like(part) if scale == 0 else torch.round(part / scale).clamp(-127, 127)
-        error[a:b] = part - q * scale
+        error[a:a + part.numel()] = part - q * scale
         scales.append(scale)
         qs.append(q)
     return scales, qs, error
@@ -98,32 +82,36 @@ def _decode(scales: list[torch.Tensor], qs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([q * s for s, q in zip(scales, qs)])
 
 
-def _reference_call(inputs: list[torch.Tensor], numels: list[int], errors: Optional[dict], segment_numel: int):
+def _reference_call(inputs: list[torch.Tensor], numels: list[int], params: list[int], errors: dict,
+                    segment_numel: int) -> torch.Tensor:
+    """The averaged bucket; ``errors[(param, rank)]`` the error feedback kept per parameter (updated)."""
     world_size = len(inputs)
-    padded, chunk, chunk_offsets = _reference_segments(numels, world_size, segment_numel)
-    n = sum(numels)
-    workers = errors["worker"] if errors else [torch.zeros(padded) for _ in range(world_size)]
-    servers = errors["server"] if errors else [torch.zeros(chunk) for _ in range(world_size)]
-    blocks = []  # blocks[j][r]: rank j's quantized chunk r
-    for j, x in enumerate(inputs):
-        y = torch.zeros(padded)
-        y[:n] = x
-        y += workers[j]
-        per_chunk = []
+    result, start = [], 0
+    for n, param in zip(numels, params):
+        chunk = -(-n // world_size)
+        decoded = []  # decoded[j][r]: rank j's quantized chunk r of this parameter
+        for j, x in enumerate(inputs):
+            worker, _ = errors.setdefault((param, j), (torch.zeros(world_size * chunk), torch.zeros(chunk)))
+            y = torch.zeros(world_size * chunk)
+            y[:n] = x[start:start + n]
+            y += worker
+            per_chunk = []
+            for r in range(world_size):
+                scales, qs, worker[r * chunk:(r + 1) * chunk] = _quantize(y[r * chunk:(r + 1) * chunk], segment_numel)
+                per_chunk.append(_decode(scales, qs))
+            decoded.append(per_chunk)
+        average = torch.empty(world_size * chunk)
         for r in range(world_size):
-            scales, qs, error = _quantize(y[r * chunk:(r + 1) * chunk], chunk_offsets[r])
-            workers[j][r * chunk:(r + 1) * chunk] = error
-            per_chunk.append((scales, qs))
-        blocks.append(per_chunk)
-    result = torch.empty(padded)
-    for r in range(world_size):
-        mean = _decode(*blocks[0][r])
-        for j in range(1, world_size):
-            mean = mean + _decode(*blocks[j][r])
-        z = mean / world_size + servers[r]
-        scales, qs, servers[r] = _quantize(z, chunk_offsets[r])
-        result[r * chunk:(r + 1) * chunk] = _decode(scales, qs)
-    return result[:n], dict(worker=workers, server=servers)
+            mean = decoded[0][r]
+            for j in range(1, world_size):
+                mean = mean + decoded[j][r]
+            server = errors[(param, r)][1]
+            scales, qs, error = _quantize(mean / world_size + server, segment_numel)
+            server.copy_(error)
+            average[r * chunk:(r + 1) * chunk] = _decode(scales, qs)
+        result.append(average[:n])
+        start += n
+    return torch.cat(result)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -132,28 +120,32 @@ def test_int8_hook_matches_the_reference_bit_for_bit_on_every_rank(world_size: i
     calls = [r["calls"] for r in results]
     # one bucket in the first step, several once DDP rebuilt them (in the order gradients became ready)
     assert len({len(c) for c in calls}) == 1 and len(calls[0]) > STEPS
-    errors: dict[int, tuple[list[int], dict]] = {}  # per bucket index: its tensor sizes and the error feedback
+    errors: dict = {}  # per (parameter, rank): its error feedback, whatever bucket the parameter is in
     for i in range(len(calls[0])):
-        index, numels = calls[0][i]["index"], calls[0][i]["numels"]
-        assert all(c[i]["index"] == index and c[i]["numels"] == numels for c in calls)
-        kept = errors.get(index)
-        state = kept[1] if kept is not None and kept[0] == numels else None  # a rebuilt bucket starts from zero
-        expected, state = _reference_call([c[i]["input"] for c in calls], numels, state, SEGMENT)
-        errors[index] = (numels, state)
+        params, numels = calls[0][i]["params"], calls[0][i]["numels"]
+        assert all(c[i]["params"] == params and c[i]["numels"] == numels for c in calls)
+        expected = _reference_call([c[i]["input"] for c in calls], numels, params, errors, SEGMENT)
         for rank, c in enumerate(calls):
             assert torch.equal(c[i]["output"], expected), f"call {i} rank {rank}"
         exact = torch.stack([c[i]["input"] for c in calls]).mean(0)
         assert not torch.equal(expected, exact)  # 8 bits really round
         # one step's rounding: at most a 127th of the largest magnitude, plus the error fed back
         assert torch.allclose(expected, exact, atol=0.05 * float(exact.abs().max()) + 1e-6), i
-    # the error feedback was in use: a second call of a bucket differs from the call without it
-    assert any(float(e[1]["worker"][0].abs().sum()) > 0 for e in errors.values())
+    # the buckets changed (DDP rebuilt them), the parameters' error feedback went on
+    assert len({tuple(c["params"]) for c in calls[0]}) > 1
+    assert any(float(worker.abs().sum()) > 0 for worker, _ in errors.values())
+    # what the state keeps is the reference's, parameter by parameter
+    for rank, r in enumerate(results):
+        for param, kept in r["state"]["parameters"].items():
+            worker, server = errors[(param, rank)]
+            assert torch.equal(kept["worker_error"].reshape(-1), worker) and torch.equal(kept["server_error"], server)
 
 
 def _one_bucket(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(3, 4, bias=False))  # one bucket of 12 elements
     state = Int8AllreduceState()
+    state.bind(model)
     model.register_comm_hook(state, int8_allreduce_hook)
     for _ in range(2):
         model(torch.randn(4, 3)).sum().backward()
@@ -164,11 +156,10 @@ def _one_bucket(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("world_size", "block_bytes"),
     [
-        # 12 elements padded to 16 (a multiple of 8 P), chunks of 8: chunk 0 one segment, chunk 1 the weight's last 4
-        # and the padding: 2 scales at most, so blocks of 2 * 4 + 8 bytes
-        (2, 2 * 4 + 8),
-        # padded to 24, chunks of 8: chunk 1 again the weight's last 4 and padding, chunk 2 all padding
-        (3, 2 * 4 + 8),
+        # the 12-element weight in 2 chunks of 6: blocks of one scale and 6 values
+        (2, 4 + 6),
+        # in 3 chunks of 4
+        (3, 4 + 4),
     ],
 )
 def test_int8_hook_counts_the_two_phase_bytes(world_size: int, block_bytes: int) -> None:

@@ -161,3 +161,31 @@ def test_an_adamw_config_ports_fused_with_a_warning_and_maximize_with_the_fix(tm
     ]
     with pytest.raises(ValueError, match="maximize must be False, got True: OnebitAdam does not support maximize"):
         _parse_in_process(tmp_path, monkeypatch, OPTIMIZER_CONFIG.format(extra="maximize: true"))
+
+
+WARMUP_EXCHANGE_CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 1
+  logger: false
+  strategy:
+    class_path: lightning_onebit.OnebitStrategy
+    init_args:
+      warmup_exchange: powersgd
+      powersgd_rank: 2
+      powersgd_vanilla_steps: 5
+"""
+
+
+def test_the_warmup_exchange_is_chosen_by_name_in_yaml(tmp_path, monkeypatch):
+    from lightning_onebit.hooks import PowerSGDExchangeState
+
+    strategy = _parse_in_process(tmp_path, monkeypatch, WARMUP_EXCHANGE_CONFIG).trainer.strategy
+    state = strategy.warmup_exchange_state
+    assert strategy.warmup_exchange == "powersgd" and isinstance(state, PowerSGDExchangeState)
+    assert (state.rank, state.vanilla_steps) == (2, 5)
+
+
+def test_a_bad_warmup_exchange_in_yaml_is_refused(tmp_path, monkeypatch):
+    with pytest.raises((ValueError, SystemExit)):
+        _parse_in_process(tmp_path, monkeypatch, WARMUP_EXCHANGE_CONFIG.replace("powersgd\n", "int4\n", 1))

@@ -16,7 +16,7 @@ from benchmarks import comm_hooks
 from benchmarks import freeze_sweep as fs
 from benchmarks.common import script_env
 from lightning_onebit.comm import ring_allreduce_bytes
-from lightning_onebit.hooks import Int8AllreduceState, OrderedPowerSGDState, int8_allreduce_hook
+from lightning_onebit.hooks import Int8AllreduceState, OrderedPowerSGDState, PowerSGDExchangeState, int8_allreduce_hook
 from lightning_onebit.hooks import ordered_powersgd_hook
 from lightning_onebit.hooks.powersgd import powersgd_allreduce_numels
 from tests.paths import EXAMPLE, ROOT
@@ -83,7 +83,7 @@ def test_ddp_powersgd_run_builds_a_counted_ddp_strategy_with_its_start(example, 
 @pytest.mark.parametrize("name, hook, state_type", [
     ("onebit_adam@auto+bf16", "bf16_compress_hook", type(None)),
     ("onebit_adam@auto+int8", "int8_allreduce_hook", Int8AllreduceState),
-    ("onebit_adam@0.25+powersgd2s4", "ordered_powersgd_hook", OrderedPowerSGDState),
+    ("onebit_adam@0.25+powersgd2s4", "powersgd_exchange_hook", PowerSGDExchangeState),
     ("ddp_bf16", "bf16_compress_hook", type(None)),
     ("ddp_int8", "int8_allreduce_hook", Int8AllreduceState),
 ])
@@ -95,9 +95,9 @@ def test_exchange_runs_average_with_their_hook(example, name, hook, state_type):
     assert isinstance(strategy.gradient_sync.averaging_hook_state, state_type)
     if name.startswith("onebit"):
         assert isinstance(strategy, OnebitStrategy)
-    if state_type is OrderedPowerSGDState:
-        powersgd = strategy.gradient_sync.averaging_hook_state.powersgd
-        assert (powersgd.matrix_approximation_rank, powersgd.start_powerSGD_iter) == (2, 4)
+    if state_type is PowerSGDExchangeState:
+        powersgd = strategy.gradient_sync.averaging_hook_state
+        assert (powersgd.rank, powersgd.vanilla_steps) == (2, 4) and strategy.warmup_exchange == "powersgd"
 
 
 def test_counted_ddp_strategy_refuses_bad_arguments():
@@ -154,9 +154,12 @@ def test_exchange_report_of_each_strategy():
                                                 compressed_buckets=0)
     from lightning_onebit import OnebitStrategy
 
-    assert fs.exchange_report(OnebitStrategy()) is None  # the plain fp32 allreduce
+    assert fs.exchange_report(OnebitStrategy(warmup_exchange="fp32")) is None  # the plain fp32 allreduce
     onebit = OnebitStrategy(ddp_comm_hook=int8_allreduce_hook, ddp_comm_state=Int8AllreduceState())
     assert fs.exchange_report(onebit) == dict(exchange="int8_allreduce_hook", calls=0)
+    named = OnebitStrategy(warmup_exchange="powersgd", powersgd_rank=2, powersgd_vanilla_steps=5)
+    assert fs.exchange_report(named) == dict(exchange="powersgd_exchange_hook", calls=0, rank=2, start=5,
+                                             vanilla_buckets=0, compressed_buckets=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
