@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import os
+import statistics
 import time
 import types
 from contextlib import contextmanager
@@ -145,12 +146,14 @@ def test_exposed_time_is_the_wait_for_the_link_after_backward(world_size: int) -
 
 
 def test_a_straggler_shows_as_exposed_time_on_the_other_ranks_only() -> None:
-    results = run_distributed(_ddp_exposed, 2, 0.0, STRAGGLER_S, 4)
+    results = run_distributed(_ddp_exposed, 2, 0.0, STRAGGLER_S, 6)
     rank0 = [exposed for exposed, _ in results[0]["per_step"]]
     rank1 = [exposed for exposed, _ in results[1]["per_step"]]
-    # rank 0 launched its allreduces STRAGGLER_S before rank 1 joined them; rank 1 found rank 0 waiting
-    assert min(rank0) >= 0.8 * STRAGGLER_S, rank0
-    assert max(rank1) < 0.5 * STRAGGLER_S, rank1
+    # rank 0 launched its allreduces STRAGGLER_S before rank 1 joined them; rank 1 found rank 0 waiting. Medians over
+    # the steps: on a loaded machine a descheduled rank can wait (or make its peer wait) in a step or two, and the
+    # first step starts with whatever skew the processes' start-up left (the min and max failed under a load of ~10)
+    assert statistics.median(rank0) >= 0.7 * STRAGGLER_S, rank0
+    assert statistics.median(rank1) < 0.3 * STRAGGLER_S, rank1
 
 
 # ======================================================================================== CommunicationMonitor's advice
