@@ -1,7 +1,8 @@
 """0/1 Adam's schedule arguments: DeepSpeed's defaults, the shares of a run they take when they are left to its
-length, and fitting them to it (:func:`fitted_arguments`, :func:`fit_schedule_`). What the arguments decide step by step (which step updates
-the variance, which is a local step, which syncs) is :class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`'s,
-beside the step that uses it; it moved there, and still resolves here, with a ``FutureWarning``, until 0.3."""
+length, and fitting them to it (:func:`fitted_arguments`; :func:`fit_schedule_` sets them). What the arguments decide
+step by step (which step updates the variance, which is a local step, which syncs) is
+:class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`'s, beside the step that uses it; it moved there, and
+still resolves here, with a ``FutureWarning``, until 0.3."""
 
 from __future__ import annotations
 
