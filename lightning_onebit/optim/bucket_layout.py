@@ -1,6 +1,7 @@
 """How momenta are laid out in buckets: the bucket plan (which parameters share a bucket, as asked for: the overlap
 hook passes DDP's gradient buckets) checked and compared, the packing of the other momenta in parameter order up to a
-size, and the flat, zero-padded buffers (:class:`MomentumBucket`) whose views become the parameters' momenta.
+size, the flat, zero-padded buffers (:class:`MomentumBucket`) whose views become the parameters' momenta, and other
+buffers a step exchanges laid out like them (:class:`ExchangeBuffers`).
 
 What runs when the buckets are laid out: at the first compressed step, and whenever the plan, the world size or the
 trainable parameters change. :class:`~lightning_onebit.optim.buckets.MomentumBuckets` decides when.
@@ -8,7 +9,7 @@ trainable parameters change. :class:`~lightning_onebit.optim.buckets.MomentumBuc
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
@@ -84,22 +85,43 @@ class MomentumBucket:
         return flat
 
 
-    def filled(self, name: str, tensors: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A flat buffer laid out like this bucket's momenta (kept in :attr:`extra` under ``name``, made once) holding
-        ``tensors`` (one per parameter; ``None``: zeros), and its view for each parameter, in order."""
-        flat = self.extra.get(name)
-        if flat is None:
-            flat = self.extra[name] = torch.zeros_like(self.flat)
-        views, offset = [], 0
-        for p, tensor in zip(self.params, tensors):
-            view = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if tensor is None:
-                view.zero_()
-            else:
-                view.copy_(tensor)
-            views.append(view)
-        return flat, views
+class ExchangeBuffers:
+    """Flat buffers laid out like the momentum buckets (one per bucket: its layout, dtype and device, padding zero)
+    that a step fills and exchanges, laid out once per bucket layout (:meth:`lay_out_`) rather than in every step:
+    0/1 Adam's ``exchange="gradient"`` copies each compressed step's local gradients into them and averages them in
+    1 bit. Nothing here is checkpointed (they hold nothing between steps; their error feedback is the exchange's).
+
+    Attributes:
+        laid_out_for: the bucket list (as :meth:`MomentumBuckets.ensure
+            <lightning_onebit.optim.buckets.MomentumBuckets.ensure>` returned it) they are laid out like; ``None``
+            until :meth:`lay_out_`. A rebuild of the buckets returns another list: lay them out again.
+        params: the buckets' parameters, bucket by bucket, in order.
+        views: each parameter's view of its bucket's buffer (the order of :attr:`params`).
+        by_param: ``id(param)`` -> its view.
+        items: per bucket, what the 1-bit exchange averages: ``(error-feedback key, flat buffer, layout)``.
+    """
+
+    def __init__(self) -> None:
+        self.laid_out_for: Optional[Sequence[MomentumBucket]] = None
+        self.params: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []
+        self.by_param: dict[int, torch.Tensor] = {}
+        self.items: list[tuple[Hashable, torch.Tensor, BucketLayout]] = []
+
+    def lay_out_(self, buckets: Sequence[MomentumBucket], feedback_key: Callable[[int], Hashable]) -> None:
+        """Lay the buffers out like ``buckets`` (zeros; an empty list frees them), bucket ``b``'s under the
+        error-feedback key ``feedback_key(b.key)``."""
+        self.params, self.views, self.items = [], [], []
+        for bucket in buckets:
+            flat = torch.zeros_like(bucket.flat)
+            self.items.append((feedback_key(bucket.key), flat, bucket.layout))
+            offset = 0
+            for p in bucket.params:
+                self.params.append(p)
+                self.views.append(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.by_param = {id(p): view for p, view in zip(self.params, self.views)}
+        self.laid_out_for = buckets
 
 
 def pack(trainable: Sequence[torch.Tensor], momentum: Callable[[torch.Tensor], torch.Tensor], plan: Plan,

@@ -69,13 +69,11 @@ class LocalSteps:
 
     def begin_(self, source: BucketSource, buckets: Sequence[MomentumBucket], updated: Updated, after: int) -> None:
         """At the first local step (after step ``after``, the last that may update the variance): the error feedback
-        held momentum (or gradient) errors and restarts for updates, the scratch gradient buffers are freed, ``U`` is
-        laid out and zero and the (rank-identical) parameters become the first sync point."""
+        held momentum (or gradient) errors and restarts for updates, ``U`` is laid out and zero and the
+        (rank-identical) parameters become the first sync point."""
         # the algorithm's own reset (the error restarts for updates): not measured, which would read the device back
         # in the middle of training
         source.compression.reset_error_feedback(lambda key: stream_of(key) != "update", measure=False)
-        for bucket in buckets:
-            bucket.extra.pop("gradient", None)
         self.lay_out_(source, buckets, updated)
         for flat in self.flats:
             flat.zero_()

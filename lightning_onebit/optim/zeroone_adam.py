@@ -15,6 +15,7 @@ from lightning_onebit.comm.layout import BucketLayout
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.kernels import Backend
 from lightning_onebit.optim.base import DEFAULT_BUCKET_CAP_MB, CompressedOptimizer
+from lightning_onebit.optim.bucket_layout import ExchangeBuffers
 from lightning_onebit.optim.buckets import compressed_trainable
 from lightning_onebit.optim.checkpoint import LocalStepsEntry
 from lightning_onebit.optim.error_feedback import feedback_key
@@ -25,7 +26,7 @@ from lightning_onebit.optim.local_steps import SYNCED, UPDATE, LocalSteps
 from lightning_onebit.optim.onebit_adam import adamw_steps_
 from lightning_onebit.optim.phases import StepKind, zeroone_phase_sentence
 from lightning_onebit.optim.torch_options import check_torch_adamw_options
-from lightning_onebit.optim.zeroone_schedule import SCHEDULE_ARGUMENTS, fitted_arguments, schedule_arguments
+from lightning_onebit.optim.zeroone_schedule import SCHEDULE_ARGUMENTS, fit_schedule_, schedule_arguments
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class ZeroOneAdam(CompressedOptimizer):
         self.schedule = schedule
         self.local_steps = LocalSteps()
         self.exchange_kind = exchange  # what the compressed steps before var_freeze_step average in 1 bit
+        self.gradient_buffers = ExchangeBuffers()  # exchange="gradient": the gradients', laid out like the buckets
         # id(param) -> bool tensor of its coordinates whose variance is exactly zero (1 byte per element); valid until
         # the variance next changes
         self._zero_variance: dict[int, torch.Tensor] = {}
@@ -264,17 +266,12 @@ class ZeroOneAdam(CompressedOptimizer):
     def fit_schedule_to_run(self, total_steps: Optional[int]) -> Optional[str]:
         """Scale the schedule arguments given as ``None`` to a run of ``total_steps`` optimizer steps, as the Args say
         (the Lightning strategies call this at the start of ``fit`` with the Trainer's estimate;
-        :func:`~lightning_onebit.optim.zeroone_schedule.fitted_arguments`). Returns what was set, for the log (``None``:
+        :func:`~lightning_onebit.optim.zeroone_schedule.fit_schedule_`). Returns what was set, for the log (``None``:
         every argument was given). ``ValueError`` for ``total_steps=None`` (a run of unknown length), naming the
         arguments to give, unless every one was given, and for anything but ``None`` or an integer ``>= 1``."""
-        fitted = fitted_arguments(self.schedule.arguments(), self.schedule.from_run, total_steps)
-        if fitted is None:
-            return None
-        for name, value in fitted[0].items():  # in place: the checkpoint's entry holds the schedule
-            setattr(self.schedule, name, value)
-        self.schedule.replay(self._step)
+        fitted = fit_schedule_(self.schedule, total_steps, self._step)
         self.freeze_step = self.schedule.warmup_steps
-        return fitted[1]
+        return fitted
 
     def describe_phase(self) -> tuple[StepKind, str]:
         return zeroone_phase_sentence(self._step, self.schedule, self.exchange_kind, bool(self._uncompressed_groups()))
@@ -345,19 +342,20 @@ class ZeroOneAdam(CompressedOptimizer):
         return StepKind.COMPRESSED
 
     def _average_gradients_into_momenta_(self) -> None:
-        """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``."""
-        averaged: dict[int, torch.Tensor] = {}
-        items = []
-        for bucket in self._ensure_buckets(carry=True):  # a missing gradient: this rank contributes a zero one
-            flat, views = bucket.filled("gradient", [p.grad for p in bucket.params])
-            averaged.update(zip(map(id, bucket.params), views))
-            items.append((feedback_key("gradient", bucket.key), flat, bucket.layout))
-        self._compressed_average_(items)
+        """DeepSpeed's form: ``m = b1 m + (1 - b1) CompressedAllreduce(g_local)``, the local gradients copied into
+        buffers laid out like the buckets once per bucket layout (a missing gradient: this rank contributes zeros)."""
+        gradients, buckets = self.gradient_buffers, self._ensure_buckets(carry=True)
+        if gradients.laid_out_for is not buckets:
+            gradients.lay_out_(buckets, lambda key: feedback_key("gradient", key))
+        if gradients.views:
+            torch._foreach_copy_(gradients.views, [p.grad if p.grad is not None else v.new_zeros(()).expand_as(v)
+                                                   for p, v in zip(gradients.params, gradients.views)])
+        self._compressed_average_(gradients.items)
         for group in self.param_groups:
             params = self._updated_params(group)
             if params:
-                fold_gradients_([self.state[p]["exp_avg"] for p in params], [averaged[id(p)] for p in params],
-                                group["betas"][0])
+                fold_gradients_([self.state[p]["exp_avg"] for p in params],
+                                [gradients.by_param[id(p)] for p in params], group["betas"][0])
 
     def _local_step(self, t: int) -> StepKind:
         """A step on this rank's own gradient with no communication (fold, mask, accumulate, update); a sync after it
@@ -426,7 +424,8 @@ class ZeroOneAdam(CompressedOptimizer):
     def _laid_out_local_steps(self) -> LocalSteps:
         """The local steps' sums, begun at the first local step; ``U`` laid out like the buckets (again if rebuilt)."""
         local, buckets = self.local_steps, self._ensure_buckets(carry=True)
-        if local.lr_sum is None:
+        if local.lr_sum is None:  # no gradient is exchanged in 1 bit after var_freeze_step: their buffers freed
+            self.gradient_buffers = ExchangeBuffers()
             local.begin_(self._bucket_source(), buckets, self._updated_params, self.schedule.var_freeze_step)
         elif local.laid_out_for is not buckets:
             local.lay_out_(self._bucket_source(), buckets, self._updated_params)

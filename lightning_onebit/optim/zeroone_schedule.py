@@ -1,7 +1,8 @@
 """0/1 Adam's schedule arguments: DeepSpeed's defaults, the shares of a run they take when they are left to its
-length, and fitting them to it (:func:`fitted_arguments`). What the arguments decide step by step (which step updates
-the variance, which is a local step, which syncs) is :class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`'s,
-beside the step that uses it; it moved there, and still resolves here, with a ``FutureWarning``, until 0.3."""
+length, and fitting them to it (:func:`fitted_arguments`; :func:`fit_schedule_` sets them). What the arguments decide
+step by step (which step updates the variance, which is a local step, which syncs) is
+:class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`'s, beside the step that uses it; it moved there, and
+still resolves here, with a ``FutureWarning``, until 0.3."""
 
 from __future__ import annotations
 
@@ -68,6 +69,20 @@ def fitted_arguments(arguments: dict[str, int], from_run: set[str],
         fitted["local_step_scaler"] = max(1, round(LOCAL_RAMP_SHARE * local_steps / doublings))
     return fitted, (f"var_update_scaler {fitted['var_update_scaler']}, var_freeze_step {fitted['var_freeze_step']}, "
                     f"local_step_scaler {fitted['local_step_scaler']} (scaled to {total_steps} steps)")
+
+
+def fit_schedule_(schedule: Any, total_steps: Optional[int], steps: int) -> Optional[str]:
+    """Scale the arguments of ``schedule`` (a :class:`~lightning_onebit.optim.zeroone_adam.ZeroOneSchedule`) named
+    in its ``from_run`` to a run of ``total_steps`` optimizer steps (:func:`fitted_arguments`, which raises as it
+    says), in place (the checkpoint's entry holds the schedule), and replay its counters to their state after
+    ``steps`` steps. Returns what was set, for the log, or ``None`` (nothing to fit: ``from_run`` is empty)."""
+    fitted = fitted_arguments(schedule.arguments(), schedule.from_run, total_steps)
+    if fitted is None:
+        return None
+    for name, value in fitted[0].items():
+        setattr(schedule, name, value)
+    schedule.replay(steps)
+    return fitted[1]
 
 
 #: Names that moved from this module, and the module each is imported from now. They still resolve here, with a

@@ -1,7 +1,7 @@
 """How many library files one compressed step takes to read (issue 45): the files whose Python functions run during
 one steady-state compressed ``step()`` of each optimizer, traced with ``sys.setprofile`` on 2 gloo ranks. 0/1 Adam's
 compression stage has four kinds of step (a variance step, a 1-bit exchange of the momenta or of the gradients, a
-local step and a sync step); each is traced.
+local step and a sync step); each is traced, and the 1-bit step with ``exchange="gradient"`` too.
 
 The step reads top-down in the algorithm's own file (fold -> exchange -> mask -> update) over three more optim files:
 ``base.py`` (``step()`` itself and the bucket helpers), ``buckets.py`` (the exchange part) and ``functional.py`` (the
@@ -100,10 +100,9 @@ def _by_layer(files: dict[str, list[str]]) -> dict[str, list[str]]:
     ("OnebitAdam", "onebit_adam.py", ("COMPRESSED",)),
     ("OnebitLamb", "onebit_lamb.py", ("COMPRESSED",)),
     ("ZeroOneAdam", "zeroone_adam.py", ("VARIANCE", "COMPRESSED", "LOCAL", "SYNC")),
-    # DeepSpeed's form fills a gradient buffer per bucket every step (MomentumBucket.filled, bucket_layout.py) and
-    # names its error-feedback stream (error_feedback.py): 6 optim files, not yet 4
-    pytest.param("ZeroOneAdam-gradient", "zeroone_adam.py", ("COMPRESSED",), marks=pytest.mark.xfail(
-        strict=True, reason="exchange='gradient' fills its buckets' gradient buffers in bucket_layout.py")),
+    # DeepSpeed's form: the gradients' buffers and their error-feedback keys laid out once per bucket layout
+    # (ExchangeBuffers), only filled in the step
+    ("ZeroOneAdam-gradient", "zeroone_adam.py", ("COMPRESSED",)),
 ])
 def test_a_compressed_step_reads_in_its_own_file_and_three_parts(name: str, own: str, kinds: tuple[str, ...]) -> None:
     traced = run_distributed(_traced_steps, 2, name, kinds)[0]

@@ -233,6 +233,39 @@ def test_no_host_sync_in_any_step_after_the_warmup(kernel_backend: str) -> None:
     torch.testing.assert_close(net.unused_scale.detach(), torch.ones(3) * (1 - 1e-2 * 0.1) ** 40)
 
 
+def test_the_gradient_exchange_matches_the_momentum_exchange_on_one_rank_across_bucket_rebuilds() -> None:
+    """On one rank the 1-bit average is the identity, so ``exchange="gradient"`` (``m = b1 m + (1 - b1) avg(g)``) and
+    ``"momentum"`` (``m = avg(b1 m + (1 - b1) g)``) take the same bits. The gradients' buffers are laid out once per
+    bucket layout: a layer frozen and unfrozen in the 1-bit steps rebuilds the buckets, and they follow; a missing
+    gradient counts as zero; the buffers are freed when the local steps begin."""
+    nets = [Net(), Net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [ZeroOneAdam(net.parameters(), lr=1e-2, var_freeze_step=VFS, var_update_scaler=KAPPA,
+                        local_step_scaler=ALPHA, local_step_clipper=CLIPPER, exchange=exchange)
+            for net, exchange in zip(nets, ("momentum", "gradient"))]
+    gradient = opts[1].gradient_buffers
+    kinds, layouts = [], []
+    for t in range(1, VFS + 3):
+        for net, opt in zip(nets, opts):
+            first = list(net.parameters())[0]
+            first.requires_grad_(t not in (KAPPA + 2, KAPPA + 3))  # frozen for two 1-bit steps
+            opt.zero_grad()
+            x, y = rank_batch(0, t)
+            nn.functional.mse_loss(net(x), y).backward()
+            if t == KAPPA + 6:
+                list(net.parameters())[-1].grad = None  # a missing gradient: a zero one
+            opt.step()
+        kinds.append(opts[1].last_step_kind)
+        for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+            assert torch.equal(a, b), t
+        if kinds[-1] == "compressed":
+            assert [layout for _, _, layout in gradient.items] == list(opts[1].bucket_layouts().values()), t
+            layouts.append(len(gradient.params))
+    assert "compressed" in kinds and kinds[-1] in ("local", "sync")
+    assert len(set(layouts)) == 2  # laid out again for the buckets without the frozen layer, and with it
+    assert gradient is not opts[1].gradient_buffers and not opts[1].gradient_buffers.items  # freed
+
+
 def test_state_dict_between_syncs_warns_until_synchronize() -> None:
     import warnings
 
