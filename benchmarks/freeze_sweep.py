@@ -67,7 +67,8 @@ Issue 46's runs (not in the default runs): local steps with a compressed outer s
   feedback; ``topk``: chunked top-k + 2-bit values with error feedback), the outer optimizer the config's (DiLoCo's
   Nesterov, lr 0.7, momentum 0.9);
 * ``diloco_C_sgd@H``: the same with ``--trainer.strategy.outer_optimizer sgd --trainer.strategy.outer_lr 1``
-  (SparseLoCo's form: no outer momentum, the error feedback its memory; not for ``none``, which keeps none).
+  (SparseLoCo's form: no outer momentum, the error feedback its memory; ``diloco_none_sgd@H`` is plain periodic
+  model averaging, local SGD).
 
 Their bytes are the strategy's own counters (the outer syncs; nothing else crosses replicas), on the same ring model
 as AdamW-DDP's; each such run records its outer syncs, and the sweep fails it when it made fewer than ``N // H``.
@@ -234,11 +235,7 @@ def diloco_run(name: str) -> Optional[tuple[str, int, str]]:
     if not every.isdigit() or int(every) < 1:
         raise ValueError(f"run {name!r}: the inner steps between outer syncs are part of the name, an integer >= 1, "
                          f"e.g. {family}@32")
-    compressor, outer = match.group(1), "sgd" if match.group(2) else "nesterov"
-    if compressor == "none" and outer == "sgd":
-        raise ValueError(f"run {name!r}: the outer step without momentum relies on error feedback, which compressor "
-                         "'none' does not keep; use diloco_none@H (Nesterov) or another compressor")
-    return compressor, int(every), outer
+    return match.group(1), int(every), "sgd" if match.group(2) else "nesterov"
 
 
 def powersgd_start_of(fraction: float, steps: int) -> int:

@@ -10,12 +10,13 @@ symbols). The results record the files, their bytes and a SHA-256 digest of the 
 **Model** (:class:`TinyGPT`): a pre-LayerNorm decoder, ``--layers`` 4, width ``--width`` 128, 4 heads, context
 ``--context`` 128, learned positions, the output layer tied to the byte embedding (about 0.84 M parameters).
 
-**Training**: 2 CPU processes (gloo, one thread each), ``--steps`` (320) optimizer steps of ``--batch-size`` (8) windows of
-``context + 1`` bytes per rank, cut from the training text at random offsets drawn from the seed (the same windows for
-every method of a seed: equal tokens); AdamW (or 1-bit Adam) at ``--lr`` (constant after a linear warmup of
-``--warmup`` steps), betas (0.9, 0.95), weight decay 0.1. Validation: the mean cross-entropy (nats per byte) of the
-first ``--val-windows`` (128) non-overlapping windows of the held-out text, split over the ranks, every ``--val-every`` (80) steps
-and at the last step, on the model every rank agrees on (for local steps: the synced outer model).
+**Training**: 2 CPU processes (gloo, one thread each), ``--steps`` (320) optimizer steps of ``--batch-size`` (8)
+windows of ``context + 1`` bytes per rank, cut from the training text at random offsets drawn from the seed (the same
+windows for every method of a seed: equal tokens); AdamW (or 1-bit Adam) at ``--lr`` (2e-3, constant after a linear
+warmup of ``--warmup`` (20) steps), betas (0.9, 0.95), weight decay 0.1. Validation: the mean cross-entropy (nats per
+byte) of the first ``--val-windows`` (128) non-overlapping windows of the held-out text, split over the ranks, every
+``--val-every`` (80) steps, the last at the last step, on the model every rank agrees on (for local steps: the synced
+outer model; 320 is a multiple of every period run).
 
 Runs (``--runs``), the names of ``benchmarks.freeze_sweep``:
 

@@ -23,6 +23,7 @@ from tests.paths import EXAMPLE, ROOT
     ("diloco_bf16@08", "diloco_bf16@8", ("bf16", 8, "nesterov")),
     ("diloco_onebit@1", "diloco_onebit@1", ("onebit", 1, "nesterov")),
     ("diloco_topk_sgd@128", "diloco_topk_sgd@128", ("topk", 128, "sgd")),
+    ("diloco_none_sgd@8", "diloco_none_sgd@8", ("none", 8, "sgd")),  # plain model averaging (local SGD)
 ])
 def test_local_steps_run_names(name, canonical, parsed):
     assert fs.diloco_run(name) == parsed and fs.canonical_run(name) == canonical
@@ -33,7 +34,6 @@ def test_local_steps_run_names(name, canonical, parsed):
 @pytest.mark.parametrize("name", [
     "diloco_none",  # the period is part of the name
     "diloco_none@0", "diloco_none@x", "diloco_none@-8", "diloco_fp16@8", "diloco@8", "diloco_topk@8+bf16",
-    "diloco_none_sgd@8",  # no error feedback to stand for the momentum
     "diloco_onebit_adam@8",
 ])
 def test_bad_local_steps_run_names_are_refused(name):
