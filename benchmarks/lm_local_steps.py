@@ -26,7 +26,13 @@ Runs (``--runs``), the names of ``benchmarks.freeze_sweep``:
   bytes: its warmup's and its compressed stage's counters;
 * ``diloco_C@H`` / ``diloco_C_sgd@H``: ``OnebitDiLoCoStrategy(ranks_per_node=1, sync_every=H, compressor=C)`` (2
   replicas of one rank, inner AdamW as ``adamw``; ``_sgd``: ``outer_optimizer="sgd", outer_lr=1``); bytes: the
-  strategy's counters.
+  strategy's counters;
+* ``torchft_diloco@H``: torchft's own ``torchft.local_sgd.DiLoCo`` (no Lightning) on the same model, data and inner
+  AdamW: 2 replicas of one process each, a ``Manager`` each (synchronous quorum, gloo), its lighthouse started in the
+  run's first process; outer ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``, an fp32 allreduce of every
+  parameter's pseudo-gradient every ``H`` steps. torchft counts no bytes: its bytes are the ring model's for that
+  allreduce, ``2 (M-1)/M x 4 N`` per sync (as ``diloco_none@H``'s counters); its validation is at the last step only
+  (on the synced model). ``--torchft-path`` puts an unpacked torchft and its dependencies on the import path.
 
 Each run records the validation loss at the last step (``val_loss``) and every validation, the tokens seen (all
 ranks), whole-run bytes per rank and what DDP's fp32 allreduce would send, the bits per parameter per step, outer
@@ -233,16 +239,38 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
 
     if name == "adamw":
         return "ddp", {}
+    if name.startswith("torchft_diloco@"):
+        every = name.partition("@")[2]
+        if not every.isdigit() or int(every) < 1:
+            raise ValueError(f"run {name!r}: torchft_diloco@H, H the inner steps between outer syncs (>= 1)")
+        return "torchft", dict(sync_every=int(every))
     if name == "onebit_adam@auto":
         return "onebit_adam", {}
     diloco = diloco_run(name) if name.startswith("diloco") else None
     if diloco is None:
-        raise ValueError(f"unknown LM run {name!r}: adamw, onebit_adam@auto, diloco_C@H or diloco_C_sgd@H")
+        raise ValueError(f"unknown LM run {name!r}: adamw, onebit_adam@auto, diloco_C@H, diloco_C_sgd@H or "
+                         "torchft_diloco@H")
     compressor, every, outer = diloco
     options: dict[str, Any] = dict(sync_every=every, compressor=compressor, outer_optimizer=outer)
     if outer == "sgd":
         options["outer_lr"] = 1.0
     return "onebit_diloco", options
+
+
+def canonical_lm_run(name: str) -> str:
+    """One name per run: ``torchft_diloco@H`` with ``H`` as an integer, the others as ``freeze_sweep`` writes them."""
+    from benchmarks.freeze_sweep import canonical_run
+
+    kind, options = parse_lm_run(name)
+    return f"torchft_diloco@{options['sync_every']}" if kind == "torchft" else canonical_run(name)
+
+
+def order_lm_runs(names: set[str]) -> list[str]:
+    """``freeze_sweep``'s order, then torchft's runs by period."""
+    from benchmarks.freeze_sweep import order_runs
+
+    torchft = {n for n in names if parse_lm_run(n)[0] == "torchft"}
+    return order_runs(names - torchft) + sorted(torchft, key=lambda n: parse_lm_run(n)[1]["sync_every"])
 
 
 def _strategy(kind: str, options: dict[str, Any]) -> Any:
@@ -274,6 +302,109 @@ def counted_bytes(trainer: Any, monitor: Any) -> dict[str, Any]:
         return dict(bytes_sent=counters.bytes_sent, bytes_sent_inter_node=counters.bytes_sent_inter_node,
                     outer_syncs=strategy.outer_syncs)
     return dict(bytes_sent=monitor.communication.bytes_sent)
+
+
+def _torchft_replica(replica: int, lighthouse: str, store_port: int, config: dict[str, Any]) -> Optional[dict]:
+    """One replica of a ``torchft_diloco@H`` run: torchft's Manager and DiLoCo around the same model, data and inner
+    AdamW as the Lightning runs; replica 0 returns the summary."""
+    import datetime
+    from types import SimpleNamespace
+
+    import lightning as L
+    import torch
+    from torch.distributed import TCPStore
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from lightning_onebit.comm import ring_allreduce_bytes
+
+    torch.set_num_threads(1)
+    TinyGPT, StdlibData = _lightning_parts()
+    train, val, _ = stdlib_corpus(config.get("stdlib"))
+    L.seed_everything(config["seed"], workers=True)  # as the Lightning runs: the same initial model on both replicas
+    model = TinyGPT(layers=config["layers"], width=config["width"], heads=config["heads"], context=config["context"])
+    data = StdlibData(train, val, config["context"], config["batch_size"], config["steps"], config["val_windows"],
+                      config["seed"])
+    data.trainer = SimpleNamespace(world_size=2, global_rank=replica)
+    inner = torch.optim.AdamW(model.parameters(), lr=config["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, config["warmup"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: min(1.0, (step + 1) / warmup))
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    store = TCPStore("localhost", store_port, is_master=True, wait_for_workers=False)  # this replica's own
+    timeout = datetime.timedelta(seconds=120)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=2, use_async_quorum=False,
+                      load_state_dict=lambda state: model.load_state_dict(state["model"]),
+                      state_dict=lambda: {"model": model.state_dict()}, replica_id=f"replica_{replica}",
+                      store_addr="localhost", store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                      timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+    every = parse_lm_run(config["run"])[1]["sync_every"]
+    step_times = []
+    started = time.perf_counter()
+    try:
+        with DiLoCo(manager, [model], inner, outer, sync_every=every) as diloco:
+            for batch in data.train_dataloader():
+                t0 = time.perf_counter()
+                inner.zero_grad()
+                loss = model._loss(batch)
+                loss.backward()
+                inner.step()  # DiLoCo's hook: the outer step every `every` steps
+                schedule.step()
+                step_times.append(time.perf_counter() - t0)
+            left = diloco._local_step  # steps since the last sync (0: the run ends on a sync)
+        syncs = manager.current_step()  # the outer steps the manager committed
+        wall = time.perf_counter() - started
+        data.trainer = SimpleNamespace(world_size=1, global_rank=0)  # every held-out window, on the synced model
+        with torch.no_grad():
+            val_loss = float(torch.stack([model._loss(b) for b in data.val_dataloader()]).mean())
+    finally:
+        manager.shutdown(wait=False)
+    if replica:
+        return None
+    steps = len(step_times)
+    if left:
+        raise RuntimeError(f"torchft run ended {left} steps after its last sync: pass --steps a multiple of {every}")
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    times = step_times[2:] or step_times
+    return dict(run=config["run"], seed=config["seed"], strategy="torchft.local_sgd.DiLoCo", steps=steps,
+                tokens=steps * 2 * config["batch_size"] * config["context"], val_loss=round(val_loss, 6),
+                validations=[dict(step=steps, val_loss=round(val_loss, 6))],
+                trainable_parameters=parameters, outer_syncs=syncs,
+                bytes_sent=syncs * ring_allreduce_bytes(parameters, 4, 2),
+                bytes_counted_by="ring model, fp32 allreduce of every parameter per sync (torchft counts none)",
+                bytes_fp32_equivalent=steps * ring_allreduce_bytes(parameters, 4, 2),
+                step_s=round(sum(times) / len(times), 4), wall_s=round(wall, 1))
+
+
+def _torchft_worker(replica: int, lighthouse: str, config: dict[str, Any], out: str) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    result = _torchft_replica(replica, lighthouse, port, config)
+    Path(f"{out}.replica{replica}").write_text(json.dumps(result))
+
+
+def torchft_run(config: dict[str, Any]) -> None:
+    """A ``torchft_diloco@H`` run: the lighthouse in this process, a process per replica; replica 0's summary (its
+    validation on every held-out window of the synced model) to ``config["out"]``."""
+    import multiprocessing
+
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_torchft_worker, args=(r, lighthouse.address(), config, config["out"]))
+               for r in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    lighthouse.shutdown()
+    if any(w.exitcode for w in workers):
+        raise RuntimeError(f"torchft run: replica exit codes {[w.exitcode for w in workers]}")
+    Path(config["out"]).write_text(Path(f"{config['out']}.replica0").read_text())
 
 
 def one_run(config: dict[str, Any]) -> None:
@@ -346,7 +477,8 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
                 val_every=args.val_every)
 
 
-def run_one(name: str, seed: int, settings: dict[str, Any], workdir: Path, stdlib: Optional[str] = None) -> dict:
+def run_one(name: str, seed: int, settings: dict[str, Any], workdir: Path, stdlib: Optional[str] = None,
+            torchft_path: tuple[str, ...] = ()) -> dict:
     """Run ``name`` for ``seed`` in a fresh pair of processes; its record (the summary with the settings, the bits
     per parameter per step and the library's commit)."""
     from benchmarks.freeze_sweep import bits_per_parameter_step, check_outer_syncs, library_version
@@ -355,7 +487,7 @@ def run_one(name: str, seed: int, settings: dict[str, Any], workdir: Path, stdli
     rundir.mkdir(parents=True, exist_ok=True)
     out = rundir / "summary.json"
     out.unlink(missing_ok=True)
-    config = dict(settings, run=name, seed=seed, out=str(out), stdlib=stdlib)
+    config = dict(settings, run=name, seed=seed, out=str(out), stdlib=stdlib, torchft_path=list(torchft_path))
     log = rundir / "run.log"
     with open(log, "w") as f:
         subprocess.run(module_command(__spec__.name if __spec__ else "benchmarks.lm_local_steps", "--one-run",
@@ -372,8 +504,6 @@ def run_one(name: str, seed: int, settings: dict[str, Any], workdir: Path, stdli
 
 
 def sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.freeze_sweep import canonical_run
-
     path = RESULTS_DIR / f"{args.name}.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     _, _, corpus = stdlib_corpus(args.stdlib)
@@ -385,13 +515,13 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
     settings = settings_of(args)
     workdir = Path(args.workdir)
     for seed in args.seeds:
-        for name in dict.fromkeys(canonical_run(n) for n in args.runs):
+        for name in dict.fromkeys(canonical_lm_run(n) for n in args.runs):
             key = f"lm/{name}/{seed}"
             if args.skip_done and runs.get(key, {}).get("settings") == settings:
                 print(f"skip {key}: done", flush=True)
                 continue
             print(f"=== {key}", flush=True)
-            record = run_one(name, seed, settings, workdir, args.stdlib)
+            record = run_one(name, seed, settings, workdir, args.stdlib, tuple(args.torchft_path))
             runs[key] = record
             print(f"=== {key}: val_loss {record['val_loss']:.4f}, bytes {record['bytes_sent']:,}, "
                   f"{record['bits_per_parameter_step']:.4g} bits/param/step, {record['wall_s']} s", flush=True)
@@ -405,12 +535,10 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
 def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per run: validation loss per seed, its relative difference to the same-seed ``adamw`` run (percent), whole-run
     bytes per rank (mean over seeds), the same-length AdamW-DDP runs' bytes over them, bits per parameter per step."""
-    from benchmarks.freeze_sweep import order_runs
-
     runs = {(r["run"], int(r["seed"])): r for r in results.get("runs", {}).values()}
     seeds = sorted({s for _, s in runs})
     rows = []
-    for name in order_runs({n for n, _ in runs} | {"adamw"}):
+    for name in order_lm_runs({n for n, _ in runs} | {"adamw"}):
         got = {s: runs.get((name, s)) for s in seeds}
         present = [r for r in got.values() if r is not None]
         ddp = [r["bytes_sent"] for (n, _), r in runs.items() if n == "adamw"
@@ -469,13 +597,19 @@ def main() -> None:
     parser.add_argument("--name", default="lm_local_steps", help="results/NAME.json")
     parser.add_argument("--skip-done", action="store_true", help="skip runs the file holds with the same settings")
     parser.add_argument("--summary", action="store_true", help="only print the table")
+    parser.add_argument("--torchft-path", nargs="+", default=[],
+                        help="directories with torchft and its dependencies, put first on the import path")
     parser.add_argument("--one-run", default=None, help=argparse.SUPPRESS)  # a run's own processes
     args = parser.parse_args()
+    if args.torchft_path:
+        sys.path[:0] = args.torchft_path
     if args.steps % args.val_every:
         parser.error(f"--val-every ({args.val_every}) must divide --steps ({args.steps}): the last validation is at "
                      "the last step")
     if args.one_run is not None:
-        one_run(json.loads(args.one_run))
+        config = json.loads(args.one_run)
+        sys.path[:0] = config.get("torchft_path") or []
+        (torchft_run if config["run"].startswith("torchft") else one_run)(config)
         return
     if not args.summary:
         sweep(args)

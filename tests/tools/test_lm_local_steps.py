@@ -144,3 +144,31 @@ def test_a_short_local_steps_run_counts_its_outer_syncs(tmp_path):
     assert record["bytes_fp32_equivalent"] == 8 * ring_allreduce_bytes(n, 4, 2)
     assert [v["step"] for v in record["validations"]] == [4, 8] and record["val_loss"] < 6.0  # ln 256 = 5.55
     assert record["tokens"] == 8 * 2 * 2 * 16 and record["settings"] == settings
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torchft's DiLoCo on the same model
+def test_torchft_run_names():
+    assert lm.parse_lm_run("torchft_diloco@32") == ("torchft", dict(sync_every=32))
+    assert lm.canonical_lm_run("torchft_diloco@032") == "torchft_diloco@32"
+    assert lm.canonical_lm_run("diloco_topk@032") == "diloco_topk@32"
+    for name in ("torchft_diloco@0", "torchft_diloco@x", "torchft_diloco"):
+        with pytest.raises(ValueError):
+            lm.parse_lm_run(name)
+    assert lm.order_lm_runs({"torchft_diloco@32", "torchft_diloco@8", "diloco_none@8", "adamw"}) == [
+        "adamw", "diloco_none@8", "torchft_diloco@8", "torchft_diloco@32"]
+
+
+def test_a_short_torchft_diloco_run_syncs_and_is_counted_on_the_ring_model(tmp_path):
+    """torchft's own DiLoCo (its lighthouse in the run's process, 2 replicas on gloo), where torchft imports (it is
+    not a dependency of the project: ``pip install torchft`` or ``--torchft-path``): 8 steps, an outer step every 4."""
+    pytest.importorskip("torchft")
+    settings = dict(steps=8, batch_size=2, context=16, layers=1, width=16, heads=2, lr=1e-3, warmup=2, val_windows=4,
+                    val_every=4)
+    import sys
+
+    record = lm.run_one("torchft_diloco@4", 0, settings, tmp_path, torchft_path=tuple(sys.path))
+    n = record["trainable_parameters"]
+    assert record["strategy"] == "torchft.local_sgd.DiLoCo" and record["outer_syncs"] == 2 and record["steps"] == 8
+    assert record["bytes_sent"] == 2 * ring_allreduce_bytes(n, 4, 2) and record["bits_per_parameter_step"] == 8.0
+    assert record["val_loss"] < 6.0 and [v["step"] for v in record["validations"]] == [8]
