@@ -133,3 +133,74 @@ def test_local_steps_run_of_the_example_counts_its_outer_syncs(example, tmp_path
     assert result["bytes_sent"] == 2 * ring_allreduce_bytes(numel, 4, 2) == 2 * 4 * numel, result
     assert result["bytes_fp32_equivalent"] == 8 * ring_allreduce_bytes(numel, 4, 2)
     assert fs.bits_per_parameter_step(result["bytes_sent"], result["trainable_parameters"], 8) == 8.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the docs' table and the picture
+def _record(run, seed, acc, bytes_sent, settings, **extra):
+    return dict(task="synthetic", run=run, seed=seed, val_acc=acc, bytes_sent=bytes_sent, bytes_fp32_equivalent=400,
+                steps=620, bytes_sent_warmup=None, freeze_step=None, stage=None, settings=settings, freeze=None,
+                mask=None, library="abc1234", **extra)
+
+
+def _lm_record(run, seed, loss, bytes_sent, bits):
+    return dict(task="lm", run=run, seed=seed, val_loss=loss, bytes_sent=bytes_sent, bits_per_parameter_step=bits,
+                step_s=0.1, trainable_parameters=100, tokens=1000, library="def5678",
+                settings=dict(steps=320, batch_size=8, context=128, layers=4, width=128, heads=4, lr=2e-3,
+                              val_windows=128))
+
+
+@pytest.fixture
+def local_steps_results(tmp_path, monkeypatch):
+    from benchmarks import result_tables
+
+    same, other = dict(steps=620, val_checks=4), dict(steps=20, val_checks=4)
+    runs = [_record("diloco_topk@32", 0, 0.99, 4.0, same, trainable_parameters=10, bits_per_parameter_step=0.005),
+            _record("onebit_adam@auto", 1, 0.98, 100.0, same, trainable_parameters=10, bits_per_parameter_step=0.13)]
+    references = [_record("adamw", 0, 0.996, 400.0, same), _record("adamw", 1, 0.998, 400.0, other),  # not the same
+                  _record("onebit_adam@auto", 1, 0.5, 1.0, same),  # the file's own run of that key stays
+                  _record("onebit_adam@auto+int8", 0, 0.99, 50.0, same)]  # not a reference run
+    lm = [_lm_record("adamw", 0, 2.5, 1000.0, 32.0), _lm_record("diloco_topk@32", 0, 2.55, 2.0, 0.064)]
+    write = lambda name, rs, **more: (tmp_path / f"{name}.json").write_text(json.dumps(  # noqa: E731
+        dict(runs={f"{r['task']}/{r['run']}/{r['seed']}": r for r in rs}, **more)))
+    write("local_steps_sweep", runs)
+    write("warmup_sweep", references)
+    write("lm_local_steps", lm, corpus=dict(files=168, python="3.11.7", bytes=4698388, sha256="ab" * 32,
+                                            val_bytes=413539))
+    monkeypatch.setattr(result_tables, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def test_local_steps_table_completes_the_sweep_with_same_settings_references(local_steps_results):
+    from benchmarks import result_tables
+
+    runs = result_tables.local_steps_runs()["runs"]
+    assert set(runs) == {"synthetic/diloco_topk@32/0", "synthetic/onebit_adam@auto/1", "synthetic/adamw/0"}
+    assert runs["synthetic/adamw/0"]["copied_from"] == "warmup_sweep"
+    assert runs["synthetic/adamw/0"]["bits_per_parameter_step"] == 8 * 400 / (10 * 620)  # the same model's parameters
+    assert runs["synthetic/onebit_adam@auto/1"]["val_acc"] == 0.98
+    text = result_tables.local_steps_table()
+    example = text.split("**A language model")[0]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                              for line in example.splitlines() if line.startswith("| `"))}
+    assert rows["`diloco_topk@32`"] == ["99.00%", "-", "-0.60 / -", "4e-06", "100.0x", "0.005"]
+    assert rows["`adamw`"][:3] == ["99.60%", "-", ""]
+    assert "Copied from `results/warmup_sweep.json` (same harness and settings): `adamw` seed 0." in text
+    # the language model's table: loss per seed, percent against the same seed's AdamW-DDP
+    assert "| `diloco_topk@32` | 2.5500 | +2.00 | 2e-06 | 500.0x | 0.064 |" in text
+    assert "168 files of Python 3.11.7" in text
+
+
+def test_local_steps_picture_is_830_px_wide_with_both_panels(local_steps_results):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from benchmarks import plot_local_steps, result_tables
+
+    lm = json.loads((local_steps_results / "lm_local_steps.json").read_text())
+    path = plot_local_steps.plot(result_tables.local_steps_runs(), lm, local_steps_results / "local_steps.png")
+    image = matplotlib.image.imread(path)
+    assert image.shape[1] == 830 and image.shape[0] == 720  # two panels of 360 px
+    assert plot_local_steps.family_of("diloco_topk_sgd@8") == ("onebit_diloco, top-k + 2-bit, outer SGD lr 1",
+                                                               "tab:orange", "P")
+    assert [p["value"] for p in plot_local_steps.points(lm["runs"], "val_loss")] == [2.5, 2.55]
