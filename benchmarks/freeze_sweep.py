@@ -59,6 +59,20 @@ Issue 44's runs (not in the default runs): the DDP baselines and the 1-bit runs 
   (the library's ``powersgd_exchange_hook``, PowerSGD rank ``R`` with error feedback after ``S`` vanilla steps,
   default ``WARMUP_POWERSGD_START`` = 10).
 
+Issue 46's runs (not in the default runs): local steps with a compressed outer step (``strategy="onebit_diloco"``).
+
+* ``diloco_C@H``: ``bert_diloco.yaml`` (2 replicas of one rank each, inner AdamW at the Adam runs' lr) with
+  ``--trainer.strategy.sync_every H --trainer.strategy.compressor C``: an outer step every ``H`` inner steps, its
+  pseudo-gradient averaged by ``C`` (``none``: fp32, plain DiLoCo; ``bf16``; ``onebit``: the 1-bit exchange with error
+  feedback; ``topk``: chunked top-k + 2-bit values with error feedback), the outer optimizer the config's (DiLoCo's
+  Nesterov, lr 0.7, momentum 0.9);
+* ``diloco_C_sgd@H``: the same with ``--trainer.strategy.outer_optimizer sgd --trainer.strategy.outer_lr 1``
+  (SparseLoCo's form: no outer momentum, the error feedback its memory; ``diloco_none_sgd@H`` is plain periodic
+  model averaging, local SGD).
+
+Their bytes are the strategy's own counters (the outer syncs; nothing else crosses replicas), on the same ring model
+as AdamW-DDP's; each such run records its outer syncs, and the sweep fails it when it made fewer than ``N // H``.
+
 Bytes are whole-run bytes per rank on the ring model of ``lightning_onebit.comm.accounting``, counted for every run:
 AdamW-DDP by ``CommunicationMonitor``, the DDP baselines and the warmups by the hooks' counters (bf16: a ring
 allreduce of 2-byte elements; PowerSGD: its vanilla allreduces, then torch's (the DDP baselines) per bucket the
@@ -76,8 +90,9 @@ the repository root on ``PYTHONPATH``, in their environment only: their callback
 ``benchmarks.freeze_sweep.VarianceTrace`` by class path.
 
 Each run records: the validation accuracy at the last step and the best one (and every validation), whole-run bytes
-sent (warmup + compression) and the fp32-equivalent bytes (what DDP sends), the freeze step (for ``auto``: the decided
-step, the detector's reason, figures and settings), the word-embedding coordinates ``MomentumMask(auto=True)`` masked
+sent (warmup + compression) and the fp32-equivalent bytes (what DDP sends), the bits per trainable parameter per
+optimizer step (``8 * bytes_sent / (parameters * steps)``: 32 for AdamW-DDP on 2 ranks), the freeze step (for
+``auto``: the decided step, the detector's reason, figures and settings), the word-embedding coordinates ``MomentumMask(auto=True)`` masked
 at the freeze, wall seconds, the log lines a user reads, and a variance trace from :class:`VarianceTrace` (added to the
 example's callbacks by class path): every 10 optimizer steps, per parameter tensor, ``mean(sqrt(exp_avg_sq))``, and
 the relative change of ``sqrt(v_hat)`` over the last 50 steps (median and 90th percentile over tensors), for AdamW's
@@ -134,7 +149,7 @@ REAL_TASK_ARGS = [a for flag, value in _OWN_DATA.items()
                   if not flag.startswith("--trainer.") and flag != "--optimizer.init_args.lr" for a in (flag, value)]
 LAMB_LR_RATIO = 6.0  # bert_lamb.yaml's lr over bert_onebit.yaml's: 3e-3 / 5e-4
 CONFIGS = {"adamw": "bert_adamw.yaml", "onebit_adam": "bert_onebit.yaml", "onebit_lamb": "bert_lamb.yaml",
-           "lamb_uncompressed": "bert_lamb.yaml", "zeroone_adam": "bert_zeroone.yaml"}
+           "lamb_uncompressed": "bert_lamb.yaml", "zeroone_adam": "bert_zeroone.yaml", "diloco": "bert_diloco.yaml"}
 #: run families that take no ``@freeze`` (their schedule is their own)
 UNFROZEN_FAMILIES = ("adamw", "lamb_uncompressed", "zeroone_adam")
 #: families whose full-precision gradient averages (the warmup; 0/1 Adam's variance steps) can take ``+EXCHANGE``
@@ -143,6 +158,9 @@ EXCHANGE_FAMILIES = ("onebit_adam", "onebit_lamb", "zeroone_adam")
 WARMUP_POWERSGD_START = 10
 _WARMUP_EXCHANGE = re.compile(r"(bf16|int8)|powersgd([0-9]+)(?:s([0-9]+))?")
 _DDP_FAMILY = re.compile(r"ddp_(bf16|int8)|ddp_powersgd_r([0-9]+)")
+#: the outer compressors of the local-steps runs (``diloco_C@H``), as ``OnebitDiLoCoStrategy`` names them
+DILOCO_COMPRESSORS = ("none", "bf16", "onebit", "topk")
+_DILOCO_FAMILY = re.compile(r"diloco_(none|bf16|onebit|topk)(_sgd)?")
 #: the DDP baselines' strategy (a DDP comm hook registered on every device, counted, checked that it ran)
 COUNTED_DDP = "benchmarks.comm_hooks.CountedDDPStrategy"
 TRACE_EVERY, TRACE_WINDOW, TRACE_SAMPLE = 10, 50, 4096
@@ -205,6 +223,23 @@ def ddp_exchange(name: str) -> Optional[tuple[str, Optional[int], Optional[float
     return "powersgd", rank, fraction
 
 
+def diloco_run(name: str) -> Optional[tuple[str, int, str]]:
+    """``(compressor, sync_every, outer optimizer)`` of a local-steps run (``diloco_C@H``: compressor ``C``, an outer
+    step every ``H`` inner steps, DiLoCo's Nesterov outer step; ``diloco_C_sgd@H``: the outer step without momentum,
+    lr 1); ``None`` for any other run."""
+    family, _, every = name.partition("@")
+    if not family.startswith("diloco"):
+        return None
+    match = _DILOCO_FAMILY.fullmatch(family)
+    if match is None or "+" in every:
+        raise ValueError(f"unknown local-steps run {name!r}: diloco_C@H or diloco_C_sgd@H, C one of "
+                         f"{', '.join(DILOCO_COMPRESSORS)}, H the inner steps between outer syncs")
+    if not every.isdigit() or int(every) < 1:
+        raise ValueError(f"run {name!r}: the inner steps between outer syncs are part of the name, an integer >= 1, "
+                         f"e.g. {family}@32")
+    return match.group(1), int(every), "sgd" if match.group(2) else "nesterov"
+
+
 def powersgd_start_of(fraction: float, steps: int) -> int:
     """PowerSGD's ``start_powerSGD_iter`` of a DDP baseline: ``fraction`` of the run, at least 2 (torch's error
     feedback and warm start need it)."""
@@ -216,7 +251,7 @@ def parse_run(name: str) -> tuple[str, Optional[str]]:
     (0, 1), ``"auto"``, or ``None`` for ``adamw``, ``lamb_uncompressed``, ``zeroone_adam`` and the DDP baselines
     (``ddp_bf16``, ``ddp_int8``, ``ddp_powersgd_rR@F``: their family is the name before ``@``). A ``+EXCHANGE`` suffix
     (the 1-bit runs' warmup average, :func:`parse_warmup_exchange`) is checked and left out."""
-    if ddp_exchange(name) is not None:
+    if ddp_exchange(name) is not None or diloco_run(name) is not None:
         return name.partition("@")[0], None
     base, exchange = split_exchange(name)
     family, _, freeze = base.partition("@")
@@ -231,7 +266,7 @@ def parse_run(name: str) -> tuple[str, Optional[str]]:
     if family not in ("onebit_adam", "onebit_lamb") or not freeze:
         raise ValueError(f"unknown run {name!r}: adamw, lamb_uncompressed, zeroone_adam, onebit_adam@F or onebit_lamb@F "
                          "(F a fraction of the run in (0, 1), or auto), each 1-bit one optionally +bf16, +int8 or "
-                         "+powersgdR; ddp_bf16, ddp_int8, ddp_powersgd_rR@F")
+                         "+powersgdR; ddp_bf16, ddp_int8, ddp_powersgd_rR@F; diloco_C@H, diloco_C_sgd@H")
     if freeze != "auto":
         fraction = float(freeze)
         if not 0 < fraction < 1:
@@ -245,6 +280,10 @@ def canonical_run(name: str) -> str:
     if ddp is not None:
         kind, rank, fraction = ddp
         return f"ddp_{kind}" if kind != "powersgd" else f"ddp_powersgd_r{rank}@{fraction:g}"
+    diloco = diloco_run(name)
+    if diloco is not None:
+        compressor, every, outer = diloco
+        return f"diloco_{compressor}{'_sgd' if outer == 'sgd' else ''}@{every}"
     family, freeze = parse_run(name)
     base = family if freeze is None else f"{family}@{freeze}"
     exchange = split_exchange(name)[1]
@@ -279,6 +318,13 @@ def run_args(name: str, steps: int, lamb_lr: Optional[str],
             args += ["--trainer.strategy.powersgd_rank", str(rank),
                      "--trainer.strategy.powersgd_start", str(powersgd_start_of(fraction, steps))]
         return CONFIGS["adamw"], args
+    diloco = diloco_run(name)
+    if diloco is not None:
+        compressor, every, outer = diloco
+        args = ["--trainer.strategy.sync_every", str(every), "--trainer.strategy.compressor", compressor]
+        if outer == "sgd":
+            args += ["--trainer.strategy.outer_optimizer", "sgd", "--trainer.strategy.outer_lr", "1"]
+        return CONFIGS["diloco"], args
     family, freeze = parse_run(name)
     config = CONFIGS[family]
     args = []
@@ -632,6 +678,26 @@ def check_exchange_ran(name: str, record: dict[str, Any]) -> None:
             raise RuntimeError(f"{name}: PowerSGD never compressed in {averaged_steps} averaged steps ({report})")
 
 
+def check_outer_syncs(name: str, record: dict[str, Any]) -> None:
+    """Raise ``RuntimeError`` when a local-steps run (``diloco_C@H``) made fewer outer syncs than its ``steps // H``
+    periods (its strategy did not sync as named)."""
+    diloco = diloco_run(name)
+    if diloco is None:
+        return
+    expected = record["steps"] // diloco[1]
+    if (record.get("outer_syncs") or 0) < expected:
+        raise RuntimeError(f"{name}: {record.get('outer_syncs')} outer syncs in {record['steps']} steps, expected at "
+                           f"least {expected}")
+
+
+def bits_per_parameter_step(bytes_sent: Optional[float], parameters: Optional[int], steps: int) -> Optional[float]:
+    """Bits sent per trainable parameter per optimizer step over the whole run (``None`` without the counts): 32 for
+    an fp32 ring allreduce of the gradients on 2 ranks, ``32 / H`` for an fp32 outer sync every ``H`` steps."""
+    if bytes_sent is None or not parameters or not steps:
+        return None
+    return 8 * bytes_sent / (parameters * steps)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the sweep
 def _head(path: Path, out: Path, rows: Optional[int]) -> None:
@@ -733,22 +799,35 @@ def one_run(task: str, name: str, seed: int, common: list[str], settings: dict[s
         bytes_sent_compression=summary.get("bytes_sent_compression"),
         bytes_ratio=_round(summary["bytes_fp32_equivalent"] / summary["bytes_sent"]),
         freeze_step=summary.get("freeze_step"), stage=summary.get("stage"), auto_freeze=summary.get("auto_freeze"),
+        trainable_parameters=summary.get("trainable_parameters"),
+        bits_per_parameter_step=bits_per_parameter_step(summary["bytes_sent"], summary.get("trainable_parameters"),
+                                                        summary["steps"]),
+        outer_syncs=summary.get("outer_syncs"), bytes_sent_inter_node=summary.get("bytes_sent_inter_node"),
         freeze=extra["freeze"], mask=extra["mask"], step_s=extra["step_s"], exchange=extra.get("exchange"),
         wall_s=summary["wall_s"], wall_s_total=round(wall_total, 1), log_file=str(log),
         log=_user_lines(log.read_text()) if config != "bert_adamw.yaml" else [],
         trace=extra["trace"],
     )
     check_exchange_ran(name, record)
+    check_outer_syncs(name, record)
     return record
 
 
 def order_runs(names: set[str]) -> list[str]:
     """Run names in the default order: adamw, the DDP baselines, 1-bit Adam by freeze (auto last; each freeze without
-    a warmup exchange first), 0/1 Adam, 1-bit LAMB so, lamb_uncompressed."""
+    a warmup exchange first), 0/1 Adam, 1-bit LAMB so, lamb_uncompressed, the local-steps runs."""
     fixed = lambda name: _freeze_fraction(name) if _freeze_fraction(name) is not None else 2.0  # noqa: E731
     family_rank = {"adamw": 0, "onebit_adam": 2, "zeroone_adam": 3, "onebit_lamb": 4, "lamb_uncompressed": 5}
-    rank = lambda name: 1 if ddp_exchange(name) is not None else family_rank[parse_run(name)[0]]  # noqa: E731
-    return sorted(names, key=lambda n: (rank(n), fixed(n), n))
+
+    def key(name: str) -> tuple:
+        diloco = diloco_run(name)
+        if diloco is not None:  # last, by compressor (as DILOCO_COMPRESSORS), outer optimizer, then period
+            compressor, every, outer = diloco
+            return (6, DILOCO_COMPRESSORS.index(compressor), outer != "nesterov", every, name)
+        rank = 1 if ddp_exchange(name) is not None else family_rank[parse_run(name)[0]]
+        return (rank, fixed(name), name)
+
+    return sorted(names, key=key)
 
 
 def ordered_keys(keys: set[str]) -> list[str]:
@@ -879,6 +958,9 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 diff_mean=statistics.fmean(diffs) if diffs else None,
                 bytes_sent=statistics.fmean(r["bytes_sent"] for r in present) if present else None,
                 bytes_ratio=statistics.fmean(ddp_bytes_ratio(results, r) for r in present) if present else None,
+                # bits per trainable parameter per step, mean over seeds; None for runs made before it was recorded
+                bits_per_parameter_step=_mean_or_none([r["bits_per_parameter_step"] for r in present
+                                                       if r.get("bits_per_parameter_step") is not None]),
                 # the share of the whole run's bytes sent averaging gradients (the warmup, 0/1 Adam's variance
                 # steps); None for the runs that have no such stage (DDP)
                 warmup_share=_mean_or_none([r["bytes_sent_warmup"] / r["bytes_sent"] for r in present
@@ -898,8 +980,10 @@ def format_table(results: dict[str, Any]) -> str:
         return "(no runs)"
     seeds = list(rows[0]["acc"])
     fmt = lambda x, f: "missing" if x is None else f.format(x)  # noqa: E731
+    bits = lambda row: row["bits_per_parameter_step"]  # noqa: E731
     head = (f"{'run':28s}" + "".join(f"{'acc s' + str(s):>9s}" for s in seeds) + f"{'mean':>9s}"
             + "".join(f"{'d s' + str(s):>8s}" for s in seeds) + f"{'d mean':>8s}{'GB sent':>9s}{'DDP/x':>8s}"
+            + f"{'bits/p/step':>12s}"
             + f"{'warmup':>8s}"
             + f"  {'freeze step per seed':22s}{'emb. masked':>12s}  vs")
     lines = []
@@ -913,13 +997,15 @@ def format_table(results: dict[str, Any]) -> str:
                 + f"{'' if r['diff'] is None else fmt(r['diff_mean'], '{:+.2f}'):>8s}"
                 + f"{fmt(None if r['bytes_sent'] is None else r['bytes_sent'] / 1e9, '{:.2f}'):>9s}"
                 + f"{fmt(r['bytes_ratio'], '{:.2f}'):>8s}"
+                + f"{'-' if bits(r) is None else format(bits(r), '.3g'):>12s}"
                 + f"{'-' if r['warmup_share'] is None else format(r['warmup_share'], '.0%'):>8s}"
                 + f"  {' '.join('-' if f is None else str(f) for f in r['freeze'].values()):22s}"
                 + f"{' '.join('-' if m is None else f'{m:.0%}' for m in r['mask_share'].values()):>12s}"
                 + f"  {r['reference'] or ''}"
             )
     lines.append("\nd: accuracy minus the same-seed reference (last column), in points; GB sent: whole run, per rank, "
-                 "mean over seeds; DDP/x: the same task's AdamW-DDP bytes over the run's; warmup: the share of the "
+                 "mean over seeds; DDP/x: the same task's AdamW-DDP bytes over the run's; bits/p/step: bits sent per "
+                 "trainable parameter per optimizer step (mean over seeds); warmup: the share of the "
                  "run's bytes sent averaging gradients (the warmup, 0/1 Adam's variance steps; mean over seeds); emb. "
                  "masked: "
                  "share of the word embedding MomentumMask(auto=True) masked at the freeze")

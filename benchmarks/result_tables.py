@@ -17,7 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from benchmarks.common import RESULTS_DIR, ROOT, argument_parser
 
@@ -928,6 +928,116 @@ def warmup_sweep_table() -> str:
     )
 
 
+#: Issue 46's first measurements: local steps (``onebit_diloco``) on the example from scratch, and the language model
+LOCAL_STEPS = "local_steps_sweep"
+LM_LOCAL_STEPS = "lm_local_steps"
+#: the runs of other sweeps shown beside the local-steps runs, with the same settings (the same harness and seeds)
+LOCAL_STEPS_REFERENCES = (WARMUP_SWEEP,)
+_REFERENCE_RUN = re.compile(r"adamw|ddp_powersgd_r[0-9]+@[0-9.]+|onebit_adam@auto")
+
+
+def local_steps_runs() -> dict[str, Any]:
+    """The runs of :data:`LOCAL_STEPS`, completed by the AdamW-DDP, DDP + PowerSGD and 1-bit Adam (``auto``) runs of
+    :data:`LOCAL_STEPS_REFERENCES` made with the same settings for a key the file does not hold (those made before
+    the bits per parameter per step were recorded get them over the parameters of the same task's model)."""
+    from benchmarks.freeze_sweep import bits_per_parameter_step
+
+    results = _load(LOCAL_STEPS)
+    runs = dict(results["runs"])
+    settings = [r["settings"] for r in runs.values()]
+    parameters = {r["task"]: r["trainable_parameters"] for r in runs.values() if r.get("trainable_parameters")}
+    for name in LOCAL_STEPS_REFERENCES:
+        for key, run in _load(name)["runs"].items():
+            if key not in runs and _REFERENCE_RUN.fullmatch(run["run"]) and run["settings"] in settings:
+                copied = dict(run, copied_from=name)
+                if copied.get("bits_per_parameter_step") is None and run["task"] in parameters:
+                    copied["bits_per_parameter_step"] = bits_per_parameter_step(
+                        run["bytes_sent"], parameters[run["task"]], run["steps"])
+                runs[key] = copied
+    return dict(results, runs=runs)
+
+
+def _megabytes(value: Optional[float]) -> str:
+    """Bytes as MB, three significant figures (whole MB from 100 on)."""
+    if value is None:
+        return "-"
+    mb = value / 1e6
+    return f"{mb:,.0f}" if mb >= 100 else f"{mb:.3g}"
+
+
+def _cells(values: dict[int, Any], seeds: list[int], fmt: str) -> list[str]:
+    return ["-" if values.get(s) is None else format(values[s], fmt) for s in seeds]
+
+
+def local_steps_table() -> str:
+    """Per run of :func:`local_steps_runs` (the example from scratch) and of :data:`LM_LOCAL_STEPS` (the byte-level
+    GPT): every seed's accuracy (loss), its difference to the same-seed AdamW-DDP run, the whole-run bytes per rank,
+    AdamW-DDP's bytes over them and the bits per parameter per step."""
+    from benchmarks import lm_local_steps
+    from benchmarks.freeze_sweep import table_rows
+
+    results = local_steps_runs()
+    rows = table_rows(results)
+    seeds = list(rows[0]["acc"]) if rows else []
+    header = ["run", *(f"seed {s}" for s in seeds), "vs AdamW-DDP (points)", "MB sent per rank", "DDP bytes / run's",
+              "bits per parameter per step"]
+    table = []
+    for r in rows:
+        diff = "" if r["diff"] is None else " / ".join(_cells(r["diff"], seeds, "+.2f"))
+        table.append([f"`{r['run']}`", *_cells(r["acc"], seeds, ".2%"), diff,
+                      _megabytes(r["bytes_sent"]),
+                      "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:,.1f}x",
+                      "-" if r["bits_per_parameter_step"] is None else f"{r['bits_per_parameter_step']:.3g}"])
+    copied = sorted({f"`{r['run']}` seed {r['seed']}" for r in results["runs"].values() if r.get("copied_from")})
+    libraries = sorted({r["library"].split()[0] for r in results["runs"].values() if r.get("library")})
+    text = (
+        "**The example from scratch** (the fresh 4-layer BERT on the synthetic reviews, 620 steps, 2 CPU ranks; "
+        f"`python -m benchmarks.freeze_sweep --tasks synthetic --name {LOCAL_STEPS} --runs ...`, the runs named in "
+        "the table): `adamw` is AdamW-DDP, `ddp_powersgd_rR@F` AdamW on DDP with torch's PowerSGD of rank R after F of "
+        "the run in plain allreduce, `onebit_adam@auto` 1-bit Adam with the library's defaults, `diloco_C@H` "
+        "`onebit_diloco` with compressor C and an outer step every H inner steps (`bert_diloco.yaml`: 2 replicas of "
+        "one rank, inner AdamW, outer Nesterov lr 0.7 momentum 0.9), `diloco_C_sgd@H` the same with the outer step "
+        "without momentum at lr 1 (`diloco_none_sgd@H`: plain model averaging). Accuracy at the last step (for local "
+        "steps on the outer model of the last sync before it: 620 is not a multiple of 32 or 8), its difference in "
+        "points to the same seed's AdamW-DDP; bytes per rank over the whole run, counted on the ring model of "
+        "`lightning_onebit.comm.accounting` (the strategies' and hooks' own counters), the same task's AdamW-DDP "
+        "bytes over the run's (mean over seeds); bits per trainable parameter per optimizer step. `-`: not run. "
+        + (f"Copied from `results/{WARMUP_SWEEP}.json` (same harness and settings): {', '.join(copied)}. "
+           if copied else "")
+        + f"Library {', '.join(libraries)} (`results/{LOCAL_STEPS}.json`).\n\n" + _table(header, table)
+    )
+    lm = _load(LM_LOCAL_STEPS)
+    lm_rows = lm_local_steps.table_rows(lm)
+    lm_seeds = list(lm_rows[0]["loss"]) if lm_rows else []
+    corpus = lm["corpus"]
+    first = next(iter(lm["runs"].values()))
+    s = first["settings"]
+    header = ["run", *(f"seed {x}" for x in lm_seeds), "vs AdamW-DDP (%)", "MB sent per rank", "DDP bytes / run's",
+              "bits per parameter per step"]
+    table = []
+    for r in lm_rows:
+        diff = "" if r["diff"] is None else " / ".join(_cells(r["diff"], lm_seeds, "+.2f"))
+        table.append([f"`{r['run']}`", *_cells(r["loss"], lm_seeds, ".4f"), diff,
+                      _megabytes(r["bytes_sent"]),
+                      "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:,.1f}x",
+                      "-" if r["bits_per_parameter_step"] is None else f"{r['bits_per_parameter_step']:.3g}"])
+    lm_libraries = sorted({r["library"].split()[0] for r in lm["runs"].values() if r.get("library")})
+    text += (
+        f"\n\n**A language model from scratch** (`python -m benchmarks.lm_local_steps`): a byte-level GPT "
+        f"({s['layers']} layers, width {s['width']}, {s['heads']} heads, context {s['context']}, "
+        f"{first['trainable_parameters']:,} parameters) on the Python standard library's top-level modules "
+        f"({corpus['files']} files of Python {corpus['python']}, {corpus['bytes']:,} bytes, SHA-256 "
+        f"`{corpus['sha256'][:16]}...`; every tenth file held out: {corpus['val_bytes']:,} bytes), "
+        f"{s['steps']} steps of {s['batch_size']} windows per rank on 2 CPU ranks ({first['tokens']:,} tokens, the "
+        f"same windows for every run of a seed), AdamW lr {s['lr']:g}. Validation loss (nats per byte) on "
+        f"{s['val_windows']} held-out windows at the last step (a multiple of every period: the synced model), its "
+        "difference to the same seed's AdamW-DDP in percent; `torchft_diloco@H` is torchft's own `DiLoCo` on the same "
+        "model and data (fp32 allreduce of the pseudo-gradient; its bytes on the ring model, which torchft does not "
+        f"count). Library {', '.join(lm_libraries)} (`results/{LM_LOCAL_STEPS}.json`).\n\n" + _table(header, table)
+    )
+    return text
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
     "lamb_step_size": lamb_step_size_table,
     "kernels": kernels_table,
@@ -955,12 +1065,14 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "largest_model": largest_model_table,
     "zeroone_settings": zeroone_settings_table,
     "warmup_sweep": warmup_sweep_table,
+    "local_steps": local_steps_table,
 }
 
 
 # Sections whose results files are not measured yet: no page has a block for them until one of the files exists.
 AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS, "largest_model": ("largest_model",),
-                                                "warmup_sweep": (WARMUP_SWEEP,)}
+                                                "warmup_sweep": (WARMUP_SWEEP,),
+                                                "local_steps": (LOCAL_STEPS, LM_LOCAL_STEPS)}
 
 
 def _block(name: str) -> re.Pattern[str]:

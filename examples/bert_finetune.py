@@ -593,6 +593,8 @@ class BertFinetuneCLI(LightningCLI):
             "strategy": type(trainer.strategy).__name__,
             "optimizer": type(trainer.optimizers[0]).__name__,
             "steps": trainer.global_step,
+            # the trainable parameters: what bits per parameter per step are counted over
+            "trainable_parameters": sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad),
             "wall_s": round(time.perf_counter() - self._started, 1),
             **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")},
         }
@@ -636,7 +638,7 @@ class BertFinetuneCLI(LightningCLI):
                 summary["advice"] = dataclasses.asdict(monitor.advice)
         elif isinstance(strategy, OnebitDiLoCoStrategy):
             counters = strategy.communication
-            trainable = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
+            trainable = summary["trainable_parameters"]
             summary.update(
                 outer_syncs=strategy.outer_syncs,
                 bytes_sent=counters.bytes_sent,

@@ -1,0 +1,102 @@
+"""Plot issue 46's measurements to results/local_steps.png: accuracy (the example from scratch) and validation loss
+(the byte-level GPT) against whole-run bytes per rank, log scale, every method and seed, AdamW-DDP marked. It re-plots
+the results files only (``results/local_steps_sweep.json`` with the reference runs ``result_tables`` completes it
+with, and ``results/lm_local_steps.json``); it runs nothing.
+
+    python -m benchmarks.plot_local_steps
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from benchmarks.common import RESULTS_DIR, argument_parser
+
+#: the families of runs, in the legend's order: (test on the run name, label, colour, marker)
+FAMILIES = (
+    (lambda n: n == "adamw", "AdamW-DDP", "black", "*"),
+    (lambda n: n.startswith("ddp_powersgd"), "DDP + PowerSGD", "tab:purple", "v"),
+    (lambda n: n.startswith("onebit_adam"), "1-bit Adam (auto)", "tab:blue", "s"),
+    (lambda n: n.startswith("torchft"), "torchft DiLoCo (fp32)", "tab:brown", "X"),
+    (lambda n: n.startswith("diloco_none"), "onebit_diloco, none (fp32)", "tab:red", "o"),
+    (lambda n: n.startswith("diloco_bf16"), "onebit_diloco, bf16", "tab:pink", "o"),
+    (lambda n: n.startswith("diloco_onebit"), "onebit_diloco, 1-bit", "tab:green", "D"),
+    (lambda n: n.startswith("diloco_topk"), "onebit_diloco, top-k + 2-bit", "tab:orange", "^"),
+)
+
+
+def family_of(name: str) -> tuple[str, str, str]:
+    """``(label, colour, marker)`` of a run name; the outer step without momentum (``_sgd``) keeps its compressor's
+    colour with a plus for a marker."""
+    for test, label, colour, marker in FAMILIES:
+        if test(name):
+            return (f"{label}, outer SGD lr 1", colour, "P") if "_sgd@" in name else (label, colour, marker)
+    return name, "tab:gray", "."
+
+
+def points(runs: dict[str, Any], value: str) -> list[dict[str, Any]]:
+    """One point per run: its name, seed, whole-run bytes per rank and ``value`` (``val_acc`` or ``val_loss``)."""
+    return [dict(run=r["run"], seed=int(r["seed"]), bytes=r["bytes_sent"], value=r[value]) for r in runs.values()
+            if r.get("bytes_sent") and r.get(value) is not None]
+
+
+def _panel(ax: Any, pts: list[dict[str, Any]], ylabel: str, title: str, percent: bool) -> None:
+    seen = set()
+    for p in sorted(pts, key=lambda p: (p["run"], p["seed"])):
+        label, colour, marker = family_of(p["run"])
+        adamw = p["run"] == "adamw"
+        # local steps: hollow at a period of 8, filled at 32 and longer; seeds share a colour
+        hollow = p["run"].endswith("@8")
+        ax.scatter([p["bytes"]], [100 * p["value"] if percent else p["value"]], marker=marker,
+                   s=220 if adamw else 55, facecolor="none" if hollow else colour, edgecolor=colour, linewidth=1.3,
+                   zorder=5 if adamw else 3, label=None if label in seen else label)
+        seen.add(label)
+        if adamw:
+            ax.axvline(p["bytes"], color="0.6", lw=0.8, ls="--", zorder=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("whole-run bytes sent per rank (log scale; dashed: AdamW-DDP)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")
+
+
+def plot(synthetic: Optional[dict[str, Any]], lm: Optional[dict[str, Any]], path: Path) -> Path:
+    """Both panels (a missing results file leaves its panel out) to ``path``, 830 px wide."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in ((synthetic, "val_acc", "validation accuracy (%)", "the example from scratch (synthetic "
+                          "reviews, 620 steps): every seed", True),
+                          (lm, "val_loss", "validation loss (nats per byte)", "byte-level GPT on the standard "
+                          "library (320 steps, equal tokens): every seed", False)) if p[0] is not None]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.3, 3.6 * len(panels)), dpi=100, squeeze=False)
+    for ax, (results, value, ylabel, title, percent) in zip(axes[:, 0], panels):
+        _panel(ax, points(results["runs"], value), ylabel, title, percent)
+    fig.text(0.01, 0.003, "local steps: hollow = an outer step every 8 inner steps, filled = every 32; onebit_diloco's "
+             "outer step: Nesterov lr 0.7 momentum 0.9, or SGD lr 1 without momentum (plus)", fontsize=7)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    import json
+
+    from benchmarks.result_tables import LM_LOCAL_STEPS, LOCAL_STEPS, local_steps_runs
+
+    parser = argument_parser(__spec__.name, __doc__)
+    parser.add_argument("--output", default=str(RESULTS_DIR / "local_steps.png"))
+    args = parser.parse_args()
+    synthetic = local_steps_runs() if (RESULTS_DIR / f"{LOCAL_STEPS}.json").exists() else None
+    lm_path = RESULTS_DIR / f"{LM_LOCAL_STEPS}.json"
+    lm = json.loads(lm_path.read_text()) if lm_path.exists() else None
+    print(f"picture: {plot(synthetic, lm, Path(args.output))}")
+
+
+if __name__ == "__main__":
+    main()
