@@ -17,8 +17,8 @@ DDP_CONFIG = ROOT / "examples" / "configs" / "bert_adamw.yaml"
 FSDP_CONFIG = ROOT / "examples" / "configs" / "bert_fsdp.yaml"
 DILOCO_CONFIG = ROOT / "examples" / "configs" / "bert_diloco.yaml"
 #: what benchmarks/ read from a DDP run's --summary_json (bert_parity, convergence, freeze_sweep, result_tables)
-DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "wall_s", "val_loss", "val_acc", "val_f1", "bytes_sent",
-                    "bytes_fp32_equivalent", "rounds_per_100_steps"}
+DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "trainable_parameters", "wall_s", "val_loss", "val_acc",
+                    "val_f1", "bytes_sent", "bytes_fp32_equivalent", "rounds_per_100_steps"}
 
 
 def test_synthetic_reviews_are_balanced_deterministic_and_not_decided_by_one_word(example):
