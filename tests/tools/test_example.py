@@ -17,8 +17,8 @@ DDP_CONFIG = ROOT / "examples" / "configs" / "bert_adamw.yaml"
 FSDP_CONFIG = ROOT / "examples" / "configs" / "bert_fsdp.yaml"
 DILOCO_CONFIG = ROOT / "examples" / "configs" / "bert_diloco.yaml"
 #: what benchmarks/ read from a DDP run's --summary_json (bert_parity, convergence, freeze_sweep, result_tables)
-DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "wall_s", "val_loss", "val_acc", "val_f1", "bytes_sent",
-                    "bytes_fp32_equivalent", "rounds_per_100_steps"}
+DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "trainable_parameters", "wall_s", "val_loss", "val_acc", "val_f1",
+                    "bytes_sent", "bytes_fp32_equivalent", "rounds_per_100_steps"}
 
 
 def test_synthetic_reviews_are_balanced_deterministic_and_not_decided_by_one_word(example):
@@ -348,6 +348,7 @@ def test_ddp_baseline_is_counted_by_the_communication_monitor(example, tmp_path)
     data = example.TextClassificationData(**data_sizes)
     model = example.BertClassifier(vocab_size=data.vocab_size, num_labels=data.num_labels, **sizes)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert result["trainable_parameters"] == numel
     assert result["bytes_sent"] == result["bytes_fp32_equivalent"] == ring_allreduce_bytes(numel, 4, 2) * 8, result
     assert result["rounds_per_100_steps"] == 100.0
     assert "(= DDP fp32)" in proc.stdout and re.search(r"accuracy +\d+\.\d\d %", proc.stdout), proc.stdout[-3000:]
