@@ -59,7 +59,7 @@ def _panel(ax: Any, pts: list[dict[str, Any]], ylabel: str, title: str, percent:
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=6.5, loc="best", framealpha=0.6)
 
 
 def plot(synthetic: Optional[dict[str, Any]], lm: Optional[dict[str, Any]], path: Path) -> Path:
@@ -76,8 +76,8 @@ def plot(synthetic: Optional[dict[str, Any]], lm: Optional[dict[str, Any]], path
     fig, axes = plt.subplots(len(panels), 1, figsize=(8.3, 3.6 * len(panels)), dpi=100, squeeze=False)
     for ax, (results, value, ylabel, title, percent) in zip(axes[:, 0], panels):
         _panel(ax, points(results["runs"], value), ylabel, title, percent)
-    fig.text(0.01, 0.003, "local steps: hollow = an outer step every 8 inner steps, filled = every 32; onebit_diloco's "
-             "outer step: Nesterov lr 0.7 momentum 0.9, or SGD lr 1 without momentum (plus)", fontsize=7)
+    fig.text(0.01, 0.003, "local steps: hollow = an outer step every 8 inner steps, filled = every 32; outer step "
+             "Nesterov lr 0.7 momentum 0.9, or SGD lr 1 (plus)", fontsize=7)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path)
     plt.close(fig)
