@@ -123,3 +123,17 @@ def scenario_results(session: list[dict], name: str) -> list[dict]:
         if "__error__" in result:
             pytest.fail(f"scenario {name!r} failed on rank {rank}:\n{result['__error__']}")
     return results
+
+
+def wait_until_group_released(group: Any, references: int, timeout_s: float = 30.0) -> None:
+    """Wait until ``group`` has no more than ``references`` references (e.g. until no callback of torch's PowerSGD hook
+    holds it any more). Its callbacks keep the group (they
+    launch the P and Q all-reduces) and gloo frees them on its worker thread just after it has completed the bucket's
+    future, so the training loop can be done while one is still held; the group destroyed at the end of the rank
+    would then be freed last on that worker thread, which gloo cannot join from itself (the process aborts with
+    "Resource deadlock avoided")."""
+    deadline = time.monotonic() + timeout_s
+    while sys.getrefcount(group) > references + 1:  # + 1: this function's argument
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"torch's PowerSGD callbacks still hold the process group after {timeout_s} s")
+        time.sleep(0.001)

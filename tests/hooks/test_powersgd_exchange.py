@@ -5,6 +5,7 @@ two allreduces per compressed step counted by hand, no host synchronisation, and
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.hooks import PowerSGDExchangeState, powersgd_exchange_hook
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, wait_until_group_released
 
 STEPS, VANILLA = 6, 2
 
@@ -55,6 +56,8 @@ def _against_torch(rank: int, world_size: int, approximation_rank: int) -> dict[
     torch_model.register_comm_hook((torch_state, ours, index_of), _torch_with_our_q)
     generator = torch.Generator().manual_seed(rank)
     grads = []
+    world = dist.group.WORLD
+    references = sys.getrefcount(world)  # the group's references before any hook ran
     for _ in range(STEPS):
         x = torch.randn(8, 32, generator=generator)
         step = []
@@ -63,6 +66,10 @@ def _against_torch(rank: int, world_size: int, approximation_rank: int) -> dict[
             model(x).pow(2).sum().backward()
             step.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         grads.append(step)
+    # torch's hook chains its allreduces with callbacks that hold the process group and are freed on gloo's worker
+    # thread; the group destroyed at the end of the rank must not be freed last there (gloo aborts: "Resource deadlock
+    # avoided"). This failed once in CI.
+    wait_until_group_released(world, references)
     return dict(grads=grads, compressed=ours.compressed_buckets, iteration=ours.iteration)
 
 

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.hooks import OrderedPowerSGDState, ordered_powersgd_hook
 from lightning_onebit.hooks.powersgd import powersgd_allreduce_numels
-from tests.distributed import run_distributed
+from tests.distributed import wait_until_group_released, run_distributed
 
 STEPS, START = 5, 2
 
@@ -47,19 +47,6 @@ class _AllReduceSpy:
         dist.all_reduce = self._original
 
 
-def _wait_until_released(group: Any, references: int, timeout_s: float = 30.0) -> None:
-    """Wait until no callback of torch's PowerSGD hook holds ``group`` any more. Its callbacks keep the group (they
-    launch the P and Q all-reduces) and gloo frees them on its worker thread just after it has completed the bucket's
-    future, so the training loop can be done while one is still held; the group destroyed at the end of the rank
-    would then be freed last on that worker thread, which gloo cannot join from itself (the process aborts with
-    "Resource deadlock avoided")."""
-    deadline = time.monotonic() + timeout_s
-    while sys.getrefcount(group) > references + 1:  # + 1: this function's argument
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"torch's PowerSGD callbacks still hold the process group after {timeout_s} s")
-        time.sleep(0.001)
-
-
 def _train(rank: int, world_size: int, layers: tuple[int, ...], bucket_cap_mb: float, rank_r: int) -> dict[str, Any]:
     torch.manual_seed(0)
     modules: list[nn.Module] = []
@@ -77,7 +64,7 @@ def _train(rank: int, world_size: int, layers: tuple[int, ...], bucket_cap_mb: f
             model.zero_grad()
             model(torch.randn(8, layers[0], generator=generator)).pow(2).sum().backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-    _wait_until_released(world, references)
+    wait_until_group_released(world, references)
     c = state.counters
     return dict(bytes_sent=c.bytes_sent, bytes_fp32=c.bytes_fp32_equivalent, collectives=c.collectives,
                 calls=c.calls, spy_bytes=spy.bytes_sent, spy_calls=spy.calls, grads=grads,
