@@ -957,6 +957,15 @@ def local_steps_runs() -> dict[str, Any]:
     return dict(results, runs=runs)
 
 
+def _bytes_row(r: dict[str, Any], values: dict[Any, Any], seeds: list[Any], value_format: str) -> list[str]:
+    """A local-steps table row: the run, its value per seed, the difference to AdamW-DDP per seed, MB sent per rank,
+    AdamW-DDP's bytes over the run's and bits per parameter per step."""
+    diff = "" if r["diff"] is None else " / ".join(_cells(r["diff"], seeds, "+.2f"))
+    return [f"`{r['run']}`", *_cells(values, seeds, value_format), diff, _megabytes(r["bytes_sent"]),
+            "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:,.1f}x",
+            "-" if r["bits_per_parameter_step"] is None else f"{r['bits_per_parameter_step']:.3g}"]
+
+
 def _megabytes(value: Optional[float]) -> str:
     """Bytes as MB, three significant figures (whole MB from 100 on)."""
     if value is None:
@@ -981,13 +990,7 @@ def local_steps_table() -> str:
     seeds = list(rows[0]["acc"]) if rows else []
     header = ["run", *(f"seed {s}" for s in seeds), "vs AdamW-DDP (points)", "MB sent per rank", "DDP bytes / run's",
               "bits per parameter per step"]
-    table = []
-    for r in rows:
-        diff = "" if r["diff"] is None else " / ".join(_cells(r["diff"], seeds, "+.2f"))
-        table.append([f"`{r['run']}`", *_cells(r["acc"], seeds, ".2%"), diff,
-                      _megabytes(r["bytes_sent"]),
-                      "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:,.1f}x",
-                      "-" if r["bits_per_parameter_step"] is None else f"{r['bits_per_parameter_step']:.3g}"])
+    table = [_bytes_row(r, r["acc"], seeds, ".2%") for r in rows]
     copied = sorted({f"`{r['run']}` seed {r['seed']}" for r in results["runs"].values() if r.get("copied_from")})
     libraries = sorted({r["library"].split()[0] for r in results["runs"].values() if r.get("library")})
     text = (
@@ -1014,13 +1017,7 @@ def local_steps_table() -> str:
     s = first["settings"]
     header = ["run", *(f"seed {x}" for x in lm_seeds), "vs AdamW-DDP (%)", "MB sent per rank", "DDP bytes / run's",
               "bits per parameter per step"]
-    table = []
-    for r in lm_rows:
-        diff = "" if r["diff"] is None else " / ".join(_cells(r["diff"], lm_seeds, "+.2f"))
-        table.append([f"`{r['run']}`", *_cells(r["loss"], lm_seeds, ".4f"), diff,
-                      _megabytes(r["bytes_sent"]),
-                      "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:,.1f}x",
-                      "-" if r["bits_per_parameter_step"] is None else f"{r['bits_per_parameter_step']:.3g}"])
+    table = [_bytes_row(r, r["loss"], lm_seeds, ".4f") for r in lm_rows]
     lm_libraries = sorted({r["library"].split()[0] for r in lm["runs"].values() if r.get("library")})
     text += (
         f"\n\n**A language model from scratch** (`python -m benchmarks.lm_local_steps`): a byte-level GPT "
