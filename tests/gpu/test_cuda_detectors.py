@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -413,6 +414,10 @@ def _calls(results: list[dict]) -> list[list[Collective]]:
     return [[Collective(*c) for c in r["calls"]] for r in results]
 
 
+# the flat all_gather's name: torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single``
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 def _check_same_order(results: list[dict], overlapped: bool) -> None:
     sequences = _calls(results)
     for r in results:
@@ -420,9 +425,9 @@ def _check_same_order(results: list[dict], overlapped: bool) -> None:
     divergence = first_divergence(sequences)
     assert divergence is None, divergence
     ops = {c.op for c in sequences[0] if c.group >= 0}
-    assert {"all_to_all_single", "all_gather_single"} <= ops, ops
+    assert {"all_to_all_single", GATHER} <= ops, ops
     for r, sequence in zip(results, sequences):  # the recorder saw every collective of the exchange
-        exchange = [c for c in sequence if c.op in ("all_to_all_single", "all_gather_single")]
+        exchange = [c for c in sequence if c.op in ("all_to_all_single", GATHER)]
         assert len(exchange) == r["counted"], (len(exchange), r["counted"])
     if overlapped:
         assert all(r["started"] > 0 for r in results), "the overlap hook never started an exchange"
@@ -435,7 +440,7 @@ def _check_same_order(results: list[dict], overlapped: bool) -> None:
             elif steps:
                 steps[-1].append(c)
         assert any(
-            any(a.op == "all_gather_single" and b.op == "all_to_all_single" and a.group != b.group
+            any(a.op == GATHER and b.op == "all_to_all_single" and a.group != b.group
                 for i, a in enumerate(step) for b in step[i + 1 :])
             for step in steps
         ), "no step interleaves second-phase all_gathers with first-phase all_to_alls"
