@@ -15,8 +15,8 @@
 #   pytest.log, pytest_junit.xml   `python -m pytest -m gpu tests` (every test marked gpu; 2-GPU NCCL tests skip on one)
 #   gpu_kernels.json        `python -m benchmarks.gpu_kernels`: compress / decompress against a device copy, with
 #                           the device name
-#   fit_one_gpu.log/.json   the example, 1-bit Adam, bf16-mixed, one process on the GPU, 300 steps: through a fixed
-#                           warmup (100 steps) into the compression stage (--summary_json)
+#   fit_one_gpu.log/.json   the example as configured (1-bit Adam, freeze_step="auto", 620 steps), bf16-mixed, one
+#                           process on the GPU: through the warmup into the compression stage (--summary_json)
 #   fit_two_processes.log/.json   the same with two processes on the one GPU (NCCL refuses two ranks on one device, so
 #                           gloo, which moves the CUDA tensors through host memory): the flat compressed exchange,
 #                           the replicas' bits compared every 10 steps (ReplicaCheck)
@@ -28,7 +28,7 @@ OUT=${OUT:-results/tmp/gpu_check}
 ACCELERATOR=${ACCELERATOR:-gpu}
 PYTHON=${PYTHON:-python3}
 PRECISION=${PRECISION:-bf16-mixed}
-MAX_STEPS=${MAX_STEPS:-300}
+MAX_STEPS=${MAX_STEPS:-}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export OUT ACCELERATOR PYTHON PRECISION MAX_STEPS PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -46,14 +46,17 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run COMMAND under a time limit, ou
     [ "$rc" = 0 ] || failed=$((failed + 1))
 }
 
-# the example on the accelerator: a fixed warmup of a third of the run, then 1-bit compressed momenta; ReplicaCheck
-# compares the replicas' bits every 10 steps (two processes)
+# the example on the accelerator as its config has it (620 steps, freeze_step="auto"), ReplicaCheck comparing the
+# replicas' bits every 10 steps (two processes); with MAX_STEPS, that many steps and a fixed warmup of a third of them
 FIT_ARGS=(examples/bert_finetune.py fit --config examples/configs/bert_onebit.yaml
     --trainer.accelerator "$ACCELERATOR" --trainer.devices 1 --trainer.precision "$PRECISION"
-    --trainer.max_steps "$MAX_STEPS" --trainer.max_epochs -1 --trainer.val_check_interval $((MAX_STEPS / 2))
-    --trainer.check_val_every_n_epoch null --trainer.logger false --trainer.default_root_dir "$(mktemp -d)"
-    --optimizer.init_args.freeze_step $((MAX_STEPS / 3)) --optimizer.init_args.auto_freeze null
+    --trainer.logger false --trainer.default_root_dir "$(mktemp -d)"
     --trainer.callbacks+ lightning_onebit.ReplicaCheck --trainer.callbacks.every_n_steps 10)
+if [ -n "$MAX_STEPS" ]; then
+    FIT_ARGS+=(--trainer.max_steps "$MAX_STEPS" --trainer.max_epochs -1 --trainer.val_check_interval $((MAX_STEPS / 2))
+        --trainer.check_val_every_n_epoch null
+        --optimizer.init_args.freeze_step $((MAX_STEPS / 3)) --optimizer.init_args.auto_freeze null)
+fi
 
 # two processes, one GPU: Lightning's environment from variables (each process a node of one device), gloo
 if [ "${1:-}" = --two-processes ]; then
@@ -95,9 +98,9 @@ if [ "$ACCELERATOR" = gpu ]; then
     cp results/gpu_kernels.json "$OUT/" 2>/dev/null
 fi
 
-step fit_one_gpu 90 "$OUT/fit_one_gpu.log" "$PYTHON" "${FIT_ARGS[@]}" --summary_json "$OUT/fit_one_gpu.json"
+step fit_one_gpu 120 "$OUT/fit_one_gpu.log" "$PYTHON" "${FIT_ARGS[@]}" --summary_json "$OUT/fit_one_gpu.json"
 
-step fit_two_processes 120 "$OUT/fit_two_processes.log" bash "$0" --two-processes
+step fit_two_processes 200 "$OUT/fit_two_processes.log" bash "$0" --two-processes
 
 echo "steps failed: $failed" | tee -a "$SUMMARY"
 exit "$failed"

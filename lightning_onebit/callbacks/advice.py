@@ -65,6 +65,12 @@ class CompressionAdvice:
 
     def message(self) -> str:
         """The estimate in words, saying plainly when compression cannot make steps faster."""
+        if not self.warmup_bytes:  # one process: DDP averaged nothing over a link, so there is nothing to compress
+            return (
+                f"the warmup's {_seconds(self.step_s)} steps (median of {self.warmup_steps}) sent nothing: with one "
+                "process there is no gradient average to compress and compression cannot make steps faster; on one "
+                "device train with strategy='auto' and torch.optim.AdamW"
+            )
         fewer = f" ({self.warmup_bytes / self.compressed_bytes:.1f}x fewer)" if self.compressed_bytes else ""
         share = self.exposed_s / self.step_s if self.step_s else 0.0
         text = (

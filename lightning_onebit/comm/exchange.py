@@ -209,7 +209,7 @@ def start_exchange_(
         node_mean = received[:shard]
         for j in range(1, per_node):
             node_mean.add_(received[j * shard : (j + 1) * shard])
-        node_mean.div_(per_node)
+        kernels.divide_(node_mean, per_node)
         own_chunks = range(local * nodes, (local + 1) * nodes)
         _compress_chunks(node_mean, bufs.worker_error, bufs.send, layout, own_chunks, backend, workspace)
         pending.group = topology.inter_group

@@ -102,7 +102,8 @@ def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
     topology, against 2 with ``split_group``. torch refuses to split without an
     accelerator and a device bound to the default group, so on CPU gloo (checked on torch 2.13: "No device
     associated with the default pg, not safe to split any process groups"; ``init_process_group`` refuses a CPU
-    ``device_id``) groups are made with ``new_group``, where each is a gloo connection setup among its members only.
+    ``device_id``), and on any backend but NCCL, groups are made with ``new_group``, where each is a gloo connection
+    setup among its members only.
     The answer depends only on the torch build, the backend and whether a device is bound, which every rank shares,
     so every rank takes the same branch.
     """
@@ -115,11 +116,26 @@ def split_group_supported(group: Optional[dist.ProcessGroup] = None) -> bool:
     if accelerator is None or not accelerator.is_available():
         return False
     parent = default if group is None else group
+    device = accelerator.current_accelerator()
+    # torch documents split_group for NCCL only; gloo's backend says it supports splitting, but on torch 2.11 (CUDA
+    # tensors on gloo, seen on an H200) split_group then fails to deepcopy gloo's options
+    if _backend_for(parent, device.type) != "nccl":
+        return False
     try:
-        backend = parent._get_backend(accelerator.current_accelerator())
-    except RuntimeError:  # the group has no backend for the accelerator (e.g. a gloo-only group)
+        backend = parent._get_backend(device)
+    except RuntimeError:  # the group has no backend for the accelerator
         return False
     return bool(getattr(backend, "supports_splitting", False))
+
+
+def _backend_for(group: dist.ProcessGroup, device_type: str) -> Optional[str]:
+    """The name of ``group``'s backend for ``device_type``: ``dist.get_backend`` gives ``"nccl"`` for a group of one
+    backend and ``"cpu:gloo,cuda:nccl"`` for a group with one per device type."""
+    names = str(dist.get_backend(group))
+    if ":" not in names:
+        return names
+    by_device = dict(part.split(":", 1) for part in names.split(","))
+    return by_device.get(device_type)
 
 
 def new_group_family(

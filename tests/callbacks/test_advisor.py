@@ -74,6 +74,14 @@ def test_message_gives_the_figures_and_says_plainly_when_compression_cannot_help
     assert "950 ms" in text and "900 ms estimated" in text and "median of 20 steps" in text and "1.26x" in text
 
 
+def test_one_process_is_told_there_is_nothing_to_compress() -> None:
+    # the example on one GPU (an H200) printed "1-bit steps send 0 B, not 0 B"
+    text = advice(warmup_bytes=0, compressed_bytes=0, exposed_s=0.0, step_s=0.037).message()
+    assert "sent nothing" in text and "one process" in text and "strategy='auto'" in text, text
+    assert "0 B" not in text and "37 ms" in text and "median of 20" in text, text
+    assert not advice(warmup_bytes=0, compressed_bytes=0, exposed_s=0.0).helps
+
+
 def test_advise_steps_is_checked() -> None:
     for bad in (0, -1, 2.5, True, "20"):
         with pytest.raises(ValueError, match="advise_steps must be an integer >= 1"):
