@@ -33,6 +33,11 @@ class CompressionAdvice:
         warmup_bytes: bytes this rank sent per warmup step (the largest over ranks).
         compressed_bytes: bytes sent in the first compression-stage step (the largest over ranks).
         overlap: whether the compression stage overlaps the exchange with backward.
+        warmup_compressed: whether the warmup averaged compressed gradients (``warmup_exchange`` "bf16", "int8",
+            "powersgd" or a hook of the user's: fewer bytes than fp32). Its exchange time is then partly the
+            compressor's own work (PowerSGD's products and orthogonalisation), not the link's, so it says nothing of
+            what the 1-bit exchange's bytes will take: no estimate is made (``expected_step_s`` is the warmup step)
+            and the compression-stage step is only measured. Default ``False``.
         expected_step_s: the estimate above, seconds.
         measured_step_s: median compression-stage step time of the slowest rank, seconds, once measured (``None``
             before).
@@ -46,6 +51,7 @@ class CompressionAdvice:
     warmup_bytes: float
     compressed_bytes: float
     overlap: bool
+    warmup_compressed: bool = False
     expected_step_s: float = dataclasses.field(init=False)
     measured_step_s: Optional[float] = None
     measured_steps: int = 0
@@ -54,6 +60,9 @@ class CompressionAdvice:
     NEGLIGIBLE_SAVING = 0.05
 
     def __post_init__(self) -> None:
+        if self.warmup_compressed:
+            self.expected_step_s = self.step_s
+            return
         ratio = self.compressed_bytes / self.warmup_bytes if self.warmup_bytes else 1.0
         on_link = self.exposed_s if self.overlap else self.span_s
         self.expected_step_s = max(0.0, self.step_s - self.exposed_s + on_link * ratio)
@@ -71,6 +80,13 @@ class CompressionAdvice:
                 "process there is no gradient average to compress and compression cannot make steps faster; on one "
                 "device train with strategy='auto' and torch.optim.AdamW"
             )
+        if self.warmup_compressed:
+            return (
+                f"the warmup averaged compressed gradients ({_bytes(self.warmup_bytes)} per step, a "
+                f"{_seconds(self.step_s)} step, median of {self.warmup_steps} warmup steps): its exchange time is "
+                "partly the compressor's own work, not the link's, so the compression-stage step, whose 1-bit "
+                f"exchange sends {_bytes(self.compressed_bytes)}, is not estimated but measured"
+            )
         fewer = f" ({self.warmup_bytes / self.compressed_bytes:.1f}x fewer)" if self.compressed_bytes else ""
         share = self.exposed_s / self.step_s if self.step_s else 0.0
         text = (
@@ -85,6 +101,12 @@ class CompressionAdvice:
     def measured_message(self) -> str:
         """The measured compression-stage step next to the estimate."""
         assert self.measured_step_s is not None
+        if self.warmup_compressed:
+            return (
+                f"compression-stage step measured {_seconds(self.measured_step_s)} (median of {self.measured_steps} "
+                f"steps, slowest rank) against {_seconds(self.step_s)} in the compressed warmup "
+                f"({self.step_s / self.measured_step_s:.2f}x)"
+            )
         return (
             f"compression-stage step measured {_seconds(self.measured_step_s)} (median of {self.measured_steps} "
             f"steps, slowest rank) against {_seconds(self.expected_step_s)} estimated and "

@@ -77,7 +77,8 @@ class CommunicationMonitor(Callback):
     :class:`CompressionAdvice`: the share of the step that waited for the allreduce, the bytes per step before and
     after, and the expected compression-stage step time, saying plainly when the link is fast enough that compression
     cannot help. After ``advise_steps`` more steps it logs the measured compression-stage step time next to the
-    estimate. Both go to the log (rank 0) and the logger (``advisor/warmup_step_ms``, ``advisor/exposed_ms``,
+    estimate. A warmup that averaged compressed gradients (``warmup_exchange`` other than "fp32", or a hook of yours)
+    times the compressor's work with the link's, so then the step is only measured, and the advice says why. Both go to the log (rank 0) and the logger (``advisor/warmup_step_ms``, ``advisor/exposed_ms``,
     ``advisor/expected_step_ms``, ``advisor/measured_step_ms``); :attr:`advice` holds them. Each costs one small
     ``all_reduce`` (every rank's figures: the advice is the slowest rank's). A run resumed in the compression stage
     measured no warmup and gets no advice (the log says so). With ``ZeroOneAdam``, whose steps after its warmup mix
@@ -109,7 +110,7 @@ class CommunicationMonitor(Callback):
         self._last_time: Optional[float] = None
         self._last_span = 0.0
         self._steps_timed = 0
-        self._warmup: collections.deque[tuple[float, float, float, int]] = collections.deque(maxlen=advise_steps)
+        self._warmup: collections.deque[tuple[float, float, float, int, int]] = collections.deque(maxlen=advise_steps)
         self._compressed: list[float] = []
         self._advice_done = False
         self._optimizer_note: Optional[str] = None  # what the advice adds about steps it does not time
@@ -282,7 +283,7 @@ class CommunicationMonitor(Callback):
         self._steps_timed += 1
         if not compressed:
             if self._steps_timed > self.SETTLING_STEPS and step_s is not None:
-                self._warmup.append((step_s, step.exposed_s, span_s, step.bytes_sent))
+                self._warmup.append((step_s, step.exposed_s, span_s, step.bytes_sent, step.bytes_fp32_equivalent))
             return
         if self.advice is None:
             # The first compressed step: every rank is here (the stage is rank-identical), so the reduction is safe.
@@ -293,11 +294,13 @@ class CommunicationMonitor(Callback):
                     f"{self.SETTLING_STEPS} warmup steps are needed); {_ADVISOR_DOCS}"
                 )
                 return
-            step_times, exposed, spans, sent = zip(*self._warmup)
+            step_times, exposed, spans, sent, fp32 = zip(*self._warmup)
+            # a warmup exchange that sent fewer bytes than fp32 (bf16, int8, PowerSGD, a hook of the user's)
+            compressed_warmup = float(sum(sent) < sum(fp32))
             figures = _reduce_max(
                 strategy,
                 [statistics.median(step_times), -statistics.median(exposed), statistics.median(spans),
-                 statistics.median(sent), step.bytes_sent],
+                 statistics.median(sent), step.bytes_sent, compressed_warmup],
             )
             self.advice = CompressionAdvice(
                 warmup_steps=len(self._warmup),
@@ -307,17 +310,15 @@ class CommunicationMonitor(Callback):
                 warmup_bytes=figures[3],
                 compressed_bytes=figures[4],
                 overlap=strategy.overlap_state is not None and strategy.overlap_state.enabled,
+                warmup_compressed=bool(figures[5]),
             )
             self._warmup.clear()
             rank_zero_info(f"onebit_adam advisor: {self.advice.message()}{self._note}; {_ADVISOR_DOCS}")
-            _log_once(
-                trainer,
-                {
-                    "advisor/warmup_step_ms": 1000.0 * self.advice.step_s,
-                    "advisor/exposed_ms": 1000.0 * self.advice.exposed_s,
-                    "advisor/expected_step_ms": 1000.0 * self.advice.expected_step_s,
-                },
-            )
+            logged = {"advisor/warmup_step_ms": 1000.0 * self.advice.step_s,
+                      "advisor/exposed_ms": 1000.0 * self.advice.exposed_s}
+            if not self.advice.warmup_compressed:  # else no estimate was made
+                logged["advisor/expected_step_ms"] = 1000.0 * self.advice.expected_step_s
+            _log_once(trainer, logged)
             self._steps_timed = 1
             return
         if self._steps_timed > self.SETTLING_STEPS and step_s is not None:
