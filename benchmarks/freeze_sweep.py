@@ -64,8 +64,8 @@ Issue 46's runs (not in the default runs): local steps with a compressed outer s
 * ``diloco_C@H``: ``bert_diloco.yaml`` (2 replicas of one rank each, inner AdamW at the Adam runs' lr) with
   ``--trainer.strategy.sync_every H --trainer.strategy.compressor C``: an outer step every ``H`` inner steps, its
   pseudo-gradient averaged by ``C`` (``none``: fp32, plain DiLoCo; ``bf16``; ``onebit``: the 1-bit exchange with error
-  feedback; ``topk``: chunked top-k + 2-bit values with error feedback), the outer optimizer the config's (DiLoCo's
-  Nesterov, lr 0.7, momentum 0.9);
+  feedback; ``topk``: chunked top-k + 2-bit values with error feedback), and DiLoCo's outer optimizer,
+  named (``--trainer.strategy.outer_optimizer nesterov`` with lr 0.7, momentum 0.9);
 * ``diloco_C_sgd@H``: the same with ``--trainer.strategy.outer_optimizer sgd --trainer.strategy.outer_lr 1``
   (SparseLoCo's form: no outer momentum, the error feedback its memory; ``diloco_none_sgd@H`` is plain periodic
   model averaging, local SGD).
@@ -324,6 +324,9 @@ def run_args(name: str, steps: int, lamb_lr: Optional[str],
         args = ["--trainer.strategy.sync_every", str(every), "--trainer.strategy.compressor", compressor]
         if outer == "sgd":
             args += ["--trainer.strategy.outer_optimizer", "sgd", "--trainer.strategy.outer_lr", "1"]
+        else:  # DiLoCo's, named: the config takes the strategy's default outer optimizer
+            args += ["--trainer.strategy.outer_optimizer", "nesterov", "--trainer.strategy.outer_lr", "0.7",
+                     "--trainer.strategy.outer_momentum", "0.9"]
         return CONFIGS["diloco"], args
     family, freeze = parse_run(name)
     config = CONFIGS[family]

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_onebit import CommunicationMonitor, OnebitDiLoCoStrategy
 from lightning_onebit.comm import BucketLayout, OuterCompression, ring_allreduce_bytes
-from lightning_onebit.strategy.local_steps import PROVISIONAL_DEFAULTS
+from lightning_onebit.strategy.local_steps import DEFAULTS, OUTER_LR
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, flat_params, held_out_loss, loader, trainer_kwargs
 from tests.strategy.test_topology_lightning import RecordingLogger
@@ -308,13 +308,15 @@ def test_bad_arguments_are_refused_where_they_are_given(kwargs, match):
         OnebitDiLoCoStrategy(**kwargs)
 
 
-def test_the_strategy_is_registered_with_the_provisional_defaults():
+def test_the_strategy_is_registered_with_the_measured_defaults():
     trainer = pl.Trainer(strategy="onebit_diloco", accelerator="cpu", devices=1, logger=False)
     strategy = trainer.strategy
     assert isinstance(strategy, OnebitDiLoCoStrategy)
-    assert strategy.sync_every == PROVISIONAL_DEFAULTS.sync_every
-    assert strategy.compression == OuterCompression(PROVISIONAL_DEFAULTS.compressor)
-    assert (strategy.outer_optimizer, strategy.outer_lr, strategy.outer_momentum) == (
-        PROVISIONAL_DEFAULTS.outer_optimizer, PROVISIONAL_DEFAULTS.outer_lr, PROVISIONAL_DEFAULTS.outer_momentum)
+    assert (strategy.sync_every, strategy.compression) == (8, OuterCompression("onebit")) == (
+        DEFAULTS.sync_every, OuterCompression(DEFAULTS.compressor))
+    assert (strategy.outer_optimizer, strategy.outer_lr, strategy.outer_momentum) == ("sgd", 1.0, 0.9)
+    # outer_lr's default follows the outer optimizer: DiLoCo's Nesterov keeps its 0.7; a given one is kept
+    assert OnebitDiLoCoStrategy(outer_optimizer="nesterov").outer_lr == 0.7 == OUTER_LR["nesterov"]
+    assert OnebitDiLoCoStrategy(outer_optimizer="nesterov", outer_lr=0.5).outer_lr == 0.5
     topk = OnebitDiLoCoStrategy(compressor=OuterCompression("topk", keep=32))
     assert topk.compression.keep == 32
