@@ -116,7 +116,7 @@ class LocalStepsAdvice:
         inner_step_s: median wall time of a step without an outer sync, seconds (> 0; the slowest rank's: it sets
             the pace).
         sync_s: median extra wall time of a step that ran an outer sync, over ``inner_step_s``, seconds (>= 0; the
-            rank that waited least's: a faster rank's sync step also waits for the slowest rank's inner steps).
+            least over the ranks: a faster rank's sync step also holds its wait for the slowest rank's inner steps).
         sync_every: the run's inner steps per outer sync (>= 1).
         bytes_per_sync: bytes this rank sent across replicas (inter-node) in one outer sync, the largest over ranks.
         steps_timed: steps without an outer sync in the median of ``inner_step_s``.
@@ -185,7 +185,7 @@ class LocalStepsAdvice:
             smaller = "no smaller sync_every would be"
         else:
             smaller = f"sync_every down to {suggested} would still be (more syncs are affordable)"
-        return f"{text}, within {target:.2f}x: the syncs cost little here, and {smaller}; {LOCAL_STEPS_DOCS}"
+        return f"{text}, within {target:.2f}x; {smaller}; {LOCAL_STEPS_DOCS}"
 
 
 def _seconds(value: float) -> str:
