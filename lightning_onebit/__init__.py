@@ -18,7 +18,7 @@ from typing import Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, ErrorFeedbackCheckpoint
-from lightning_onebit.callbacks import MomentumMask, ReplicaCheck
+from lightning_onebit.callbacks import LocalStepsAdvice, MomentumMask, ReplicaCheck
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
 from lightning_onebit.strategy import OnebitAdamStrategy, OnebitDiLoCoStrategy, OnebitFSDPStrategy, OnebitStrategy
@@ -40,6 +40,7 @@ __all__ = [
     "CompressedOptimizer",
     "CompressionAdvice",
     "ErrorFeedbackCheckpoint",
+    "LocalStepsAdvice",
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",

@@ -19,6 +19,7 @@ KEPT = {
     "CompressedOptimizer",
     "CompressionAdvice",
     "ErrorFeedbackCheckpoint",
+    "LocalStepsAdvice",
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",

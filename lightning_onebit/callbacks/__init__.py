@@ -7,7 +7,7 @@ clear message otherwise, except :class:`CommunicationMonitor`, which also counts
 baseline to compare with.
 """
 
-from lightning_onebit.callbacks.advice import CompressionAdvice
+from lightning_onebit.callbacks.advice import CompressionAdvice, LocalStepsAdvice
 from lightning_onebit.callbacks.communication_monitor import CommunicationMonitor
 from lightning_onebit.callbacks.error_feedback import ErrorFeedbackCheckpoint
 from lightning_onebit.callbacks.momentum_mask import MaskSpec, MomentumMask
@@ -17,6 +17,7 @@ __all__ = [
     "CommunicationMonitor",
     "CompressionAdvice",
     "ErrorFeedbackCheckpoint",
+    "LocalStepsAdvice",
     "MaskSpec",
     "MomentumMask",
     "ReplicaCheck",

@@ -1,10 +1,19 @@
-"""CompressionAdvice: whether the compression stage should make steps faster, from what the warmup measured (made by
-:class:`~lightning_onebit.CommunicationMonitor` at the freeze)."""
+"""The advice :class:`~lightning_onebit.CommunicationMonitor` gives: :class:`CompressionAdvice`, whether the
+compression stage should make steps faster, from what the warmup measured (at the freeze), and
+:class:`LocalStepsAdvice`, which ``sync_every`` the measured inner steps and outer syncs of ``onebit_diloco`` call
+for."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
+
+from lightning_onebit._checks import check_integer, check_real
+from lightning_onebit._docs import docs_pointer
+
+#: Where the local-steps advice sends the user: what fewer syncs cost in accuracy, and what the advice assumes.
+LOCAL_STEPS_DOCS = docs_pointer("guides/local-steps", "how-often-to-sync-the-advisor")
 
 
 @dataclasses.dataclass
@@ -112,6 +121,93 @@ class CompressionAdvice:
             f"steps, slowest rank) against {_seconds(self.expected_step_s)} estimated and "
             f"{_seconds(self.step_s)} in warmup ({self.step_s / self.measured_step_s:.2f}x)"
         )
+
+
+@dataclasses.dataclass
+class LocalStepsAdvice:
+    """Which ``sync_every`` the measured steps of ``onebit_diloco`` call for (made by ``CommunicationMonitor``).
+
+    The model: a step without an outer sync takes ``inner_step_s`` (it sends nothing across replicas: the
+    no-communication floor of these processes), and a step that runs one takes ``sync_s`` longer, whatever
+    ``sync_every`` is (the bytes of a sync are fixed by the compressor). So with an outer sync every ``H`` steps the
+    average step takes ``inner_step_s + sync_s / H``: :attr:`expected_step_s` for the current ``sync_every``, and
+    :meth:`suggested_sync_every` is the smallest ``H`` that keeps it within ``target`` times the floor. It says
+    nothing about accuracy, which fewer syncs may cost (``docs/guides/local-steps.md``).
+
+    Attributes:
+        inner_step_s: median wall time of a step without an outer sync, seconds (> 0; the slowest rank's: it sets
+            the pace).
+        sync_s: median extra wall time of a step that ran an outer sync, over ``inner_step_s``, seconds (>= 0; the
+            least over the ranks: a faster rank's sync step also holds its wait for the slowest rank's inner steps).
+        sync_every: the run's inner steps per outer sync (>= 1).
+        bytes_per_sync: bytes this rank sent across replicas (inter-node) in one outer sync, the largest over ranks.
+        steps_timed: steps without an outer sync in the median of ``inner_step_s``.
+        syncs_timed: steps with an outer sync in the median of ``sync_s``.
+    """
+
+    inner_step_s: float
+    sync_s: float
+    sync_every: int
+    bytes_per_sync: float
+    steps_timed: int
+    syncs_timed: int
+
+    #: the slowdown over the no-communication floor the suggestion keeps within, by default
+    TARGET_SLOWDOWN = 1.15
+
+    def __post_init__(self) -> None:
+        check_real(self.inner_step_s, "LocalStepsAdvice inner_step_s", above=0.0, unit="seconds")
+        check_real(self.sync_s, "LocalStepsAdvice sync_s", at_least=0.0, unit="seconds")
+        check_integer(self.sync_every, "LocalStepsAdvice sync_every")
+
+    @property
+    def expected_step_s(self) -> float:
+        """The average step with this ``sync_every``: ``inner_step_s + sync_s / sync_every``, seconds."""
+        return self.inner_step_s + self.sync_s / self.sync_every
+
+    @property
+    def slowdown(self) -> float:
+        """``expected_step_s / inner_step_s``: how much slower the average step is than the floor (>= 1)."""
+        return self.expected_step_s / self.inner_step_s
+
+    def suggested_sync_every(self, target: float = TARGET_SLOWDOWN) -> int:
+        """The smallest integer ``H >= 1`` with ``inner_step_s + sync_s / H <= target * inner_step_s``, i.e.
+        ``ceil(sync_s / ((target - 1) * inner_step_s))`` (up to a relative rounding of 1e-9, so that a figure on the
+        boundary is within it); 1 when ``sync_s`` is 0. ``target``: a slowdown > 1, default 1.15."""
+        target = check_real(target, "target", above=1.0, fix="e.g. 1.15: at most 15% slower than the floor")
+        assert target is not None
+        ratio = self.sync_s / ((target - 1.0) * self.inner_step_s)
+        return max(1, math.ceil(ratio * (1.0 - 1e-9)))
+
+    def metrics(self) -> dict[str, float]:
+        """The figures under the names ``CommunicationMonitor`` logs them with: ``advisor/inner_step_ms``,
+        ``advisor/sync_ms``, ``advisor/expected_step_ms`` (milliseconds) and ``advisor/suggested_sync_every`` (for
+        the default target)."""
+        return {"advisor/inner_step_ms": 1000.0 * self.inner_step_s, "advisor/sync_ms": 1000.0 * self.sync_s,
+                "advisor/expected_step_ms": 1000.0 * self.expected_step_s,
+                "advisor/suggested_sync_every": float(self.suggested_sync_every())}
+
+    def message(self, target: float = TARGET_SLOWDOWN) -> str:
+        """The figures in words: the floor, the sync's cost, the average step now, and the ``sync_every`` that keeps
+        it within ``target`` times the floor (saying plainly when the current one already does)."""
+        suggested = self.suggested_sync_every(target)
+        cost = f"an outer sync adds {_seconds(self.sync_s)}" if self.sync_s else "an outer sync adds no measurable time"
+        text = (
+            f"inner step {_seconds(self.inner_step_s)} (median of {self.steps_timed} steps), {cost} "
+            f"({_bytes(self.bytes_per_sync)} per rank, median of {self.syncs_timed} syncs): with "
+            f"sync_every={self.sync_every} a step averages {_seconds(self.expected_step_s)}, {self.slowdown:.2f}x the "
+            "no-communication floor"
+        )
+        if suggested > self.sync_every:
+            return (
+                f"{text}; sync_every >= {suggested} keeps it within {target:.2f}x (fewer syncs: fewer bytes, and "
+                f"accuracy may drop: {LOCAL_STEPS_DOCS})"
+            )
+        if suggested == self.sync_every:
+            smaller = "no smaller sync_every would be"
+        else:
+            smaller = f"sync_every down to {suggested} would still be (more syncs are affordable)"
+        return f"{text}, within {target:.2f}x; {smaller}; {LOCAL_STEPS_DOCS}"
 
 
 def _seconds(value: float) -> str:

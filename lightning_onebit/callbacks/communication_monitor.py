@@ -1,5 +1,6 @@
 """CommunicationMonitor: bytes and time of the gradient sync and the compressed exchange (and of plain DDP's gradient
-allreduce, the baseline), and at the freeze its :class:`~lightning_onebit.callbacks.advice.CompressionAdvice`."""
+allreduce, the baseline), at the freeze its :class:`~lightning_onebit.callbacks.advice.CompressionAdvice`, and under
+``onebit_diloco`` its :class:`~lightning_onebit.callbacks.advice.LocalStepsAdvice`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_onebit._checks import check_flag, check_integer
 from lightning_onebit._docs import docs_pointer
-from lightning_onebit.callbacks.advice import CompressionAdvice
+from lightning_onebit.callbacks.advice import CompressionAdvice, LocalStepsAdvice
+from lightning_onebit.callbacks.local_steps_timer import LocalStepsTimer
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.topology import Topology
@@ -85,12 +87,21 @@ class CommunicationMonitor(Callback):
     full-precision variance steps, 1-bit compressed steps and local steps, the advice is about its 1-bit steps: it is
     given at the first one and measured on those only (until its local steps begin), and the log says what it covers.
 
+    **How often to sync?** Under ``onebit_diloco`` (local steps) the callback times the steps the same way and tells a
+    step that ran an outer sync from one that did not. Once it has timed ``advise_steps`` steps without a sync and 2
+    with one (not the fit's first sync, which lays buffers out), it logs :class:`LocalStepsAdvice`: the inner step (the
+    no-communication floor), what a sync adds, the average step with the run's ``sync_every`` and the ``sync_every``
+    that keeps it within 1.15x the floor, to the log (rank 0) and the logger (``advisor/inner_step_ms``,
+    ``advisor/sync_ms``, ``advisor/expected_step_ms``, ``advisor/suggested_sync_every``), at the cost of one small
+    ``all_reduce``; :attr:`advice` holds it. A fit too short for that says so in one line at its end.
+
     Args:
         prog_bar: show ``stage``, ``1bit_x`` and ``freeze`` in the progress bar. Default ``True``.
-        advise: estimate whether compression will make steps faster, as above. Default ``True``.
+        advise: estimate whether compression will make steps faster (or which ``sync_every`` suits), as above.
+            Default ``True``.
         advise_steps: warmup steps the estimate uses (the last ones; the first 2 steps of a fit, which build DDP's
             buckets and warm allocators up, are never used) and compression-stage steps measured after it (counted
-            from the 3rd). Default ``20``.
+            from the 3rd); under ``onebit_diloco``, steps without a sync timed before advising. Default ``20``.
     """
 
     #: steps at the start of fit, and of the compression stage, that the advice does not time
@@ -103,7 +114,7 @@ class CommunicationMonitor(Callback):
         self.prog_bar = prog_bar
         self.advise = advise
         self.advise_steps = advise_steps
-        self.advice: Optional[CompressionAdvice] = None
+        self.advice: Optional[Union[CompressionAdvice, LocalStepsAdvice]] = None
         self._last: Optional[CommunicationCounters] = None
         self._start: Optional[CommunicationCounters] = None
         self._last_step = -1
@@ -119,6 +130,7 @@ class CommunicationMonitor(Callback):
         self._ddp_sync: Optional[GradientSyncState] = None
         self._ddp_hooked: Optional[weakref.ref[DistributedDataParallel]] = None
         self._warned_foreign_hook = False
+        self._local_steps: Optional[LocalStepsTimer] = None  # onebit_diloco, until the advice is given
 
     @property
     def communication(self) -> Optional[CommunicationCounters]:
@@ -146,10 +158,13 @@ class CommunicationMonitor(Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = self._strategy = _monitored_strategy(trainer)
-        # counted by the strategy; no advice (yet) under sharding or for local steps
+        # counted by the strategy; no advice (yet) under sharding
         if isinstance(strategy, (OnebitFSDPStrategy, OnebitDiLoCoStrategy)):
             self._start = self._last = strategy.communication
             self._last_step = trainer.global_step
+            self.advice, self._local_steps = None, None
+            if isinstance(strategy, OnebitDiLoCoStrategy) and self.advise:  # the advice on sync_every
+                self._local_steps = LocalStepsTimer(strategy, self.advise_steps, self.SETTLING_STEPS)
             return
         if not isinstance(strategy, OnebitStrategy):
             self._start_counting_ddp(strategy)
@@ -175,6 +190,8 @@ class CommunicationMonitor(Callback):
         self._last_step = trainer.global_step
         if not isinstance(trainer.strategy, OnebitStrategy):
             self._log_ddp_step(pl_module)
+            if self._local_steps is not None:
+                self._time_local_step(trainer, self._local_steps)
             if isinstance(trainer.strategy, OnebitFSDPStrategy):
                 optimizer = trainer.strategy.onebit_optimizer
                 frozen = None if optimizer is None else optimizer.freeze_step
@@ -215,6 +232,25 @@ class CommunicationMonitor(Callback):
                 self._other_step(trainer, strategy, optimizer)
             else:
                 self._advise(trainer, strategy, compressed, step, step_s, span_s)
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._local_steps is not None:  # the next step's wall time holds this validation: not a step's
+            self._local_steps.pause()
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._local_steps is not None:
+            rank_zero_info(f"CommunicationMonitor: no local-steps advice: {self._local_steps.why_no_advice()}")
+            self._local_steps = None
+
+    def _time_local_step(self, trainer: "pl.Trainer", timer: LocalStepsTimer) -> None:
+        """Time one ``onebit_diloco`` step; once enough are timed (at the same step on every rank), advise."""
+        timer.record()
+        if not timer.ready:
+            return
+        self._local_steps = None
+        advice = self.advice = timer.advice()
+        rank_zero_info(f"onebit_diloco advisor: {advice.message()}")
+        _log_once(trainer, advice.metrics())
 
     # -- strategy="ddp": the baseline ----------------------------------------------------------------------------------
     def _start_counting_ddp(self, strategy: DDPStrategy) -> None:
