@@ -1,10 +1,9 @@
 """Lightning callbacks for the compressed optimizers: momentum masks, compression state across checkpoints,
-communication
-logging and advice, replica checks.
+communication logging and advice, replica checks.
 
-Each needs the ``onebit_adam`` strategy (:class:`~lightning_onebit.OnebitStrategy`) and fails at setup with a
-clear message otherwise, except :class:`CommunicationMonitor`, which also counts plain DDP (``strategy="ddp"``), the
-baseline to compare with.
+Each needs a strategy of this package and fails at setup with a clear message otherwise, except
+:class:`CommunicationMonitor`, which counts ``onebit_adam``, ``onebit_fsdp``, ``onebit_diloco`` (and advises its
+``sync_every``) and plain DDP (``strategy="ddp"``), the baseline to compare with.
 """
 
 from lightning_onebit.callbacks.advice import CompressionAdvice, LocalStepsAdvice

@@ -80,7 +80,8 @@ class CommunicationMonitor(Callback):
     after, and the expected compression-stage step time, saying plainly when the link is fast enough that compression
     cannot help. After ``advise_steps`` more steps it logs the measured compression-stage step time next to the
     estimate. A warmup that averaged compressed gradients (``warmup_exchange`` other than "fp32", or a hook of yours)
-    times the compressor's work with the link's, so then the step is only measured, and the advice says why. Both go to the log (rank 0) and the logger (``advisor/warmup_step_ms``, ``advisor/exposed_ms``,
+    times the compressor's work with the link's, so then the step is only measured, and the advice says why. Both go
+    to the log (rank 0) and the logger (``advisor/warmup_step_ms``, ``advisor/exposed_ms``,
     ``advisor/expected_step_ms``, ``advisor/measured_step_ms``); :attr:`advice` holds them. Each costs one small
     ``all_reduce`` (every rank's figures: the advice is the slowest rank's). A run resumed in the compression stage
     measured no warmup and gets no advice (the log says so). With ``ZeroOneAdam``, whose steps after its warmup mix

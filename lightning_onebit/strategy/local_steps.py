@@ -8,8 +8,7 @@ optimizer; across replicas nothing is sent between outer syncs. The outer step i
 pseudo-gradient with rank ``l`` of the others (the topology's inter-node group), so the bytes leaving a node per sync
 are those of one exchange, spread over its ranks, and the new shards are all-gathered inside the node.
 
-The defaults (:data:`DEFAULTS`) are the one place where ``sync_every``, the compressor and the outer optimizer's
-settings are chosen, from the measurements its docstring cites.
+:data:`DEFAULTS` is the one place where the defaults are chosen, from the measurements its docstring cites.
 """
 
 from __future__ import annotations
@@ -60,19 +59,13 @@ STATE_KEY = "onebit_diloco"
 @dataclasses.dataclass(frozen=True)
 class LocalStepsDefaults:
     """The strategy's defaults, in one place, chosen on the example trained from scratch and the byte-level language
-    model (``results/local_steps_sweep.json``, ``results/lm_local_steps.json``; 2 seeds, 2 replicas), the fine-tuning
-    tasks kept aside to check them (``docs/guides/local-steps.md`` has the figures):
+    model (2 seeds each), the fine-tuning tasks kept aside to check them (``docs/guides/local-steps.md``: the runs).
 
-    * ``outer_optimizer = "sgd"``, ``outer_lr = 1``: the averaged pseudo-gradient applied as it is (with error
-      feedback, SparseLoCo's form). It beat DiLoCo's Nesterov (lr 0.7, momentum 0.9) in every pair measured: on the
-      example Nesterov stalled at 50-80% where SGD reached 99.4-100% (fp32, 1-bit, top-k, every 32 steps), on the
-      language model SGD's validation loss was 0.13-0.44 lower. ``outer_lr``'s default follows the optimizer:
-      :data:`OUTER_LR` (Nesterov keeps DiLoCo's 0.7).
-    * ``sync_every = 8``, ``compressor = "onebit"``: the 1-bit exchange every 8 inner steps sends 0.125 bits per
-      parameter per step, 255x fewer bytes than AdamW-DDP. On the language model the loss grows with the period
-      (+2.4/+3.0% over AdamW-DDP at 4, +3.2/+4.3% at 8, +4.0/+5.9% at 16, +6.2/+5.2% at 32, seeds 0/1); 4 would leave
-      128x, little margin over the 100x this strategy is for. Top-k (2-bit values, 1.56% kept) sends a quarter of
-      1-bit's bytes and lost more at every period measured.
+    * ``outer_optimizer = "sgd"`` at ``outer_lr = 1`` (:data:`OUTER_LR`): it beat DiLoCo's Nesterov (0.7, 0.9) in every
+      pair measured (the example: 99.4-100% against 50-80%; the language model: a loss 0.13-0.44 lower).
+    * ``sync_every = 8``, ``compressor = "onebit"``: 0.125 bits per parameter per step, 255x fewer bytes than
+      AdamW-DDP. The language model's loss grows with the period (+2.4/+3.0% over AdamW-DDP at 4, +3.2/+4.3% at 8,
+      +6.2/+5.2% at 32); 4 leaves 128x, little margin over the 100x this strategy is for. Top-k lost more throughout.
     """
 
     sync_every: int = 8
@@ -82,7 +75,7 @@ class LocalStepsDefaults:
     bucket_cap_mb: float = 16.0
 
 
-#: ``outer_lr``'s default per outer optimizer: plain SGD applies the average as it is; Nesterov takes DiLoCo's 0.7.
+#: ``outer_lr``'s default per outer optimizer: SGD applies the average as it is; Nesterov takes DiLoCo's 0.7.
 OUTER_LR = {"sgd": 1.0, "nesterov": 0.7}
 DEFAULTS = LocalStepsDefaults()
 _D = DEFAULTS
