@@ -928,6 +928,74 @@ def warmup_sweep_table() -> str:
     )
 
 
+#: Issue 44's done-when sweep: 1-bit Adam with the candidate default warmup (PowerSGD rank 4) against the same-seed
+#: AdamW-DDP and DDP + PowerSGD rank 4, 0/1 Adam and 1-bit LAMB beside it
+DEFAULTS_SWEEP = "defaults_sweep"
+#: where the same-seed references come from when the sweep itself has none (same harness, task, seed and steps; DDP's
+#: runs do not depend on the library's 1-bit code), earlier files first: later ones win
+DEFAULTS_REFERENCES = {FREEZE_CAPPED: ("adamw",), WARMUP_SWEEP: ("ddp_powersgd_r4@0.1",),
+                       "warmup_real": ("ddp_powersgd_r4@0.1",)}
+#: the candidate's runs: 1-bit Adam, 0/1 Adam and 1-bit LAMB with every argument at its default and the warmup
+#: averaging gradients by PowerSGD rank 4 (after 10 plain steps)
+DEFAULTS_CANDIDATE = {"1-bit Adam": "onebit_adam@auto+powersgd4", "0/1 Adam": "zeroone_adam+powersgd4",
+                      "1-bit LAMB": "onebit_lamb@auto+powersgd4"}
+
+
+def defaults_sweep_table() -> str:
+    """Per task and seed: AdamW-DDP, DDP + PowerSGD rank 4 and the candidate's runs (:data:`DEFAULTS_CANDIDATE`), with
+    the issue's test for 1-bit Adam: within 0.5 point of AdamW-DDP, at least as accurate as DDP + PowerSGD rank 4,
+    and at least 1.5x fewer whole-run bytes than it."""
+    runs: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for name, kinds in DEFAULTS_REFERENCES.items():
+        if (RESULTS / f"{name}.json").exists():
+            for run in _load(name)["runs"].values():
+                if run["run"] in kinds:
+                    runs[(run["task"], run["run"], int(run["seed"]))] = dict(run, source=name)
+    for run in _load(DEFAULTS_SWEEP)["runs"].values():
+        runs[(run["task"], run["run"], int(run["seed"]))] = dict(run, source=DEFAULTS_SWEEP)
+    header = ["task", "seed", "AdamW-DDP", "DDP + PowerSGD r4", *DEFAULTS_CANDIDATE, "1-bit Adam: fewer bytes than "
+              "AdamW-DDP / PowerSGD r4", "issue 44's test"]
+    table = []
+    for task in ("synthetic", "mail", "agnews"):
+        for seed in (0, 1):
+            adamw, powersgd = runs.get((task, "adamw", seed)), runs.get((task, "ddp_powersgd_r4@0.1", seed))
+            got = {label: runs.get((task, name, seed)) for label, name in DEFAULTS_CANDIDATE.items()}
+            if not any(got.values()) and powersgd is None:
+                continue
+
+            def acc(run: Optional[dict[str, Any]]) -> str:
+                if run is None:
+                    return "-"
+                diff = "" if adamw is None or run is adamw else f" ({100 * (run['val_acc'] - adamw['val_acc']):+.2f})"
+                return f"{run['val_acc']:.2%}{diff}"
+
+            onebit, verdict, ratios = got["1-bit Adam"], "-", "-"
+            if onebit is not None and adamw is not None and powersgd is not None:
+                ratios = (f"{adamw['bytes_sent'] / onebit['bytes_sent']:.1f}x / "
+                          f"{powersgd['bytes_sent'] / onebit['bytes_sent']:.2f}x")
+                failed = [what for what, ok in (
+                    ("0.5 point", onebit["val_acc"] >= adamw["val_acc"] - 0.005),
+                    ("PowerSGD's accuracy", onebit["val_acc"] >= powersgd["val_acc"]),
+                    ("1.5x PowerSGD's bytes", powersgd["bytes_sent"] >= 1.5 * onebit["bytes_sent"]))
+                    if not ok]
+                verdict = "met" if not failed else "not met: " + ", ".join(failed)
+            table.append([task, str(seed), acc(adamw), acc(powersgd), *(acc(r) for r in got.values()), ratios,
+                          verdict])
+    sources = sorted({f"`results/{r['source']}.json`" for r in runs.values()})
+    libraries = sorted({r["library"] for r in runs.values() if r.get("library") and r["source"] == DEFAULTS_SWEEP})
+    return (
+        "Each run is the example (`python -m benchmarks.freeze_sweep --name defaults_sweep --val-checks 2`, 2 CPU "
+        "ranks, 600 steps on the real tasks, 620 on the example) with every optimizer argument at its default and the "
+        "warmup averaging gradients by the library's PowerSGD, rank 4 after 10 plain steps (`+powersgd4`): the "
+        "candidate default. Accuracy at the last step, in brackets the difference to the same-seed AdamW-DDP run in "
+        "points; DDP + PowerSGD rank 4 is torch's hook after 10% of the run in plain allreduce (PyTorch's advice); "
+        "bytes are each rank's over the whole run. The test: within 0.5 point of AdamW-DDP, at least as accurate as "
+        "DDP + PowerSGD rank 4, at least 1.5x fewer bytes than it. `-`: not run yet. From "
+        + ", ".join(sources) + f"; the candidate's runs with library {', '.join(libraries) or '-'}.\n\n"
+        + _table(header, table)
+    )
+
+
 #: Issue 46's first measurements: local steps (``onebit_diloco``) on the example from scratch, and the language model
 LOCAL_STEPS = "local_steps_sweep"
 LM_LOCAL_STEPS = "lm_local_steps"
@@ -1063,13 +1131,15 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "zeroone_settings": zeroone_settings_table,
     "warmup_sweep": warmup_sweep_table,
     "local_steps": local_steps_table,
+    "defaults_sweep": defaults_sweep_table,
 }
 
 
 # Sections whose results files are not measured yet: no page has a block for them until one of the files exists.
 AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS, "largest_model": ("largest_model",),
                                                 "warmup_sweep": (WARMUP_SWEEP,),
-                                                "local_steps": (LOCAL_STEPS, LM_LOCAL_STEPS)}
+                                                "local_steps": (LOCAL_STEPS, LM_LOCAL_STEPS),
+                                                "defaults_sweep": (DEFAULTS_SWEEP,)}
 
 
 def _block(name: str) -> re.Pattern[str]:

@@ -74,3 +74,28 @@ def test_warmup_sweep_table_shows_every_seed_the_bytes_and_the_warmup_share(tmp_
     # seed 1 froze at its bound (starred); the warmup sent 50% and 70% of the bytes; 10x and 8x fewer than DDP
     assert rows["onebit_adam@auto+int8"] == ["99.70%", "99.50%", "+0.10 / -0.30", "228 / 310*", "60%", "9.00x"]
     assert "Library abc1234" in result_tables.warmup_sweep_table()
+
+
+def test_defaults_sweep_table_applies_issue_44s_test_per_seed(tmp_path, monkeypatch):
+    import json
+
+    def write(name, runs):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"tasks": {}, "runs": {
+            f"{r['task']}/{r['run']}/{r['seed']}": r for r in runs}}))
+
+    write("freeze_sweep_capped", [_run("mail", "adamw", s, acc, bytes_sent=30.0)
+                                  for s, acc in ((0, 0.980), (1, 0.985))])
+    write("defaults_sweep", [
+        _run("mail", "ddp_powersgd_r4@0.1", 0, 0.975, bytes_sent=6.0),
+        _run("mail", "onebit_adam@auto+powersgd4", 0, 0.984, bytes_sent=2.0),  # +0.4, above PowerSGD, 3x fewer
+        _run("mail", "ddp_powersgd_r4@0.1", 1, 0.978, bytes_sent=6.0),
+        _run("mail", "onebit_adam@auto+powersgd4", 1, 0.977, bytes_sent=5.0),  # -0.8, under PowerSGD, 1.2x fewer
+        _run("mail", "zeroone_adam+powersgd4", 1, 0.981, bytes_sent=1.0),
+    ])
+    monkeypatch.setattr(result_tables, "RESULTS", tmp_path)
+    rows = {cells[1]: cells[2:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                              for line in result_tables.defaults_sweep_table().splitlines()
+                                              if line.startswith("| mail"))}
+    assert rows["0"] == ["98.00%", "97.50% (-0.50)", "98.40% (+0.40)", "-", "-", "15.0x / 3.00x", "met"]
+    assert rows["1"] == ["98.50%", "97.80% (-0.70)", "97.70% (-0.80)", "98.10% (-0.40)", "-", "6.0x / 1.20x",
+                         "not met: 0.5 point, PowerSGD's accuracy, 1.5x PowerSGD's bytes"]
