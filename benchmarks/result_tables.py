@@ -603,6 +603,7 @@ def headline_figures() -> str:
             f"Adam with `freeze_step=\"auto\"` and the library's defaults (it decided step {real['freeze_step']}): "
             f"{real['val_acc']:.2%} against AdamW-DDP's {reference['val_acc']:.2%}, **"
             f"{reference['bytes_sent'] / real['bytes_sent']:.2f}x fewer bytes** over the whole run.")
+    lines += _local_steps_headline(runs)
     link = _load("slow_link")
     rows = link["rates"].get("200mbit", {}).get("rows", {})
     if "ddp_fp32" in rows and "onebit_adam:compression" in rows:
@@ -614,6 +615,31 @@ def headline_figures() -> str:
             f"{onebit:.2f} s against {fp32:.2f} s for DDP in fp32 (**{fp32 / onebit:.1f}x faster**)"
             + (f" and {bf16:.2f} s for DDP with bf16 gradients" if bf16 else "") + ".")
     return "\n".join(lines)
+
+
+def _local_steps_headline(capped: dict[str, Any]) -> list[str]:
+    """The README's local-steps figures: ``onebit_diloco`` with its defaults (the 1-bit outer step every 8 inner steps,
+    outer SGD) on the example and on the byte-level language model, both seeds, against AdamW-DDP."""
+    if not (RESULTS / "local_steps_sweep.json").exists() or not (RESULTS / "lm_local_steps.json").exists():
+        return []
+    name = "diloco_onebit_sgd@8"
+    example = _load("local_steps_sweep")["runs"]
+    lm = _load("lm_local_steps")["runs"]
+    pairs = [(example.get(f"synthetic/{name}/{s}"), capped.get(f"synthetic/adamw/{s}")) for s in (0, 1)]
+    lm_pairs = [(lm.get(f"lm/{name}/{s}"), lm.get(f"lm/adamw/{s}")) for s in (0, 1)]
+    if not all(a and b for a, b in pairs + lm_pairs):
+        return []
+    accs = " / ".join(f"{run['val_acc']:.1%}" for run, _ in pairs)
+    refs = " / ".join(f"{ref['val_acc']:.1%}" for _, ref in pairs)
+    fewer = statistics.fmean(ref["bytes_sent"] / run["bytes_sent"] for run, ref in pairs)
+    losses = " / ".join(f"{100 * (run['val_loss'] / ref['val_loss'] - 1):+.1f}%" for run, ref in lm_pairs)
+    lm_fewer = statistics.fmean(ref["bytes_sent"] / run["bytes_sent"] for run, ref in lm_pairs)
+    return [
+        f"- **Local steps** (`strategy=\"onebit_diloco\"`, its defaults: a 1-bit outer step every 8 inner AdamW "
+        f"steps): the example reaches {accs} (AdamW-DDP {refs}, seeds 0 / 1) with **{fewer:.0f}x fewer bytes**; a "
+        f"byte-level language model trained from scratch ends {losses} above AdamW-DDP's validation loss with "
+        f"{lm_fewer:.0f}x fewer bytes ([local steps](docs/guides/local-steps.md))."
+    ]
 
 
 #: The library-defaults matrix of freeze_step="auto" (issue 26) as it was before the update's cap (``cap_update``),
