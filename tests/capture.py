@@ -1,8 +1,10 @@
 """Capture, inside a rank, what the library and Lightning say: log messages and warnings (used by the callback and
-strategy tests' scenarios, which run in spawned ranks and return what they captured)."""
+strategy tests' scenarios, which run in spawned ranks and return what they captured), and read back what a CSVLogger
+wrote."""
 
 from __future__ import annotations
 
+import csv
 import logging
 import warnings
 from contextlib import contextmanager
@@ -41,3 +43,15 @@ def capture_warnings() -> Iterator[list[str]]:
         messages: list[str] = []
         yield messages
         messages.extend(str(w.message) for w in caught)
+
+
+def logged_columns(path: str, prefix: str) -> dict[str, list[float]]:
+    """The values a CSVLogger's ``metrics.csv`` at ``path`` holds for every metric whose name starts with ``prefix``,
+    in the order logged (empty cells skipped)."""
+    columns: dict[str, list[float]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key.startswith(prefix) and value != "":
+                    columns.setdefault(key, []).append(float(value))
+    return columns

@@ -7,7 +7,6 @@ straggler, which is not communication)."""
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 import time
@@ -25,7 +24,7 @@ from torch import nn
 from lightning_onebit import CommunicationMonitor, CompressionAdvice, OnebitStrategy
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.hooks import GradientSyncState, gradient_sync, switchable_allreduce_hook
-from tests.capture import capture_logs
+from tests.capture import capture_logs, logged_columns
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
 
@@ -226,16 +225,6 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_advice_ranks, 2, str(tmp_path_factory.mktemp("advisor")), timeout_s=240.0)
 
 
-def _metrics(path: str) -> dict[str, list[float]]:
-    columns: dict[str, list[float]] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key.startswith("advisor/") and value != "":
-                    columns.setdefault(key, []).append(float(value))
-    return columns
-
-
 def test_slow_link_advice_expects_a_faster_step_and_measures_it(session: list[dict[str, Any]]) -> None:
     results = scenario_results(session, "slow_link")
     a = results[0]["advice"]
@@ -257,7 +246,7 @@ def test_slow_link_advice_expects_a_faster_step_and_measures_it(session: list[di
     assert "compression-stage step measured" in measured
     assert all(m.endswith("; see docs/guides/why-no-speedup.md") for m in (estimate, measured)), (estimate, measured)
     assert results[1]["messages"] == []
-    logged = _metrics(results[0]["csv"])
+    logged = logged_columns(results[0]["csv"], "advisor/")
     assert logged["advisor/exposed_ms"] == [pytest.approx(1000 * a.exposed_s)]
     assert logged["advisor/expected_step_ms"] == [pytest.approx(1000 * a.expected_step_s)]
     assert logged["advisor/measured_step_ms"] == [pytest.approx(1000 * a.measured_step_s)]
@@ -286,7 +275,7 @@ def test_a_compressed_warmup_gives_no_estimate_only_the_measurement(session: lis
     assert "compressed gradients" in estimate and "not estimated but measured" in estimate, estimate
     assert "expect about" not in estimate
     assert "in the compressed warmup" in measured, measured
-    logged = _metrics(results[0]["csv"])
+    logged = logged_columns(results[0]["csv"], "advisor/")
     assert "advisor/expected_step_ms" not in logged and "advisor/measured_step_ms" in logged
     # the fp32 warmup of the other scenarios is not taken for a compressed one
     assert not scenario_results(session, "slow_link")[0]["advice"].warmup_compressed

@@ -6,7 +6,6 @@ The multi-rank fits make the outer sync slow by sleeping ``SYNC_DELAY_S`` at the
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import time
@@ -22,7 +21,7 @@ from torch import nn
 
 from lightning_onebit import CommunicationMonitor, LocalStepsAdvice, OnebitDiLoCoStrategy
 from lightning_onebit.optim.outer_step import OuterStep
-from tests.capture import capture_logs
+from tests.capture import capture_logs, logged_columns
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
 
@@ -169,16 +168,6 @@ def sessions(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[st
             for world_size, scenarios in SCENARIOS.items()}
 
 
-def _advisor_columns(path: str) -> dict[str, list[float]]:
-    columns: dict[str, list[float]] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if key.startswith("advisor/") and value != "":
-                    columns.setdefault(key, []).append(float(value))
-    return columns
-
-
 @pytest.mark.parametrize("world_size, name", [(2, "slow_sync"), (4, "slow_sync_2x2")])
 def test_a_slow_sync_is_measured_and_the_advice_asks_for_fewer_syncs(sessions, world_size: int, name: str) -> None:
     results = scenario_results(sessions[world_size], name)
@@ -199,7 +188,7 @@ def test_a_slow_sync_is_measured_and_the_advice_asks_for_fewer_syncs(sessions, w
     (message,) = results[0]["messages"]
     assert message.startswith("onebit_diloco advisor: ") and f"sync_every >= {suggested} keeps it" in message, message
     assert all(r["messages"] == [] for r in results[1:])
-    logged = _advisor_columns(results[0]["csv"])
+    logged = logged_columns(results[0]["csv"], "advisor/")
     assert set(logged) == set(ADVISOR_COLUMNS), logged
     assert logged["advisor/inner_step_ms"] == [pytest.approx(1000 * a.inner_step_s)]
     assert logged["advisor/sync_ms"] == [pytest.approx(1000 * a.sync_s)]
@@ -214,13 +203,13 @@ def test_a_fit_too_short_to_time_two_syncs_says_so(sessions) -> None:
     assert "no local-steps advice" in message and "1 with one" in message and "sync_every=4" in message, message
     assert "at least 12 steps" in message, message
     assert results[1]["messages"] == []
-    assert _advisor_columns(results[0]["csv"]) == {}
+    assert logged_columns(results[0]["csv"], "advisor/") == {}
 
 
 def test_no_advice_without_advise(sessions) -> None:
     results = scenario_results(sessions[2], "not_advised")
     assert all(r["advice"] is None and r["messages"] == [] and r["syncs"] == ADVISED_AT // SYNC_EVERY for r in results)
-    assert _advisor_columns(results[0]["csv"]) == {}
+    assert logged_columns(results[0]["csv"], "advisor/") == {}
 
 
 def test_a_validation_loop_before_a_sync_step_is_not_counted_as_the_sync(sessions) -> None:
