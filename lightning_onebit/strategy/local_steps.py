@@ -43,9 +43,8 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS, OuterStep
 from lightning_onebit.strategy.arguments import check_process_group_options, ddp_kwargs_for
-from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id
-from lightning_onebit.strategy.checkpoint import owned_sidecar, remove_sidecar, restore_per_rank_state
-from lightning_onebit.strategy.checkpoint import save_per_rank_state
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
+from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.sidecar import sidecar_path
 
 log = logging.getLogger(__name__)
@@ -361,16 +360,14 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     def _per_rank_state(self) -> dict[str, Any]:
         assert self.outer_step is not None
         local = self._stashed if self._stashed is not None else [p.detach().clone() for p in self._params()]
+        # the loss scaler's state too: replicas skip different steps, and the main file holds only rank 0's scaler
         return {"inner_steps": self.inner_steps, "local_params": local, "outer": self.outer_step.state_dict(),
-                "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
+                "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                "precision": self.precision_plugin.state_dict()}
 
     @override
-    def save_checkpoint(
-        self,
-        checkpoint: dict[str, Any],
-        filepath: Union[str, "os.PathLike[str]"],
-        storage_options: Optional[Any] = None,
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"],
+                        storage_options: Optional[Any] = None) -> None:
         # every rank comes here for every save (Lightning writes the main file on rank 0 only)
         if self.outer_step is not None:
             checkpoint[PER_RANK_STATE_KEY] = {STATE_KEY: self._per_rank_state()}
@@ -418,6 +415,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
             for p, local in zip(self._params(), state["local_params"]):
                 p.copy_(local)
         self.inner_steps = int(state["inner_steps"])
+        if state.get("precision"):  # this rank's loss scaler (an older sidecar has none: rank 0's stays)
+            self.precision_plugin.load_state_dict(state["precision"])
 
     @override
     def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
