@@ -97,13 +97,14 @@ class OnebitDiLoCoStrategy(DDPStrategy):
       leaves behind holds every inner step, the same on every rank.
     * **Checkpoints** hold the outer model as the module's ``state_dict`` (loadable by the plain model, what every
       replica agrees on); each rank writes a sidecar (``<checkpoint>.onebit-rank<r>``) with its own parameters, the
-      inner optimizers' states, its outer-optimizer state and error feedback (its shard) and the position in the
-      outer period: a resumed run continues bit for bit. Resuming needs every rank's sidecar: a missing or foreign
-      one stops every rank with the reason.
+      inner optimizers' and its loss scaler's states, its outer-optimizer state and error feedback (its shard) and the
+      position in the outer period: a resumed run continues bit for bit. Resuming needs every rank's sidecar: a
+      missing or foreign one stops every rank with the reason.
     * **Bytes:** :attr:`communication` (inner DDP allreduces inside the node, outer syncs), :attr:`outer_communication`
       and :attr:`last_sync_communication`; :class:`~lightning_onebit.CommunicationMonitor` logs them per step.
     * Buffers (e.g. BatchNorm statistics) are not averaged across replicas: each replica keeps its own.
-    * Several optimizers: every optimizer step counts as an inner step.
+    * An inner step is an optimizer step (not a batch: accumulation), one a loss scaler skips included; with several
+      optimizers, every one's step counts.
 
     Args:
         sync_every: inner optimizer steps between outer syncs, an integer >= 1. Default 8 (:data:`DEFAULTS`, which
