@@ -43,9 +43,8 @@ from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS, OuterStep
 from lightning_onebit.strategy.arguments import check_process_group_options, ddp_kwargs_for
-from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id
-from lightning_onebit.strategy.checkpoint import owned_sidecar, remove_sidecar, restore_per_rank_state
-from lightning_onebit.strategy.checkpoint import save_per_rank_state
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
+from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.sidecar import sidecar_path
 
 log = logging.getLogger(__name__)
@@ -98,13 +97,14 @@ class OnebitDiLoCoStrategy(DDPStrategy):
       leaves behind holds every inner step, the same on every rank.
     * **Checkpoints** hold the outer model as the module's ``state_dict`` (loadable by the plain model, what every
       replica agrees on); each rank writes a sidecar (``<checkpoint>.onebit-rank<r>``) with its own parameters, the
-      inner optimizers' states, its outer-optimizer state and error feedback (its shard) and the position in the
-      outer period: a resumed run continues bit for bit. Resuming needs every rank's sidecar: a missing or foreign
-      one stops every rank with the reason.
+      inner optimizers' and its loss scaler's states, its outer-optimizer state and error feedback (its shard) and the
+      position in the outer period: a resumed run continues bit for bit. Resuming needs every rank's sidecar: a
+      missing or foreign one stops every rank with the reason.
     * **Bytes:** :attr:`communication` (inner DDP allreduces inside the node, outer syncs), :attr:`outer_communication`
       and :attr:`last_sync_communication`; :class:`~lightning_onebit.CommunicationMonitor` logs them per step.
     * Buffers (e.g. BatchNorm statistics) are not averaged across replicas: each replica keeps its own.
-    * Several optimizers: every optimizer step counts as an inner step.
+    * An inner step is an optimizer step (not a batch: accumulation), one a loss scaler skips included; with several
+      optimizers, every one's step counts.
 
     Args:
         sync_every: inner optimizer steps between outer syncs, an integer >= 1. Default 8 (:data:`DEFAULTS`, which
@@ -361,16 +361,14 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     def _per_rank_state(self) -> dict[str, Any]:
         assert self.outer_step is not None
         local = self._stashed if self._stashed is not None else [p.detach().clone() for p in self._params()]
+        # the loss scaler's state too: replicas skip different steps, and the main file holds only rank 0's scaler
         return {"inner_steps": self.inner_steps, "local_params": local, "outer": self.outer_step.state_dict(),
-                "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
+                "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                "precision": self.precision_plugin.state_dict()}
 
     @override
-    def save_checkpoint(
-        self,
-        checkpoint: dict[str, Any],
-        filepath: Union[str, "os.PathLike[str]"],
-        storage_options: Optional[Any] = None,
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"],
+                        storage_options: Optional[Any] = None) -> None:
         # every rank comes here for every save (Lightning writes the main file on rank 0 only)
         if self.outer_step is not None:
             checkpoint[PER_RANK_STATE_KEY] = {STATE_KEY: self._per_rank_state()}
@@ -418,6 +416,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
             for p, local in zip(self._params(), state["local_params"]):
                 p.copy_(local)
         self.inner_steps = int(state["inner_steps"])
+        if state.get("precision"):  # this rank's loss scaler (an older sidecar has none: rank 0's stays)
+            self.precision_plugin.load_state_dict(state["precision"])
 
     @override
     def remove_checkpoint(self, filepath: Union[str, "os.PathLike[str]"]) -> None:
