@@ -64,7 +64,7 @@ class LocalStepsDefaults:
       pair measured (the example: 99.4-100% against 50-80%; the language model: a loss 0.13-0.44 lower).
     * ``sync_every = 8``, ``compressor = "onebit"``: 0.125 bits per parameter per step, 255x fewer bytes than
       AdamW-DDP. The language model's loss grows with the period (+2.4/+3.0% over AdamW-DDP at 4, +3.2/+4.3% at 8,
-      +6.2/+5.2% at 32); 4 leaves 128x, little margin over the 100x this strategy is for. Top-k lost more in 5 of 6 pairs.
+      +6.2/+5.2% at 32); 4 leaves 128x, little margin over the 100x this strategy is for. Top-k: worse in 5 of 6.
     """
 
     sync_every: int = 8
