@@ -1026,7 +1026,7 @@ def defaults_sweep_table() -> str:
 LOCAL_STEPS = "local_steps_sweep"
 LM_LOCAL_STEPS = "lm_local_steps"
 #: the runs of other sweeps shown beside the local-steps runs, with the same settings (the same harness and seeds)
-LOCAL_STEPS_REFERENCES = (WARMUP_SWEEP,)
+LOCAL_STEPS_REFERENCES = (WARMUP_SWEEP, FREEZE_CAPPED)
 _REFERENCE_RUN = re.compile(r"adamw|ddp_powersgd_r[0-9]+@[0-9.]+|onebit_adam@auto")
 
 
@@ -1082,15 +1082,17 @@ def local_steps_table() -> str:
     results = local_steps_runs()
     rows = table_rows(results)
     seeds = list(rows[0]["acc"]) if rows else []
-    header = ["run", *(f"seed {s}" for s in seeds), "vs AdamW-DDP (points)", "MB sent per rank", "DDP bytes / run's",
-              "bits per parameter per step"]
-    table = [_bytes_row(r, r["acc"], seeds, ".2%") for r in rows]
-    copied = sorted({f"`{r['run']}` seed {r['seed']}" for r in results["runs"].values() if r.get("copied_from")})
+    header = ["task", "run", *(f"seed {s}" for s in seeds), "vs AdamW-DDP (points)", "MB sent per rank",
+              "DDP bytes / run's", "bits per parameter per step"]
+    table = [[r["task"], *_bytes_row(r, r["acc"], seeds, ".2%")] for r in rows]
+    copied = sorted({f"{r['task']} `{r['run']}` seed {r['seed']}" for r in results["runs"].values()
+                     if r.get("copied_from")})
     libraries = sorted({r["library"].split()[0] for r in results["runs"].values() if r.get("library")})
     text = (
-        "**The example from scratch** (the fresh 4-layer BERT on the synthetic reviews, 620 steps, 2 CPU ranks; "
-        f"`python -m benchmarks.freeze_sweep --tasks synthetic --name {LOCAL_STEPS} --runs ...`, the runs named in "
-        "the table): `adamw` is AdamW-DDP, `ddp_powersgd_rR@F` AdamW on DDP with torch's PowerSGD of rank R after F of "
+        "**The example from scratch** (`synthetic`: the fresh 4-layer BERT on the synthetic reviews, 620 steps, 2 CPU "
+        "ranks) **and real fine-tuning kept aside to check the defaults** (`mail`, `agnews`: the pretrained MiniLM, "
+        f"600 steps, `--val-checks 2`; `python -m benchmarks.freeze_sweep --tasks ... --name {LOCAL_STEPS} --runs "
+        "...`, the runs named in the table): `adamw` is AdamW-DDP, `ddp_powersgd_rR@F` AdamW on DDP with torch's PowerSGD of rank R after F of "
         "the run in plain allreduce, `onebit_adam@auto` 1-bit Adam with the library's defaults, `diloco_C@H` "
         "`onebit_diloco` with compressor C and an outer step every H inner steps (`bert_diloco.yaml`: 2 replicas of "
         "one rank, inner AdamW, outer Nesterov lr 0.7 momentum 0.9), `diloco_C_sgd@H` the same with the outer step "
@@ -1099,8 +1101,8 @@ def local_steps_table() -> str:
         "points to the same seed's AdamW-DDP; bytes per rank over the whole run, counted on the ring model of "
         "`lightning_onebit.comm.accounting` (the strategies' and hooks' own counters), the same task's AdamW-DDP "
         "bytes over the run's (mean over seeds); bits per trainable parameter per optimizer step. `-`: not run. "
-        + (f"Copied from `results/{WARMUP_SWEEP}.json` (same harness and settings): {', '.join(copied)}. "
-           if copied else "")
+        + (f"Copied from `results/{WARMUP_SWEEP}.json` and `results/{FREEZE_CAPPED}.json` (same harness and "
+           f"settings): {', '.join(copied)}. " if copied else "")
         + f"Library {', '.join(libraries)} (`results/{LOCAL_STEPS}.json`).\n\n" + _table(header, table)
     )
     lm = _load(LM_LOCAL_STEPS)
