@@ -216,7 +216,7 @@ def divide_(x: torch.Tensor, divisor: int) -> torch.Tensor:
 
     torch's CUDA kernels divide by a Python number as ``x * (1 / divisor)``: two roundings, one ulp off the quotient
     for some elements when ``divisor`` is not a power of two (a mean over 3 or 5 ranks on an H200 differed from the
-    CPU's in a quarter of its elements). A 0-dim tensor on ``x``'s device as the divisor takes CUDA's division kernel,
+    CPU's in 30-40% of its elements). A 0-dim tensor on ``x``'s device as the divisor takes CUDA's division kernel,
     which rounds once, as the CPU's does. ``torch.full`` makes it on the device: no copy from the host, no host
     synchronisation. Where ``x``'s dtype cannot hold ``divisor`` exactly (bf16 above 256), the Python number is kept.
     """
