@@ -1041,6 +1041,8 @@ def local_steps_runs() -> dict[str, Any]:
     settings = [r["settings"] for r in runs.values()]
     parameters = {r["task"]: r["trainable_parameters"] for r in runs.values() if r.get("trainable_parameters")}
     for name in LOCAL_STEPS_REFERENCES:
+        if not (RESULTS / f"{name}.json").exists():
+            continue
         for key, run in _load(name)["runs"].items():
             if key not in runs and _REFERENCE_RUN.fullmatch(run["run"]) and run["settings"] in settings:
                 copied = dict(run, copied_from=name)

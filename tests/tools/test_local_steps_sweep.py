@@ -181,11 +181,12 @@ def test_local_steps_table_completes_the_sweep_with_same_settings_references(loc
     assert runs["synthetic/onebit_adam@auto/1"]["val_acc"] == 0.98
     text = result_tables.local_steps_table()
     example = text.split("**A language model")[0]
-    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
-                                              for line in example.splitlines() if line.startswith("| `"))}
+    rows = {cells[1]: cells[2:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                              for line in example.splitlines() if line.startswith("| synthetic |"))}
     assert rows["`diloco_topk@32`"] == ["99.00%", "-", "-0.60 / -", "4e-06", "100.0x", "0.005"]
     assert rows["`adamw`"][:3] == ["99.60%", "-", ""]
-    assert "Copied from `results/warmup_sweep.json` (same harness and settings): `adamw` seed 0." in text
+    assert ("Copied from `results/warmup_sweep.json` and `results/freeze_sweep_capped.json` (same harness and "
+            "settings): synthetic `adamw` seed 0." in text)
     # the language model's table: loss per seed, percent against the same seed's AdamW-DDP
     assert "| `diloco_topk@32` | 2.5500 | +2.00 | 2e-06 | 500.0x | 0.064 |" in text
     assert "168 files of Python 3.11.7" in text
