@@ -114,6 +114,15 @@ def run_scenarios(rank: int, world_size: int, scenarios: tuple[tuple[str, Scenar
     return results
 
 
+def run_sessions(scenarios_by_world_size: dict[int, tuple[tuple[str, Scenario], ...]], tmp_path_factory: Any,
+                 name: str, timeout_s: float = 300.0) -> dict[int, list[dict]]:
+    """One :func:`run_scenarios` session per world size (``{world_size: scenarios}``), each in a fresh temporary
+    folder ``name<world_size>``: the per-rank results by world size."""
+    return {world_size: run_distributed(run_scenarios, world_size, scenarios,
+                                        str(tmp_path_factory.mktemp(f"{name}{world_size}")), timeout_s=timeout_s)
+            for world_size, scenarios in scenarios_by_world_size.items()}
+
+
 def scenario_results(session: list[dict], name: str) -> list[dict]:
     """Per-rank results of scenario ``name`` from a :func:`run_scenarios` session; fails the test on a rank's error."""
     import pytest

@@ -22,7 +22,7 @@ from torch import nn
 from lightning_onebit import CommunicationMonitor, LocalStepsAdvice, OnebitDiLoCoStrategy
 from lightning_onebit.optim.outer_step import OuterStep
 from tests.capture import capture_logs, logged_columns
-from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.distributed import run_sessions, scenario_results
 from tests.lightning_models import Regressor, loader, trainer_kwargs
 
 SYNC_DELAY_S = 0.25  # added to every outer sync
@@ -162,10 +162,7 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
-    return {world_size: run_distributed(run_scenarios, world_size, scenarios,
-                                        str(tmp_path_factory.mktemp(f"local_steps_advisor{world_size}")),
-                                        timeout_s=240.0)
-            for world_size, scenarios in SCENARIOS.items()}
+    return run_sessions(SCENARIOS, tmp_path_factory, "local_steps_advisor", timeout_s=240.0)
 
 
 @pytest.mark.parametrize("world_size, name", [(2, "slow_sync"), (4, "slow_sync_2x2")])

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_onebit import CommunicationMonitor, OnebitDiLoCoStrategy
 from lightning_onebit.comm import BucketLayout, OuterCompression, ring_allreduce_bytes
 from lightning_onebit.strategy.local_steps import DEFAULTS, OUTER_LR
-from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.distributed import run_sessions, scenario_results
 from tests.lightning_models import Regressor, flat_params, held_out_loss, loader, trainer_kwargs
 from tests.strategy.test_topology_lightning import RecordingLogger
 from tests.tensors import identical
@@ -155,11 +155,7 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory) -> dict[int, list[dict]]:
-    out = {}
-    for world_size, scenarios in SCENARIOS.items():
-        workdir = str(tmp_path_factory.mktemp(f"diloco{world_size}"))
-        out[world_size] = run_distributed(run_scenarios, world_size, scenarios, workdir, timeout_s=300)
-    return out
+    return run_sessions(SCENARIOS, tmp_path_factory, "diloco")
 
 
 # ======================================================================================== tests

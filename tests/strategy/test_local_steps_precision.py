@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_onebit import OnebitDiLoCoStrategy
 from lightning_onebit.comm import OUTER_COMPRESSIONS, OuterCompression, make_outer_compressor
 from lightning_onebit.optim.outer_step import OuterStep
-from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.distributed import run_sessions, scenario_results
 from tests.lightning_models import Regressor, flat_params, held_out_loss, loader, trainer_kwargs
 from tests.tensors import identical, seed_of
 
@@ -175,11 +175,7 @@ PER_REPLICA = {2: 1, 4: 2}
 
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory) -> dict[int, list[dict]]:
-    out = {}
-    for world_size, scenarios in SCENARIOS.items():
-        workdir = str(tmp_path_factory.mktemp(f"diloco_precision{world_size}"))
-        out[world_size] = run_distributed(run_scenarios, world_size, scenarios, workdir, timeout_s=300)
-    return out
+    return run_sessions(SCENARIOS, tmp_path_factory, "diloco_precision")
 
 
 # ======================================================================================== tests
