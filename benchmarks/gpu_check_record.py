@@ -1,6 +1,6 @@
 """Record what ``benchmarks/gpu_check.sh`` wrote on a GPU machine in ``results/gpu_check.json``.
 
-    python -m benchmarks.gpu_check_record DIR [--commit REV]
+    python -m benchmarks.gpu_check_record DIR --commit REV [--name gpu_check]
 
 ``DIR`` holds the script's files (``summary.txt``, ``pytest_junit.xml``, ``gpu_kernels.json``, ``fit_*.json``). The
 record keeps the device and versions, each step's exit status and seconds, every GPU test's outcome (and the first
@@ -69,11 +69,12 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path, help="the folder gpu_check.sh wrote ($OUT)")
     parser.add_argument("--commit", required=True, help="the commit the GPU machine ran")
+    parser.add_argument("--name", default="gpu_check", help="results/NAME.json (default gpu_check)")
     args = parser.parse_args()
     payload = record(args.directory, args.commit)
     if (args.directory / "gpu_kernels.json").exists():
         shutil.copyfile(args.directory / "gpu_kernels.json", RESULTS_DIR / "gpu_kernels.json")
-    path = write_results("gpu_check", payload)
+    path = write_results(args.name, payload)
     print(f"{payload['tests']} | steps: " + ", ".join(f"{s['step']} exit {s['exit']}" for s in payload["steps"]))
     print(f"written to {path}")
 

@@ -96,8 +96,8 @@ def resolve_backend(tensor: torch.Tensor, backend: Backend = "auto") -> str:
         if tensor.is_cuda:
             # The torch kernels: one launch sequence with no host synchronisation and a single table lookup to unpack,
             # in torch's own allocator. The cupy path unpacks in about five passes and keeps a memory pool of its own;
-            # it is used only when asked for (kernel_backend="cupy"): on an H200 (results/gpu_kernels.json) it
-            # compressed no faster and took twice as long for a whole simulated step.
+            # it is used only when asked for (kernel_backend="cupy"): on an H200 (results/gpu_kernels.json, two runs)
+            # it compressed no faster and took 1.6-1.9x as long for a whole simulated step.
             return "torch"
         return "cpu" if cpu_kernels.supports(tensor) and cpu_kernels.is_available() else "torch"
     if backend == "cpu":
