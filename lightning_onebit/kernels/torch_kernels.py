@@ -218,9 +218,10 @@ def divide_(x: torch.Tensor, divisor: int) -> torch.Tensor:
     for some elements when ``divisor`` is not a power of two (a mean over 3 or 5 ranks on an H200 differed from the
     CPU's in 30-40% of its elements). A 0-dim tensor on ``x``'s device as the divisor takes CUDA's division kernel,
     which rounds once, as the CPU's does. ``torch.full`` makes it on the device: no copy from the host, no host
-    synchronisation. Where ``x``'s dtype cannot hold ``divisor`` exactly (bf16 above 256), the Python number is kept.
+    synchronisation. Where ``x``'s dtype cannot hold every integer up to ``divisor`` exactly (``2 / eps``: 256 for
+    bf16), the Python number is kept.
     """
-    if x.device.type == "cpu" or divisor & (divisor - 1) == 0 or float(torch.tensor(divisor, dtype=x.dtype)) != divisor:
+    if x.device.type == "cpu" or divisor & (divisor - 1) == 0 or divisor > 2 / torch.finfo(x.dtype).eps:
         return x.div_(divisor)
     return x.div_(torch.full((), divisor, dtype=x.dtype, device=x.device))
 
