@@ -31,7 +31,8 @@ def tests_from_junit(path: Path) -> list[dict[str, Any]]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
-                message = (child.get("message") or "").splitlines()[0][:300] if child.get("message") else None
+                text = child.get("message")
+                message = text.splitlines()[0][:300] if text else None
         module = case.get("classname", "").replace(".", "/") + ".py"
         tests.append(dict(test=f"{module}::{case.get('name')}", outcome=outcome, seconds=float(case.get("time", 0)),
                           message=message))

@@ -967,6 +967,16 @@ DEFAULTS_CANDIDATE = {"1-bit Adam": "onebit_adam@auto+powersgd4", "0/1 Adam": "z
                       "1-bit LAMB": "onebit_lamb@auto+powersgd4"}
 
 
+def _accuracy_against(run: Optional[dict[str, Any]], reference: Optional[dict[str, Any]]) -> str:
+    """``run``'s accuracy, with its difference to ``reference`` in points (none for the reference itself); ``-``
+    for a run not made."""
+    if run is None:
+        return "-"
+    if reference is None or run is reference:
+        return f"{run['val_acc']:.2%}"
+    return f"{run['val_acc']:.2%} ({100 * (run['val_acc'] - reference['val_acc']):+.2f})"
+
+
 def defaults_sweep_table() -> str:
     """Per task and seed: AdamW-DDP, DDP + PowerSGD rank 4 and the candidate's runs (:data:`DEFAULTS_CANDIDATE`), with
     the issue's test for 1-bit Adam: within 0.5 point of AdamW-DDP, at least as accurate as DDP + PowerSGD rank 4,
@@ -988,13 +998,6 @@ def defaults_sweep_table() -> str:
             got = {label: runs.get((task, name, seed)) for label, name in DEFAULTS_CANDIDATE.items()}
             if not any(got.values()) and powersgd is None:
                 continue
-
-            def acc(run: Optional[dict[str, Any]]) -> str:
-                if run is None:
-                    return "-"
-                diff = "" if adamw is None or run is adamw else f" ({100 * (run['val_acc'] - adamw['val_acc']):+.2f})"
-                return f"{run['val_acc']:.2%}{diff}"
-
             onebit, verdict, ratios = got["1-bit Adam"], "-", "-"
             if onebit is not None and adamw is not None and powersgd is not None:
                 ratios = (f"{adamw['bytes_sent'] / onebit['bytes_sent']:.1f}x / "
@@ -1005,8 +1008,8 @@ def defaults_sweep_table() -> str:
                     ("1.5x PowerSGD's bytes", powersgd["bytes_sent"] >= 1.5 * onebit["bytes_sent"]))
                     if not ok]
                 verdict = "met" if not failed else "not met: " + ", ".join(failed)
-            table.append([task, str(seed), acc(adamw), acc(powersgd), *(acc(r) for r in got.values()), ratios,
-                          verdict])
+            table.append([task, str(seed), *(_accuracy_against(r, adamw) for r in (adamw, powersgd, *got.values())),
+                          ratios, verdict])
     sources = sorted({f"`results/{r['source']}.json`" for r in runs.values()})
     libraries = sorted({r["library"] for r in runs.values() if r.get("library") and r["source"] == DEFAULTS_SWEEP})
     return (
