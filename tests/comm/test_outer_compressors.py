@@ -144,7 +144,21 @@ def test_bf16_against_its_reference_with_exact_error_feedback(ranks):
         errors = new_errors
 
 
-def test_onebit_against_the_two_phase_reference(ranks):
+def _onebit_gather_reference(y: torch.Tensor) -> torch.Tensor:
+    """What one rank sends over two replicas: per piece (the padding its own), ``||y_s|| / sqrt(len_s)`` times the
+    sign of every element, ``sgn(0) = +1``."""
+    sent, start = torch.empty_like(y), 0
+    for length in PIECES:
+        part = y[start : start + length].double()
+        scale = part.norm() / math.sqrt(length)
+        sent[start : start + length] = torch.where(part >= 0, scale, -scale).float()
+        start += length
+    return sent
+
+
+def test_onebit_against_its_reference(ranks):
+    """Two replicas: each rank compresses once and every rank decodes both payloads (the all-gather); more: the
+    two-phase exchange (workers compress, each rank serves the mean of one chunk and compresses it again)."""
     world_size, results = ranks
     layout = BucketLayout.build(PIECES, world_size)
     assert layout.padded_numel == NUMEL  # the outer step sizes buckets so that the layout adds no padding
@@ -153,7 +167,12 @@ def test_onebit_against_the_two_phase_reference(ranks):
     for call in range(CALLS):
         inputs = [results[r]["onebit"][call]["input"] for r in range(world_size)]
         old = [e.clone() for e in worker_errors]
-        expected, worker_errors, server_errors = reference_allreduce(inputs, worker_errors, server_errors, layout)
+        if world_size == 2:
+            sent = [_onebit_gather_reference(x + e) for x, e in zip(inputs, old)]
+            expected = (sent[0] + sent[1]) / 2
+            worker_errors = [x + e - s for x, e, s in zip(inputs, old, sent)]
+        else:
+            expected, worker_errors, server_errors = reference_allreduce(inputs, worker_errors, server_errors, layout)
         torch.testing.assert_close(results[0]["onebit"][call]["output"], expected, rtol=1e-5, atol=1e-6)
         for r in range(world_size):
             got = results[r]["onebit"][call]["error"]
@@ -163,6 +182,18 @@ def test_onebit_against_the_two_phase_reference(ranks):
             for a, b in zip(layout.segments.offsets[:-1], layout.segments.offsets[1:]):
                 magnitude = sent[a:b].abs()
                 torch.testing.assert_close(magnitude, magnitude.mean().expand_as(magnitude), rtol=1e-5, atol=1e-6)
+
+
+def test_onebit_error_state_of_one_exchange_is_refused_by_the_other():
+    from lightning_onebit.comm.outer import OnebitAverage, OnebitGatherAverage
+
+    bucket = OuterBucket("bucket", torch.zeros(NUMEL), PIECES, REAL)
+    gather, two_phase = OnebitGatherAverage(OuterCompression("onebit")), OnebitAverage(OuterCompression("onebit"))
+    with pytest.raises(ValueError, match="two-phase exchange of more than two replicas"):
+        gather.load_error_state_dict(two_phase.error_state_dict(), [bucket])
+    with pytest.raises(ValueError, match="all-gather of two replicas"):
+        two_phase.load_error_state_dict(gather.error_state_dict(), [bucket])
+    gather.load_error_state_dict(gather.error_state_dict(), [bucket])  # its own is taken
 
 
 @pytest.mark.parametrize("name", ["topk", "topk_decay"])
@@ -199,6 +230,8 @@ def test_bytes_counted_are_the_hand_computation(ranks, name):
         hand = 2 * (m - 1) * NUMEL * 4 // m
     elif name == "bf16":
         hand = 2 * (m - 1) * NUMEL * 2 // m
+    elif name == "onebit" and m == 2:  # one payload: a scale per piece, then the signs, to 4 bytes
+        hand = 4 * math.ceil((4 * len(PIECES) + NUMEL // 8) / 4)
     elif name == "onebit":
         chunk = NUMEL // m
         s_max = max(len(s) for s in BucketLayout.build(PIECES, m).chunk_segments)
