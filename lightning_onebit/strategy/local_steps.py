@@ -63,8 +63,8 @@ class LocalStepsDefaults:
     * ``outer_optimizer = "sgd"`` at ``outer_lr = 1`` (:data:`OUTER_LR`): it beat DiLoCo's Nesterov (0.7, 0.9) in every
       pair measured (the example: 99.4-100% against 50-80%; the language model: a loss 0.13-0.44 lower).
     * ``sync_every = 8``, ``compressor = "onebit"``: 0.125 bits per parameter per step, 255x fewer bytes than
-      AdamW-DDP. The language model's loss grows with the period (+2.4/+3.0% over AdamW-DDP at 4, +3.2/+4.3% at 8,
-      +6.2/+5.2% at 32); 4 leaves 128x, little margin over the 100x this strategy is for. Top-k: worse in 5 of 6.
+      AdamW-DDP. The language model's loss over AdamW-DDP's: +3.1/+2.8% at 4, +2.5/+3.2% at 8, +5.5/+5.1% at 16,
+      +5.7/+5.3% at 32; 4 leaves 128x, little margin over the 100x this strategy is for. Top-k: worse in 5 of 6.
     """
 
     sync_every: int = 8
