@@ -27,8 +27,16 @@ rank, ``broadcast_buffers=False``: BERT's buffers are constant position / token-
                        exchange of each rank's momentum shard across nodes, in ``step``; W warmup steps untimed
   fsdp_onebit_overlap  the same, each FSDP group's exchange started during backward
                        (``lightning_onebit.hooks.fsdp.ShardedOverlapState``, ``onebit_fsdp``'s default)
+  ddp_powersgd         DDP + torch's PowerSGD (rank 4, start_powerSGD_iter=W, its buckets compressed in order:
+                       ``lightning_onebit.hooks.ordered_powersgd_hook``) + AdamW; W plain steps untimed
+  local_steps          ``onebit_diloco``'s engine with its defaults: each node is a replica whose 2 ranks average
+                       gradients by DDP over the node's group (loopback), AdamW inner steps, and every
+                       ``--sync-every`` (8) inner steps ``lightning_onebit.optim.outer_step.OuterStep`` (the 1-bit
+                       outer step, outer SGD lr 1): rank l of each node exchanges shard l across nodes, the new shards
+                       are all-gathered in the node. Its figure is the MEAN step over a whole number of periods (the
+                       median would hide the syncs): ``--steps`` is rounded up to a multiple of ``--sync-every``
   local_4proc          every process trains its own replica, no communication (compute reference under the same
-                       4-process load on this host's cores)
+                       4-process load on this host's cores: the no-communication floor)
 
 Per method: ``--untimed`` steps, then ``--steps`` timed steps, each after a barrier; a step's time is the slowest
 rank's, the figure is the median over the timed steps.
@@ -82,7 +90,7 @@ from benchmarks import netns
 from benchmarks.common import ROOT, argument_parser, module_command
 
 METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "fsdp_adamw", "fsdp_onebit", "fsdp_onebit_overlap",
-           "local_4proc")
+           "ddp_powersgd", "local_steps", "local_4proc")
 FSDP_METHODS = ("fsdp_adamw", "fsdp_onebit", "fsdp_onebit_overlap")
 FSDP_ONEBIT = ("fsdp_onebit", "fsdp_onebit_overlap")
 ONEBIT_MODES = {"onebit_flat": "flat", "onebit_hierarchical": "hierarchical"}
@@ -109,6 +117,8 @@ def formula_bytes_per_node(n: int, nodes: int, ranks_per_node: int) -> dict[str,
 METHOD_FORMULA = dict(ddp_fp32="fp32_ring", onebit_flat="onebit_flat", onebit_hierarchical="onebit_hierarchical",
                       fsdp_adamw="fp32_hierarchical", fsdp_onebit="onebit_hierarchical",
                       fsdp_onebit_overlap="onebit_hierarchical")
+#: the methods whose step time is the mean over the timed steps (their communication is not the same every step)
+MEAN_METHODS = ("local_steps",)
 
 
 def formula_table(n: int) -> list[dict[str, Any]]:
@@ -243,6 +253,21 @@ def _worker(args: argparse.Namespace) -> None:
                 optimizer=_counter_dict(opt.communication), hook=_counter_dict(sync.counters))
             warm = steps(model, opt, batches, W)
             extra["warmup_times_s"] = warm["times_s"]
+        elif method == "ddp_powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+            from lightning_onebit.hooks import OrderedPowerSGDState, ordered_powersgd_hook
+
+            model = DDP(model, broadcast_buffers=False)
+            state = OrderedPowerSGDState(PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=W))
+            model.register_comm_hook(state, ordered_powersgd_hook)
+            opt = make_adamw(model.parameters(), cfg)
+            steps(model, opt, batches, W)
+        elif method == "local_steps":
+            opt, extra["local_steps"] = _local_steps(model, cfg, node_rank, local_rank, args.sync_every)
+            model = opt.model
+            meter = lambda opt=opt: dict(  # noqa: E731
+                optimizer=_counter_dict(opt.outer.communication), hook=dict(bytes_sent_inter_node=0.0))
         elif method in FSDP_METHODS:
             model, opt, sync, extra["mesh"], overlap = _fsdp_method(method, model, node_rank, local_rank, W)
             before_backward = None if overlap is None else overlap.new_backward
@@ -260,8 +285,9 @@ def _worker(args: argparse.Namespace) -> None:
         warmed = W if method in ONEBIT_MODES or method in FSDP_ONEBIT else 0
         log(f"{method}: {warmed} warmup + {U} untimed steps done "
             f"({time.perf_counter() - started:.0f} s); timing {N} steps")
+        timed_steps = -(-N // args.sync_every) * args.sync_every if method == "local_steps" else N
         with windows(method) as info:
-            timed = steps(model, opt, batches, N, meter, before_backward)
+            timed = steps(model, opt, batches, timed_steps, meter, before_backward)
             info["median_step_s_rank0"] = statistics.median(timed["times_s"])
         if method in ONEBIT_MODES:
             extra["skipped_grad_buckets"] = sync.skipped_buckets
@@ -278,6 +304,45 @@ def _worker(args: argparse.Namespace) -> None:
     (sync_dir / f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+class _LocalSteps:
+    """The inner AdamW (on a DDP over the node) and the outer step every ``sync_every`` inner steps, as
+    ``OnebitDiLoCoStrategy.optimizer_step`` runs them; ``step`` and ``zero_grad`` as an optimizer's."""
+
+    def __init__(self, model: Any, inner: Any, outer: Any, sync_every: int) -> None:
+        self.model, self.inner, self.outer, self.sync_every, self.inner_steps = model, inner, outer, sync_every, 0
+
+    def step(self) -> None:
+        self.inner.step()
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self.outer.sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def _local_steps(model: Any, cfg: Any, node_rank: int, local_rank: int, sync_every: int
+                 ) -> tuple[_LocalSteps, dict[str, Any]]:
+    """``onebit_diloco``'s parts with its defaults over this host's 2 simulated nodes (see the module docstring)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.slow_link import make_adamw
+    from lightning_onebit import Topology
+    from lightning_onebit.comm.outer import make_outer_compressor
+    from lightning_onebit.optim.outer_step import OuterStep
+    from lightning_onebit.strategy.local_steps import DEFAULTS, OUTER_LR
+
+    topo = Topology.build(node_rank=node_rank, local_rank=local_rank, mode="hierarchical")
+    params = [p for p in model.parameters() if p.requires_grad]
+    outer = OuterStep(params, make_outer_compressor(DEFAULTS.compressor, topo.inter_group), DEFAULTS.outer_optimizer,
+                      OUTER_LR[DEFAULTS.outer_optimizer], DEFAULTS.outer_momentum, shard_group=topo.intra_group,
+                      bucket_numel=int(DEFAULTS.bucket_cap_mb * 2**20) // 4)
+    ddp = DDP(model, process_group=topo.intra_group, broadcast_buffers=False)
+    info = dict(sync_every=sync_every, compressor=DEFAULTS.compressor, outer_optimizer=DEFAULTS.outer_optimizer,
+                exchange=type(outer.compressor).__name__)
+    return _LocalSteps(ddp, make_adamw(ddp.parameters(), cfg), outer, sync_every), info
 
 
 def _fsdp_method(method: str, model: Any, node_rank: int, local_rank: int, warmup: int
@@ -342,7 +407,8 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 def _worker_args(args: argparse.Namespace, sync_dir: str) -> list[str]:
     out = ["--sync-dir", sync_dir, "--parent-pid", str(os.getpid())]
-    for flag in (*MODEL_FLAGS, "warmup_steps", "steps", "untimed", "calibration_barriers", "collective_timeout"):
+    for flag in (*MODEL_FLAGS, "warmup_steps", "steps", "untimed", "sync_every", "calibration_barriers",
+                 "collective_timeout"):
         value = getattr(args, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]
@@ -401,6 +467,11 @@ def _slowest_median(per_rank: list[dict], method: str) -> float:
     return statistics.median(max(step) for step in zip(*series))
 
 
+def _slowest_mean(per_rank: list[dict], method: str) -> float:
+    series = [r["methods"][method]["times_s"] for r in per_rank]
+    return statistics.fmean(max(step) for step in zip(*series))
+
+
 def _delta(readings: dict, window: str, node: int, key: str) -> int:
     return readings[window]["end"][node][key] - readings[window]["begin"][node][key]
 
@@ -411,24 +482,28 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     per_rank, wire = run["per_rank"], run["wire"]
     n_params = per_rank[0]["model"]["params"]
     world = NODES * RANKS_PER_NODE
-    steps = args.steps
     barrier_count = args.calibration_barriers + 2
     barrier = [{key: _delta(wire, "barriers", k, key) / barrier_count for key in ("qdisc_bytes", "tx_bytes")}
                for k in range(NODES)]
     formulas = formula_bytes_per_node(n_params, NODES, RANKS_PER_NODE)
     rows: dict[str, dict[str, Any]] = {}
     for method in args.methods:
+        steps = len(per_rank[0]["methods"][method]["times_s"])  # local_steps: rounded up to whole periods
         if method == "ddp_fp32":
             counters = [float(ring_allreduce_bytes(n_params, 4, world))] * NODES
             source = "analytic: gloo ring allreduce, one rank per node sends 2(P-1)/P 4N off the node"
-        elif method in ONEBIT_MODES or method in FSDP_METHODS:
+        elif method in ONEBIT_MODES or method in FSDP_METHODS or method == "local_steps":
             counters = [0.0] * NODES
             for r in per_rank:
                 c = r["methods"][method]["counters"]
                 counters[r["node_rank"]] += (c["optimizer"].get("bytes_sent_inter_node", 0.0)
                                              + c["hook"]["bytes_sent_inter_node"]) / steps
-            source = ("measured: OnebitAdam.communication + the warmup hook's counters (GradientSyncState, or "
-                      "ReplicaAllReduceState under FSDP), bytes_sent_inter_node; FSDP's intra-node traffic uncounted")
+            source = ("measured: OnebitAdam.communication (local_steps: OuterStep.communication) + the warmup hook's "
+                      "counters (GradientSyncState, or ReplicaAllReduceState under FSDP), bytes_sent_inter_node; "
+                      "FSDP's intra-node traffic uncounted")
+        elif method == "ddp_powersgd":
+            counters = [0.0] * NODES
+            source = "not counted per node: the veth's bytes"
         else:
             counters = [0.0] * NODES
             source = "no communication"
@@ -451,7 +526,8 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         diffs = [d["rel_diff"] for d in nodes if d["rel_diff"] is not None]
         worst = max(diffs, key=abs) if diffs else None
         row = dict(
-            step_s=_slowest_median(per_rank, method),
+            step_s=_slowest_mean(per_rank, method) if method in MEAN_METHODS else _slowest_median(per_rank, method),
+            step_statistic="mean" if method in MEAN_METHODS else "median",
             counters_bytes_per_node=statistics.fmean(counters),
             counters_source=source,
             veth_bytes_per_node=statistics.fmean(d["veth_qdisc"] for d in nodes),
@@ -459,11 +535,13 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             rel_diff=worst,
             agree_within_10pct=None if worst is None else abs(worst) <= 0.10,
             formula=METHOD_FORMULA.get(method),
-            formula_bytes_per_node=formulas[METHOD_FORMULA[method]] if method in METHOD_FORMULA else 0.0,
+            formula_bytes_per_node=(formulas[METHOD_FORMULA[method]] if method in METHOD_FORMULA
+                                    else formulas["onebit_hierarchical"] / args.sync_every if method == "local_steps"
+                                    else 0.0),
             nodes=nodes,
             final_loss=[r["methods"][method]["losses"][-1] for r in per_rank],
         )
-        for key in ("topology", "skipped_grad_buckets", "stage", "mesh", "buckets_started_in_backward"):
+        for key in ("topology", "skipped_grad_buckets", "stage", "mesh", "buckets_started_in_backward", "local_steps"):
             if key in per_rank[0]["methods"][method]:
                 row[key] = per_rank[0]["methods"][method][key]
         rows[method] = row
@@ -473,7 +551,7 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     for name in FSDP_ONEBIT:
         if "fsdp_adamw" in rows and name in rows:
             rows[name]["speedup_over_fsdp_adamw"] = rows["fsdp_adamw"]["step_s"] / rows[name]["step_s"]
-    return dict(rows=rows, barrier_bytes_per_node=barrier, barriers_per_window=f"steps + 2 = {steps + 2}")
+    return dict(rows=rows, barrier_bytes_per_node=barrier, barriers_per_window="the timed steps + 2")
 
 
 def _mb(x: Optional[float]) -> str:
@@ -501,6 +579,13 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
           f"per step; 'veth tc' = tbf qdisc Sent bytes (IP packets, headers per segment), 'veth tx' = link tx bytes.")
     print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* and fsdp_* measured bytes_sent_inter_node, summed "
           "per node; diff = veth tc / counters - 1, worst node")
+    if "local_steps" in rows and "local_4proc" in rows:
+        local = rows["local_steps"]["step_s"]
+        others = ", ".join(f"{name} {rows[name]['step_s']:.3f} s" for name in ("ddp_powersgd", "onebit_hierarchical",
+                                                                               "ddp_fp32") if name in rows)
+        print(f"  local_steps (mean step, an outer sync every {args.sync_every}): {local:.3f} s, "
+              f"{local / rows['local_4proc']['step_s']:.2f}x the no-communication floor (local_4proc)"
+              + (f"; {others}" if others else ""))
     for name in FSDP_ONEBIT:
         if "speedup_over_fsdp_adamw" in rows.get(name, {}):
             print(f"  {name} compression-stage step: {rows[name]['speedup_over_fsdp_adamw']:.2f}x faster than "
@@ -540,6 +625,8 @@ def parse_args() -> argparse.Namespace:
                         help="W: OnebitAdam freeze_step; its warmup steps are untimed (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per method (default 8)")
     parser.add_argument("--untimed", type=int, default=2, help="untimed steps before the timed ones (default 2)")
+    parser.add_argument("--sync-every", type=int, default=8,
+                        help="local_steps: inner steps per outer sync (default 8, onebit_diloco's)")
     parser.add_argument("--calibration-barriers", type=int, default=20,
                         help="bare barriers in the calibration window that measures a barrier's bytes (default 20)")
     parser.add_argument("--burst", default=netns.BURST, help=f"tbf burst (default {netns.BURST})")
@@ -577,7 +664,8 @@ def main() -> None:
 
     started = time.perf_counter()
     cfg = dict(model_config_of(args),  # the --model preset's layers and vocabulary, unless given
-               **{k: getattr(args, k) for k in ("warmup_steps", "steps", "untimed", "calibration_barriers")})
+               **{k: getattr(args, k) for k in ("warmup_steps", "steps", "untimed", "sync_every",
+                                                "calibration_barriers")})
     payload: dict[str, Any] = dict(
         args={k: v for k, v in vars(args).items() if k not in ("worker", "sync_dir", "parent_pid")},
         config=dict(cfg, methods=list(args.methods)),
