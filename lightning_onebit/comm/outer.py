@@ -58,6 +58,7 @@ from lightning_onebit.kernels import Segments, Workspace, add_mean_of_signs_, co
 __all__ = [
     "OUTER_COMPRESSIONS",
     "DenseAverage",
+    "GatheredAverage",
     "OnebitAverage",
     "OnebitGatherAverage",
     "OuterBucket",
@@ -292,14 +293,59 @@ class OnebitAverage(OuterCompressor):
         self.state.load_error_feedback_state_dict(saved, layouts, {b.key: b.values for b in present})
 
 
-class OnebitGatherAverage(OuterCompressor):
+class GatheredAverage(OuterCompressor):
+    """An average whose every rank encodes each bucket (with its error feedback) into a byte payload of a fixed size,
+    all-gathers the payloads (one ``all_gather`` per bucket, all launched before the first is decoded) and decodes
+    them in rank order into the mean: the same bits on every rank. Subclasses give :meth:`_payload_bytes`,
+    :meth:`_encode` and :meth:`_decode_mean`."""
+
+    #: what the collectives are called in an error message
+    WHAT = "payloads"
+
+    def _payload_bytes(self, bucket: OuterBucket) -> int:
+        raise NotImplementedError
+
+    def _encode(self, bucket: OuterBucket, payload: torch.Tensor) -> None:
+        """Write ``bucket``'s payload, and leave what was not sent in its error feedback."""
+        raise NotImplementedError
+
+    def _decode_mean(self, bucket: OuterBucket, payloads: list[torch.Tensor]) -> None:
+        """Set ``bucket.values`` to the mean of the ranks' payloads, decoded in rank order."""
+        raise NotImplementedError
+
+    def bytes_per_call(self, bucket: OuterBucket) -> int:
+        return (self.replicas - 1) * self._payload_bytes(bucket)
+
+    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+        replicas = self.replicas
+        if replicas == 1:
+            return
+        what = f"outer all_gather of the {self.WHAT}"
+        launched = []
+        for bucket in buckets:
+            size = self._payload_bytes(bucket)
+            payload = torch.zeros(size, dtype=torch.uint8, device=bucket.values.device)
+            self._encode(bucket, payload)
+            gathered = torch.empty(replicas * size, dtype=torch.uint8, device=bucket.values.device)
+            with naming_the_group(what, self.group):
+                work = all_gather_async(gathered, payload, self.group)
+            launched.append((bucket, gathered, size, work))
+            self._count(self.bytes_per_call(bucket), bucket.values.numel())
+            self.counters.collectives += 1
+        for bucket, gathered, size, work in launched:
+            with naming_the_group(what, self.group):
+                work.wait()
+            self._decode_mean(bucket, [gathered[rank * size : (rank + 1) * size] for rank in range(replicas)])
+
+
+class OnebitGatherAverage(GatheredAverage):
     """``"onebit"`` over two replicas: each rank compresses ``e <- error_decay * e + x`` of every bucket once (1-bit,
-    one scale per piece; ``e`` keeps the error, so ``sent + e_new == x + error_decay * e_old`` to one rounding), the
-    payloads (scales, then sign bits) are all-gathered, one ``all_gather`` per bucket, all launched before the first
-    is decoded, and every rank decodes them in rank order into their mean: the same bits on every rank."""
+    one scale per piece; ``e`` keeps the error, so ``sent + e_new == x + error_decay * e_old`` to one rounding); the
+    payload is the float32 scales, then the sign bits, to 4 bytes (:class:`GatheredAverage` exchanges it)."""
 
     #: the exchange's name in the error feedback state (a checkpoint of the two-phase exchange is refused)
     EXCHANGE = "gather"
+    WHAT = "1-bit payloads"
 
     def __init__(self, config: OuterCompression, group: Optional[dist.ProcessGroup] = None,
                  backend: str = "auto") -> None:
@@ -321,43 +367,25 @@ class OnebitGatherAverage(OuterCompressor):
         return segments
 
     def _payload_bytes(self, bucket: OuterBucket) -> int:
-        """Float32 scales then the sign bits, rounded up to 4 bytes (so every rank's scales are aligned)."""
         raw = 4 * len(self._segments_of(bucket)) + bucket.values.numel() // 8
         return -(-raw // 4) * 4
 
-    def bytes_per_call(self, bucket: OuterBucket) -> int:
-        return (self.replicas - 1) * self._payload_bytes(bucket)
+    def _encode(self, bucket: OuterBucket, payload: torch.Tensor) -> None:
+        numel, segments = bucket.values.numel(), self._segments_of(bucket)
+        if numel % 8:
+            raise ValueError(f"bucket {bucket.key!r}: {numel} values is not a multiple of 8 (OuterCompression.quantum)")
+        scale_bytes = 4 * len(segments)
+        scales, _ = compress_in_place(self._accumulate(bucket), segments, backend=self.backend,
+                                      packed_out=payload[scale_bytes : scale_bytes + numel // 8],
+                                      workspace=self._workspace)
+        payload[:scale_bytes].view(torch.float32).copy_(scales)
 
-    def average_(self, buckets: Sequence[OuterBucket]) -> None:
-        replicas = self.replicas
-        if replicas == 1:
-            return
-        launched = []
-        for bucket in buckets:
-            values, segments = bucket.values, self._segments_of(bucket)
-            if values.numel() % 8:
-                raise ValueError(f"bucket {bucket.key!r}: {values.numel()} values is not a multiple of 8 "
-                                 "(OuterCompression.quantum)")
-            size, scale_bytes = self._payload_bytes(bucket), 4 * len(segments)
-            payload = torch.zeros(size, dtype=torch.uint8, device=values.device)
-            scales, _ = compress_in_place(self._accumulate(bucket), segments, backend=self.backend,
-                                          packed_out=payload[scale_bytes : scale_bytes + values.numel() // 8],
-                                          workspace=self._workspace)
-            payload[:scale_bytes].view(torch.float32).copy_(scales)
-            gathered = torch.empty(replicas * size, dtype=torch.uint8, device=values.device)
-            with naming_the_group("outer all_gather of the 1-bit payloads", self.group):
-                work = all_gather_async(gathered, payload, self.group)
-            launched.append((bucket, segments, gathered, size, scale_bytes, work))
-            self._count(self.bytes_per_call(bucket), values.numel())
-            self.counters.collectives += 1
-        for bucket, segments, gathered, size, scale_bytes, work in launched:
-            with naming_the_group("outer all_gather of the 1-bit payloads", self.group):
-                work.wait()
-            parts = [gathered[rank * size : (rank + 1) * size] for rank in range(replicas)]
-            add_mean_of_signs_(bucket.values.zero_(), [p[scale_bytes : scale_bytes + bucket.values.numel() // 8]
-                                                       for p in parts],
-                               [p[:scale_bytes].view(torch.float32) for p in parts], segments, backend=self.backend,
-                               workspace=self._workspace)
+    def _decode_mean(self, bucket: OuterBucket, payloads: list[torch.Tensor]) -> None:
+        numel, segments = bucket.values.numel(), self._segments_of(bucket)
+        scale_bytes = 4 * len(segments)
+        add_mean_of_signs_(bucket.values.zero_(), [p[scale_bytes : scale_bytes + numel // 8] for p in payloads],
+                           [p[:scale_bytes].view(torch.float32) for p in payloads], segments, backend=self.backend,
+                           workspace=self._workspace)
 
     def error_state_dict(self) -> dict[str, Any]:
         return dict(super().error_state_dict(), exchange=self.EXCHANGE)
@@ -369,43 +397,28 @@ class OnebitGatherAverage(OuterCompressor):
         return super()._mismatch(state, buckets)
 
 
-class TopkAverage(OuterCompressor):
-    """``"topk"``: chunked top-k + 2-bit values (:mod:`~lightning_onebit.comm.topk`); one ``all_gather`` of every
-    rank's payload per bucket (all launched before the first is decoded), decoded in rank order by every rank, then
-    divided by the number of replicas."""
+class TopkAverage(GatheredAverage):
+    """``"topk"``: chunked top-k + 2-bit values (:mod:`~lightning_onebit.comm.topk`), exchanged by
+    :class:`GatheredAverage`; decoded in rank order, then divided by the number of replicas."""
 
-    def bytes_per_call(self, bucket: OuterBucket) -> int:
-        payload = topk_payload_bytes(bucket.values.numel(), self.config.chunk, self.config.keep)
-        return (self.replicas - 1) * payload
+    WHAT = "top-k payloads"
 
-    def average_(self, buckets: Sequence[OuterBucket]) -> None:
-        replicas = self.replicas
-        if replicas == 1:
-            return
-        chunk, keep = self.config.chunk, self.config.keep
-        launched = []
-        for bucket in buckets:
-            values = bucket.values
-            accumulated = self._accumulate(bucket)
-            payload = torch.empty(topk_payload_bytes(values.numel(), chunk, keep), dtype=torch.uint8,
-                                  device=values.device)
-            indices, sent = topk_encode(accumulated, chunk, keep, payload)
-            table = accumulated.view(-1, chunk)
-            table.scatter_(1, indices, table.gather(1, indices) - sent)  # what was not sent stays here
-            accumulated[bucket.real :].zero_()  # padding carries no error
-            gathered = torch.empty(replicas * payload.numel(), dtype=torch.uint8, device=values.device)
-            with naming_the_group("outer all_gather of the top-k payloads", self.group):
-                work = all_gather_async(gathered, payload, self.group)
-            launched.append((bucket, gathered, payload.numel(), work))
-            self._count(self.bytes_per_call(bucket), values.numel())
-            self.counters.collectives += 1
-        for bucket, gathered, size, work in launched:
-            with naming_the_group("outer all_gather of the top-k payloads", self.group):
-                work.wait()
-            values = bucket.values.zero_()
-            for rank in range(replicas):  # rank order: the same sum on every rank
-                topk_decode_add_(values, gathered[rank * size : (rank + 1) * size], chunk, keep)
-            values.div_(replicas)
+    def _payload_bytes(self, bucket: OuterBucket) -> int:
+        return topk_payload_bytes(bucket.values.numel(), self.config.chunk, self.config.keep)
+
+    def _encode(self, bucket: OuterBucket, payload: torch.Tensor) -> None:
+        chunk = self.config.chunk
+        accumulated = self._accumulate(bucket)
+        indices, sent = topk_encode(accumulated, chunk, self.config.keep, payload)
+        table = accumulated.view(-1, chunk)
+        table.scatter_(1, indices, table.gather(1, indices) - sent)  # what was not sent stays here
+        accumulated[bucket.real :].zero_()  # padding carries no error
+
+    def _decode_mean(self, bucket: OuterBucket, payloads: list[torch.Tensor]) -> None:
+        values = bucket.values.zero_()
+        for payload in payloads:  # rank order: the same sum on every rank
+            topk_decode_add_(values, payload, self.config.chunk, self.config.keep)
+        values.div_(len(payloads))
 
 
 def make_outer_compressor(
