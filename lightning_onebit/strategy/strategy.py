@@ -54,9 +54,9 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
     steps this is DDP (gradients averaged by ``warmup_exchange``, PowerSGD by default; a full-precision AdamW or LAMB
     update). From step ``freeze_step + 1`` on, DDP's gradient allreduce is switched off by a communication hook, each
     rank's local gradient enters its momentum, and the optimizer averages momenta with the 1-bit compressed allreduce
-    (~32x fewer bytes than fp32). The hook asks the optimizer before every backward (``needs_gradient_allreduce``), so 0/1 Adam's
-    variance steps get their gradient average and its local steps send nothing; the strategy syncs 0/1 Adam's
-    replicas before every checkpoint it saves and at the end of ``fit``.
+    (~32x fewer bytes than fp32). The hook asks the optimizer before every backward (``needs_gradient_allreduce``),
+    so 0/1 Adam's variance steps get their gradient average and its local steps send nothing; the strategy syncs 0/1
+    Adam's replicas before every checkpoint it saves and at the end of ``fit``.
 
     The stage follows the optimizer's own step, so resuming from a checkpoint lands in the right stage; every rank's
     compression error feedback is kept across checkpoints by default (``error_feedback``).
