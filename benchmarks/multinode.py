@@ -528,6 +528,7 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         row = dict(
             step_s=_slowest_mean(per_rank, method) if method in MEAN_METHODS else _slowest_median(per_rank, method),
             step_statistic="mean" if method in MEAN_METHODS else "median",
+            mean_step_s=_slowest_mean(per_rank, method),
             counters_bytes_per_node=statistics.fmean(counters),
             counters_source=source,
             veth_bytes_per_node=statistics.fmean(d["veth_qdisc"] for d in nodes),
@@ -551,7 +552,7 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     for name in FSDP_ONEBIT:
         if "fsdp_adamw" in rows and name in rows:
             rows[name]["speedup_over_fsdp_adamw"] = rows["fsdp_adamw"]["step_s"] / rows[name]["step_s"]
-    return dict(rows=rows, barrier_bytes_per_node=barrier, barriers_per_window="the timed steps + 2")
+    return dict(rows=rows, barrier_bytes_per_node=barrier, barriers_per_window="timed steps + 2")
 
 
 def _mb(x: Optional[float]) -> str:
@@ -580,11 +581,13 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
     print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* and fsdp_* measured bytes_sent_inter_node, summed "
           "per node; diff = veth tc / counters - 1, worst node")
     if "local_steps" in rows and "local_4proc" in rows:
-        local = rows["local_steps"]["step_s"]
-        others = ", ".join(f"{name} {rows[name]['step_s']:.3f} s" for name in ("ddp_powersgd", "onebit_hierarchical",
-                                                                               "ddp_fp32") if name in rows)
-        print(f"  local_steps (mean step, an outer sync every {args.sync_every}): {local:.3f} s, "
-              f"{local / rows['local_4proc']['step_s']:.2f}x the no-communication floor (local_4proc)"
+        local = rows["local_steps"]["mean_step_s"]
+        floor = rows["local_4proc"]["mean_step_s"]
+        others = ", ".join(f"{name} {rows[name]['mean_step_s']:.3f} s" for name in ("ddp_powersgd",
+                                                                                    "onebit_hierarchical", "ddp_fp32")
+                           if name in rows)
+        print(f"  means of the timed steps: local_steps (an outer sync every {args.sync_every}) {local:.3f} s, "
+              f"{local / floor:.2f}x the no-communication floor (local_4proc, {floor:.3f} s)"
               + (f"; {others}" if others else ""))
     for name in FSDP_ONEBIT:
         if "speedup_over_fsdp_adamw" in rows.get(name, {}):

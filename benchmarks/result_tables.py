@@ -1042,6 +1042,51 @@ def defaults_sweep_table() -> str:
     )
 
 
+#: Issue 46's step times on two simulated nodes (``benchmarks.multinode`` with ``local_steps``)
+LOCAL_STEPS_LINK = "multinode_local_steps"
+_LINK_METHODS = {"ddp_fp32": "AdamW-DDP (fp32)", "ddp_powersgd": "DDP + PowerSGD r4",
+                 "onebit_hierarchical": "1-bit Adam (hierarchical)", "local_steps": "local steps (`onebit_diloco`)",
+                 "local_4proc": "no communication (the floor)"}
+
+
+def local_steps_link_table() -> str:
+    """Per link rate: each method's mean and median step, the mean over the floor's mean, and the bytes that crossed
+    the veth per node per step."""
+    data = _load(LOCAL_STEPS_LINK)
+    config = data["config"]
+    rows = []
+    for rate, result in data["rates"].items():
+        methods = result["rows"]
+        floor = methods.get("local_4proc", {}).get("mean_step_s")
+        for name, label in _LINK_METHODS.items():
+            row = methods.get(name)
+            if row is None:
+                continue
+            mean = row.get("mean_step_s", row["step_s"])
+            median = _median(result, name)
+            rows.append([rate, label, f"{mean:.3f}", f"{median:.3f}", f"{mean / floor:.2f}x" if floor else "-",
+                         f"{row['veth_bytes_per_node'] / 1e6:.3f}"])
+    return (
+        f"Two simulated nodes of 2 ranks each (`python -m benchmarks.multinode --rates 200mbit,1gbit --methods "
+        f"{' '.join(config['methods'])} --sync-every {config['sync_every']}`: two network namespaces joined by a veth "
+        f"pair shaped at the rate; the BERT of `benchmarks.slow_link`, {data['model']['params'] / 1e6:.1f}M "
+        f"parameters, batch {config['batch']} x {config['seq']} per rank), {config['steps']} timed steps per method "
+        f"({-(-config['steps'] // config['sync_every']) * config['sync_every']} for local steps: whole periods), each "
+        "step the slowest rank's. Local steps: DDP "
+        "inside the node, the 1-bit outer step across nodes every "
+        f"{config['sync_every']} steps, outer SGD (the strategy's defaults); its mean includes the sync. The "
+        "floor: every process trains alone. One host: 4 processes on 2 cores, so the in-node work is CPU-bound "
+        "here.\n\n"
+        + _table(["link", "method", "mean step (s)", "median step (s)", "mean / floor's mean", "MB leaving a node per "
+                  "step (veth)"], rows)
+    )
+
+
+def _median(result: dict[str, Any], method: str) -> float:
+    series = [r["methods"][method]["times_s"] for r in result["per_rank"]]
+    return statistics.median(max(step) for step in zip(*series))
+
+
 #: Issue 46's first measurements: local steps (``onebit_diloco``) on the example from scratch, and the language model
 LOCAL_STEPS = "local_steps_sweep"
 LM_LOCAL_STEPS = "lm_local_steps"
@@ -1181,6 +1226,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "zeroone_settings": zeroone_settings_table,
     "warmup_sweep": warmup_sweep_table,
     "local_steps": local_steps_table,
+    "local_steps_link": local_steps_link_table,
     "defaults_sweep": defaults_sweep_table,
 }
 
@@ -1189,6 +1235,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
 AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS, "largest_model": ("largest_model",),
                                                 "warmup_sweep": (WARMUP_SWEEP,),
                                                 "local_steps": (LOCAL_STEPS, LM_LOCAL_STEPS),
+                                                "local_steps_link": (LOCAL_STEPS_LINK,),
                                                 "defaults_sweep": (DEFAULTS_SWEEP,)}
 
 
