@@ -1032,11 +1032,12 @@ def defaults_sweep_table() -> str:
     return (
         "Each run is the example (`python -m benchmarks.freeze_sweep --name defaults_sweep --val-checks 2`, 2 CPU "
         "ranks, 600 steps on the real tasks, 620 on the example) with every optimizer argument at its default and the "
-        "warmup averaging gradients by the library's PowerSGD, rank 4 after 10 plain steps (`+powersgd4`): the "
-        "candidate default. Accuracy at the last step, in brackets the difference to the same-seed AdamW-DDP run in "
+        "warmup averaging gradients by the library's PowerSGD, rank 4 after 10 plain steps (`+powersgd4`), the "
+        "default since these runs chose it (0/1 Adam's variance steps and 1-bit LAMB's warmup take it too). Accuracy at the last step, in brackets the difference to the same-seed AdamW-DDP run in "
         "points; DDP + PowerSGD rank 4 is torch's hook after 10% of the run in plain allreduce (PyTorch's advice); "
         "bytes are each rank's over the whole run. The test: within 0.5 point of AdamW-DDP, at least as accurate as "
-        "DDP + PowerSGD rank 4, at least 1.5x fewer bytes than it. `-`: not run yet. From "
+        "DDP + PowerSGD rank 4, at least 1.5x fewer bytes than it (the example validates on 1,000 reviews: "
+        "0.1 point is one review). `-`: not run yet. From "
         + ", ".join(sources) + f"; the candidate's runs with library {', '.join(libraries) or '-'}.\n\n"
         + _table(header, table)
     )
