@@ -6,8 +6,9 @@
   leave one node per step for the fp32 ring, the flat and the hierarchical 1-bit exchange);
 * :func:`flat_two_phase_bytes`: what a flat two-phase exchange of blocks (``all_to_all``, then a ring ``all_gather``)
   sends to the node and beyond it (the 1-bit exchange's and the int8 hook's);
-* :func:`count_ring_allreduce` (one ring allreduce, also used by the DDP hooks): how a call is added to the counters;
-  :func:`add_traffic`, a hook's own counts added to another's.
+* :func:`count_ring_allreduce` (one ring allreduce, also used by the DDP hooks) and :func:`count_ring_all_gather` (one
+  ring all-gather, e.g. the outer step's inside a replica): how a call is added to the counters; :func:`add_traffic`,
+  a hook's own counts added to another's.
 
 A compressed exchange's bytes follow from its bucket's layout (:meth:`~lightning_onebit.comm.BucketLayout.bytes_sent`)
 and are counted by its state (:meth:`~lightning_onebit.comm.CompressedAllreduceState.count_call`).
@@ -178,3 +179,19 @@ def flat_two_phase_bytes(block: int, world_size: int, topology: Optional[Topolog
     else:
         inter += (world_size - 1) * block
     return intra, inter
+
+
+def count_ring_all_gather(counters: CommunicationCounters, shard_bytes: int, world_size: int,
+                          intra_node: bool) -> None:
+    """Count a ring ``all_gather`` of ``shard_bytes`` per rank: ``(P - 1)`` shards sent to the next rank, intra- or
+    inter-node bytes as ``intra_node`` says, and as themselves in fp32 equivalent (nothing is compressed)."""
+    sent = (world_size - 1) * shard_bytes
+    counters.bytes_sent += sent
+    counters.bytes_received += sent
+    if intra_node:
+        counters.bytes_sent_intra_node += sent
+    else:
+        counters.bytes_sent_inter_node += sent
+    counters.bytes_fp32_equivalent += sent
+    counters.collectives += 1
+    counters.calls += 1

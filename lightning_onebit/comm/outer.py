@@ -4,11 +4,10 @@ replica, each holding the same part of the pseudo-gradient of its replica.
 :class:`OuterCompression` says how (checked where it is given, before any collective); :func:`make_outer_compressor`
 makes the compressor that does it over a process group:
 
-* ``"none"`` (:class:`DenseAverage`): an fp32 ``all_reduce`` (sum, then division by the number of replicas): plain
-  DiLoCo, the honest baseline; no error feedback, nothing is lost but the sum's rounding.
-* ``"bf16"`` (:class:`DenseAverage`): the pseudo-gradient plus its error feedback rounded to bf16, divided by the
-  number of replicas and summed by a bf16 ``all_reduce`` (half the bytes); the rounding residual stays local as error
-  feedback (exact: the residual of a rounding to bf16 is representable in fp32).
+* ``"none"`` (:class:`DenseAverage`): an fp32 ``all_reduce`` (sum, then division by ``M``): plain DiLoCo, the honest
+  baseline; no error feedback, nothing is lost but the sum's rounding.
+* ``"bf16"`` (:class:`DenseAverage`): the pseudo-gradient plus its error feedback rounded to bf16, divided by ``M``,
+  summed by a bf16 ``all_reduce`` (half the bytes); the rounding residual (exact in fp32) stays as error feedback.
 * ``"onebit"``: 1-bit sign + scale (one scale per tensor piece of a bucket, ``||y_s|| / sqrt(len_s)``), ~32x fewer
   bytes than fp32, in one of two exchanges, whichever sends fewer bytes for the number of replicas ``M``:
 
@@ -20,23 +19,22 @@ makes the compressor that does it over a process group:
     compressed_allreduce_buckets_`: workers compress, each rank serves the mean of one chunk and compresses it
     again), worker and server error feedback per rank; an all-gather would send ``M / 2`` times its bytes.
 * ``"topk"`` (:class:`TopkAverage`): SparseLoCo's chunked top-k with 2-bit values (:mod:`~lightning_onebit.comm.topk`),
-  exchanged with one ``all_gather`` per bucket (every rank keeps a different set) and decoded by every rank in rank
-  order, so every replica gets the same bits; the residual (what was not sent) stays local as error feedback.
+  all-gathered (:class:`GatheredAverage`: every rank keeps a different set); the residual stays as error feedback.
 
 Error feedback (all but ``"none"``): per bucket and rank, ``e <- error_decay * e + x`` is compressed, and ``e`` keeps
 what was not sent; so ``sent + e_new == x + error_decay * e_old`` (exactly for ``"bf16"`` and off the kept
 elements for ``"topk"``; elsewhere to the fp32 rounding of one subtraction).
 
 Bytes are counted per rank in :attr:`OuterCompressor.counters` on the ring model of
-:mod:`~lightning_onebit.comm.accounting` (every peer of the replica group is on another node: inter-node bytes):
-a ring ``all_reduce`` sends ``2 (M-1)/M`` of the buffer, a ring ``all_gather`` ``(M-1)`` payloads, the 1-bit exchange
-its layout's :meth:`~lightning_onebit.comm.BucketLayout.bytes_per_call`. :meth:`OuterCompressor.bytes_per_call` gives
-the figure for one bucket without a collective.
+:mod:`~lightning_onebit.comm.accounting` (inter-node bytes): a ring ``all_reduce`` sends ``2 (M-1)/M`` of the buffer,
+a ring ``all_gather`` ``(M-1)`` payloads, the two-phase exchange its layout's
+:meth:`~lightning_onebit.comm.BucketLayout.bytes_per_call`; :meth:`OuterCompressor.bytes_per_call` per bucket.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import torch
@@ -62,7 +60,6 @@ __all__ = [
     "OuterCompression",
     "OuterCompressor",
     "TopkAverage",
-    "count_ring_all_gather",
     "make_outer_compressor",
 ]
 
@@ -176,10 +173,15 @@ class OuterCompressor:
         self._errors = {b.key: state["buckets"][b.key].to(b.values).clone() for b in buckets
                         if b.key in state["buckets"]}
 
-    def _mismatch(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> Optional[str]:
+    def _saved_by_another(self, state: dict[str, Any]) -> Optional[str]:
         if state.get("kind") != self.config.kind or state.get("replicas") != self.replicas:
             return (f"the error feedback was saved for compressor {state.get('kind')!r} over {state.get('replicas')} "
                     f"replicas and this run uses {self.config.kind!r} over {self.replicas}")
+        return None
+
+    def _mismatch(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> Optional[str]:
+        if self._saved_by_another(state):
+            return self._saved_by_another(state)
         saved = state.get("buckets", {})
         for b in buckets:
             if b.key in saved and tuple(saved[b.key].shape) != tuple(b.values.shape):
@@ -277,14 +279,12 @@ class OnebitAverage(OuterCompressor):
         return {"kind": self.config.kind, "replicas": self.replicas, "exchange": self.state.error_feedback_state_dict()}
 
     def load_error_state_dict(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> None:
-        if state.get("kind") != self.config.kind or state.get("replicas") != self.replicas:
-            raise ValueError(f"the error feedback was saved for compressor {state.get('kind')!r} over "
-                             f"{state.get('replicas')} replicas and this run uses {self.config.kind!r} over "
-                             f"{self.replicas}")
         saved = state.get("exchange")
-        if not isinstance(saved, dict):
-            raise ValueError("the error feedback was saved by another 1-bit exchange (the all-gather of two "
-                             "replicas) than this run's two-phase exchange")
+        reason = self._saved_by_another(state) or (None if isinstance(saved, dict) else (
+            "the error feedback was saved by another 1-bit exchange (the all-gather of two replicas) than this run's "
+            "two-phase exchange"))
+        if reason:
+            raise ValueError(reason)
         present = [b for b in buckets if b.key in saved["buckets"]]
         layouts = {b.key: self._layout(b, self.replicas) for b in present}
         self.state.load_error_feedback_state_dict(saved, layouts, {b.key: b.values for b in present})
@@ -292,14 +292,16 @@ class OnebitAverage(OuterCompressor):
 
 class GatheredAverage(OuterCompressor):
     """An average whose every rank encodes each bucket (with its error feedback) into a byte payload of a fixed size,
-    all-gathers the payloads (one ``all_gather`` per bucket, all launched before the first is decoded) and decodes
-    them in rank order into the mean: the same bits on every rank. Subclasses give :meth:`_payload_bytes`,
-    :meth:`_encode` and :meth:`_decode_mean`."""
+    all-gathers the payloads (:meth:`exchange`: one ``all_gather`` per bucket, all launched before the first is
+    waited for) and decodes them in rank order into the mean (:meth:`decode_mean_`): the same bits on every rank, and
+    on any rank that holds the gathered payloads. Subclasses give :meth:`payload_bytes`, :meth:`_encode` and
+    :meth:`_decode_mean`."""
 
     #: what the collectives are called in an error message
     WHAT = "payloads"
 
-    def _payload_bytes(self, bucket: OuterBucket) -> int:
+    def payload_bytes(self, bucket: OuterBucket) -> int:
+        """Bytes of one rank's payload of ``bucket``."""
         raise NotImplementedError
 
     def _encode(self, bucket: OuterBucket, payload: torch.Tensor) -> None:
@@ -311,28 +313,39 @@ class GatheredAverage(OuterCompressor):
         raise NotImplementedError
 
     def bytes_per_call(self, bucket: OuterBucket) -> int:
-        return (self.replicas - 1) * self._payload_bytes(bucket)
+        return (self.replicas - 1) * self.payload_bytes(bucket)
 
-    def average_(self, buckets: Sequence[OuterBucket]) -> None:
-        replicas = self.replicas
-        if replicas == 1:
-            return
+    def exchange(self, buckets: Sequence[OuterBucket]) -> list[torch.Tensor]:
+        """Encode every bucket and all-gather the payloads over the replica group (a collective); per bucket, the
+        ``M`` payloads in rank order, one byte tensor."""
         what = f"outer all_gather of the {self.WHAT}"
         launched = []
         for bucket in buckets:
-            size = self._payload_bytes(bucket)
+            size = self.payload_bytes(bucket)
             payload = torch.zeros(size, dtype=torch.uint8, device=bucket.values.device)
             self._encode(bucket, payload)
-            gathered = torch.empty(replicas * size, dtype=torch.uint8, device=bucket.values.device)
+            gathered = torch.empty(self.replicas * size, dtype=torch.uint8, device=bucket.values.device)
             with naming_the_group(what, self.group):
                 work = all_gather_async(gathered, payload, self.group)
-            launched.append((bucket, gathered, size, work))
+            launched.append((gathered, work))
             self._count(self.bytes_per_call(bucket), bucket.values.numel())
             self.counters.collectives += 1
-        for bucket, gathered, size, work in launched:
+        for _, work in launched:
             with naming_the_group(what, self.group):
                 work.wait()
-            self._decode_mean(bucket, [gathered[rank * size : (rank + 1) * size] for rank in range(replicas)])
+        return [gathered for gathered, _ in launched]
+
+    def decode_mean_(self, bucket: OuterBucket, gathered: torch.Tensor) -> None:
+        """Set ``bucket.values`` to the mean that :meth:`exchange` gathered for a bucket of its keys and sizes (no
+        communication: any rank holding ``gathered`` gets the same bits)."""
+        size = self.payload_bytes(bucket)
+        self._decode_mean(bucket, list(gathered.split(size)))
+
+    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+        if self.replicas == 1:
+            return
+        for bucket, gathered in zip(buckets, self.exchange(buckets)):
+            self.decode_mean_(bucket, gathered)
 
 
 class OnebitGatherAverage(GatheredAverage):
@@ -354,16 +367,11 @@ class OnebitGatherAverage(GatheredAverage):
     def _segments_of(self, bucket: OuterBucket) -> Segments:
         """The scale segments: the bucket's pieces, cut at the padding too (padding is a segment of scale 0)."""
         key = (*bucket.pieces, bucket.real)
-        segments = self._segments.get(key)
-        if segments is None:
-            cuts, offset = {0, bucket.real}, 0
-            for n in bucket.pieces:
-                offset += n
-                cuts.add(offset)
-            segments = self._segments[key] = Segments(sorted(cuts))
-        return segments
+        if key not in self._segments:
+            self._segments[key] = Segments(sorted({0, bucket.real, *itertools.accumulate(bucket.pieces)}))
+        return self._segments[key]
 
-    def _payload_bytes(self, bucket: OuterBucket) -> int:
+    def payload_bytes(self, bucket: OuterBucket) -> int:
         raw = 4 * len(self._segments_of(bucket)) + bucket.values.numel() // 8
         return -(-raw // 4) * 4
 
@@ -400,7 +408,7 @@ class TopkAverage(GatheredAverage):
 
     WHAT = "top-k payloads"
 
-    def _payload_bytes(self, bucket: OuterBucket) -> int:
+    def payload_bytes(self, bucket: OuterBucket) -> int:
         return topk_payload_bytes(bucket.values.numel(), self.config.chunk, self.config.keep)
 
     def _encode(self, bucket: OuterBucket, payload: torch.Tensor) -> None:
@@ -431,18 +439,3 @@ def make_outer_compressor(
     if config.kind == "topk":
         return TopkAverage(config, group)
     return DenseAverage(config, group)
-
-
-def count_ring_all_gather(counters: CommunicationCounters, shard_bytes: int, world_size: int, intra_node: bool) -> None:
-    """Count a ring ``all_gather`` of ``shard_bytes`` per rank: ``(P - 1)`` shards sent to the next rank, intra- or
-    inter-node bytes as ``intra_node`` says, and as themselves in fp32 equivalent (nothing is compressed)."""
-    sent = (world_size - 1) * shard_bytes
-    counters.bytes_sent += sent
-    counters.bytes_received += sent
-    if intra_node:
-        counters.bytes_sent_intra_node += sent
-    else:
-        counters.bytes_sent_inter_node += sent
-    counters.bytes_fp32_equivalent += sent
-    counters.collectives += 1
-    counters.calls += 1

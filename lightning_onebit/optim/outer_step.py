@@ -17,7 +17,10 @@ the other replicas (the replica group), keeps its error feedback and outer momen
 the new shards are all-gathered inside the replica (``shard_group``: the fast link). So the bytes that leave a
 replica per sync are those of one full exchange, spread over its ``L`` ranks, and the error feedback and momentum
 cost ``1/L`` of the parameters per rank. The outer parameters are kept whole on every rank (``N`` values): a
-checkpoint and the validation of the outer model need no collective.
+checkpoint and the validation of the outer model need no collective. When the average is all-gathered payloads
+(:class:`~lightning_onebit.comm.outer.GatheredAverage`: 1-bit over two replicas, top-k) and the outer step is plain
+SGD, the replica all-gathers those payloads instead of the new fp32 shards (:attr:`OuterStep.gathers_payloads`;
+1/32 of the bytes for 1-bit over two replicas) and every rank decodes and steps every shard: the same bits.
 
 Layout: the trainable parameters, per dtype in order of first appearance, flattened and zero-padded to a multiple of
 ``L x quantum`` (the compressor's :meth:`~lightning_onebit.comm.outer.OuterCompression.quantum`), cut into ``L``
@@ -34,9 +37,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.accounting import CommunicationCounters, count_ring_all_gather
 from lightning_onebit.comm.groups import all_gather_async, group_rank, group_size, naming_the_group
-from lightning_onebit.comm.outer import OuterBucket, OuterCompressor, count_ring_all_gather
+from lightning_onebit.comm.outer import GatheredAverage, OuterBucket, OuterCompressor
 
 __all__ = ["OUTER_OPTIMIZERS", "OuterStep"]
 
@@ -55,6 +58,8 @@ class _Flat:
     shard: slice
     pseudo: torch.Tensor  # this rank's shard of the pseudo-gradient (a workspace)
     buckets: list[OuterBucket]
+    #: per shard of the replica, its buckets with values in ``pseudo`` (the compressed gather decodes them in turn)
+    shard_buckets: list[list[OuterBucket]]
 
 
 class OuterStep:
@@ -106,6 +111,11 @@ class OuterStep:
             self.optimizer = torch.optim.SGD(shards, lr=lr, momentum=momentum, nesterov=True)
         else:
             self.optimizer = torch.optim.SGD(shards, lr=lr)
+        #: a replica of several ranks whose average is gathered payloads and whose outer step is plain SGD gathers the
+        #: compressed payloads inside the replica and lets every rank decode and step every shard, instead of
+        #: gathering the new fp32 shards (the same bits: every rank runs the same kernels on the same payloads)
+        self.gathers_payloads = self.shards > 1 and isinstance(compressor, GatheredAverage) and optimizer == "sgd"
+        self.lr = lr
         self.syncs = 0
 
     def _flat(self, dtype: torch.dtype, params: list[torch.Tensor], quantum: int, bucket_numel: int) -> _Flat:
@@ -121,6 +131,16 @@ class OuterStep:
         size = padded // self.shards
         lo = self.shard_index * size
         pseudo = torch.zeros(size, dtype=dtype, device=outer.device)
+        shard_buckets = [self._buckets(dtype, shard, size, offsets, numel, pseudo, bucket_numel)
+                         for shard in range(self.shards)]
+        return _Flat(params, offsets, numel, outer, slice(lo, lo + size), pseudo, shard_buckets[self.shard_index],
+                     shard_buckets)
+
+    @staticmethod
+    def _buckets(dtype: torch.dtype, shard: int, size: int, offsets: list[int], numel: int, pseudo: torch.Tensor,
+                 bucket_numel: int) -> list[OuterBucket]:
+        """Shard ``shard``'s buckets, their values in ``pseudo``: pieces cut at the parameters' boundaries."""
+        lo = shard * size
         ends = sorted({min(max(o - lo, 0), size) for o in offsets + [numel]} | {0, size})
         buckets = []
         for index, start in enumerate(range(0, size, bucket_numel)):
@@ -128,8 +148,8 @@ class OuterStep:
             cuts = [start] + [e for e in ends if start < e < stop] + [stop]
             pieces = tuple(b - a for a, b in zip(cuts, cuts[1:]))
             real = min(max(numel - lo - start, 0), stop - start)
-            buckets.append(OuterBucket((str(dtype), self.shard_index, index), pseudo[start:stop], pieces, real))
-        return _Flat(params, offsets, numel, outer, slice(lo, lo + size), pseudo, buckets)
+            buckets.append(OuterBucket((str(dtype), shard, index), pseudo[start:stop], pieces, real))
+        return buckets
 
     # ------------------------------------------------------------------ the sync
     @property
@@ -148,6 +168,9 @@ class OuterStep:
         for f in self._flats:
             self._local_shard_into(f, f.pseudo)
             torch.sub(f.outer[f.shard], f.pseudo, out=f.pseudo)
+        if self.gathers_payloads:
+            self._sync_by_payloads()
+            return
         self.compressor.average_(self.buckets)
         for shard, f in zip(self.optimizer.param_groups[0]["params"], self._flats):
             shard.grad = f.pseudo
@@ -155,6 +178,36 @@ class OuterStep:
         for shard in self.optimizer.param_groups[0]["params"]:
             shard.grad = None
         self._gather_shards()
+        self.copy_outer_to_params()
+        self.syncs += 1
+
+    def _sync_by_payloads(self) -> None:
+        """The payloads this rank gathered over the replica group are all-gathered inside the replica (one
+        collective, each rank's padded to the largest), then every rank decodes every shard's mean in shard order and
+        applies ``theta_outer -= lr * mean`` as ``torch.optim.SGD`` does (``add_(mean, alpha=-lr)``)."""
+        compressor = self.compressor
+        assert isinstance(compressor, GatheredAverage)
+        mine = torch.cat(compressor.exchange(self.buckets))
+        sizes = [sum(compressor.replicas * compressor.payload_bytes(b) for f in self._flats for b in f.shard_buckets[s])
+                 for s in range(self.shards)]
+        width = max(sizes)
+        padded = torch.zeros(width, dtype=torch.uint8, device=mine.device)
+        padded[: mine.numel()].copy_(mine)
+        everything = torch.empty(self.shards * width, dtype=torch.uint8, device=mine.device)
+        with naming_the_group("all_gather of the outer payloads inside the replica", self.shard_group):
+            all_gather_async(everything, padded, self.shard_group).wait()
+        count_ring_all_gather(self.gather_counters, width, self.shards, intra_node=True)
+        with torch.no_grad():
+            for s in range(self.shards):
+                at = s * width
+                for f in self._flats:
+                    lo = s * f.pseudo.numel()
+                    for bucket in f.shard_buckets[s]:
+                        size = compressor.replicas * compressor.payload_bytes(bucket)
+                        compressor.decode_mean_(bucket, everything[at : at + size])
+                        at += size
+                        start = lo + bucket.values.storage_offset() - f.pseudo.storage_offset()
+                        f.outer[start : start + bucket.values.numel()].add_(bucket.values, alpha=-self.lr)
         self.copy_outer_to_params()
         self.syncs += 1
 

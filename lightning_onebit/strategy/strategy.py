@@ -110,8 +110,8 @@ class OnebitStrategy(CompressedStepping, DDPStrategy):
             :data:`~lightning_onebit.strategy.warmup_exchange.DEFAULT_WARMUP_EXCHANGE` (``"powersgd"``, rank 4 after
             10 uncompressed steps: chosen on the example and two fine-tuning tasks, 2 seeds each, where 1-bit Adam
             stayed within 0.5 point of AdamW-DDP in all six runs, matched DDP + PowerSGD rank 4's accuracy in five
-            and sent 2.4-3.1x fewer bytes than it; ``docs/benchmarks.md``), or the ``ddp_comm_hook`` when one is given; both at once are a ``ValueError``.
-            ``"fp32"`` gives the AdamW-DDP warmup bit for bit.
+            and sent 2.4-3.1x fewer bytes than it; ``docs/benchmarks.md``), or the ``ddp_comm_hook`` when one is
+            given; both at once are a ``ValueError``. ``"fp32"`` gives the AdamW-DDP warmup bit for bit.
         powersgd_rank: PowerSGD's rank ``r``, an integer >= 1 (only with ``warmup_exchange="powersgd"``). Default
             ``None``: 4.
         powersgd_vanilla_steps: the first averaged steps (optimizer steps whose gradients are averaged) PowerSGD

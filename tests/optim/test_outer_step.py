@@ -218,3 +218,41 @@ def test_outer_steps_on_gloo_ranks_match_the_hand_reference(world_size, per_repl
             assert gathered.bytes_sent == gathered.bytes_sent_intra_node == SYNCS * (per_replica - 1) * shard_bytes
         assert exchanged.bytes_sent_inter_node == exchanged.bytes_sent > 0
         assert exchanged.calls == SYNCS * len(results[r]["shard"])
+
+
+def _payload_gather_against_shard_gather(rank: int, world_size: int, kind: str, lr: float) -> dict:
+    """2 replicas of 2 ranks, outer SGD: the outer step as it runs (the gathered payloads all-gathered inside the
+    replica, every shard decoded on every rank) and with the new fp32 shards all-gathered instead."""
+    topology = Topology.build(0, rank, mode="hierarchical", ranks_per_node=2)
+    runs = {}
+    for gathers_payloads in (True, False):
+        model = Model()
+        params = list(model.parameters())
+        step = OuterStep(params, make_outer_compressor(kind, topology.inter_group), "sgd", lr,
+                         shard_group=topology.intra_group, bucket_numel=16)
+        assert step.gathers_payloads
+        step.gathers_payloads = gathers_payloads
+        after = []
+        for sync in range(SYNCS):
+            with torch.no_grad():
+                outer = [p.detach().clone() for p in params]
+                for p, value in zip(params, local_params(rank // 2, sync, outer)):
+                    p.copy_(value)
+            step.sync()
+            after.append([p.detach().clone() for p in params])
+        runs[gathers_payloads] = {"after": after, "gathered": step.gather_counters.bytes_sent_intra_node,
+                                  "exchanged": step.compressor.counters.bytes_sent_inter_node}
+    return runs
+
+
+@pytest.mark.parametrize("kind, lr", [("onebit", 1.0), ("topk", 0.7)])
+def test_gathering_the_payloads_inside_the_replica_gives_the_bits_of_gathering_the_shards(kind, lr):
+    results = run_distributed(_payload_gather_against_shard_gather, 4, kind, lr)
+    for r in range(4):
+        by_payloads, by_shards = results[r][True], results[r][False]
+        for sync in range(SYNCS):
+            assert all(same_bits(a, b) for a, b in zip(by_payloads["after"][sync], by_shards["after"][sync])), \
+                f"rank {r}, sync {sync}"
+            assert all(same_bits(a, b) for a, b in zip(by_payloads["after"][sync], results[0][True]["after"][sync]))
+        assert by_payloads["exchanged"] == by_shards["exchanged"] > 0  # the same bytes across replicas
+        assert 0 < by_payloads["gathered"] < by_shards["gathered"]  # fewer inside the replica

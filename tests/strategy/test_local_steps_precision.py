@@ -66,7 +66,9 @@ class StepRecorder(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         sync, compressor = strategy.sync, strategy.outer_step.compressor
-        average = compressor.average_
+        # the average of a replica of several ranks that gathers payloads runs as its exchange, then decodes
+        name = "exchange" if strategy.outer_step.gathers_payloads else "average_"
+        average = getattr(compressor, name)
 
         def recorded_sync() -> None:
             self.syncs.append({"inner_steps": strategy.inner_steps, "local": flat_params(pl_module),
@@ -75,11 +77,12 @@ class StepRecorder(pl.Callback):
                                "autocast": torch.is_autocast_enabled("cpu")})
             sync()
 
-        def recorded_average(buckets: Any) -> None:
+        def recorded_average(buckets: Any) -> Any:
             self.exchanges.append({"dtypes": {b.values.dtype for b in buckets},
                                    "autocast": torch.is_autocast_enabled("cpu")})
-            average(buckets)
-        strategy.sync, compressor.average_ = recorded_sync, recorded_average
+            return average(buckets)
+        strategy.sync = recorded_sync
+        setattr(compressor, name, recorded_average)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == (self.steps[-1]["step"] if self.steps else 0):
