@@ -180,8 +180,8 @@ class OuterCompressor:
         return None
 
     def _mismatch(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> Optional[str]:
-        if self._saved_by_another(state):
-            return self._saved_by_another(state)
+        if (reason := self._saved_by_another(state)) is not None:
+            return reason
         saved = state.get("buckets", {})
         for b in buckets:
             if b.key in saved and tuple(saved[b.key].shape) != tuple(b.values.shape):
