@@ -27,10 +27,11 @@ def regression_data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def held_out_loss(model: nn.Module) -> float:
-    """The MSE of ``model`` on 512 held-out samples of the regression task (seed 999, never trained on)."""
+    """The MSE of ``model`` on 512 held-out samples of the regression task (seed 999, never trained on), in the
+    model's dtype (a bf16-true model takes bf16 inputs), computed in float32."""
     x, y = regression_data(seed=999, n=512)
     with torch.no_grad():
-        return torch.nn.functional.mse_loss(model(x), y).item()
+        return torch.nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y).item()
 
 
 def loader(seed: int, n_batches: int, batch_size: int = 8) -> DataLoader:

@@ -169,7 +169,8 @@ def _scenarios(per_replica: int) -> tuple:
             ("clip_norm", partial(fit, clip=("norm", CLIP_NORM))),
             ("clip_value", partial(fit, clip=("value", CLIP_VALUE))),
             ("clip_norm_fp16", partial(fit, fp16=True, clip=("norm", CLIP_NORM))),
-            ("fp16_resume", partial(_fp16_resume, per_replica=per_replica)))
+            ("fp16_resume", partial(_fp16_resume, per_replica=per_replica)),
+            ("bf16_true", partial(fit, precision="bf16-true")))
 
 
 SCENARIOS = {2: _scenarios(1) + (("exchange_under_autocast", _exchange_under_autocast),), 4: _scenarios(2)}
@@ -182,8 +183,10 @@ def sessions(tmp_path_factory) -> dict[int, list[dict]]:
 
 
 # ======================================================================================== tests
-FITS = ["bf16", "bf16_none", "fp16_skip", "accumulate", "clip_norm", "clip_value", "clip_norm_fp16"]
+FITS = ["bf16", "bf16_none", "fp16_skip", "accumulate", "clip_norm", "clip_value", "clip_norm_fp16", "bf16_true"]
 CASES = [(world_size, name) for world_size in SCENARIOS for name in FITS]
+#: the fits whose parameters are fp32 (mixed precision keeps fp32 master weights; bf16-true has none)
+FP32_CASES = [(world_size, name) for world_size, name in CASES if name != "bf16_true"]
 
 
 def _replicas(results: list[dict], per_replica: int) -> list[list[dict]]:
@@ -224,7 +227,7 @@ def test_it_learns(sessions, world_size, name):
         assert result["held_out"] < 0.7 * start, (result["held_out"], start)
 
 
-@pytest.mark.parametrize("world_size, name", CASES)
+@pytest.mark.parametrize("world_size, name", FP32_CASES)
 def test_the_outer_step_stays_fp32_and_outside_autocast(sessions, world_size, name):
     for result in scenario_results(sessions[world_size], name):
         for step in result["steps"]:  # mixed precision keeps fp32 parameters: the outer ones are fp32 master weights
@@ -234,6 +237,18 @@ def test_the_outer_step_stays_fp32_and_outside_autocast(sessions, world_size, na
             assert call["autocast"] is False
         for exchange in result["exchanges"]:
             assert exchange["dtypes"] == {torch.float32}
+
+
+@pytest.mark.parametrize("world_size", list(SCENARIOS))
+def test_under_bf16_true_the_outer_step_and_its_exchange_are_bf16(sessions, world_size):
+    """bf16-true has no fp32 copy of the parameters: the outer parameters and the exchanged pseudo-gradient are bf16,
+    as the model is (the outer step keeps what the model holds)."""
+    for result in scenario_results(sessions[world_size], "bf16_true"):
+        for step in result["steps"]:
+            assert step["param_dtypes"] == step["outer_dtypes"] == {torch.bfloat16}
+        assert len(result["exchanges"]) == len(result["syncs"]) == len(SYNCED_AT) + 1
+        for exchange in result["exchanges"]:
+            assert exchange["dtypes"] == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("world_size", list(SCENARIOS))
