@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm.accounting import CommunicationCounters, count_ring_all_gather
-from lightning_onebit.comm.groups import all_gather_async, group_rank, group_size, naming_the_group
+from lightning_onebit.comm.groups import all_gather_async, group_rank, group_size, is_distributed, naming_the_group
 from lightning_onebit.comm.outer import GatheredAverage, OuterBucket, OuterCompressor
 
 __all__ = ["OUTER_OPTIMIZERS", "OuterStep"]
@@ -168,6 +168,7 @@ class OuterStep:
         for f in self._flats:
             self._local_shard_into(f, f.pseudo)
             torch.sub(f.outer[f.shard], f.pseudo, out=f.pseudo)
+        self._check_finite()
         if self.gathers_payloads:
             self._sync_by_payloads()
             return
@@ -180,6 +181,27 @@ class OuterStep:
         self._gather_shards()
         self.copy_outer_to_params()
         self.syncs += 1
+
+    def _check_finite(self) -> None:
+        """Stop every rank, before anything is exchanged, when a rank's pseudo-gradient holds an inf or a NaN: a
+        replica's inner steps diverged, and averaging would spread it to every replica and its error feedback. One
+        flag, all-reduced (MAX) inside the replica and across replicas (a host synchronisation once per sync)."""
+        flag = torch.zeros(1, device=self._flats[0].pseudo.device)
+        for f in self._flats:
+            flag = torch.maximum(flag, f.pseudo.isfinite().logical_not().any().float().reshape(1))
+        for group, size in ((self.shard_group, self.shards), (self.compressor.group, self.compressor.replicas)):
+            if size > 1 and is_distributed():
+                with naming_the_group("all_reduce of the outer step's finiteness flag", group):
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            raise RuntimeError(
+                f"outer step {self.syncs + 1}: the pseudo-gradient (outer minus local parameters) holds inf or NaN on "
+                "at least one replica: its inner steps diverged. Nothing was exchanged or applied: the outer "
+                "parameters, the outer optimizer and the error feedback are as after the last sync, and the "
+                "checkpoints saved so far are intact. Lower the learning rate, clip the gradients "
+                "(Trainer(gradient_clip_val=...)), or train with precision='16-mixed', whose loss scaler skips "
+                "inf/NaN steps"
+            )
 
     def _sync_by_payloads(self) -> None:
         """The payloads this rank gathered over the replica group are all-gathered inside the replica (one

@@ -138,6 +138,35 @@ def _fp16_resume(rank: int, world_size: int, workdir: str, per_replica: int) -> 
     return {"full": full, "resumed": resumed}
 
 
+def _diverged_replica(rank: int, world_size: int, workdir: str, per_replica: int) -> dict[str, Any]:
+    """32-true (no loss scaler), the loss of rank 1 times inf at global step INF_AT_STEP: its replica's parameters
+    turn NaN, and the outer sync that ends that period must stop every rank before anything is exchanged."""
+    strategy = OnebitDiLoCoStrategy(sync_every=SYNC_EVERY, ranks_per_node=per_replica)
+    model = GradientRegressor(optimizer="adamw", seed=rank, inf_at_step=INF_AT_STEP, inf_rank=1)
+    kept: dict[str, Any] = {}
+
+    class Keep(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            kept["outer_step"] = trainer.strategy.outer_step
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.strategy.steps_since_sync == 0:  # right after a sync: the outer model every replica holds
+                kept["outer_after_sync"] = torch.cat([v.reshape(-1).clone() for v in
+                                                      kept["outer_step"].outer_values().values()])
+
+    trainer = pl.Trainer(**trainer_kwargs(world_size, STEPS, strategy=strategy, callbacks=[Keep()],
+                                          limit_val_batches=0, enable_checkpointing=False))
+    try:
+        trainer.fit(model, loader(rank, STEPS))
+        error = None
+    except RuntimeError as caught:
+        error = str(caught)
+    outer_step = kept["outer_step"]
+    return {"error": error, "syncs": outer_step.syncs, "outer_after_sync": kept["outer_after_sync"],
+            "outer_now": torch.cat([v.reshape(-1).clone() for v in outer_step.outer_values().values()]),
+            "batches": len(model.losses)}
+
+
 def _exchange_under_autocast(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     """Two outer syncs of every compressor over all ranks (a replica per rank), once inside a bf16 autocast region
     and once outside, from the same parameters: the outer parameters after each, per compressor and region."""
@@ -170,7 +199,8 @@ def _scenarios(per_replica: int) -> tuple:
             ("clip_value", partial(fit, clip=("value", CLIP_VALUE))),
             ("clip_norm_fp16", partial(fit, fp16=True, clip=("norm", CLIP_NORM))),
             ("fp16_resume", partial(_fp16_resume, per_replica=per_replica)),
-            ("bf16_true", partial(fit, precision="bf16-true")))
+            ("bf16_true", partial(fit, precision="bf16-true")),
+            ("diverged", partial(_diverged_replica, per_replica=per_replica)))
 
 
 SCENARIOS = {2: _scenarios(1) + (("exchange_under_autocast", _exchange_under_autocast),), 4: _scenarios(2)}
@@ -338,3 +368,14 @@ def test_a_run_resumed_under_16_mixed_keeps_each_replicas_loss_scale_and_continu
             assert (a["scale"], a["since_sync"]) == (b["scale"], b["since_sync"]), f"rank {rank}, step {a['step']}"
             assert torch.equal(a["params"], b["params"]), f"rank {rank}: step {a['step']} differs after the resume"
         assert torch.equal(full["final"], resumed["final"])
+
+
+@pytest.mark.parametrize("world_size", list(SCENARIOS))
+def test_a_diverged_replica_stops_every_rank_before_the_exchange_with_the_outer_model_intact(sessions, world_size):
+    for result in scenario_results(sessions[world_size], "diverged"):
+        # the sync after inner step 6 (global step 5 diverged) is the second: the first one, after step 3, ran
+        assert result["error"] is not None and "outer step 2: the pseudo-gradient" in result["error"], result["error"]
+        assert "inf or NaN" in result["error"] and "gradient_clip_val" in result["error"]
+        assert result["syncs"] == 1 and result["batches"] == 6
+        assert torch.equal(result["outer_now"], result["outer_after_sync"])  # nothing applied
+        assert bool(result["outer_now"].isfinite().all())
