@@ -134,9 +134,14 @@ def count_ring_bytes(
 ) -> None:
     """Count ``sent`` bytes of a ring collective (each rank sends to ``(rank + 1) % P`` and receives as much):
     intra-node when the topology puts that neighbour on this rank's node, else (or without a topology) inter-node."""
+    _count_sent(counters, sent, topology is not None and topology.same_node(rank, (rank + 1) % world_size))
+
+
+def _count_sent(counters: CommunicationCounters, sent: int, intra_node: bool) -> None:
+    """``sent`` bytes sent and as many received, intra- or inter-node."""
     counters.bytes_sent += sent
     counters.bytes_received += sent
-    if topology is not None and topology.same_node(rank, (rank + 1) % world_size):
+    if intra_node:
         counters.bytes_sent_intra_node += sent
     else:
         counters.bytes_sent_inter_node += sent
@@ -186,12 +191,7 @@ def count_ring_all_gather(counters: CommunicationCounters, shard_bytes: int, wor
     """Count a ring ``all_gather`` of ``shard_bytes`` per rank: ``(P - 1)`` shards sent to the next rank, intra- or
     inter-node bytes as ``intra_node`` says, and as themselves in fp32 equivalent (nothing is compressed)."""
     sent = (world_size - 1) * shard_bytes
-    counters.bytes_sent += sent
-    counters.bytes_received += sent
-    if intra_node:
-        counters.bytes_sent_intra_node += sent
-    else:
-        counters.bytes_sent_inter_node += sent
+    _count_sent(counters, sent, intra_node)
     counters.bytes_fp32_equivalent += sent
     counters.collectives += 1
     counters.calls += 1

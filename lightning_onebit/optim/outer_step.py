@@ -115,7 +115,7 @@ class OuterStep:
         #: compressed payloads inside the replica and lets every rank decode and step every shard, instead of
         #: gathering the new fp32 shards (the same bits: every rank runs the same kernels on the same payloads)
         self.gathers_payloads = self.shards > 1 and isinstance(compressor, GatheredAverage) and optimizer == "sgd"
-        self.lr = lr
+        self._payload_widths: Optional[list[int]] = None  # per shard, its gathered payloads' bytes (a fixed layout)
         self.syncs = 0
 
     def _flat(self, dtype: torch.dtype, params: list[torch.Tensor], quantum: int, bucket_numel: int) -> _Flat:
@@ -210,9 +210,11 @@ class OuterStep:
         compressor = self.compressor
         assert isinstance(compressor, GatheredAverage)
         mine = torch.cat(compressor.exchange(self.buckets))
-        sizes = [sum(compressor.replicas * compressor.payload_bytes(b) for f in self._flats for b in f.shard_buckets[s])
-                 for s in range(self.shards)]
-        width = max(sizes)
+        if self._payload_widths is None:
+            self._payload_widths = [[compressor.replicas * compressor.payload_bytes(b) for f in self._flats
+                                     for b in f.shard_buckets[s]] for s in range(self.shards)]
+        width = max(sum(sizes) for sizes in self._payload_widths)
+        lr = self.optimizer.param_groups[0]["lr"]  # the optimizer's, as a loaded state_dict sets it
         padded = torch.zeros(width, dtype=torch.uint8, device=mine.device)
         padded[: mine.numel()].copy_(mine)
         everything = torch.empty(self.shards * width, dtype=torch.uint8, device=mine.device)
@@ -220,16 +222,14 @@ class OuterStep:
             all_gather_async(everything, padded, self.shard_group).wait()
         count_ring_all_gather(self.gather_counters, width, self.shards, intra_node=True)
         with torch.no_grad():
-            for s in range(self.shards):
-                at = s * width
+            for s, sizes in enumerate(self._payload_widths):
+                parts = iter(everything[s * width : s * width + sum(sizes)].split(sizes))
                 for f in self._flats:
                     lo = s * f.pseudo.numel()
                     for bucket in f.shard_buckets[s]:
-                        size = compressor.replicas * compressor.payload_bytes(bucket)
-                        compressor.decode_mean_(bucket, everything[at : at + size])
-                        at += size
+                        compressor.decode_mean_(bucket, next(parts))
                         start = lo + bucket.values.storage_offset() - f.pseudo.storage_offset()
-                        f.outer[start : start + bucket.values.numel()].add_(bucket.values, alpha=-self.lr)
+                        f.outer[start : start + bucket.values.numel()].add_(bucket.values, alpha=-lr)
         self.copy_outer_to_params()
         self.syncs += 1
 
