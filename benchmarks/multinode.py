@@ -462,12 +462,12 @@ def run_rate(index: int, rate: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- summary
-def _slowest_median(per_rank: list[dict], method: str) -> float:
+def slowest_median(per_rank: list[dict], method: str) -> float:
     series = [r["methods"][method]["times_s"] for r in per_rank]
     return statistics.median(max(step) for step in zip(*series))
 
 
-def _slowest_mean(per_rank: list[dict], method: str) -> float:
+def slowest_mean(per_rank: list[dict], method: str) -> float:
     series = [r["methods"][method]["times_s"] for r in per_rank]
     return statistics.fmean(max(step) for step in zip(*series))
 
@@ -526,9 +526,9 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         diffs = [d["rel_diff"] for d in nodes if d["rel_diff"] is not None]
         worst = max(diffs, key=abs) if diffs else None
         row = dict(
-            step_s=_slowest_mean(per_rank, method) if method in MEAN_METHODS else _slowest_median(per_rank, method),
+            step_s=slowest_mean(per_rank, method) if method in MEAN_METHODS else slowest_median(per_rank, method),
             step_statistic="mean" if method in MEAN_METHODS else "median",
-            mean_step_s=_slowest_mean(per_rank, method),
+            mean_step_s=slowest_mean(per_rank, method),
             counters_bytes_per_node=statistics.fmean(counters),
             counters_source=source,
             veth_bytes_per_node=statistics.fmean(d["veth_qdisc"] for d in nodes),

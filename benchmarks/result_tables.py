@@ -1053,6 +1053,8 @@ _LINK_METHODS = {"ddp_fp32": "AdamW-DDP (fp32)", "ddp_powersgd": "DDP + PowerSGD
 def local_steps_link_table() -> str:
     """Per link rate: each method's mean and median step, the mean over the floor's mean, and the bytes that crossed
     the veth per node per step."""
+    from benchmarks.multinode import slowest_median
+
     data = _load(LOCAL_STEPS_LINK)
     config = data["config"]
     rows = []
@@ -1064,7 +1066,7 @@ def local_steps_link_table() -> str:
             if row is None:
                 continue
             mean = row.get("mean_step_s", row["step_s"])
-            median = _median(result, name)
+            median = slowest_median(result["per_rank"], name)
             rows.append([rate, label, f"{mean:.3f}", f"{median:.3f}", f"{mean / floor:.2f}x" if floor else "-",
                          f"{row['veth_bytes_per_node'] / 1e6:.3f}"])
     return (
@@ -1081,11 +1083,6 @@ def local_steps_link_table() -> str:
         + _table(["link", "method", "mean step (s)", "median step (s)", "mean / floor's mean", "MB leaving a node per "
                   "step (veth)"], rows)
     )
-
-
-def _median(result: dict[str, Any], method: str) -> float:
-    series = [r["methods"][method]["times_s"] for r in result["per_rank"]]
-    return statistics.median(max(step) for step in zip(*series))
 
 
 #: Issue 46's first measurements: local steps (``onebit_diloco``) on the example from scratch, and the language model
