@@ -33,21 +33,21 @@ a ring ``all_gather`` ``(M-1)`` payloads, the two-phase exchange its layout's
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from typing import Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from lightning_onebit._checks import check_integer, check_real
-from lightning_onebit.comm.accounting import CommunicationCounters, ring_allreduce_bytes
+from lightning_onebit.comm.accounting import ring_allreduce_bytes
 from lightning_onebit.comm.agreement import agree_kernel_backend
-from lightning_onebit.comm.exchange import compressed_allreduce_buckets_
+from lightning_onebit.comm.exchange import check_buckets, finish_exchanges_, start_exchange_
 from lightning_onebit.comm.groups import all_gather_async, group_size, naming_the_group
 from lightning_onebit.comm.layout import BucketLayout
+from lightning_onebit.comm.outer_base import OUTER_COMPRESSIONS, OuterBucket, OuterCompression, OuterCompressor
+from lightning_onebit.comm.outer_base import PendingAverage
 from lightning_onebit.comm.state import CompressedAllreduceState
-from lightning_onebit.comm.topk import MAX_CHUNK, topk_decode_add_, topk_encode, topk_payload_bytes
+from lightning_onebit.comm.topk import topk_decode_add_, topk_encode, topk_payload_bytes
 from lightning_onebit.kernels import Segments, Workspace, add_mean_of_signs_, compress_in_place
 
 __all__ = [
@@ -59,145 +59,10 @@ __all__ = [
     "OuterBucket",
     "OuterCompression",
     "OuterCompressor",
+    "PendingAverage",
     "TopkAverage",
     "make_outer_compressor",
 ]
-
-#: The compressions of the outer pseudo-gradient, by name.
-OUTER_COMPRESSIONS = ("none", "bf16", "onebit", "topk")
-
-
-@dataclasses.dataclass(frozen=True)
-class OuterCompression:
-    """How the outer pseudo-gradient is compressed (see the module docstring); checked when made.
-
-    Attributes:
-        kind: ``"none"``, ``"bf16"``, ``"onebit"`` or ``"topk"``.
-        chunk: ``"topk"``: values per chunk, 2 to 32,768 (indices are int16). Default 4096.
-        keep: ``"topk"``: values kept per chunk, 1 to ``chunk``. Default 64 (1.56%, SparseLoCo's at 72B).
-        error_decay: the error feedback is multiplied by it before the next pseudo-gradient is added, in (0, 1].
-            Default 1 (classic error feedback: nothing is forgotten). Not for ``"none"``, which keeps none.
-    """
-
-    kind: str = "onebit"
-    chunk: int = 4096
-    keep: int = 64
-    error_decay: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in OUTER_COMPRESSIONS:
-            raise ValueError(f"compressor must be one of {OUTER_COMPRESSIONS}, got {self.kind!r}")
-        check_integer(self.chunk, "OuterCompression chunk", at_least=2, at_most=MAX_CHUNK)
-        check_integer(self.keep, "OuterCompression keep", at_most=self.chunk,
-                      what=f"an integer in [1, chunk = {self.chunk}]")
-        check_real(self.error_decay, "OuterCompression error_decay", above=0.0, at_most=1.0)
-        if self.kind == "none" and self.error_decay != 1.0:
-            raise ValueError("compressor 'none' keeps no error feedback, so error_decay does not apply: leave it at 1")
-
-    @classmethod
-    def of(cls, value: Any) -> "OuterCompression":
-        """``value`` if it is one, else ``OuterCompression(kind=value)`` (a name of :data:`OUTER_COMPRESSIONS`)."""
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, str):
-            raise ValueError(f"compressor must be one of {OUTER_COMPRESSIONS} or an OuterCompression, got {value!r}")
-        return cls(kind=value)
-
-    def quantum(self, replicas: int) -> int:
-        """Every bucket's length must be a multiple of this (1-bit: ``8 M``, so its layout adds no padding; top-k:
-        the chunk)."""
-        return {"onebit": 8 * replicas, "topk": self.chunk}.get(self.kind, 1)
-
-
-class OuterBucket(NamedTuple):
-    """One bucket of the pseudo-gradient: ``key`` names its error feedback across calls (the same on every rank of
-    the replica group), ``values`` (1-D, contiguous) is averaged in place, ``pieces`` are the element counts of the
-    tensors (or parts of tensors) it holds, in order, summing to its length (the 1-bit exchange keeps a scale per
-    piece), and ``real`` the leading elements that are not padding (padding enters as zeros and leaves as zeros)."""
-
-    key: Hashable
-    values: torch.Tensor
-    pieces: tuple[int, ...]
-    real: int
-
-
-class OuterCompressor:
-    """The compressed average over ``group`` (the replica group; ``None``: WORLD), with this rank's error feedback
-    per bucket and its byte counters. Made by :func:`make_outer_compressor`."""
-
-    def __init__(self, config: OuterCompression, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.config = config
-        self.group = group
-        self.counters = CommunicationCounters()
-        self._errors: dict[Hashable, torch.Tensor] = {}
-
-    @property
-    def replicas(self) -> int:
-        """``M``, the ranks of the replica group."""
-        return group_size(self.group)
-
-    def average_(self, buckets: Sequence[OuterBucket]) -> None:
-        """Replace every bucket's values by the compressed average over the replica group (a collective: every rank
-        of the group passes buckets of the same keys and sizes in the same order)."""
-        raise NotImplementedError
-
-    def bytes_per_call(self, bucket: OuterBucket) -> int:
-        """Bytes this rank sends (and receives) to average ``bucket`` once (the ring model; 0 with one replica)."""
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ error feedback
-    def error_feedback(self, key: Hashable) -> Optional[torch.Tensor]:
-        """This rank's error feedback of bucket ``key`` (``None`` before its first call, or without error feedback)."""
-        return self._errors.get(key)
-
-    def _accumulate(self, bucket: OuterBucket) -> torch.Tensor:
-        """The error feedback of ``bucket`` now holding ``error_decay * e + values``: what is to be compressed."""
-        error = self._errors.get(bucket.key)
-        if error is None or error.shape != bucket.values.shape or error.dtype != bucket.values.dtype:
-            error = self._errors[bucket.key] = torch.zeros_like(bucket.values)
-        elif self.config.error_decay != 1.0:
-            error.mul_(self.config.error_decay)
-        return error.add_(bucket.values)
-
-    def error_state_dict(self) -> dict[str, Any]:
-        """This rank's error feedback, for its per-rank checkpoint."""
-        return {"kind": self.config.kind, "replicas": self.replicas,
-                "buckets": {key: e.detach().clone() for key, e in self._errors.items()}}
-
-    def load_error_state_dict(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> None:
-        """Restore :meth:`error_state_dict` for ``buckets`` (the layout in use now); ``ValueError`` naming the reason,
-        with nothing changed, unless it fits exactly."""
-        reason = self._mismatch(state, buckets)
-        if reason is not None:
-            raise ValueError(reason)
-        self._errors = {b.key: state["buckets"][b.key].to(b.values).clone() for b in buckets
-                        if b.key in state["buckets"]}
-
-    def _saved_by_another(self, state: dict[str, Any]) -> Optional[str]:
-        if state.get("kind") != self.config.kind or state.get("replicas") != self.replicas:
-            return (f"the error feedback was saved for compressor {state.get('kind')!r} over {state.get('replicas')} "
-                    f"replicas and this run uses {self.config.kind!r} over {self.replicas}")
-        return None
-
-    def _mismatch(self, state: dict[str, Any], buckets: Sequence[OuterBucket]) -> Optional[str]:
-        if (reason := self._saved_by_another(state)) is not None:
-            return reason
-        saved = state.get("buckets", {})
-        for b in buckets:
-            if b.key in saved and tuple(saved[b.key].shape) != tuple(b.values.shape):
-                return f"bucket {b.key!r}: the saved error feedback has {saved[b.key].numel()} elements, not " \
-                       f"{b.values.numel()} (the model or the bucket size changed?)"
-        unknown = set(saved) - {b.key for b in buckets}
-        return f"saved buckets {sorted(map(str, unknown))} do not exist in this run" if unknown else None
-
-    def _count(self, sent: int, numel: int) -> None:
-        """Count one call of ``sent`` bytes averaging ``numel`` values (every peer is on another node)."""
-        self.counters.bytes_sent += sent
-        self.counters.bytes_received += sent
-        self.counters.bytes_sent_inter_node += sent
-        self.counters.bytes_fp32_equivalent += ring_allreduce_bytes(numel, 4, self.replicas)
-        self.counters.calls += 1
-
 
 class DenseAverage(OuterCompressor):
     """``"none"``: fp32 (the values' dtype) ``all_reduce``; ``"bf16"``: bf16 ``all_reduce`` with error feedback.
@@ -211,12 +76,12 @@ class DenseAverage(OuterCompressor):
         size = 2 if self._wire_dtype is not None else bucket.values.element_size()
         return ring_allreduce_bytes(bucket.values.numel(), size, self.replicas)
 
-    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+    def start_average_(self, buckets: Sequence[OuterBucket]) -> PendingAverage:
+        pending = PendingAverage(list(buckets))
         replicas = self.replicas
         if replicas == 1:
-            return
-        launched = []
-        for bucket in buckets:
+            return pending
+        for bucket in pending.buckets:
             if self._wire_dtype is None:
                 wire = bucket.values
             else:
@@ -226,14 +91,17 @@ class DenseAverage(OuterCompressor):
                 wire.div_(replicas)  # before the sum, as torch's bf16_compress_hook: no overflow in bf16
             with naming_the_group("outer all_reduce of the pseudo-gradient", self.group):
                 work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            launched.append((bucket, wire, work))
+            pending.in_flight.append((wire, work))
             self._count(self.bytes_per_call(bucket), bucket.values.numel())
             self.counters.collectives += 1
-        for bucket, wire, work in launched:
+        return pending
+
+    def finish_average_(self, pending: PendingAverage) -> None:
+        for bucket, (wire, work) in zip(pending.buckets, pending.in_flight):
             with naming_the_group("outer all_reduce of the pseudo-gradient", self.group):
                 work.wait()
             if self._wire_dtype is None:
-                bucket.values.div_(replicas)  # gloo has no AVG: sum, then divide
+                bucket.values.div_(self.replicas)  # gloo has no AVG: sum, then divide
             else:
                 bucket.values.copy_(wire)
 
@@ -255,12 +123,13 @@ class OnebitAverage(OuterCompressor):
     def bytes_per_call(self, bucket: OuterBucket) -> int:
         return self._layout(bucket, self.replicas).bytes_per_call()
 
-    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+    def start_average_(self, buckets: Sequence[OuterBucket]) -> PendingAverage:
+        pending = PendingAverage(list(buckets))
         replicas = self.replicas
         if replicas == 1:
-            return
+            return pending
         triples = []
-        for bucket in buckets:
+        for bucket in pending.buckets:
             layout = self._layout(bucket, replicas)
             if layout.padded_numel != bucket.values.numel():
                 raise ValueError(f"bucket {bucket.key!r}: {bucket.values.numel()} values is not a multiple of "
@@ -268,7 +137,13 @@ class OnebitAverage(OuterCompressor):
             if self.config.error_decay != 1.0:
                 self.state.buffers(bucket.key, layout, bucket.values).worker_error.mul_(self.config.error_decay)
             triples.append((bucket.key, bucket.values, layout))
-        compressed_allreduce_buckets_(self.state, triples)
+        check_buckets(self.state, triples)  # on every rank before the first collective
+        # the first collective (all_to_all) of each bucket is in flight; the server phase waits for finish_average_
+        pending.in_flight = [start_exchange_(self.state, *triple, checked=True) for triple in triples]
+        return pending
+
+    def finish_average_(self, pending: PendingAverage) -> None:
+        finish_exchanges_(self.state, pending.in_flight)
 
     def error_feedback(self, key: Hashable) -> Optional[torch.Tensor]:
         """The worker error of bucket ``key`` (the server error is the state's)."""
@@ -315,25 +190,33 @@ class GatheredAverage(OuterCompressor):
     def bytes_per_call(self, bucket: OuterBucket) -> int:
         return (self.replicas - 1) * self.payload_bytes(bucket)
 
-    def exchange(self, buckets: Sequence[OuterBucket]) -> list[torch.Tensor]:
-        """Encode every bucket and all-gather the payloads over the replica group (a collective); per bucket, the
-        ``M`` payloads in rank order, one byte tensor."""
-        what = f"outer all_gather of the {self.WHAT}"
-        launched = []
-        for bucket in buckets:
+    def start_average_(self, buckets: Sequence[OuterBucket]) -> PendingAverage:
+        """Encode every bucket and launch the all-gathers of the payloads over the replica group (a collective)."""
+        pending = PendingAverage(list(buckets))
+        if self.replicas == 1:
+            return pending
+        for bucket in pending.buckets:
             size = self.payload_bytes(bucket)
             payload = torch.zeros(size, dtype=torch.uint8, device=bucket.values.device)
             self._encode(bucket, payload)
             gathered = torch.empty(self.replicas * size, dtype=torch.uint8, device=bucket.values.device)
-            with naming_the_group(what, self.group):
+            with naming_the_group(f"outer all_gather of the {self.WHAT}", self.group):
                 work = all_gather_async(gathered, payload, self.group)
-            launched.append((gathered, work))
+            pending.in_flight.append((gathered, work))
             self._count(self.bytes_per_call(bucket), bucket.values.numel())
             self.counters.collectives += 1
-        for _, work in launched:
-            with naming_the_group(what, self.group):
+        return pending
+
+    def gathered_payloads(self, pending: PendingAverage) -> list[torch.Tensor]:
+        """Wait for ``pending``'s all-gathers; per bucket, the ``M`` payloads in rank order, one byte tensor."""
+        for _, work in pending.in_flight:
+            with naming_the_group(f"outer all_gather of the {self.WHAT}", self.group):
                 work.wait()
-        return [gathered for gathered, _ in launched]
+        return [gathered for gathered, _ in pending.in_flight]
+
+    def exchange(self, buckets: Sequence[OuterBucket]) -> list[torch.Tensor]:
+        """:meth:`start_average_` and :meth:`gathered_payloads`: the payloads of every rank, not yet decoded."""
+        return self.gathered_payloads(self.start_average_(buckets))
 
     def decode_mean_(self, bucket: OuterBucket, gathered: torch.Tensor) -> None:
         """Set ``bucket.values`` to the mean that :meth:`exchange` gathered for a bucket of its keys and sizes (no
@@ -341,10 +224,10 @@ class GatheredAverage(OuterCompressor):
         size = self.payload_bytes(bucket)
         self._decode_mean(bucket, list(gathered.split(size)))
 
-    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+    def finish_average_(self, pending: PendingAverage) -> None:
         if self.replicas == 1:
             return
-        for bucket, gathered in zip(buckets, self.exchange(buckets)):
+        for bucket, gathered in zip(pending.buckets, self.gathered_payloads(pending)):
             self.decode_mean_(bucket, gathered)
 
 

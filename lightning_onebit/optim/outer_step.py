@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm.accounting import CommunicationCounters, count_ring_all_gather
 from lightning_onebit.comm.groups import all_gather_async, group_rank, group_size, is_distributed, naming_the_group
-from lightning_onebit.comm.outer import GatheredAverage, OuterBucket, OuterCompressor
+from lightning_onebit.comm.outer import GatheredAverage, OuterBucket, OuterCompressor, PendingAverage
 
 __all__ = ["OUTER_OPTIMIZERS", "OuterStep"]
 
@@ -116,6 +116,7 @@ class OuterStep:
         #: gathering the new fp32 shards (the same bits: every rank runs the same kernels on the same payloads)
         self.gathers_payloads = self.shards > 1 and isinstance(compressor, GatheredAverage) and optimizer == "sgd"
         self._payload_widths: Optional[list[int]] = None  # per shard, its gathered payloads' bytes (a fixed layout)
+        self._pending: Optional[PendingAverage] = None  # the exchange start() began
         self.syncs = 0
 
     def _flat(self, dtype: torch.dtype, params: list[torch.Tensor], quantum: int, bucket_numel: int) -> _Flat:
@@ -164,22 +165,45 @@ class OuterStep:
 
     def sync(self) -> None:
         """One outer step (a collective over the replica group, then the replica's ranks): after it every parameter
-        holds the new outer value, the same bits on every rank."""
+        holds the new outer value, the same bits on every rank. :meth:`start`, :meth:`finish`, then
+        :meth:`copy_outer_to_params`."""
+        self.start()
+        self.finish()
+        self.copy_outer_to_params()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an exchange was started and not finished."""
+        return self._pending is not None
+
+    def start(self) -> None:
+        """Take the pseudo-gradient from the parameters now and start its exchange (the error feedback is updated and
+        this rank's part sent; a collective): the parameters may change before :meth:`finish` (the overlap of
+        streaming), the outer parameters not."""
+        if self._pending is not None:
+            raise RuntimeError("the outer step's exchange is in flight: finish() it before starting another")
         for f in self._flats:
             self._local_shard_into(f, f.pseudo)
             torch.sub(f.outer[f.shard], f.pseudo, out=f.pseudo)
         self._check_finite()
+        self._pending = self.compressor.start_average_(self.buckets)
+
+    def finish(self) -> None:
+        """Finish the exchange :meth:`start` began and apply the outer optimizer: the outer parameters are new, the
+        same bits on every rank (a collective inside the replica); the parameters are left as they are."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("no outer exchange is in flight: start() one first")
         if self.gathers_payloads:
-            self._sync_by_payloads()
-            return
-        self.compressor.average_(self.buckets)
-        for shard, f in zip(self.optimizer.param_groups[0]["params"], self._flats):
-            shard.grad = f.pseudo
-        self.optimizer.step()
-        for shard in self.optimizer.param_groups[0]["params"]:
-            shard.grad = None
-        self._gather_shards()
-        self.copy_outer_to_params()
+            self._finish_by_payloads(pending)
+        else:
+            self.compressor.finish_average_(pending)
+            for shard, f in zip(self.optimizer.param_groups[0]["params"], self._flats):
+                shard.grad = f.pseudo
+            self.optimizer.step()
+            for shard in self.optimizer.param_groups[0]["params"]:
+                shard.grad = None
+            self._gather_shards()
         self.syncs += 1
 
     def _check_finite(self) -> None:
@@ -203,13 +227,13 @@ class OuterStep:
                 "inf/NaN steps"
             )
 
-    def _sync_by_payloads(self) -> None:
+    def _finish_by_payloads(self, pending: PendingAverage) -> None:
         """The payloads this rank gathered over the replica group are all-gathered inside the replica (one
         collective, each rank's padded to the largest), then every rank decodes every shard's mean in shard order and
         applies ``theta_outer -= lr * mean`` as ``torch.optim.SGD`` does (``add_(mean, alpha=-lr)``)."""
         compressor = self.compressor
         assert isinstance(compressor, GatheredAverage)
-        mine = torch.cat(compressor.exchange(self.buckets))
+        mine = torch.cat(compressor.gathered_payloads(pending))
         if self._payload_widths is None:
             self._payload_widths = [[compressor.replicas * compressor.payload_bytes(b) for f in self._flats
                                      for b in f.shard_buckets[s]] for s in range(self.shards)]
@@ -230,8 +254,6 @@ class OuterStep:
                         compressor.decode_mean_(bucket, next(parts))
                         start = lo + bucket.values.storage_offset() - f.pseudo.storage_offset()
                         f.outer[start : start + bucket.values.numel()].add_(bucket.values, alpha=-lr)
-        self.copy_outer_to_params()
-        self.syncs += 1
 
     def _local_shard_into(self, f: _Flat, out: torch.Tensor) -> None:
         """This rank's shard of the flat local parameters, written into ``out`` (padding zero)."""
@@ -275,7 +297,9 @@ class OuterStep:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """This rank's outer optimizer state, error feedback and sync count, copied (the outer parameters are the
-        model's checkpoint, the same on every rank)."""
+        model's checkpoint, the same on every rank). Not while an exchange is in flight: :meth:`finish` it first."""
+        if self._pending is not None:
+            raise RuntimeError("the outer step's exchange is in flight: finish() it before saving its state")
         return {"optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "error_feedback": self.compressor.error_state_dict(),
                 "syncs": self.syncs, "shards": (self.shard_index, self.shards),

@@ -3,10 +3,9 @@ compressed outer step across replicas every ``sync_every`` inner steps (DiLoCo, 
 
 A replica is a node (:class:`~lightning_onebit.Topology`; ``ranks_per_node`` simulates nodes on one host). Inside it
 the inner steps are ordinary DDP over the node's ranks (gradients averaged on the fast link) with the user's own
-optimizer; across replicas nothing is sent between outer syncs. The outer step is
-:class:`~lightning_onebit.optim.outer_step.OuterStep`: rank ``l`` of every replica exchanges shard ``l`` of the
-pseudo-gradient with rank ``l`` of the others (the topology's inter-node group), so the bytes leaving a node per sync
-are those of one exchange, spread over its ranks, and the new shards are all-gathered inside the node.
+optimizer; across replicas nothing is sent between outer syncs. The outer step is :class:`~lightning_onebit.optim.
+streaming.StreamingOuterStep` (fragments, overlap) of :class:`~lightning_onebit.optim.outer_step.OuterStep`s, whose
+exchange is sharded over the node's ranks: the bytes leaving a node per sync are those of one exchange.
 
 :data:`DEFAULTS` is the one place where the defaults are chosen, from the measurements its docstring cites.
 """
@@ -36,24 +35,21 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_onebit._checks import check_bucket_cap_mb, check_integer, check_real
 from lightning_onebit.comm.accounting import CommunicationCounters
-from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.groups import broadcast_coalesced, destroy_groups, is_distributed
 from lightning_onebit.comm.outer import OuterCompression, make_outer_compressor
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
-from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS, OuterStep
+from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS
+from lightning_onebit.optim.streaming import StreamingOuterStep
 from lightning_onebit.strategy.arguments import check_process_group_options, ddp_kwargs_for
-from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id, owned_sidecar
+from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
+from lightning_onebit.strategy.local_steps_state import STATE_KEY, agreed_per_rank_state, streaming_outer_state
 from lightning_onebit.strategy.sidecar import sidecar_path
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULTS", "OUTER_LR", "LocalStepsDefaults", "OnebitDiLoCoStrategy"]
-
-#: The key of this strategy's part of a rank's per-rank checkpoint state.
-STATE_KEY = "onebit_diloco"
-
 
 @dataclasses.dataclass(frozen=True)
 class LocalStepsDefaults:
@@ -112,6 +108,12 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         compressor: ``"none"`` (fp32), ``"bf16"``, ``"onebit"`` or ``"topk"``, or an
             :class:`~lightning_onebit.comm.outer.OuterCompression` with its options (top-k's chunk and kept values,
             error decay). Default ``"onebit"``.
+        fragments: streaming: the parameters cut into this many fragments (contiguous, about equal sizes), each
+            synced every ``sync_every`` steps at its own offset, so a sync sends ``1/fragments`` of the bytes
+            (:mod:`~lightning_onebit.optim.streaming`); in ``[1, sync_every]``. Default 1.
+        overlap_steps: inner steps that run while a fragment's exchange is in flight; after them its parameters are
+            rebased on the new outer values, keeping those steps (replicas then differ by them until the fragment's
+            next sync; the outer model is bitwise the same everywhere). In ``[0, sync_every - 1]``. Default 0.
         outer_optimizer: ``"sgd"`` (no momentum: ``theta_outer -= outer_lr * average``, SparseLoCo's
             error-feedback-only form) or ``"nesterov"`` (SGD with Nesterov momentum, DiLoCo's). Default ``"sgd"``.
         outer_lr: the outer learning rate, > 0. Default ``None``: 1 for ``"sgd"``, DiLoCo's 0.7 for ``"nesterov"``
@@ -138,6 +140,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         self,
         sync_every: int = _D.sync_every,
         compressor: Union[str, OuterCompression] = _D.compressor,
+        fragments: int = 1,
+        overlap_steps: int = 0,
         outer_optimizer: str = _D.outer_optimizer,
         outer_lr: Optional[float] = None,
         outer_momentum: float = _D.outer_momentum,
@@ -159,6 +163,10 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     ) -> None:
         self.sync_every = check_integer(sync_every, "sync_every")
         self.compression = OuterCompression.of(compressor)
+        self.fragments = check_integer(fragments, "fragments", at_most=self.sync_every,
+                                       what=f"an integer in [1, sync_every = {self.sync_every}]")
+        self.overlap_steps = check_integer(overlap_steps, "overlap_steps", at_least=0, at_most=self.sync_every - 1,
+                                           what=f"an integer in [0, sync_every - 1 = {self.sync_every - 1}]")
         if outer_optimizer not in OUTER_OPTIMIZERS:
             raise ValueError(f"outer_optimizer must be one of {OUTER_OPTIMIZERS}, got {outer_optimizer!r}")
         self.outer_optimizer = outer_optimizer
@@ -179,7 +187,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         self.topology: Optional[Topology] = None
         #: the inner gradient allreduce inside the replica, counted (its process group is the node's)
         self.gradient_sync = GradientSyncState()
-        self.outer_step: Optional[OuterStep] = None
+        self.outer_step: Optional[StreamingOuterStep] = None
         self.inner_steps = 0
         #: outer syncs run by this strategy (every fit's)
         self.outer_syncs = 0
@@ -224,8 +232,9 @@ class OnebitDiLoCoStrategy(DDPStrategy):
                                            ranks_per_node=self.ranks_per_node, timeout=self._timeout)
             self._run_id, self._save_index = agree_run_id(self.global_rank), 0
             rank_zero_info(f"onebit_diloco: {replicas} replicas x {per_replica} rank(s); outer step every "
-                           f"{self.sync_every} inner steps, compressor {self.compression.kind!r}, outer "
-                           f"{self.outer_optimizer} lr {self.outer_lr:g}")
+                           f"{self.sync_every} inner steps in {self.fragments} fragment(s), {self.overlap_steps} "
+                           f"overlapped, compressor {self.compression.kind!r}, outer {self.outer_optimizer} lr "
+                           f"{self.outer_lr:g}")
         super().setup(trainer)
 
     @property
@@ -267,12 +276,12 @@ class OnebitDiLoCoStrategy(DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
-        params = [p for p in module.parameters() if p.requires_grad]
-        compressor = make_outer_compressor(self.compression, self.replica_group)
-        element = params[0].element_size() if params else 4
-        self.outer_step = OuterStep(params, compressor, self.outer_optimizer, self.outer_lr, self.outer_momentum,
-                                    shard_group=self.node_group,
-                                    bucket_numel=max(1, int(self.bucket_cap_mb * 2**20) // element))
+        self.outer_step = StreamingOuterStep.build(
+            [p for p in module.parameters() if p.requires_grad],
+            lambda: make_outer_compressor(self.compression, self.replica_group), fragments=self.fragments,
+            sync_every=self.sync_every, overlap_steps=self.overlap_steps, optimizer=self.outer_optimizer,
+            lr=self.outer_lr, momentum=self.outer_momentum, shard_group=self.node_group, bucket_cap_mb=self.bucket_cap_mb)
+        self.outer_step.on_sync = self._count_sync
         self.inner_steps = 0
 
     # ------------------------------------------------------------------ steps
@@ -287,8 +296,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.outer_step is not None:
             self.inner_steps += 1
-            if self.inner_steps % self.sync_every == 0:
-                self.sync()
+            self.outer_step.after_inner_step(self.inner_steps)
         return output
 
     @property
@@ -297,18 +305,21 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         return self.inner_steps % self.sync_every
 
     def sync(self) -> None:
-        """Run the outer step now (a collective: every rank calls it at the same inner step)."""
+        """Sync every fragment that took inner steps since its last sync now, unoverlapped (the exchanges in flight
+        finished and rebased first), so that every rank's parameters are the outer ones, the same bits everywhere (a
+        collective: every rank calls it at the same inner step)."""
         assert self.outer_step is not None
-        before = self.outer_step.communication
-        self.outer_step.sync()
+        self.outer_step.flush(self.inner_steps)
+
+    def _count_sync(self, fragment: int, sent: CommunicationCounters) -> None:
         self.outer_syncs += 1
-        self.last_sync_communication = self.outer_step.communication - before
+        self.last_sync_communication = sent
 
     @override
     def on_train_end(self) -> None:
-        if self.outer_step is not None and self.steps_since_sync:
-            rank_zero_info(f"onebit_diloco: outer step at the end of fit ({self.steps_since_sync} inner steps since "
-                           "the last sync), so that the model holds every step")
+        if self.outer_step is not None and not self.outer_step.params_are_outer:
+            rank_zero_info("onebit_diloco: outer step at the end of fit (inner steps since the last sync), so that the "
+                           "model holds every step")
             self.sync()
         super().on_train_end()
 
@@ -316,22 +327,21 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self.outer_step is not None and self.steps_since_sync and self._stashed is None:
-            self._stashed = [p.detach().clone() for p in self._params()]
-            self.outer_step.copy_outer_to_params()
+        outer_step = self.outer_step
+        if outer_step is not None and self._stashed is None:
+            outer_step.finish_in_flight()  # the newest outer model (the training does not change)
+            if not outer_step.params_are_outer:
+                self._stashed = [p.detach().clone() for p in outer_step.params]
+                outer_step.copy_outer_to_params()
 
     @override
     def on_validation_end(self) -> None:
         if self._stashed is not None:
             with torch.no_grad():
-                for p, local in zip(self._params(), self._stashed):
+                for p, local in zip(self.outer_step.params, self._stashed):
                     p.copy_(local)
             self._stashed = None
         super().on_validation_end()
-
-    def _params(self) -> list[torch.Tensor]:
-        assert self.outer_step is not None
-        return self.outer_step.params
 
     # ------------------------------------------------------------------ bytes
     @property
@@ -354,13 +364,15 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         module = self.lightning_module
         if self.outer_step is None or module is None:
             return super().lightning_module_state_dict()
+        self.outer_step.finish_in_flight()  # every rank dumps every checkpoint; the training does not change
         outer = self.outer_step.outer_values()
         return {name: outer[id(t)].clone() if id(t) in outer else t.detach()
                 for name, t in module.state_dict(keep_vars=True).items()}
 
     def _per_rank_state(self) -> dict[str, Any]:
         assert self.outer_step is not None
-        local = self._stashed if self._stashed is not None else [p.detach().clone() for p in self._params()]
+        self.outer_step.finish_in_flight()
+        local = self._stashed if self._stashed is not None else [p.detach().clone() for p in self.outer_step.params]
         # the loss scaler's state too: replicas skip different steps, and the main file holds only rank 0's scaler
         return {"inner_steps": self.inner_steps, "local_params": local, "outer": self.outer_step.state_dict(),
                 "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
@@ -394,26 +406,15 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
         if self.outer_step is None:
             return
-        state = (checkpoint.get(PER_RANK_STATE_KEY) or {}).get(STATE_KEY)
-        status = checkpoint.get(PER_RANK_STATUS_KEY) or {}
-        reason = None if state is not None else (status.get("reason") or "it holds no onebit_diloco state")
-        problems = {rank: (file, why) for rank, (file, why) in enumerate(agree((status.get("file"), reason)))
-                    if why is not None}
-        if problems:
-            raise RuntimeError(
-                "onebit_diloco cannot resume: every rank needs its own sidecar (its parameters, inner optimizer state, "
-                f"error feedback and outer momentum), and {problems} (rank: (file, reason)). Resume from a checkpoint "
-                "whose sidecars are all present, or load only its weights (the outer model) and start a new fit"
-            )
-        self._load_per_rank_state(state)
+        self._load_per_rank_state(agreed_per_rank_state(checkpoint))
 
     def _load_per_rank_state(self, state: dict[str, Any]) -> None:
         assert self.outer_step is not None
-        self.outer_step.load_state_dict(state["outer"])
+        self.outer_step.load_state_dict(streaming_outer_state(state, self.sync_every))
         for optimizer, saved in zip(self.optimizers, state["inner_optimizers"]):
             optimizer.load_state_dict(saved)
         with torch.no_grad():
-            for p, local in zip(self._params(), state["local_params"]):
+            for p, local in zip(self.outer_step.params, state["local_params"]):
                 p.copy_(local)
         self.inner_steps = int(state["inner_steps"])
         if state.get("precision"):  # this rank's loss scaler (an older sidecar has none: rank 0's stays)

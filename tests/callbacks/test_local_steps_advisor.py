@@ -1,7 +1,7 @@
 """Tests of "how often to sync?": LocalStepsAdvice (the average step with a sync every H steps, and the H that keeps it
 within a bound of the no-communication floor), and the advice CommunicationMonitor gives under onebit_diloco.
 
-The multi-rank fits make the outer sync slow by sleeping ``SYNC_DELAY_S`` at the start of every ``OuterStep.sync``
+The multi-rank fits make the outer sync slow by sleeping ``SYNC_DELAY_S`` at the start of every ``OuterStep.start``
 (every rank, as a slow link between nodes would delay every replica's exchange)."""
 
 from __future__ import annotations
@@ -112,17 +112,17 @@ def test_figures_and_target_are_checked() -> None:
 @contextmanager
 def slow_outer_sync(delay_s: float) -> Iterator[None]:
     """Every outer sync starts ``delay_s`` late (on every rank)."""
-    real = OuterStep.sync
+    real = OuterStep.start
 
-    def sync(self: OuterStep) -> None:
+    def start(self: OuterStep) -> None:
         time.sleep(delay_s)
         real(self)
 
-    OuterStep.sync = sync  # type: ignore[method-assign]
+    OuterStep.start = start  # type: ignore[method-assign]
     try:
         yield
     finally:
-        OuterStep.sync = real  # type: ignore[method-assign]
+        OuterStep.start = real  # type: ignore[method-assign]
 
 
 class SlowValidationRegressor(Regressor):

@@ -65,24 +65,23 @@ class StepRecorder(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        sync, compressor = strategy.sync, strategy.outer_step.compressor
-        # the average of a replica of several ranks that gathers payloads runs as its exchange, then decodes
-        name = "exchange" if strategy.outer_step.gathers_payloads else "average_"
-        average = getattr(compressor, name)
+        (fragment,) = strategy.outer_step.fragments  # one fragment, no overlap: the defaults
+        start, compressor = fragment.start, fragment.compressor
+        average = compressor.start_average_  # every exchange starts here
 
-        def recorded_sync() -> None:
+        def recorded_start() -> None:
             self.syncs.append({"inner_steps": strategy.inner_steps, "local": flat_params(pl_module),
                                "outer": torch.cat([v.reshape(-1).clone()
                                                    for v in strategy.outer_step.outer_values().values()]),
                                "autocast": torch.is_autocast_enabled("cpu")})
-            sync()
+            start()
 
         def recorded_average(buckets: Any) -> Any:
             self.exchanges.append({"dtypes": {b.values.dtype for b in buckets},
                                    "autocast": torch.is_autocast_enabled("cpu")})
             return average(buckets)
-        strategy.sync = recorded_sync
-        setattr(compressor, name, recorded_average)
+        fragment.start = recorded_start
+        compressor.start_average_ = recorded_average
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == (self.steps[-1]["step"] if self.steps else 0):
