@@ -161,6 +161,8 @@ _DDP_FAMILY = re.compile(r"ddp_(bf16|int8)|ddp_powersgd_r([0-9]+)")
 #: the outer compressors of the local-steps runs (``diloco_C@H``), as ``OnebitDiLoCoStrategy`` names them
 DILOCO_COMPRESSORS = ("none", "bf16", "onebit", "topk")
 _DILOCO_FAMILY = re.compile(r"diloco_(none|bf16|onebit|topk)(_sgd)?")
+#: a local-steps run's period and streaming: ``H``, then ``fF`` (fragments) and ``oT`` (overlapped steps), e.g. ``8f4o1``
+_DILOCO_PERIOD = re.compile(r"(\d+)(?:f(\d+))?(?:o(\d+))?")
 #: the DDP baselines' strategy (a DDP comm hook registered on every device, counted, checked that it ran)
 COUNTED_DDP = "benchmarks.comm_hooks.CountedDDPStrategy"
 TRACE_EVERY, TRACE_WINDOW, TRACE_SAMPLE = 10, 50, 4096
@@ -226,7 +228,8 @@ def ddp_exchange(name: str) -> Optional[tuple[str, Optional[int], Optional[float
 def diloco_run(name: str) -> Optional[tuple[str, int, str]]:
     """``(compressor, sync_every, outer optimizer)`` of a local-steps run (``diloco_C@H``: compressor ``C``, an outer
     step every ``H`` inner steps, DiLoCo's Nesterov outer step; ``diloco_C_sgd@H``: the outer step without momentum,
-    lr 1); ``None`` for any other run."""
+    lr 1; ``H`` may be followed by streaming's ``fF`` and ``oT``, :func:`diloco_streaming`); ``None`` for any other
+    run."""
     family, _, every = name.partition("@")
     if not family.startswith("diloco"):
         return None
@@ -234,10 +237,26 @@ def diloco_run(name: str) -> Optional[tuple[str, int, str]]:
     if match is None or "+" in every:
         raise ValueError(f"unknown local-steps run {name!r}: diloco_C@H or diloco_C_sgd@H, C one of "
                          f"{', '.join(DILOCO_COMPRESSORS)}, H the inner steps between outer syncs")
-    if not every.isdigit() or int(every) < 1:
+    period = _DILOCO_PERIOD.fullmatch(every)
+    if period is None or int(period.group(1)) < 1:
         raise ValueError(f"run {name!r}: the inner steps between outer syncs are part of the name, an integer >= 1, "
-                         f"e.g. {family}@32")
-    return match.group(1), int(every), "sgd" if match.group(2) else "nesterov"
+                         f"e.g. {family}@32 (streaming: {family}@32f4o1, 4 fragments, 1 overlapped step)")
+    return match.group(1), int(period.group(1)), "sgd" if match.group(2) else "nesterov"
+
+
+def diloco_streaming(name: str) -> tuple[int, int]:
+    """``(fragments, overlap_steps)`` of a local-steps run: ``diloco_C@HfFoT`` streams ``F`` fragments with ``T``
+    inner steps overlapping each exchange (``f`` and ``o`` may each be left out: 1 and 0)."""
+    if diloco_run(name) is None:
+        raise ValueError(f"{name!r} is not a local-steps run")
+    period = _DILOCO_PERIOD.fullmatch(name.partition("@")[2])
+    assert period is not None
+    return int(period.group(2) or 1), int(period.group(3) or 0)
+
+
+def _streaming_suffix(name: str) -> str:
+    fragments, overlap = diloco_streaming(name)
+    return (f"f{fragments}" if fragments != 1 else "") + (f"o{overlap}" if overlap else "")
 
 
 def powersgd_start_of(fraction: float, steps: int) -> int:
@@ -283,7 +302,7 @@ def canonical_run(name: str) -> str:
     diloco = diloco_run(name)
     if diloco is not None:
         compressor, every, outer = diloco
-        return f"diloco_{compressor}{'_sgd' if outer == 'sgd' else ''}@{every}"
+        return f"diloco_{compressor}{'_sgd' if outer == 'sgd' else ''}@{every}{_streaming_suffix(name)}"
     family, freeze = parse_run(name)
     base = family if freeze is None else f"{family}@{freeze}"
     exchange = split_exchange(name)[1]
@@ -322,6 +341,9 @@ def run_args(name: str, steps: int, lamb_lr: Optional[str],
     if diloco is not None:
         compressor, every, outer = diloco
         args = ["--trainer.strategy.sync_every", str(every), "--trainer.strategy.compressor", compressor]
+        fragments, overlap = diloco_streaming(name)
+        if (fragments, overlap) != (1, 0):
+            args += ["--trainer.strategy.fragments", str(fragments), "--trainer.strategy.overlap_steps", str(overlap)]
         if outer == "sgd":
             args += ["--trainer.strategy.outer_optimizer", "sgd", "--trainer.strategy.outer_lr", "1"]
         else:  # DiLoCo's, named: the config takes the strategy's default outer optimizer
@@ -683,11 +705,11 @@ def check_exchange_ran(name: str, record: dict[str, Any]) -> None:
 
 def check_outer_syncs(name: str, record: dict[str, Any]) -> None:
     """Raise ``RuntimeError`` when a local-steps run (``diloco_C@H``) made fewer outer syncs than its ``steps // H``
-    periods (its strategy did not sync as named)."""
+    periods times its fragments (its strategy did not sync as named)."""
     diloco = diloco_run(name)
     if diloco is None:
         return
-    expected = record["steps"] // diloco[1]
+    expected = record["steps"] // diloco[1] * diloco_streaming(name)[0]
     if (record.get("outer_syncs") or 0) < expected:
         raise RuntimeError(f"{name}: {record.get('outer_syncs')} outer syncs in {record['steps']} steps, expected at "
                            f"least {expected}")
@@ -826,7 +848,7 @@ def order_runs(names: set[str]) -> list[str]:
         diloco = diloco_run(name)
         if diloco is not None:  # last, by compressor (as DILOCO_COMPRESSORS), outer optimizer, then period
             compressor, every, outer = diloco
-            return (6, DILOCO_COMPRESSORS.index(compressor), outer != "nesterov", every, name)
+            return (6, DILOCO_COMPRESSORS.index(compressor), outer != "nesterov", every, diloco_streaming(name), name)
         rank = 1 if ddp_exchange(name) is not None else family_rank[parse_run(name)[0]]
         return (rank, fixed(name), name)
 

@@ -235,7 +235,7 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
     """``(kind, options)`` of a run name: ``("ddp", {})`` for ``adamw``, ``("onebit_adam", {})`` for
     ``onebit_adam@auto``, ``("onebit_diloco", {sync_every, compressor, outer_optimizer[, outer_lr]})`` for
     ``diloco_C@H`` and ``diloco_C_sgd@H``; ``ValueError`` for any other."""
-    from benchmarks.freeze_sweep import diloco_run
+    from benchmarks.freeze_sweep import diloco_run, diloco_streaming
 
     if name == "adamw":
         return "ddp", {}
@@ -254,6 +254,9 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
     options: dict[str, Any] = dict(sync_every=every, compressor=compressor, outer_optimizer=outer)
     if outer == "sgd":
         options["outer_lr"] = 1.0
+    fragments, overlap = diloco_streaming(name)
+    if (fragments, overlap) != (1, 0):
+        options.update(fragments=fragments, overlap_steps=overlap)
     return "onebit_diloco", options
 
 
