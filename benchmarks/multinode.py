@@ -35,6 +35,8 @@ rank, ``broadcast_buffers=False``: BERT's buffers are constant position / token-
                        outer step, outer SGD lr 1): rank l of each node exchanges shard l across nodes, the new shards
                        are all-gathered in the node. Its figure is the MEAN step over a whole number of periods (the
                        median would hide the syncs): ``--steps`` is rounded up to a multiple of ``--sync-every``
+  local_steps_overlap  the same with ``--overlap-steps`` (1) inner steps running while each exchange is in flight
+                       and ``--fragments`` (1) fragments (``OnebitDiLoCoStrategy(overlap_steps=, fragments=)``)
   local_4proc          every process trains its own replica, no communication (compute reference under the same
                        4-process load on this host's cores: the no-communication floor)
 
@@ -90,7 +92,7 @@ from benchmarks import netns
 from benchmarks.common import ROOT, argument_parser, module_command
 
 METHODS = ("ddp_fp32", "onebit_flat", "onebit_hierarchical", "fsdp_adamw", "fsdp_onebit", "fsdp_onebit_overlap",
-           "ddp_powersgd", "local_steps", "local_4proc")
+           "ddp_powersgd", "local_steps", "local_steps_overlap", "local_4proc")
 FSDP_METHODS = ("fsdp_adamw", "fsdp_onebit", "fsdp_onebit_overlap")
 FSDP_ONEBIT = ("fsdp_onebit", "fsdp_onebit_overlap")
 ONEBIT_MODES = {"onebit_flat": "flat", "onebit_hierarchical": "hierarchical"}
@@ -118,7 +120,7 @@ METHOD_FORMULA = dict(ddp_fp32="fp32_ring", onebit_flat="onebit_flat", onebit_hi
                       fsdp_adamw="fp32_hierarchical", fsdp_onebit="onebit_hierarchical",
                       fsdp_onebit_overlap="onebit_hierarchical")
 #: the methods whose step time is the mean over the timed steps (their communication is not the same every step)
-MEAN_METHODS = ("local_steps",)
+MEAN_METHODS = ("local_steps", "local_steps_overlap")
 
 
 def formula_table(n: int) -> list[dict[str, Any]]:
@@ -263,8 +265,9 @@ def _worker(args: argparse.Namespace) -> None:
             model.register_comm_hook(state, ordered_powersgd_hook)
             opt = make_adamw(model.parameters(), cfg)
             steps(model, opt, batches, W)
-        elif method == "local_steps":
-            opt, extra["local_steps"] = _local_steps(model, cfg, node_rank, local_rank, args.sync_every)
+        elif method in MEAN_METHODS:
+            streaming = (args.fragments, args.overlap_steps) if method == "local_steps_overlap" else (1, 0)
+            opt, extra["local_steps"] = _local_steps(model, cfg, node_rank, local_rank, args.sync_every, *streaming)
             model = opt.model
             meter = lambda opt=opt: dict(  # noqa: E731
                 optimizer=_counter_dict(opt.outer.communication), hook=dict(bytes_sent_inter_node=0.0))
@@ -285,7 +288,7 @@ def _worker(args: argparse.Namespace) -> None:
         warmed = W if method in ONEBIT_MODES or method in FSDP_ONEBIT else 0
         log(f"{method}: {warmed} warmup + {U} untimed steps done "
             f"({time.perf_counter() - started:.0f} s); timing {N} steps")
-        timed_steps = -(-N // args.sync_every) * args.sync_every if method == "local_steps" else N
+        timed_steps = -(-N // args.sync_every) * args.sync_every if method in MEAN_METHODS else N
         with windows(method) as info:
             timed = steps(model, opt, batches, timed_steps, meter, before_backward)
             info["median_step_s_rank0"] = statistics.median(timed["times_s"])
@@ -307,42 +310,45 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 class _LocalSteps:
-    """The inner AdamW (on a DDP over the node) and the outer step every ``sync_every`` inner steps, as
+    """The inner AdamW (on a DDP over the node) and the streaming outer step after every inner step, as
     ``OnebitDiLoCoStrategy.optimizer_step`` runs them; ``step`` and ``zero_grad`` as an optimizer's."""
 
-    def __init__(self, model: Any, inner: Any, outer: Any, sync_every: int) -> None:
-        self.model, self.inner, self.outer, self.sync_every, self.inner_steps = model, inner, outer, sync_every, 0
+    def __init__(self, model: Any, inner: Any, outer: Any) -> None:
+        self.model, self.inner, self.outer, self.inner_steps = model, inner, outer, 0
 
     def step(self) -> None:
         self.inner.step()
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            self.outer.sync()
+        self.outer.after_inner_step(self.inner_steps)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
 
-def _local_steps(model: Any, cfg: Any, node_rank: int, local_rank: int, sync_every: int
-                 ) -> tuple[_LocalSteps, dict[str, Any]]:
-    """``onebit_diloco``'s parts with its defaults over this host's 2 simulated nodes (see the module docstring)."""
+def _local_steps(model: Any, cfg: Any, node_rank: int, local_rank: int, sync_every: int, fragments: int = 1,
+                 overlap_steps: int = 0) -> tuple[_LocalSteps, dict[str, Any]]:
+    """``onebit_diloco``'s parts with its defaults (but streaming's) over this host's 2 simulated nodes (see the module
+    docstring)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from benchmarks.slow_link import make_adamw
     from lightning_onebit import Topology
     from lightning_onebit.comm.outer import make_outer_compressor
-    from lightning_onebit.optim.outer_step import OuterStep
+    from lightning_onebit.optim.streaming import StreamingOuterStep
     from lightning_onebit.strategy.local_steps import DEFAULTS, OUTER_LR
 
     topo = Topology.build(node_rank=node_rank, local_rank=local_rank, mode="hierarchical")
     params = [p for p in model.parameters() if p.requires_grad]
-    outer = OuterStep(params, make_outer_compressor(DEFAULTS.compressor, topo.inter_group), DEFAULTS.outer_optimizer,
-                      OUTER_LR[DEFAULTS.outer_optimizer], DEFAULTS.outer_momentum, shard_group=topo.intra_group,
-                      bucket_numel=int(DEFAULTS.bucket_cap_mb * 2**20) // 4)
+    outer = StreamingOuterStep.build(
+        params, lambda: make_outer_compressor(DEFAULTS.compressor, topo.inter_group), fragments=fragments,
+        sync_every=sync_every, overlap_steps=overlap_steps, bucket_cap_mb=DEFAULTS.bucket_cap_mb,
+        optimizer=DEFAULTS.outer_optimizer, lr=OUTER_LR[DEFAULTS.outer_optimizer], momentum=DEFAULTS.outer_momentum,
+        shard_group=topo.intra_group)
     ddp = DDP(model, process_group=topo.intra_group, broadcast_buffers=False)
-    info = dict(sync_every=sync_every, compressor=DEFAULTS.compressor, outer_optimizer=DEFAULTS.outer_optimizer,
-                exchange=type(outer.compressor).__name__)
-    return _LocalSteps(ddp, make_adamw(ddp.parameters(), cfg), outer, sync_every), info
+    info = dict(sync_every=sync_every, fragments=fragments, overlap_steps=overlap_steps,
+                compressor=DEFAULTS.compressor, outer_optimizer=DEFAULTS.outer_optimizer,
+                exchange=type(outer.fragments[0].compressor).__name__)
+    return _LocalSteps(ddp, make_adamw(ddp.parameters(), cfg), outer), info
 
 
 def _fsdp_method(method: str, model: Any, node_rank: int, local_rank: int, warmup: int
@@ -407,8 +413,8 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 def _worker_args(args: argparse.Namespace, sync_dir: str) -> list[str]:
     out = ["--sync-dir", sync_dir, "--parent-pid", str(os.getpid())]
-    for flag in (*MODEL_FLAGS, "warmup_steps", "steps", "untimed", "sync_every", "calibration_barriers",
-                 "collective_timeout"):
+    for flag in (*MODEL_FLAGS, "warmup_steps", "steps", "untimed", "sync_every", "fragments", "overlap_steps",
+                 "calibration_barriers", "collective_timeout"):
         value = getattr(args, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]
@@ -492,13 +498,13 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         if method == "ddp_fp32":
             counters = [float(ring_allreduce_bytes(n_params, 4, world))] * NODES
             source = "analytic: gloo ring allreduce, one rank per node sends 2(P-1)/P 4N off the node"
-        elif method in ONEBIT_MODES or method in FSDP_METHODS or method == "local_steps":
+        elif method in ONEBIT_MODES or method in FSDP_METHODS or method in MEAN_METHODS:
             counters = [0.0] * NODES
             for r in per_rank:
                 c = r["methods"][method]["counters"]
                 counters[r["node_rank"]] += (c["optimizer"].get("bytes_sent_inter_node", 0.0)
                                              + c["hook"]["bytes_sent_inter_node"]) / steps
-            source = ("measured: OnebitAdam.communication (local_steps: OuterStep.communication) + the warmup hook's "
+            source = ("measured: OnebitAdam.communication (local steps: the outer step's) + the warmup hook's "
                       "counters (GradientSyncState, or ReplicaAllReduceState under FSDP), bytes_sent_inter_node; "
                       "FSDP's intra-node traffic uncounted")
         elif method == "ddp_powersgd":
@@ -537,7 +543,7 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             agree_within_10pct=None if worst is None else abs(worst) <= 0.10,
             formula=METHOD_FORMULA.get(method),
             formula_bytes_per_node=(formulas[METHOD_FORMULA[method]] if method in METHOD_FORMULA
-                                    else formulas["onebit_hierarchical"] / args.sync_every if method == "local_steps"
+                                    else formulas["onebit_hierarchical"] / args.sync_every if method in MEAN_METHODS
                                     else 0.0),
             nodes=nodes,
             final_loss=[r["methods"][method]["losses"][-1] for r in per_rank],
@@ -580,13 +586,13 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
           f"per step; 'veth tc' = tbf qdisc Sent bytes (IP packets, headers per segment), 'veth tx' = link tx bytes.")
     print("  counters: ddp_fp32 analytic (ring allreduce); onebit_* and fsdp_* measured bytes_sent_inter_node, summed "
           "per node; diff = veth tc / counters - 1, worst node")
-    if "local_steps" in rows and "local_4proc" in rows:
-        local = rows["local_steps"]["mean_step_s"]
+    for method in (m for m in MEAN_METHODS if m in rows and "local_4proc" in rows):
+        local = rows[method]["mean_step_s"]
         floor = rows["local_4proc"]["mean_step_s"]
         others = ", ".join(f"{name} {rows[name]['mean_step_s']:.3f} s" for name in ("ddp_powersgd",
                                                                                     "onebit_hierarchical", "ddp_fp32")
                            if name in rows)
-        print(f"  means of the timed steps: local_steps (an outer sync every {args.sync_every}) {local:.3f} s, "
+        print(f"  means of the timed steps: {method} (an outer sync every {args.sync_every}) {local:.3f} s, "
               f"{local / floor:.2f}x the no-communication floor (local_4proc, {floor:.3f} s)"
               + (f"; {others}" if others else ""))
     for name in FSDP_ONEBIT:
@@ -630,6 +636,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--untimed", type=int, default=2, help="untimed steps before the timed ones (default 2)")
     parser.add_argument("--sync-every", type=int, default=8,
                         help="local_steps: inner steps per outer sync (default 8, onebit_diloco's)")
+    parser.add_argument("--fragments", type=int, default=1, help="local_steps_overlap: fragments (default 1)")
+    parser.add_argument("--overlap-steps", type=int, default=1,
+                        help="local_steps_overlap: inner steps overlapping each exchange (default 1)")
     parser.add_argument("--calibration-barriers", type=int, default=20,
                         help="bare barriers in the calibration window that measures a barrier's bytes (default 20)")
     parser.add_argument("--burst", default=netns.BURST, help=f"tbf burst (default {netns.BURST})")
@@ -667,8 +676,8 @@ def main() -> None:
 
     started = time.perf_counter()
     cfg = dict(model_config_of(args),  # the --model preset's layers and vocabulary, unless given
-               **{k: getattr(args, k) for k in ("warmup_steps", "steps", "untimed", "sync_every",
-                                                "calibration_barriers")})
+               **{k: getattr(args, k) for k in ("warmup_steps", "steps", "untimed", "sync_every", "fragments",
+                                                "overlap_steps", "calibration_barriers")})
     payload: dict[str, Any] = dict(
         args={k: v for k, v in vars(args).items() if k not in ("worker", "sync_dir", "parent_pid")},
         config=dict(cfg, methods=list(args.methods)),

@@ -1047,6 +1047,7 @@ def defaults_sweep_table() -> str:
 LOCAL_STEPS_LINK = "multinode_local_steps"
 _LINK_METHODS = {"ddp_fp32": "AdamW-DDP (fp32)", "ddp_powersgd": "DDP + PowerSGD r4",
                  "onebit_hierarchical": "1-bit Adam (hierarchical)", "local_steps": "local steps (`onebit_diloco`)",
+                 "local_steps_overlap": "local steps, overlapped",
                  "local_4proc": "no communication (the floor)"}
 
 
@@ -1071,13 +1072,18 @@ def local_steps_link_table() -> str:
                          f"{row['veth_bytes_per_node'] / 1e6:.3f}"])
     return (
         f"Two simulated nodes of 2 ranks each (`python -m benchmarks.multinode --rates 200mbit,1gbit --methods "
-        f"{' '.join(config['methods'])} --sync-every {config['sync_every']}`: two network namespaces joined by a veth "
+        f"{' '.join(config['methods'])} --sync-every {config['sync_every']}"
+        + (f" --overlap-steps {config['overlap_steps']} --fragments {config['fragments']}"
+           if "local_steps_overlap" in config["methods"] else "")
+        + "`: two network namespaces joined by a veth "
         f"pair shaped at the rate; the BERT of `benchmarks.slow_link`, {data['model']['params'] / 1e6:.1f}M "
         f"parameters, batch {config['batch']} x {config['seq']} per rank), {config['steps']} timed steps per method "
         f"({-(-config['steps'] // config['sync_every']) * config['sync_every']} for local steps: whole periods), each "
         "step the slowest rank's. Local steps: DDP "
         "inside the node, the 1-bit outer step across nodes every "
-        f"{config['sync_every']} steps, outer SGD (the strategy's defaults); its mean includes the sync. The "
+        f"{config['sync_every']} steps, outer SGD (the strategy's defaults); its mean includes the sync"
+        + (f"; overlapped: `overlap_steps={config['overlap_steps']}`, `fragments={config['fragments']}`"
+           if "local_steps_overlap" in config["methods"] else "") + ". The "
         "floor: every process trains alone. One host: 4 processes on 2 cores, so the in-node work is CPU-bound "
         "here.\n\n"
         + _table(["link", "method", "mean step (s)", "median step (s)", "mean / floor's mean", "MB leaving a node per "
@@ -1161,7 +1167,8 @@ def local_steps_table() -> str:
         "the run in plain allreduce, `onebit_adam@auto` 1-bit Adam with the library's defaults, `diloco_C@H` "
         "`onebit_diloco` with compressor C and an outer step every H inner steps (`bert_diloco.yaml`: 2 replicas of "
         "one rank, inner AdamW, outer Nesterov lr 0.7 momentum 0.9), `diloco_C_sgd@H` the same with the outer step "
-        "without momentum at lr 1 (`diloco_none_sgd@H`: plain model averaging). Accuracy at the last step (for local "
+        "without momentum at lr 1 (`diloco_none_sgd@H`: plain model averaging; a suffix `fF` streams F fragments, "
+        "`oT` overlaps T inner steps with each exchange). Accuracy at the last step (for local "
         "steps on the outer model of the last sync before it: 620 is not a multiple of 32 or 8), its difference in "
         "points to the same seed's AdamW-DDP; bytes per rank over the whole run, counted on the ring model of "
         "`lightning_onebit.comm.accounting` (the strategies' and hooks' own counters), the same task's AdamW-DDP "

@@ -232,9 +232,9 @@ class OnebitDiLoCoStrategy(DDPStrategy):
                                            ranks_per_node=self.ranks_per_node, timeout=self._timeout)
             self._run_id, self._save_index = agree_run_id(self.global_rank), 0
             rank_zero_info(f"onebit_diloco: {replicas} replicas x {per_replica} rank(s); outer step every "
-                           f"{self.sync_every} inner steps in {self.fragments} fragment(s), {self.overlap_steps} "
-                           f"overlapped, compressor {self.compression.kind!r}, outer {self.outer_optimizer} lr "
-                           f"{self.outer_lr:g}")
+                           f"{self.sync_every} inner steps, compressor {self.compression.kind!r}, outer "
+                           f"{self.outer_optimizer} lr {self.outer_lr:g}; {self.fragments} fragment(s), "
+                           f"overlap_steps={self.overlap_steps}")
         super().setup(trainer)
 
     @property
@@ -279,8 +279,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         self.outer_step = StreamingOuterStep.build(
             [p for p in module.parameters() if p.requires_grad],
             lambda: make_outer_compressor(self.compression, self.replica_group), fragments=self.fragments,
-            sync_every=self.sync_every, overlap_steps=self.overlap_steps, optimizer=self.outer_optimizer,
-            lr=self.outer_lr, momentum=self.outer_momentum, shard_group=self.node_group, bucket_cap_mb=self.bucket_cap_mb)
+            sync_every=self.sync_every, overlap_steps=self.overlap_steps, bucket_cap_mb=self.bucket_cap_mb,
+            optimizer=self.outer_optimizer, lr=self.outer_lr, momentum=self.outer_momentum, shard_group=self.node_group)
         self.outer_step.on_sync = self._count_sync
         self.inner_steps = 0
 
@@ -347,8 +347,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     @property
     def outer_communication(self) -> CommunicationCounters:
         """This rank's cumulative bytes of the outer syncs (this ``fit``'s and earlier ones')."""
-        live = self.outer_step.communication if self.outer_step is not None else CommunicationCounters()
-        return self._finished_outer + live
+        return self._finished_outer + (self.outer_step.communication if self.outer_step else CommunicationCounters())
 
     @property
     def communication(self) -> CommunicationCounters:
