@@ -22,8 +22,12 @@ Runs (``--runs``), the names of ``benchmarks.freeze_sweep``:
 
 * ``adamw``: ``strategy="ddp"``, ``torch.optim.AdamW``; bytes from ``CommunicationMonitor`` (an fp32 ring allreduce of
   the gradients at every step);
+* ``ddp_bf16``, ``ddp_powersgd_rR@F``: ``adamw`` with DDP's gradient average by torch's ``bf16_compress_hook`` or its
+  PowerSGD of rank ``R`` after ``F`` of 320 steps of vanilla allreduce (``benchmarks.comm_hooks.CountedDDPStrategy``,
+  registered on CPU too, counted);
 * ``onebit_adam@auto``: ``strategy="onebit_adam"``, ``OnebitAdam(freeze_step="auto")`` with the library's defaults;
-  bytes: its warmup's and its compressed stage's counters;
+  bytes: its warmup's and its compressed stage's counters; ``zeroone_adam``: the same strategy with
+  ``ZeroOneAdam`` and its defaults;
 * ``diloco_C@H`` / ``diloco_C_sgd@H``: ``OnebitDiLoCoStrategy(ranks_per_node=1, sync_every=H, compressor=C)`` (2
   replicas of one rank, inner AdamW as ``adamw``; ``_sgd``: ``outer_optimizer="sgd", outer_lr=1``); bytes: the
   strategy's counters;
@@ -164,6 +168,10 @@ def _lightning_parts():  # noqa: ANN202  (classes built on first use: this modul
 
                 optimizer = OnebitAdam(self.parameters(), lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                        freeze_step="auto")
+            elif hp.optimizer == "zeroone_adam":
+                from lightning_onebit import ZeroOneAdam
+
+                optimizer = ZeroOneAdam(self.parameters(), lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.1)
             else:
                 optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, betas=(0.9, 0.95), weight_decay=0.1)
             warmup = max(1, hp.warmup)
@@ -235,10 +243,16 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
     """``(kind, options)`` of a run name: ``("ddp", {})`` for ``adamw``, ``("onebit_adam", {})`` for
     ``onebit_adam@auto``, ``("onebit_diloco", {sync_every, compressor, outer_optimizer[, outer_lr]})`` for
     ``diloco_C@H`` and ``diloco_C_sgd@H``; ``ValueError`` for any other."""
-    from benchmarks.freeze_sweep import diloco_run, diloco_streaming
+    from benchmarks.freeze_sweep import ddp_exchange, diloco_run, diloco_streaming
 
     if name == "adamw":
         return "ddp", {}
+    if name == "zeroone_adam":
+        return "zeroone_adam", {}
+    ddp = ddp_exchange(name) if name.startswith("ddp_") else None
+    if ddp is not None:
+        kind, rank, share = ddp
+        return "ddp_hook", dict(gradient_exchange=kind, powersgd_rank=rank or 4, vanilla_share=share or 0.0)
     if name.startswith("torchft_diloco@"):
         every = name.partition("@")[2]
         if not every.isdigit() or int(every) < 1:
@@ -248,8 +262,8 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
         return "onebit_adam", {}
     diloco = diloco_run(name) if name.startswith("diloco") else None
     if diloco is None:
-        raise ValueError(f"unknown LM run {name!r}: adamw, onebit_adam@auto, diloco_C@H, diloco_C_sgd@H or "
-                         "torchft_diloco@H")
+        raise ValueError(f"unknown LM run {name!r}: adamw, ddp_bf16, ddp_powersgd_rR@F, onebit_adam@auto, "
+                         "zeroone_adam, diloco_C@H, diloco_C_sgd@H or torchft_diloco@H")
     compressor, every, outer = diloco
     options: dict[str, Any] = dict(sync_every=every, compressor=compressor, outer_optimizer=outer)
     if outer == "sgd":
@@ -276,13 +290,19 @@ def order_lm_runs(names: set[str]) -> list[str]:
     return order_runs(names - torchft) + sorted(torchft, key=lambda n: parse_lm_run(n)[1]["sync_every"])
 
 
-def _strategy(kind: str, options: dict[str, Any]) -> Any:
+def _strategy(kind: str, options: dict[str, Any], steps: int) -> Any:
     if kind == "ddp":
         return "ddp"
-    if kind == "onebit_adam":
+    if kind in ("onebit_adam", "zeroone_adam"):
         from lightning_onebit import OnebitStrategy
 
         return OnebitStrategy()
+    if kind == "ddp_hook":
+        from benchmarks.comm_hooks import CountedDDPStrategy
+        from benchmarks.freeze_sweep import powersgd_start_of
+
+        return CountedDDPStrategy(options["gradient_exchange"], options["powersgd_rank"],
+                                  powersgd_start_of(options["vanilla_share"], steps))
     from lightning_onebit import OnebitDiLoCoStrategy
 
     return OnebitDiLoCoStrategy(ranks_per_node=1, **options)
@@ -292,9 +312,12 @@ def counted_bytes(trainer: Any, monitor: Any) -> dict[str, Any]:
     """This rank's whole-run bytes, counted as ``examples/bert_finetune.py`` counts them: the 1-bit strategies'
     warmup and compression counters, ``onebit_diloco``'s own counters, DDP's by ``monitor``
     (``CommunicationMonitor``)."""
+    from benchmarks.comm_hooks import CountedDDPStrategy
     from lightning_onebit import OnebitDiLoCoStrategy, OnebitStrategy
 
     strategy = trainer.strategy
+    if isinstance(strategy, CountedDDPStrategy):
+        return dict(bytes_sent=strategy.communication.bytes_sent)
     if isinstance(strategy, OnebitStrategy):
         warm, comp = strategy.warmup_communication, strategy.onebit_optimizer.communication
         optimizer = strategy.onebit_optimizer
@@ -427,7 +450,7 @@ def one_run(config: dict[str, Any]) -> None:
     L.seed_everything(config["seed"], workers=True)
     model = TinyGPT(layers=config["layers"], width=config["width"], heads=config["heads"], context=config["context"],
                     lr=config["lr"], warmup=config["warmup"],
-                    optimizer="onebit_adam" if kind == "onebit_adam" else "adamw")
+                    optimizer=kind if kind in ("onebit_adam", "zeroone_adam") else "adamw")
     data = StdlibData(train, val, config["context"], config["batch_size"], config["steps"], config["val_windows"],
                       config["seed"])
     monitor = CommunicationMonitor(prog_bar=False, advise=False)
@@ -446,7 +469,8 @@ def one_run(config: dict[str, Any]) -> None:
                 validations.append(dict(step=trainer.global_step,
                                         val_loss=round(float(trainer.callback_metrics["val_loss"]), 6)))
 
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(kind, options), max_steps=config["steps"],
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(kind, options, config["steps"]),
+                        max_steps=config["steps"],
                         val_check_interval=config["val_every"], check_val_every_n_epoch=None,
                         callbacks=[monitor, Record()], use_distributed_sampler=False, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

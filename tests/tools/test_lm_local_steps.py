@@ -99,12 +99,17 @@ def test_every_rank_trains_on_its_own_windows_the_same_for_every_method_of_a_see
     ("onebit_adam@auto", "onebit_adam", {}),
     ("diloco_topk@32", "onebit_diloco", dict(sync_every=32, compressor="topk", outer_optimizer="nesterov")),
     ("diloco_none_sgd@8", "onebit_diloco", dict(sync_every=8, compressor="none", outer_optimizer="sgd", outer_lr=1.0)),
+    ("diloco_onebit_sgd@8f4o1", "onebit_diloco", dict(sync_every=8, compressor="onebit", outer_optimizer="sgd",
+                                                      outer_lr=1.0, fragments=4, overlap_steps=1)),
+    ("zeroone_adam", "zeroone_adam", {}),
+    ("ddp_bf16", "ddp_hook", dict(gradient_exchange="bf16", powersgd_rank=4, vanilla_share=0.0)),
+    ("ddp_powersgd_r1@0.1", "ddp_hook", dict(gradient_exchange="powersgd", powersgd_rank=1, vanilla_share=0.1)),
 ])
 def test_lm_run_names(name, kind, options):
     assert lm.parse_lm_run(name) == (kind, options)
 
 
-@pytest.mark.parametrize("name", ["onebit_adam@0.25", "ddp_bf16", "diloco_none", "lamb_uncompressed"])
+@pytest.mark.parametrize("name", ["onebit_adam@0.25", "ddp_powersgd_r4", "diloco_none", "lamb_uncompressed"])
 def test_lm_refuses_runs_it_does_not_make(name):
     with pytest.raises(ValueError):
         lm.parse_lm_run(name)
@@ -144,6 +149,15 @@ def test_a_short_local_steps_run_counts_its_outer_syncs(tmp_path):
     assert record["bytes_fp32_equivalent"] == 8 * ring_allreduce_bytes(n, 4, 2)
     assert [v["step"] for v in record["validations"]] == [4, 8] and record["val_loss"] < 6.0  # ln 256 = 5.55
     assert record["tokens"] == 8 * 2 * 2 * 16 and record["settings"] == settings
+
+
+def test_a_short_ddp_bf16_run_counts_the_hooks_bytes(tmp_path):
+    """``ddp_bf16``, 4 steps: the bf16 hook's counted bytes, half of the fp32 ring allreduce's at every step."""
+    settings = dict(steps=4, batch_size=2, context=16, layers=1, width=16, heads=2, lr=1e-3, warmup=2, val_windows=4,
+                    val_every=4)
+    record = lm.run_one("ddp_bf16", 0, settings, tmp_path)
+    assert record["strategy"] == "CountedDDPStrategy" and record["steps"] == 4
+    assert record["bytes_sent"] == 4 * ring_allreduce_bytes(record["trainable_parameters"], 2, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
