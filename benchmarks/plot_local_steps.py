@@ -1,13 +1,15 @@
-"""Plot issue 46's measurements to results/local_steps.png: accuracy (the example from scratch) and validation loss
-(the byte-level GPT) against whole-run bytes per rank, log scale, every method and seed, AdamW-DDP marked. It re-plots
-the results files only (``results/local_steps_sweep.json`` with the reference runs ``result_tables`` completes it
-with, and ``results/lm_local_steps.json``); it runs nothing.
+"""Plot issue 46's measurements to results/local_steps.png: accuracy (the example from scratch, and the fine-tuning
+tasks where measured) and validation loss (the byte-level GPT) against whole-run bytes per rank, log scale, a panel
+per task, every method and seed, AdamW-DDP marked. It re-plots the results files only
+(``results/local_steps_sweep.json`` with the reference runs ``result_tables`` completes it with, and
+``results/lm_local_steps.json``); it runs nothing.
 
     python -m benchmarks.plot_local_steps
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,7 +19,9 @@ from benchmarks.common import RESULTS_DIR, argument_parser
 FAMILIES = (
     (lambda n: n == "adamw", "AdamW-DDP", "black", "*"),
     (lambda n: n.startswith("ddp_powersgd"), "DDP + PowerSGD", "tab:purple", "v"),
+    (lambda n: n == "ddp_bf16", "DDP + bf16", "tab:olive", "<"),
     (lambda n: n.startswith("onebit_adam"), "1-bit Adam (auto)", "tab:blue", "s"),
+    (lambda n: n.startswith("zeroone_adam"), "0/1 Adam", "tab:cyan", "h"),
     (lambda n: n.startswith("torchft"), "torchft DiLoCo (fp32)", "tab:brown", "X"),
     (lambda n: n.startswith("diloco_none"), "onebit_diloco, none (fp32)", "tab:red", "o"),
     (lambda n: n.startswith("diloco_bf16"), "onebit_diloco, bf16", "tab:pink", "o"),
@@ -46,8 +50,8 @@ def _panel(ax: Any, pts: list[dict[str, Any]], ylabel: str, title: str, percent:
     for p in sorted(pts, key=lambda p: (p["run"], p["seed"])):
         label, colour, marker = family_of(p["run"])
         adamw = p["run"] == "adamw"
-        # local steps: hollow at a period of 8, filled at 32 and longer; seeds share a colour
-        hollow = p["run"].endswith("@8")
+        # local steps: hollow at a period of 8 (streamed or not), filled at others; seeds share a colour
+        hollow = re.search(r"@8(f[0-9]+)?(o[0-9]+)?$", p["run"]) is not None
         ax.scatter([p["bytes"]], [100 * p["value"] if percent else p["value"]], marker=marker,
                    s=220 if adamw else 55, facecolor="none" if hollow else colour, edgecolor=colour, linewidth=1.3,
                    zorder=5 if adamw else 3, label=None if label in seen else label)
@@ -63,19 +67,25 @@ def _panel(ax: Any, pts: list[dict[str, Any]], ylabel: str, title: str, percent:
 
 
 def plot(synthetic: Optional[dict[str, Any]], lm: Optional[dict[str, Any]], path: Path) -> Path:
-    """Both panels (a missing results file leaves its panel out) to ``path``, 830 px wide."""
+    """A panel per task measured (a missing results file leaves its panels out) to ``path``, 830 px wide."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in ((synthetic, "val_acc", "validation accuracy (%)", "the example from scratch (synthetic "
-                          "reviews, 620 steps): every seed", True),
-                          (lm, "val_loss", "validation loss (nats per byte)", "byte-level GPT on the standard "
-                          "library (320 steps, equal tokens): every seed", False)) if p[0] is not None]
+    titles = {"synthetic": "the example from scratch (synthetic reviews, 620 steps)",
+              "mail": "the mail corpus (pretrained MiniLM, 600 steps)", "agnews": "AG News (pretrained MiniLM, 600 steps)"}
+    panels = []
+    for task, title in titles.items():
+        runs = {k: r for k, r in (synthetic or {}).get("runs", {}).items() if r.get("task") == task}
+        if runs:
+            panels.append((runs, "val_acc", "validation accuracy (%)", f"{title}: every seed", True))
+    if lm is not None:
+        panels.append((lm["runs"], "val_loss", "validation loss (nats per byte)", "byte-level GPT on the standard "
+                       "library (320 steps, equal tokens): every seed", False))
     fig, axes = plt.subplots(len(panels), 1, figsize=(8.3, 3.6 * len(panels)), dpi=100, squeeze=False)
-    for ax, (results, value, ylabel, title, percent) in zip(axes[:, 0], panels):
-        _panel(ax, points(results["runs"], value), ylabel, title, percent)
+    for ax, (runs, value, ylabel, title, percent) in zip(axes[:, 0], panels):
+        _panel(ax, points(runs, value), ylabel, title, percent)
     fig.text(0.01, 0.003, "local steps: hollow = an outer step every 8 inner steps, filled = every 32; outer step "
              "Nesterov lr 0.7 momentum 0.9, or SGD lr 1 (plus)", fontsize=7)
     fig.tight_layout(rect=(0, 0.02, 1, 1))

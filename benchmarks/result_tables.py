@@ -1095,8 +1095,9 @@ def local_steps_link_table() -> str:
 LOCAL_STEPS = "local_steps_sweep"
 LM_LOCAL_STEPS = "lm_local_steps"
 #: the runs of other sweeps shown beside the local-steps runs, with the same settings (the same harness and seeds)
-LOCAL_STEPS_REFERENCES = (WARMUP_SWEEP, FREEZE_CAPPED)
-_REFERENCE_RUN = re.compile(r"adamw|ddp_powersgd_r[0-9]+@[0-9.]+|onebit_adam@auto")
+LOCAL_STEPS_REFERENCES = (WARMUP_SWEEP, FREEZE_CAPPED, DEFAULTS_SWEEP)
+_REFERENCE_RUN = re.compile(r"adamw|ddp_bf16|ddp_powersgd_r[0-9]+@[0-9.]+|onebit_adam@auto(\+powersgd4)?"
+                            r"|zeroone_adam(\+powersgd4)?")
 
 
 def local_steps_runs() -> dict[str, Any]:
