@@ -110,6 +110,7 @@ class Regressor(pl.LightningModule):
         data_seed: Optional[int] = None,
         unused_layer: bool = False,
         frozen_layer: bool = False,
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
@@ -123,6 +124,7 @@ class Regressor(pl.LightningModule):
         self.freeze_step = freeze_step
         self.weight_decay = weight_decay
         self.betas = betas
+        self.eps = eps
         self.optimizer_kind = optimizer
         self.lr_lambda_zero_from = lr_lambda_zero_from
         self.inf_at_step = inf_at_step
@@ -154,7 +156,7 @@ class Regressor(pl.LightningModule):
                 params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, freeze_step=self.freeze_step
             )
         else:
-            opt = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+            opt = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         if self.lr_lambda_zero_from is None:
             return opt
         zero_from = self.lr_lambda_zero_from

@@ -99,10 +99,10 @@ def _fit(rank: int, world_size: int, workdir: str, *, per_replica: int, accumula
          precision: Optional[str] = None, fp16: bool = False, clip: Optional[tuple[str, float]] = None,
          inf_at_step: Optional[int] = None, inf_rank: int = 1, compressor: str = "onebit",
          data_follow_the_step: bool = False, callbacks: Optional[list] = None,
-         ckpt_path: Optional[str] = None) -> dict[str, Any]:
+         ckpt_path: Optional[str] = None, eps: float = 1e-8) -> dict[str, Any]:
     strategy = OnebitDiLoCoStrategy(sync_every=SYNC_EVERY, compressor=compressor, ranks_per_node=per_replica)
     model = GradientRegressor(optimizer="adamw", seed=rank, inf_at_step=inf_at_step, inf_rank=inf_rank,
-                              data_seed=7 + rank if data_follow_the_step else None)
+                              data_seed=7 + rank if data_follow_the_step else None, eps=eps)
     extra: dict[str, Any] = {"accumulate_grad_batches": accumulate, "limit_val_batches": 0,
                              "enable_checkpointing": bool(callbacks)}
     if precision is not None:
@@ -199,6 +199,8 @@ def _scenarios(per_replica: int) -> tuple:
             ("clip_norm_fp16", partial(fit, fp16=True, clip=("norm", CLIP_NORM))),
             ("fp16_resume", partial(_fp16_resume, per_replica=per_replica)),
             ("bf16_true", partial(fit, precision="bf16-true")),
+            # AdamW's eps 1e-8 is 0 in fp16 (a zero second moment then divides by zero): 1e-4, as fp16 Adam takes
+            ("fp16_true", partial(fit, precision="16-true", eps=1e-4)),
             ("diverged", partial(_diverged_replica, per_replica=per_replica)))
 
 
@@ -212,10 +214,11 @@ def sessions(tmp_path_factory) -> dict[int, list[dict]]:
 
 
 # ======================================================================================== tests
-FITS = ["bf16", "bf16_none", "fp16_skip", "accumulate", "clip_norm", "clip_value", "clip_norm_fp16", "bf16_true"]
+FITS = ["bf16", "bf16_none", "fp16_skip", "accumulate", "clip_norm", "clip_value", "clip_norm_fp16", "bf16_true",
+        "fp16_true"]
 CASES = [(world_size, name) for world_size in SCENARIOS for name in FITS]
-#: the fits whose parameters are fp32 (mixed precision keeps fp32 master weights; bf16-true has none)
-FP32_CASES = [(world_size, name) for world_size, name in CASES if name != "bf16_true"]
+#: the fits whose parameters are fp32 (mixed precision keeps fp32 master weights; bf16-true and 16-true have none)
+FP32_CASES = [(world_size, name) for world_size, name in CASES if name not in ("bf16_true", "fp16_true")]
 
 
 def _replicas(results: list[dict], per_replica: int) -> list[list[dict]]:
@@ -269,15 +272,17 @@ def test_the_outer_step_stays_fp32_and_outside_autocast(sessions, world_size, na
 
 
 @pytest.mark.parametrize("world_size", list(SCENARIOS))
-def test_under_bf16_true_the_outer_step_and_its_exchange_are_bf16(sessions, world_size):
-    """bf16-true has no fp32 copy of the parameters: the outer parameters and the exchanged pseudo-gradient are bf16,
-    as the model is (the outer step keeps what the model holds)."""
-    for result in scenario_results(sessions[world_size], "bf16_true"):
+@pytest.mark.parametrize("name, dtype", [("bf16_true", torch.bfloat16), ("fp16_true", torch.float16)])
+def test_under_true_half_precision_the_outer_step_and_its_exchange_are_in_the_models_dtype(sessions, world_size, name,
+                                                                                          dtype):
+    """bf16-true and 16-true have no fp32 copy of the parameters: the outer parameters and the exchanged
+    pseudo-gradient are in the model's dtype (the outer step keeps what the model holds)."""
+    for result in scenario_results(sessions[world_size], name):
         for step in result["steps"]:
-            assert step["param_dtypes"] == step["outer_dtypes"] == {torch.bfloat16}
+            assert step["param_dtypes"] == step["outer_dtypes"] == {dtype}
         assert len(result["exchanges"]) == len(result["syncs"]) == len(SYNCED_AT) + 1
         for exchange in result["exchanges"]:
-            assert exchange["dtypes"] == {torch.bfloat16}
+            assert exchange["dtypes"] == {dtype}
 
 
 @pytest.mark.parametrize("world_size", list(SCENARIOS))
