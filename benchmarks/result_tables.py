@@ -1174,8 +1174,8 @@ def local_steps_table() -> str:
         "points to the same seed's AdamW-DDP; bytes per rank over the whole run, counted on the ring model of "
         "`lightning_onebit.comm.accounting` (the strategies' and hooks' own counters), the same task's AdamW-DDP "
         "bytes over the run's (mean over seeds); bits per trainable parameter per optimizer step. `-`: not run. "
-        + (f"Copied from `results/{WARMUP_SWEEP}.json` and `results/{FREEZE_CAPPED}.json` (same harness and "
-           f"settings): {', '.join(copied)}. " if copied else "")
+        + (f"Copied from {', '.join(f'`results/{name}.json`' for name in LOCAL_STEPS_REFERENCES)} (same harness "
+           f"and settings): {', '.join(copied)}. " if copied else "")
         + f"Library {', '.join(libraries)} (`results/{LOCAL_STEPS}.json`).\n\n" + _table(header, table)
     )
     lm = _load(LM_LOCAL_STEPS)
