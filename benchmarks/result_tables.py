@@ -644,11 +644,19 @@ def _local_steps_headline(capped: dict[str, Any]) -> list[str]:
     fewer = statistics.fmean(ref["bytes_sent"] / run["bytes_sent"] for run, ref in pairs)
     losses = " / ".join(f"{100 * (run['val_loss'] / ref['val_loss'] - 1):+.1f}%" for run, ref in lm_pairs)
     lm_fewer = statistics.fmean(ref["bytes_sent"] / run["bytes_sent"] for run, ref in lm_pairs)
+    tasks = []
+    for task, label in (("mail", "mail"), ("agnews", "AG News")):  # the fine-tuning tasks, where both seeds ran
+        task_pairs = [(example.get(f"{task}/{name}/{s}"), capped.get(f"{task}/adamw/{s}")) for s in (0, 1)]
+        if all(a and b for a, b in task_pairs):
+            mine = " / ".join(f"{run['val_acc']:.1%}" for run, _ in task_pairs)
+            theirs = " / ".join(f"{ref['val_acc']:.1%}" for _, ref in task_pairs)
+            tasks.append(f"{label} {mine} (AdamW-DDP {theirs})")
+    fine_tuning = f"; fine-tuning, {'; '.join(tasks)}" if tasks else ""
     return [
         f"- **Local steps** (`strategy=\"onebit_diloco\"`, its defaults: a 1-bit outer step every 8 inner AdamW "
-        f"steps): the example reaches {accs} (AdamW-DDP {refs}, seeds 0 / 1) with **{fewer:.0f}x fewer bytes**; a "
-        f"byte-level language model trained from scratch ends {losses} above AdamW-DDP's validation loss with "
-        f"{lm_fewer:.0f}x fewer bytes ([local steps](docs/guides/local-steps.md))."
+        f"steps): the example reaches {accs} (AdamW-DDP {refs}, seeds 0 / 1){fine_tuning}, with **{fewer:.0f}x fewer "
+        f"bytes**; a byte-level language model trained from scratch ends {losses} above AdamW-DDP's validation loss "
+        f"with {lm_fewer:.0f}x fewer bytes ([local steps](docs/guides/local-steps.md))."
     ]
 
 
@@ -969,22 +977,27 @@ def warmup_sweep_table() -> str:
 DEFAULTS_SWEEP = "defaults_sweep"
 #: where the same-seed references come from when the sweep itself has none (same harness, task, seed and steps; DDP's
 #: runs do not depend on the library's 1-bit code), earlier files first: later ones win
-DEFAULTS_REFERENCES = {FREEZE_CAPPED: ("adamw",), WARMUP_SWEEP: ("ddp_powersgd_r4@0.1",),
+DEFAULTS_REFERENCES = {FREEZE_CAPPED: ("adamw",),
+                       WARMUP_SWEEP: ("ddp_powersgd_r4@0.1", "ddp_powersgd_r1@0.1", "ddp_bf16"),
                        "warmup_real": ("ddp_powersgd_r4@0.1",)}
+#: the other DDP baselines, shown beside PowerSGD rank 4 (accuracy and bytes)
+DEFAULTS_BASELINES = {"DDP + bf16": "ddp_bf16", "DDP + PowerSGD r1": "ddp_powersgd_r1@0.1"}
 #: the candidate's runs: 1-bit Adam, 0/1 Adam and 1-bit LAMB with every argument at its default and the warmup
 #: averaging gradients by PowerSGD rank 4 (after 10 plain steps)
 DEFAULTS_CANDIDATE = {"1-bit Adam": "onebit_adam@auto+powersgd4", "0/1 Adam": "zeroone_adam+powersgd4",
                       "1-bit LAMB": "onebit_lamb@auto+powersgd4"}
 
 
-def _accuracy_against(run: Optional[dict[str, Any]], reference: Optional[dict[str, Any]]) -> str:
-    """``run``'s accuracy, with its difference to ``reference`` in points (none for the reference itself); ``-``
-    for a run not made."""
+def _accuracy_against(run: Optional[dict[str, Any]], reference: Optional[dict[str, Any]], bytes_too: bool = False
+                      ) -> str:
+    """``run``'s accuracy, with its difference to ``reference`` in points (none for the reference itself) and, with
+    ``bytes_too``, the reference's whole-run bytes over the run's; ``-`` for a run not made."""
     if run is None:
         return "-"
     if reference is None or run is reference:
         return f"{run['val_acc']:.2%}"
-    return f"{run['val_acc']:.2%} ({100 * (run['val_acc'] - reference['val_acc']):+.2f})"
+    fewer = f", {reference['bytes_sent'] / run['bytes_sent']:.1f}x" if bytes_too and run.get("bytes_sent") else ""
+    return f"{run['val_acc']:.2%} ({100 * (run['val_acc'] - reference['val_acc']):+.2f}{fewer})"
 
 
 def defaults_runs() -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -1002,17 +1015,19 @@ def defaults_runs() -> dict[tuple[str, str, int], dict[str, Any]]:
 
 
 def defaults_sweep_table() -> str:
-    """Per task and seed: AdamW-DDP, DDP + PowerSGD rank 4 and the candidate's runs (:data:`DEFAULTS_CANDIDATE`), with
+    """Per task and seed: AdamW-DDP, the DDP baselines (:data:`DEFAULTS_BASELINES`), DDP + PowerSGD rank 4 and the
+    candidate's runs (:data:`DEFAULTS_CANDIDATE`), each with its bytes against AdamW-DDP's, and
     the issue's test for 1-bit Adam: within 0.5 point of AdamW-DDP, at least as accurate as DDP + PowerSGD rank 4,
     and at least 1.5x fewer whole-run bytes than it."""
     runs = defaults_runs()
-    header = ["task", "seed", "AdamW-DDP", "DDP + PowerSGD r4", *DEFAULTS_CANDIDATE, "1-bit Adam: fewer bytes than "
-              "AdamW-DDP / PowerSGD r4", "issue 44's test"]
+    header = ["task", "seed", "AdamW-DDP", *DEFAULTS_BASELINES, "DDP + PowerSGD r4", *DEFAULTS_CANDIDATE,
+              "1-bit Adam: fewer bytes than AdamW-DDP / PowerSGD r4", "issue 44's test"]
     table = []
     for task in ("synthetic", "mail", "agnews"):
         for seed in (0, 1):
             adamw, powersgd = runs.get((task, "adamw", seed)), runs.get((task, "ddp_powersgd_r4@0.1", seed))
             got = {label: runs.get((task, name, seed)) for label, name in DEFAULTS_CANDIDATE.items()}
+            baselines = [runs.get((task, name, seed)) for name in DEFAULTS_BASELINES.values()]
             if not any(got.values()) and powersgd is None:
                 continue
             onebit, verdict, ratios = got["1-bit Adam"], "-", "-"
@@ -1025,8 +1040,8 @@ def defaults_sweep_table() -> str:
                     ("1.5x PowerSGD's bytes", powersgd["bytes_sent"] >= 1.5 * onebit["bytes_sent"]))
                     if not ok]
                 verdict = "met" if not failed else "not met: " + ", ".join(failed)
-            table.append([task, str(seed), *(_accuracy_against(r, adamw) for r in (adamw, powersgd, *got.values())),
-                          ratios, verdict])
+            table.append([task, str(seed), *(_accuracy_against(r, adamw, bytes_too=r is not adamw)
+                                             for r in (adamw, *baselines, powersgd, *got.values())), ratios, verdict])
     sources = sorted({f"`results/{r['source']}.json`" for r in runs.values()})
     libraries = sorted({r["library"] for r in runs.values() if r.get("library") and r["source"] == DEFAULTS_SWEEP})
     return (
@@ -1034,7 +1049,8 @@ def defaults_sweep_table() -> str:
         "ranks, 600 steps on the real tasks, 620 on the example) with every optimizer argument at its default and the "
         "warmup averaging gradients by the library's PowerSGD, rank 4 after 10 plain steps (`+powersgd4`), the "
         "default since these runs chose it (0/1 Adam's variance steps and 1-bit LAMB's warmup take it too). Accuracy at the last step, in brackets the difference to the same-seed AdamW-DDP run in "
-        "points; DDP + PowerSGD rank 4 is torch's hook after 10% of the run in plain allreduce (PyTorch's advice); "
+        "points and AdamW-DDP's whole-run bytes over the run's; DDP + PowerSGD rank R is torch's hook after 10% of "
+        "the run in plain allreduce (PyTorch's advice), DDP + bf16 torch's `bf16_compress_hook`; "
         "bytes are each rank's over the whole run. The test: within 0.5 point of AdamW-DDP, at least as accurate as "
         "DDP + PowerSGD rank 4, at least 1.5x fewer bytes than it (the example validates on 1,000 reviews: "
         "0.1 point is one review). `-`: not run yet. From "
