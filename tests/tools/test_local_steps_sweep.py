@@ -185,8 +185,8 @@ def test_local_steps_table_completes_the_sweep_with_same_settings_references(loc
                                               for line in example.splitlines() if line.startswith("| synthetic |"))}
     assert rows["`diloco_topk@32`"] == ["99.00%", "-", "-0.60 / -", "4e-06", "100.0x", "0.005"]
     assert rows["`adamw`"][:3] == ["99.60%", "-", ""]
-    assert ("Copied from `results/warmup_sweep.json` and `results/freeze_sweep_capped.json` (same harness and "
-            "settings): synthetic `adamw` seed 0." in text)
+    assert ("Copied from `results/warmup_sweep.json`, `results/freeze_sweep_capped.json`, `results/defaults_sweep.json`"
+            " (same harness and settings): synthetic `adamw` seed 0." in text)
     # the language model's table: loss per seed, percent against the same seed's AdamW-DDP
     assert "| `diloco_topk@32` | 2.5500 | +2.00 | 2e-06 | 500.0x | 0.064 |" in text
     assert "168 files of Python 3.11.7" in text

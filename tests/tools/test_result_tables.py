@@ -91,11 +91,15 @@ def test_defaults_sweep_table_applies_issue_44s_test_per_seed(tmp_path, monkeypa
         _run("mail", "ddp_powersgd_r4@0.1", 1, 0.978, bytes_sent=6.0),
         _run("mail", "onebit_adam@auto+powersgd4", 1, 0.977, bytes_sent=5.0),  # -0.8, under PowerSGD, 1.2x fewer
         _run("mail", "zeroone_adam+powersgd4", 1, 0.981, bytes_sent=1.0),
+        _run("mail", "ddp_bf16", 1, 0.986, bytes_sent=15.0),  # a baseline: accuracy and AdamW-DDP's bytes over its
     ])
     monkeypatch.setattr(result_tables, "RESULTS", tmp_path)
     rows = {cells[1]: cells[2:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
                                               for line in result_tables.defaults_sweep_table().splitlines()
                                               if line.startswith("| mail"))}
-    assert rows["0"] == ["98.00%", "97.50% (-0.50)", "98.40% (+0.40)", "-", "-", "15.0x / 3.00x", "met"]
-    assert rows["1"] == ["98.50%", "97.80% (-0.70)", "97.70% (-0.80)", "98.10% (-0.40)", "-", "6.0x / 1.20x",
+    # AdamW-DDP, DDP + bf16, DDP + PowerSGD r1 and r4, 1-bit Adam, 0/1 Adam, 1-bit LAMB, the bytes, the test
+    assert rows["0"] == ["98.00%", "-", "-", "97.50% (-0.50, 5.0x)", "98.40% (+0.40, 15.0x)", "-", "-",
+                         "15.0x / 3.00x", "met"]
+    assert rows["1"] == ["98.50%", "98.60% (+0.10, 2.0x)", "-", "97.80% (-0.70, 5.0x)", "97.70% (-0.80, 6.0x)",
+                         "98.10% (-0.40, 30.0x)", "-", "6.0x / 1.20x",
                          "not met: 0.5 point, PowerSGD's accuracy, 1.5x PowerSGD's bytes"]
