@@ -170,6 +170,20 @@ def _resume(rank: int, world_size: int, workdir: str, per_replica: int) -> dict:
             "resumed_steps": resumed["steps"]}
 
 
+def _validated(rank: int, world_size: int, workdir: str) -> dict:
+    """Validation every 4 steps, right after fragment 0's exchange started (in flight): it is finished early for the
+    validation, which must not change the training."""
+    from tests.strategy.test_local_steps import ValidatedRegressor
+
+    def fit(val: bool) -> dict:
+        recorder = OuterRecorder()
+        model = ValidatedRegressor(optimizer="adamw", seed=0, data_seed=7 + rank)
+        out = _fit(rank, world_size, workdir, max_steps=STEPS, model=model, val=val, callbacks=[recorder],
+                   sync_every=SYNC_EVERY, ranks_per_node=1, fragments=2, overlap_steps=1)
+        return dict(out, outer=recorder.outer)
+    return {"with": fit(True), "without": fit(False)}
+
+
 def _refused(rank: int, world_size: int, workdir: str, **kwargs: Any) -> dict:
     try:
         _fit(rank, world_size, workdir, max_steps=4, **kwargs)
@@ -182,6 +196,7 @@ SCENARIOS = {
     2: (("streamed_onebit", partial(_streamed, per_replica=1)),
         ("staggered_none", partial(_streamed, per_replica=1, compressor="none", overlap=0)),
         ("resume", partial(_resume, per_replica=1)),
+        ("validated", _validated),
         ("too_many_fragments", partial(_refused, sync_every=8, fragments=5, ranks_per_node=1))),
     3: (("streamed_onebit_3", partial(_streamed, per_replica=1, overlap=2)),),  # the two-phase 1-bit exchange
     4: (("streamed_topk_2x2", partial(_streamed, per_replica=2, compressor="topk")),
@@ -234,6 +249,20 @@ def test_resumed_from_a_checkpoint_saved_with_an_exchange_in_flight_is_bitwise_t
         assert torch.equal(result["full"], result["resumed"])
         for full, resumed in zip(result["full_steps"][4:], result["resumed_steps"]):
             assert torch.equal(full["params"], resumed["params"]), full["step"]
+
+
+def test_validation_sees_the_newest_outer_model_and_leaves_the_training_unchanged(sessions):
+    results = scenario_results(sessions[2], "validated")
+    for result in results:
+        assert torch.equal(result["with"]["final"], result["without"]["final"])  # bit for bit
+        validated = result["with"]["validated"]
+        assert len(validated) == 2  # after steps 4 and 8, with fragment 0's exchange in flight each time
+        for at, seen in zip((4, 8), validated):
+            # the outer model after fragment 0's exchange started after step `at` and was finished for validation:
+            # the outer values recorded after step `at + 1` (the rebase's step; no exchange finished in between)
+            assert torch.equal(seen, result["with"]["outer"][at])
+            assert not torch.equal(seen, result["with"]["steps"][at - 1]["params"])  # not the local parameters
+    assert identical([r["with"]["validated"][0] for r in results])
 
 
 def test_bad_streaming_settings_are_refused_with_their_reason(sessions):
