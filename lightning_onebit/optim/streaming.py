@@ -187,7 +187,7 @@ class StreamingOuterStep:
                 fragment.start()
                 self.last_started[k] = inner_step
                 self._finish(k)
-                fragment.copy_outer_to_params()
+            fragment.copy_outer_to_params()  # also after a rebase of no steps: the outer bits (a -0.0 included)
         self.params_are_outer = True
 
     # ------------------------------------------------------------------ the parameters and bytes
