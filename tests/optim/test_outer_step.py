@@ -141,6 +141,26 @@ def test_buckets_cut_the_flat_parameters_into_pieces():
     assert float64.pieces == (11,)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_pseudo_gradient_stops_the_sync_before_anything_changes(bad, dtype):
+    params = [torch.randn(5, dtype=dtype), torch.randn(3, 4, dtype=dtype)]
+    step = OuterStep(params, SimulatedReplicas(2), "sgd", 1.0)
+    (bucket,) = step.buckets
+    step.compressor.others[bucket.key] = [torch.zeros(bucket.values.numel(), dtype=dtype)]
+    outer = {k: v.clone() for k, v in step.outer_values().items()}
+    with torch.no_grad():
+        params[1][2, 1] = bad
+    with pytest.raises(RuntimeError, match="holds inf or NaN on at least one replica"):
+        step.start()
+    assert not step.in_flight and step.syncs == 0
+    assert all(torch.equal(outer[k], v) for k, v in step.outer_values().items())
+    with torch.no_grad():
+        params[1][2, 1] = 1.0
+    step.sync()  # finite again: the sync runs
+    assert step.syncs == 1
+
+
 def test_bad_outer_optimizer_is_refused():
     with pytest.raises(ValueError, match="outer_optimizer must be one of"):
         OuterStep(list(Model().parameters()), SimulatedReplicas(2), "adam")
