@@ -67,9 +67,8 @@ def exchange_hook(exchange: Exchange, powersgd_rank: int = 4, powersgd_start: in
 
 def onebit_exchange_args(exchange: Exchange, powersgd_rank: int = 4, powersgd_start: int = 2) -> list[str]:
     """The example's arguments that make a 1-bit run's warmup average with ``exchange`` (``OnebitStrategy(
-    warmup_exchange=..., powersgd_rank=..., powersgd_vanilla_steps=...)``); none for fp32."""
-    if exchange == "fp32":
-        return []
+    warmup_exchange=..., powersgd_rank=..., powersgd_vanilla_steps=...)``), fp32 included: it is no longer the
+    strategy's default."""
     args = ["--trainer.strategy", "lightning_onebit.OnebitStrategy", "--trainer.strategy.warmup_exchange", exchange]
     if exchange == "powersgd":
         args += ["--trainer.strategy.powersgd_rank", str(powersgd_rank), "--trainer.strategy.powersgd_vanilla_steps",

@@ -156,7 +156,7 @@ UNFROZEN_FAMILIES = ("adamw", "lamb_uncompressed", "zeroone_adam")
 EXCHANGE_FAMILIES = ("onebit_adam", "onebit_lamb", "zeroone_adam")
 #: PowerSGD's own vanilla allreduce steps at the start of a 1-bit run's warmup (``+powersgdR``; ``+powersgdRsS`` sets S)
 WARMUP_POWERSGD_START = 10
-_WARMUP_EXCHANGE = re.compile(r"(bf16|int8)|powersgd([0-9]+)(?:s([0-9]+))?")
+_WARMUP_EXCHANGE = re.compile(r"(fp32|bf16|int8)|powersgd([0-9]+)(?:s([0-9]+))?")
 _DDP_FAMILY = re.compile(r"ddp_(bf16|int8)|ddp_powersgd_r([0-9]+)")
 #: the outer compressors of the local-steps runs (``diloco_C@H``), as ``OnebitDiLoCoStrategy`` names them
 DILOCO_COMPRESSORS = ("none", "bf16", "onebit", "topk")
@@ -182,13 +182,13 @@ def split_exchange(name: str) -> tuple[str, Optional[str]]:
 
 
 def parse_warmup_exchange(text: str) -> tuple[str, Optional[int], Optional[int]]:
-    """``(kind, rank, start)`` of a 1-bit run's ``+EXCHANGE``: ``bf16``, ``int8`` (rank and start ``None``), or
-    ``powersgdR`` / ``powersgdRsS`` (PowerSGD rank ``R`` after ``S`` vanilla steps, default
+    """``(kind, rank, start)`` of a 1-bit run's ``+EXCHANGE``: ``fp32``, ``bf16``, ``int8`` (rank and start ``None``),
+    or ``powersgdR`` / ``powersgdRsS`` (PowerSGD rank ``R`` after ``S`` vanilla steps, default
     :data:`WARMUP_POWERSGD_START`)."""
     match = _WARMUP_EXCHANGE.fullmatch(text)
     if match is None:
-        raise ValueError(f"unknown warmup exchange {text!r}: bf16, int8, powersgdR or powersgdRsS (PowerSGD rank R, "
-                         "its first S steps vanilla)")
+        raise ValueError(f"unknown warmup exchange {text!r}: fp32, bf16, int8, powersgdR or powersgdRsS (PowerSGD "
+                         "rank R, its first S steps vanilla)")
     if match.group(1):
         return match.group(1), None, None
     rank, start = int(match.group(2)), int(match.group(3) or WARMUP_POWERSGD_START)

@@ -27,7 +27,7 @@ Runs (``--runs``), the names of ``benchmarks.freeze_sweep``:
   registered on CPU too, counted);
 * ``onebit_adam@auto``: ``strategy="onebit_adam"``, ``OnebitAdam(freeze_step="auto")`` with the library's defaults;
   bytes: its warmup's and its compressed stage's counters; ``zeroone_adam``: the same strategy with
-  ``ZeroOneAdam`` and its defaults;
+  ``ZeroOneAdam`` and its defaults; a ``+fp32`` suffix on either: ``OnebitStrategy(warmup_exchange="fp32")``;
 * ``diloco_C@H`` / ``diloco_C_sgd@H``: ``OnebitDiLoCoStrategy(ranks_per_node=1, sync_every=H, compressor=C)`` (2
   replicas of one rank, inner AdamW as ``adamw``; ``_sgd``: ``outer_optimizer="sgd", outer_lr=1``); bytes: the
   strategy's counters;
@@ -247,6 +247,9 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
 
     if name == "adamw":
         return "ddp", {}
+    base, _, exchange = name.partition("+")
+    if base in ("zeroone_adam", "onebit_adam@auto") and exchange == "fp32":  # the warmup in fp32, not the default
+        return base.partition("@")[0], {"warmup_exchange": "fp32"}
     if name == "zeroone_adam":
         return "zeroone_adam", {}
     ddp = ddp_exchange(name) if name.startswith("ddp_") else None
@@ -296,7 +299,7 @@ def _strategy(kind: str, options: dict[str, Any], steps: int) -> Any:
     if kind in ("onebit_adam", "zeroone_adam"):
         from lightning_onebit import OnebitStrategy
 
-        return OnebitStrategy()
+        return OnebitStrategy(**options)
     if kind == "ddp_hook":
         from benchmarks.comm_hooks import CountedDDPStrategy
         from benchmarks.freeze_sweep import powersgd_start_of

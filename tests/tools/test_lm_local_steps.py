@@ -102,6 +102,8 @@ def test_every_rank_trains_on_its_own_windows_the_same_for_every_method_of_a_see
     ("diloco_onebit_sgd@8f4o1", "onebit_diloco", dict(sync_every=8, compressor="onebit", outer_optimizer="sgd",
                                                       outer_lr=1.0, fragments=4, overlap_steps=1)),
     ("zeroone_adam", "zeroone_adam", {}),
+    ("zeroone_adam+fp32", "zeroone_adam", {"warmup_exchange": "fp32"}),  # not the strategy's default warmup
+    ("onebit_adam@auto+fp32", "onebit_adam", {"warmup_exchange": "fp32"}),
     ("ddp_bf16", "ddp_hook", dict(gradient_exchange="bf16", powersgd_rank=4, vanilla_share=0.0)),
     ("ddp_powersgd_r1@0.1", "ddp_hook", dict(gradient_exchange="powersgd", powersgd_rank=1, vanilla_share=0.1)),
 ])
