@@ -627,6 +627,12 @@ def _defaults_headline(runs: dict[tuple[str, str, int], dict[str, Any]]) -> list
     ]
 
 
+def _span(values: list[float]) -> str:
+    """``"254x"``, or ``"254-256x"`` when the values round apart."""
+    low, high = f"{min(values):.0f}", f"{max(values):.0f}"
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
 def _local_steps_headline(capped: dict[str, Any]) -> list[str]:
     """The README's local-steps figures: ``onebit_diloco`` with its defaults (the 1-bit outer step every 8 inner steps,
     outer SGD) on the example and on the byte-level language model, both seeds, against AdamW-DDP."""
@@ -644,18 +650,19 @@ def _local_steps_headline(capped: dict[str, Any]) -> list[str]:
     fewer = statistics.fmean(ref["bytes_sent"] / run["bytes_sent"] for run, ref in pairs)
     losses = " / ".join(f"{100 * (run['val_loss'] / ref['val_loss'] - 1):+.1f}%" for run, ref in lm_pairs)
     lm_fewer = statistics.fmean(ref["bytes_sent"] / run["bytes_sent"] for run, ref in lm_pairs)
-    tasks = []
+    tasks, ratios = [], [fewer]
     for task, label in (("mail", "mail"), ("agnews", "AG News")):  # the fine-tuning tasks, where both seeds ran
         task_pairs = [(example.get(f"{task}/{name}/{s}"), capped.get(f"{task}/adamw/{s}")) for s in (0, 1)]
         if all(a and b for a, b in task_pairs):
+            ratios.append(statistics.fmean(ref["bytes_sent"] / run["bytes_sent"] for run, ref in task_pairs))
             mine = " / ".join(f"{run['val_acc']:.1%}" for run, _ in task_pairs)
             theirs = " / ".join(f"{ref['val_acc']:.1%}" for _, ref in task_pairs)
             tasks.append(f"{label} {mine} (AdamW-DDP {theirs})")
     fine_tuning = f"; fine-tuning, {'; '.join(tasks)}" if tasks else ""
     return [
         f"- **Local steps** (`strategy=\"onebit_diloco\"`, its defaults: a 1-bit outer step every 8 inner AdamW "
-        f"steps): the example reaches {accs} (AdamW-DDP {refs}, seeds 0 / 1){fine_tuning}, with **{fewer:.0f}x fewer "
-        f"bytes**; a byte-level language model trained from scratch ends {losses} above AdamW-DDP's validation loss "
+        f"steps): the example reaches {accs} (AdamW-DDP {refs}, seeds 0 / 1){fine_tuning}, with "
+        f"**{_span(ratios)} fewer bytes**; a byte-level language model trained from scratch ends {losses} above AdamW-DDP's validation loss "
         f"with {lm_fewer:.0f}x fewer bytes ([local steps](docs/guides/local-steps.md))."
     ]
 
