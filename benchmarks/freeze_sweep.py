@@ -54,7 +54,8 @@ Issue 44's runs (not in the default runs): the DDP baselines and the 1-bit runs 
 * ``RUN+EXCHANGE`` for ``onebit_adam@F``, ``onebit_adam@auto``, ``onebit_lamb@...`` and ``zeroone_adam``: the run's
   arguments and ``--trainer.strategy lightning_onebit.OnebitStrategy --trainer.strategy.warmup_exchange EXCHANGE``
   (with ``powersgd_rank`` and ``powersgd_vanilla_steps`` for PowerSGD), so that its warmup (and 0/1 Adam's variance
-  steps) averages gradients with ``EXCHANGE``: ``bf16`` (torch's ``bf16_compress_hook``), ``int8``
+  steps) averages gradients with ``EXCHANGE``: ``fp32`` (DDP's allreduce: no longer the strategy's default, so named
+  when wanted), ``bf16`` (torch's ``bf16_compress_hook``), ``int8``
   (``int8_allreduce_hook``: 8 bits a value, per-segment scales, error feedback) or ``powersgdR`` / ``powersgdRsS``
   (the library's ``powersgd_exchange_hook``, PowerSGD rank ``R`` with error feedback after ``S`` vanilla steps,
   default ``WARMUP_POWERSGD_START`` = 10).
