@@ -167,10 +167,10 @@ class OnebitAverage(OuterCompressor):
 
 class GatheredAverage(OuterCompressor):
     """An average whose every rank encodes each bucket (with its error feedback) into a byte payload of a fixed size,
-    all-gathers the payloads (:meth:`exchange`: one ``all_gather`` per bucket, all launched before the first is
-    waited for) and decodes them in rank order into the mean (:meth:`decode_mean_`): the same bits on every rank, and
-    on any rank that holds the gathered payloads. Subclasses give :meth:`payload_bytes`, :meth:`_encode` and
-    :meth:`_decode_mean`."""
+    all-gathers the payloads (:meth:`start_average_`, then :meth:`gathered_payloads`: one ``all_gather`` per bucket,
+    all launched before the first is waited for) and decodes them in rank order into the mean (:meth:`decode_mean_`):
+    the same bits on every rank, and on any rank that holds the gathered payloads. Subclasses give
+    :meth:`payload_bytes`, :meth:`_encode` and :meth:`_decode_mean`."""
 
     #: what the collectives are called in an error message
     WHAT = "payloads"
@@ -214,13 +214,9 @@ class GatheredAverage(OuterCompressor):
                 work.wait()
         return [gathered for gathered, _ in pending.in_flight]
 
-    def exchange(self, buckets: Sequence[OuterBucket]) -> list[torch.Tensor]:
-        """:meth:`start_average_` and :meth:`gathered_payloads`: the payloads of every rank, not yet decoded."""
-        return self.gathered_payloads(self.start_average_(buckets))
-
     def decode_mean_(self, bucket: OuterBucket, gathered: torch.Tensor) -> None:
-        """Set ``bucket.values`` to the mean that :meth:`exchange` gathered for a bucket of its keys and sizes (no
-        communication: any rank holding ``gathered`` gets the same bits)."""
+        """Set ``bucket.values`` to the mean of the payloads :meth:`gathered_payloads` returned for a bucket of its keys
+        and sizes (no communication: any rank holding ``gathered`` gets the same bits)."""
         size = self.payload_bytes(bucket)
         self._decode_mean(bucket, list(gathered.split(size)))
 

@@ -132,22 +132,22 @@ class StreamingOuterStep:
         ends now, then start (and, without overlap, finish and apply) those due. Returns the fragments started."""
         self.params_are_outer = False
         for rebase in [r for r in self._rebases if r.due == inner_step]:
-            self._finish(rebase.fragment)
             self._rebase(rebase)
         started = self.due(inner_step)
         for k in started:
-            self._start(k, inner_step)
+            self._start(k, inner_step, overlapped=self.overlap_steps > 0)
         if started and not self.overlap_steps:
             self.params_are_outer = len(started) == len(self.fragments)
         return started
 
-    def _start(self, k: int, inner_step: int) -> None:
+    def _start(self, k: int, inner_step: int, overlapped: bool) -> None:
+        """Start fragment ``k``'s exchange; unless ``overlapped``, finish it and copy its outer values in."""
         fragment = self.fragments[k]
         self._before[k] = fragment.communication
-        local = [] if not self.overlap_steps else [p.detach().clone() for p in fragment.params]
+        local = [p.detach().clone() for p in fragment.params] if overlapped else []
         fragment.start()
         self.last_started[k] = inner_step
-        if self.overlap_steps:
+        if overlapped:
             self._rebases.append(_Rebase(k, inner_step, inner_step + self.overlap_steps, local))
         else:
             self._finish(k)
@@ -162,7 +162,9 @@ class StreamingOuterStep:
             self.on_sync(k, fragment.communication - self._before.pop(k))
 
     def _rebase(self, rebase: _Rebase) -> None:
-        """The fragment's parameters keep the steps taken since its exchange started, on the new outer values."""
+        """Finish the fragment's exchange (unless finished early); its parameters keep the steps taken since the
+        exchange started, on the new outer values."""
+        self._finish(rebase.fragment)
         self._rebases.remove(rebase)
         outer = self.fragments[rebase.fragment].outer_values()
         with torch.no_grad():
@@ -179,15 +181,12 @@ class StreamingOuterStep:
         fragment that took steps since its last exchange started, so that every parameter holds its outer value, the
         same bits on every rank."""
         for rebase in list(self._rebases):
-            self._finish(rebase.fragment)
             self._rebase(rebase)
         for k, fragment in enumerate(self.fragments):
             if inner_step > self.last_started[k]:
-                self._before[k] = fragment.communication
-                fragment.start()
-                self.last_started[k] = inner_step
-                self._finish(k)
-            fragment.copy_outer_to_params()  # also after a rebase of no steps: the outer bits (a -0.0 included)
+                self._start(k, inner_step, overlapped=False)
+            else:  # also after a rebase of no steps: the outer bits (a -0.0 included)
+                fragment.copy_outer_to_params()
         self.params_are_outer = True
 
     # ------------------------------------------------------------------ the parameters and bytes
