@@ -21,7 +21,8 @@ from lightning_onebit.callbacks import CommunicationMonitor, CompressionAdvice, 
 from lightning_onebit.callbacks import LocalStepsAdvice, MomentumMask, ReplicaCheck
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.optim import AutoFreeze, CompressedOptimizer, OnebitAdam, OnebitLamb, OnebitStage, ZeroOneAdam
-from lightning_onebit.strategy import OnebitAdamStrategy, OnebitDiLoCoStrategy, OnebitFSDPStrategy, OnebitStrategy
+from lightning_onebit.strategy import OnebitAdamStrategy, OnebitDiLoCoFSDPStrategy, OnebitDiLoCoStrategy
+from lightning_onebit.strategy import OnebitFSDPStrategy, OnebitStrategy
 from lightning_onebit.strategy.pytorch_lightning_guard import guard_pytorch_lightning
 
 __version__ = "0.1.0"
@@ -32,6 +33,8 @@ if "onebit_fsdp" not in StrategyRegistry:
     OnebitFSDPStrategy.register_strategies(StrategyRegistry)
 if "onebit_diloco" not in StrategyRegistry:
     OnebitDiLoCoStrategy.register_strategies(StrategyRegistry)
+if "onebit_diloco_fsdp" not in StrategyRegistry:
+    OnebitDiLoCoFSDPStrategy.register_strategies(StrategyRegistry)
 guard_pytorch_lightning()  # pytorch_lightning.Trainer(strategy="onebit_adam") says to use lightning.pytorch
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
+    "OnebitDiLoCoFSDPStrategy",
     "OnebitDiLoCoStrategy",
     "OnebitFSDPStrategy",
     "OnebitLamb",

@@ -23,6 +23,7 @@ KEPT = {
     "MomentumMask",
     "OnebitAdam",
     "OnebitAdamStrategy",
+    "OnebitDiLoCoFSDPStrategy",
     "OnebitDiLoCoStrategy",
     "OnebitFSDPStrategy",
     "OnebitLamb",

@@ -134,6 +134,21 @@ class OuterCompressor:
         """This rank's error feedback of bucket ``key`` (``None`` before its first call, or without error feedback)."""
         return self._errors.get(key)
 
+    def set_error_feedback(self, bucket: OuterBucket, values: torch.Tensor) -> None:
+        """Set this rank's error feedback of ``bucket`` to ``values`` (its size; copied): what a checkpoint laid out
+        by parameter restores (:meth:`~lightning_onebit.optim.outer_step.OuterStep.load_per_parameter_state`)."""
+        self._errors[bucket.key] = values.detach().to(bucket.values).reshape(bucket.values.shape).clone()
+
+    def server_errors(self) -> dict[Hashable, torch.Tensor]:
+        """Error feedback other than the per-bucket one of :meth:`error_feedback` (the two-phase 1-bit exchange's
+        server error), by bucket key, copied; laid out by this run's buckets and replicas. Empty by default."""
+        return {}
+
+    def load_server_errors(self, saved: dict[Hashable, torch.Tensor], buckets: Sequence[OuterBucket]) -> None:
+        """Restore :meth:`server_errors` for ``buckets``; ``ValueError`` (nothing changed) unless they fit."""
+        if saved:
+            raise ValueError(f"{type(self).__name__} keeps no server error, but {len(saved)} bucket(s) were saved")
+
     def _accumulate(self, bucket: OuterBucket) -> torch.Tensor:
         """The error feedback of ``bucket`` now holding ``error_decay * e + values``: what is to be compressed."""
         error = self._errors.get(bucket.key)

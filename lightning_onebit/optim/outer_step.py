@@ -280,6 +280,17 @@ class OuterStep:
             count_ring_all_gather(self.gather_counters, mine.numel() * mine.element_size(), self.shards,
                                   intra_node=True)
 
+    def replace_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Hold ``params`` (in :attr:`params` order, the same shapes and dtypes) instead: a sharded parameter whose
+        local tensor its FSDP group replaced (the same values). ``ValueError`` when they do not match."""
+        params = list(params)
+        held = self.params
+        if len(params) != len(held) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(params, held)):
+            raise ValueError("replace_params needs tensors of the held parameters' shapes and dtypes, in their order")
+        values = iter(params)
+        for f in self._flats:
+            f.params = [next(values) for _ in f.params]
+
     def copy_outer_to_params(self) -> None:
         """Set every parameter to its outer value (no communication)."""
         with torch.no_grad():
@@ -308,6 +319,73 @@ class OuterStep:
                 "error_feedback": self.compressor.error_state_dict(),
                 "syncs": self.syncs, "shards": (self.shard_index, self.shards),
                 "numels": [f.numel for f in self._flats]}
+
+    def per_parameter_state(self) -> dict[str, list[Optional[torch.Tensor]]]:
+        """This rank's outer state per parameter, in :attr:`params` order, each a copy shaped like its parameter:
+        ``"outer"`` (the outer values), ``"error_feedback"`` (this rank's, per bucket: zeros before a bucket's first
+        exchange, which is what the exchange starts from) and ``"momentum"`` (Nesterov's buffer; ``None`` before the
+        first outer step and without momentum). A checkpoint laid out by parameter loads at another layout (a model
+        sharded over fewer ranks: :meth:`load_per_parameter_state`); the two-phase exchange's server error is laid
+        out by bucket (:meth:`~lightning_onebit.comm.outer.OuterCompressor.server_errors`). For an outer step of one
+        rank per replica (``shard_group=None``), whose buckets cover its parameters whole; nothing in flight."""
+        self._check_per_parameter("save")
+        out: dict[str, list[Optional[torch.Tensor]]] = {"outer": [], "error_feedback": [], "momentum": []}
+        for f, shard in zip(self._flats, self.optimizer.param_groups[0]["params"]):
+            error = torch.zeros_like(f.outer)
+            for bucket in f.buckets:
+                saved = self.compressor.error_feedback(bucket.key)
+                if saved is not None:
+                    error[self._bucket_slice(f, bucket)].copy_(saved.reshape(-1))
+            momentum = self.optimizer.state.get(shard, {}).get("momentum_buffer")
+            for p, offset in zip(f.params, f.offsets):
+                piece = slice(offset, offset + p.numel())
+                out["outer"].append(f.outer[piece].view_as(p).clone())
+                out["error_feedback"].append(error[piece].view_as(p).clone())
+                out["momentum"].append(None if momentum is None else momentum[piece].view_as(p).clone())
+        return out
+
+    def load_per_parameter_state(self, state: dict[str, Sequence[Optional[torch.Tensor]]]) -> None:
+        """Restore :meth:`per_parameter_state` (saved at this layout or another): ``ValueError`` naming the parameter
+        whose shape differs, nothing changed. Momentum is restored only where every parameter has one."""
+        self._check_per_parameter("load")
+        params = self.params
+        for key in ("outer", "error_feedback", "momentum"):
+            for i, (p, value) in enumerate(zip(params, state[key])):
+                if value is not None and tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"outer state {key!r} of parameter {i}: saved with shape {tuple(value.shape)}, "
+                                     f"the parameter here has {tuple(p.shape)}")
+        values = iter(zip(state["outer"], state["error_feedback"], state["momentum"]))
+        with torch.no_grad():
+            for f, shard in zip(self._flats, self.optimizer.param_groups[0]["params"]):
+                error = torch.zeros_like(f.outer)
+                momentum: Optional[torch.Tensor] = torch.zeros_like(f.outer)
+                for p, offset in zip(f.params, f.offsets):
+                    outer, err, mom = next(values)
+                    piece = slice(offset, offset + p.numel())
+                    f.outer[piece].copy_(outer.reshape(-1))
+                    error[piece].copy_(err.reshape(-1))
+                    if mom is None or momentum is None:
+                        momentum = None
+                    else:
+                        momentum[piece].copy_(mom.reshape(-1))
+                for bucket in f.buckets:
+                    self.compressor.set_error_feedback(bucket, error[self._bucket_slice(f, bucket)])
+                if momentum is not None:
+                    self.optimizer.state[shard]["momentum_buffer"] = momentum
+                else:
+                    self.optimizer.state.pop(shard, None)
+
+    def _check_per_parameter(self, what: str) -> None:
+        if self.shards != 1:
+            raise RuntimeError(f"the outer state is laid out by parameter only with one rank per replica "
+                               f"(shard_group=None); this rank holds shard {self.shard_index} of {self.shards}")
+        if self._pending is not None:
+            raise RuntimeError(f"the outer step's exchange is in flight: finish() it before you {what} its state")
+
+    @staticmethod
+    def _bucket_slice(f: _Flat, bucket: OuterBucket) -> slice:
+        start = bucket.values.storage_offset() - f.pseudo.storage_offset()
+        return slice(start, start + bucket.values.numel())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; ``ValueError`` naming what differs when it was saved for another layout."""

@@ -42,17 +42,22 @@ from lightning_onebit.optim.outer_step import OuterStep
 __all__ = ["StreamingOuterStep", "fragment_parameters"]
 
 
-def fragment_parameters(params: Sequence[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+def fragment_parameters(params: Sequence[torch.Tensor], fragments: int,
+                        sizes: Optional[Sequence[int]] = None) -> list[list[torch.Tensor]]:
     """Cut ``params`` (in order) into ``fragments`` contiguous, non-empty groups of about equal element counts: cut
-    ``k`` falls where the running count is nearest ``k / fragments`` of the total. ``ValueError`` when there are fewer
-    parameters than fragments."""
+    ``k`` falls where the running count is nearest ``k / fragments`` of the total. ``sizes``: the counts to cut by
+    (default the parameters' own; local shards pass their whole parameters', so that every layout cuts alike).
+    ``ValueError`` when there are fewer parameters than fragments."""
     params = list(params)
+    sizes = [p.numel() for p in params] if sizes is None else [int(n) for n in sizes]
+    if len(sizes) != len(params):
+        raise ValueError(f"{len(sizes)} sizes for {len(params)} parameters")
     check_integer(fragments, "fragments")
     count = len(params)
     if fragments > count:
         raise ValueError(f"fragments={fragments} is more than the model's {count} trainable parameter tensors: "
                          "every fragment needs one; pass fewer fragments")
-    prefix = list(itertools.accumulate((p.numel() for p in params), initial=0))
+    prefix = list(itertools.accumulate(sizes, initial=0))
     cuts = [0]
     for k in range(1, fragments):
         target = k * prefix[-1] / fragments
@@ -109,16 +114,16 @@ class StreamingOuterStep:
     @classmethod
     def build(cls, params: Sequence[torch.Tensor], make_compressor: Callable[[], OuterCompressor], *,
               fragments: int = 1, sync_every: int, overlap_steps: int = 0, bucket_cap_mb: float = 16.0,
-              **outer_step: Any) -> "StreamingOuterStep":
-        """``params`` cut into ``fragments`` (:func:`fragment_parameters`), an :class:`OuterStep` each with its own
-        compressor from ``make_compressor()`` (a collective where it agrees on kernels) and ``outer_step``'s
-        arguments, buckets of at most ``bucket_cap_mb`` MB; ``ValueError`` when ``params`` is empty."""
+              sizes: Optional[Sequence[int]] = None, **outer_step: Any) -> "StreamingOuterStep":
+        """``params`` cut into ``fragments`` (:func:`fragment_parameters`, by ``sizes``), an :class:`OuterStep` each
+        with its own compressor from ``make_compressor()`` (a collective where it agrees on kernels) and
+        ``outer_step``'s arguments, buckets of at most ``bucket_cap_mb`` MB; ``ValueError`` when ``params`` is empty."""
         params = list(params)
         if not params:
             raise ValueError("the outer step found no trainable parameter (requires_grad=True) in the model")
         bucket_numel = max(1, int(bucket_cap_mb * 2**20) // params[0].element_size())
         return cls([OuterStep(group, make_compressor(), bucket_numel=bucket_numel, **outer_step)
-                    for group in fragment_parameters(params, fragments)], sync_every, overlap_steps)
+                    for group in fragment_parameters(params, fragments, sizes)], sync_every, overlap_steps)
 
     # ------------------------------------------------------------------ the schedule
     def due(self, inner_step: int) -> list[int]:
@@ -204,6 +209,19 @@ class StreamingOuterStep:
         for fragment in self.fragments:
             fragment.copy_outer_to_params()
 
+    def replace_params(self, params: Sequence[torch.Tensor]) -> None:
+        """Hold ``params`` (in :attr:`params` order) instead (:meth:`OuterStep.replace_params`)."""
+        params = list(params)
+        if len(params) != len(self.params):
+            raise ValueError(f"replace_params needs {len(self.params)} tensors, got {len(params)}")
+        for fragment, group in zip(self.fragments, self._split(params)):
+            fragment.replace_params(group)
+
+    def _split(self, values: Sequence[Any]) -> list[list[Any]]:
+        """``values`` (one per parameter, in :attr:`params` order) cut per fragment."""
+        cuts = list(itertools.accumulate((len(f.params) for f in self.fragments), initial=0))
+        return [list(values[a:b]) for a, b in zip(cuts, cuts[1:])]
+
     @property
     def syncs(self) -> int:
         """Fragment syncs finished (each fragment's count summed)."""
@@ -225,6 +243,50 @@ class StreamingOuterStep:
                 "last_started": list(self.last_started), "params_are_outer": self.params_are_outer,
                 "rebases": [{"fragment": r.fragment, "started": r.started, "due": r.due,
                              "local_at_start": [t.clone() for t in r.local_at_start]} for r in self._rebases]}
+
+    def per_parameter_state(self) -> dict[str, list[Optional[torch.Tensor]]]:
+        """Every fragment's :meth:`OuterStep.per_parameter_state`, in :attr:`params` order, and ``"rebase_start"``:
+        each parameter at the start of its fragment's exchange if its rebase is still due (else ``None``). With
+        :meth:`schedule_state`, what a checkpoint laid out by parameter holds (finish the exchanges in flight first)."""
+        out: dict[str, list[Optional[torch.Tensor]]] = {"outer": [], "error_feedback": [], "momentum": [],
+                                                        "rebase_start": []}
+        starts = {r.fragment: r.local_at_start for r in self._rebases}
+        for k, fragment in enumerate(self.fragments):
+            state = fragment.per_parameter_state()
+            for key in ("outer", "error_feedback", "momentum"):
+                out[key].extend(state[key])
+            due = starts.get(k)
+            out["rebase_start"].extend([t.clone() for t in due] if due is not None else [None] * len(fragment.params))
+        return out
+
+    def schedule_state(self) -> dict[str, Any]:
+        """The schedule's position (plain numbers, the same on every rank): each fragment's syncs and the step its
+        last exchange started after, whether the parameters are the outer ones, the rebases due."""
+        return {"syncs": [f.syncs for f in self.fragments], "last_started": list(self.last_started),
+                "params_are_outer": self.params_are_outer,
+                "rebases": [(r.fragment, r.started, r.due) for r in self._rebases]}
+
+    def load_per_parameter_state(self, state: dict[str, Sequence[Optional[torch.Tensor]]],
+                                 schedule: dict[str, Any]) -> None:
+        """Restore :meth:`per_parameter_state` and :meth:`schedule_state` (saved at this layout or another; the
+        fragments must be as many: ``ValueError`` otherwise)."""
+        if len(schedule["syncs"]) != len(self.fragments):
+            raise ValueError(f"the outer state was saved with {len(schedule['syncs'])} fragment(s) and this run has "
+                             f"{len(self.fragments)}: resume with the same fragments")
+        split = {key: self._split(state[key]) for key in ("outer", "error_feedback", "momentum", "rebase_start")}
+        for k, fragment in enumerate(self.fragments):
+            fragment.load_per_parameter_state({key: split[key][k] for key in ("outer", "error_feedback", "momentum")})
+            fragment.syncs = int(schedule["syncs"][k])
+        self.last_started = [int(s) for s in schedule["last_started"]]
+        self.params_are_outer = bool(schedule["params_are_outer"])
+        self._rebases = []
+        for k, started, due in schedule["rebases"]:
+            starts = split["rebase_start"][k]
+            if any(t is None for t in starts):
+                raise ValueError(f"fragment {k}'s rebase is due after step {due} but its parameters at the start of "
+                                 "the exchange were not saved")
+            self._rebases.append(_Rebase(int(k), int(started), int(due),
+                                         [t.to(p).clone() for t, p in zip(starts, self.fragments[k].params)]))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (``ValueError`` naming what differs when it was saved with other fragments)."""

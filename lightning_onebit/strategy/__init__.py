@@ -5,7 +5,10 @@ optimizer switches off after its warmup (1-bit Adam, 1-bit LAMB) or on chosen st
 * :mod:`~lightning_onebit.strategy.fsdp`: :class:`OnebitFSDPStrategy` (``onebit_fsdp``), FSDP2 inside each node and
   the compressed exchange across nodes;
 * :mod:`~lightning_onebit.strategy.local_steps`: :class:`OnebitDiLoCoStrategy` (``onebit_diloco``), local steps
-  inside each node and a compressed outer step across nodes (DiLoCo family);
+  inside each node and a compressed outer step across nodes (DiLoCo family), with
+  :mod:`~lightning_onebit.strategy.local_steps_run` (what both local-steps strategies hold);
+* :mod:`~lightning_onebit.strategy.local_steps_fsdp`: :class:`OnebitDiLoCoFSDPStrategy` (``onebit_diloco_fsdp``), the
+  same with FSDP2 inside each node, its checkpoints in :mod:`~lightning_onebit.strategy.local_steps_fsdp_checkpoint`;
 * :mod:`~lightning_onebit.strategy.arguments`: the strategy's options and DDP arguments, checked;
 * :mod:`~lightning_onebit.strategy.overlap_policy`: when the exchange may start during backward;
 * :mod:`~lightning_onebit.strategy.process_groups`: the topology and the process groups the strategy owns, released
@@ -30,6 +33,7 @@ from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_ST
 from lightning_onebit.strategy.error_feedback import ERROR_FEEDBACK_KEY, ERROR_FEEDBACK_POLICIES
 from lightning_onebit.strategy.fsdp import OnebitFSDPStrategy
 from lightning_onebit.strategy.local_steps import OnebitDiLoCoStrategy
+from lightning_onebit.strategy.local_steps_fsdp import OnebitDiLoCoFSDPStrategy
 from lightning_onebit.strategy.strategy import OnebitAdamStrategy, OnebitStrategy
 from lightning_onebit.strategy.process_groups import release_process_groups_at_exit
 
@@ -39,6 +43,7 @@ __all__ = [
     "PER_RANK_STATE_KEY",
     "PER_RANK_STATUS_KEY",
     "OnebitAdamStrategy",
+    "OnebitDiLoCoFSDPStrategy",
     "OnebitDiLoCoStrategy",
     "OnebitFSDPStrategy",
     "OnebitStrategy",

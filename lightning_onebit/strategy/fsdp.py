@@ -41,7 +41,7 @@ from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.groups import destroy_groups
 from lightning_onebit.comm.topology import new_gather_groups
 from lightning_onebit.hooks import OverlapFallbackReason
-from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState, fsdp_modules
+from lightning_onebit.hooks.fsdp import ReplicaAllReduceState, ShardedOverlapState
 from lightning_onebit.hooks.fsdp import register_replica_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategy.arguments import check_mixed_precision, check_overlap, check_process_group_options
@@ -59,6 +59,7 @@ from lightning_onebit.strategy.sharding import (
     check_sharded,
     fsdp_buckets,
     node_device_mesh,
+    no_gradient_sync,
     node_mesh_ranks,
     point_at_sharded_parameters,
     shard_model,
@@ -353,14 +354,8 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No reduce-scatter (and no replica all-reduce) on the micro-batches before the last of an accumulation."""
-        modules = fsdp_modules(self.model) if self.model is not None else []
-        for module in modules:
-            module.set_requires_gradient_sync(False, recurse=False)
-        try:
+        with no_gradient_sync(self.model):
             yield
-        finally:
-            for module in modules:
-                module.set_requires_gradient_sync(True, recurse=False)
 
     # ------------------------------------------------------------------ checkpoints
     @override

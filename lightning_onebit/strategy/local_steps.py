@@ -7,12 +7,13 @@ optimizer; across replicas nothing is sent between outer syncs. The outer step i
 streaming.StreamingOuterStep` (fragments, overlap) of :class:`~lightning_onebit.optim.outer_step.OuterStep`s, whose
 exchange is sharded over the node's ranks: the bytes leaving a node per sync are those of one exchange.
 
-:data:`DEFAULTS` is the one place where the defaults are chosen, from the measurements its docstring cites.
+:data:`~lightning_onebit.strategy.local_steps_run.DEFAULTS` is the one place where the defaults are chosen, from the
+measurements its docstring cites; :class:`~lightning_onebit.strategy.local_steps_run.OuterSync` runs the outer step
+(this strategy and ``onebit_diloco_fsdp`` hold one).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from datetime import timedelta
@@ -33,17 +34,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_onebit._checks import check_bucket_cap_mb, check_integer, check_real
+from lightning_onebit._checks import check_integer
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.groups import broadcast_coalesced, destroy_groups, is_distributed
 from lightning_onebit.comm.outer import OuterCompression, make_outer_compressor
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
-from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS
-from lightning_onebit.optim.streaming import StreamingOuterStep
 from lightning_onebit.strategy.arguments import check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
+from lightning_onebit.strategy.local_steps_run import DEFAULTS, OUTER_LR, OuterSync, LocalStepsDefaults
+from lightning_onebit.strategy.local_steps_run import LocalStepsSettings, replica_layout, with_local_steps_attributes
 from lightning_onebit.strategy.local_steps_state import STATE_KEY, agreed_per_rank_state, streaming_outer_state
 from lightning_onebit.strategy.sidecar import sidecar_path
 
@@ -51,31 +52,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULTS", "OUTER_LR", "LocalStepsDefaults", "OnebitDiLoCoStrategy"]
 
-@dataclasses.dataclass(frozen=True)
-class LocalStepsDefaults:
-    """The strategy's defaults, in one place, chosen on the example trained from scratch and the byte-level language
-    model (2 seeds each), the fine-tuning tasks kept aside to check them (``docs/guides/local-steps.md``: the runs).
-
-    * ``outer_optimizer = "sgd"`` at ``outer_lr = 1`` (:data:`OUTER_LR`): it beat DiLoCo's Nesterov (0.7, 0.9) in every
-      pair measured (the example: 99.4-100% against 50-80%; the language model: a loss 0.13-0.44 lower).
-    * ``sync_every = 8``, ``compressor = "onebit"``: 0.125 bits per parameter per step, 255x fewer bytes than
-      AdamW-DDP. The language model's loss over AdamW-DDP's: +3.1/+2.8% at 4, +2.5/+3.2% at 8, +5.5/+5.1% at 16,
-      +5.7/+5.3% at 32; 4 leaves 128x, little margin over the 100x this strategy is for. Top-k: worse in 5 of 6.
-    """
-
-    sync_every: int = 8
-    compressor: str = "onebit"
-    outer_optimizer: str = "sgd"
-    outer_momentum: float = 0.9
-    bucket_cap_mb: float = 16.0
-
-
-#: ``outer_lr``'s default per outer optimizer: SGD applies the average as it is; Nesterov takes DiLoCo's 0.7.
-OUTER_LR = {"sgd": 1.0, "nesterov": 0.7}
-DEFAULTS = LocalStepsDefaults()
 _D = DEFAULTS
 
 
+@with_local_steps_attributes
 class OnebitDiLoCoStrategy(DDPStrategy):
     """Local steps with a compressed outer step (the DiLoCo family) on Lightning's DDP.
 
@@ -161,19 +141,9 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         ddp_bucket_cap_mb: Optional[float] = None,
         ddp_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
-        self.sync_every = check_integer(sync_every, "sync_every")
-        self.compression = OuterCompression.of(compressor)
-        self.fragments = check_integer(fragments, "fragments", at_most=self.sync_every,
-                                       what=f"an integer in [1, sync_every = {self.sync_every}]")
-        self.overlap_steps = check_integer(overlap_steps, "overlap_steps", at_least=0, at_most=self.sync_every - 1,
-                                           what=f"an integer in [0, sync_every - 1 = {self.sync_every - 1}]")
-        if outer_optimizer not in OUTER_OPTIMIZERS:
-            raise ValueError(f"outer_optimizer must be one of {OUTER_OPTIMIZERS}, got {outer_optimizer!r}")
-        self.outer_optimizer = outer_optimizer
-        self.outer_lr = OUTER_LR[outer_optimizer] if outer_lr is None else check_real(outer_lr, "outer_lr", above=0.0)
-        self.outer_momentum = check_real(outer_momentum, "outer_momentum", above=0.0, below=1.0)
+        settings = LocalStepsSettings.checked(sync_every, compressor, fragments, overlap_steps, outer_optimizer,
+                                              outer_lr, outer_momentum, bucket_cap_mb)
         self.ranks_per_node = check_integer(ranks_per_node, "ranks_per_node", none=True)
-        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb, "bucket_cap_mb")
         check_process_group_options(timeout, process_group_backend)
         if ddp_kwargs is not None and "process_group" in ddp_kwargs:
             raise ValueError("the inner DDP runs over the ranks of each replica (node); do not pass process_group")
@@ -187,34 +157,16 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         self.topology: Optional[Topology] = None
         #: the inner gradient allreduce inside the replica, counted (its process group is the node's)
         self.gradient_sync = GradientSyncState()
-        self.outer_step: Optional[StreamingOuterStep] = None
-        self.inner_steps = 0
-        #: outer syncs run by this strategy (every fit's)
-        self.outer_syncs = 0
-        self.last_sync_communication = CommunicationCounters()
-        self._finished_outer = CommunicationCounters()  # the outer counters of fits that ended
-        self._stashed: Optional[list[torch.Tensor]] = None  # the local parameters while the outer ones validate
+        #: the outer step and its bookkeeping (:class:`~lightning_onebit.strategy.local_steps_run.OuterSync`)
+        self.outer_sync = OuterSync(settings)
         self._run_id, self._save_index = "", 0
 
     # ------------------------------------------------------------------ replicas
     def replica_layout(self) -> tuple[int, int]:
         """``(M replicas, L ranks per replica)`` from ``ranks_per_node`` or the Trainer's nodes and devices, checked
         (``ValueError`` naming the fix) before any collective."""
-        world_size = self.num_nodes * self.num_processes
         per_replica = self.ranks_per_node if self.ranks_per_node is not None else self.num_processes
-        if world_size % per_replica:
-            raise ValueError(
-                f"ranks_per_node={per_replica} does not divide the {world_size} ranks into equal replicas: pass a "
-                "ranks_per_node that divides the world size"
-            )
-        replicas = world_size // per_replica
-        if replicas < 2:
-            raise ValueError(
-                f"onebit_diloco needs two replicas or more, but all {world_size} rank(s) form one replica, so there is "
-                "nothing to synchronise: run more nodes (Trainer(num_nodes=M)), pass ranks_per_node=K to treat every "
-                "K ranks as a replica, or use strategy='ddp'"
-            )
-        return replicas, per_replica
+        return replica_layout(self.num_nodes * self.num_processes, per_replica, self.strategy_name)
 
     @override
     def setup_distributed(self) -> None:
@@ -231,10 +183,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
                                            mode="hierarchical" if per_replica > 1 else "flat",
                                            ranks_per_node=self.ranks_per_node, timeout=self._timeout)
             self._run_id, self._save_index = agree_run_id(self.global_rank), 0
-            rank_zero_info(f"onebit_diloco: {replicas} replicas x {per_replica} rank(s); outer step every "
-                           f"{self.sync_every} inner steps, compressor {self.compression.kind!r}, outer "
-                           f"{self.outer_optimizer} lr {self.outer_lr:g}; {self.fragments} fragment(s), "
-                           f"overlap_steps={self.overlap_steps}")
+            rank_zero_info(f"onebit_diloco: {replicas} replicas x {per_replica} rank(s); "
+                           f"{self.outer_sync.settings.describe()}")
         super().setup(trainer)
 
     @property
@@ -276,13 +226,10 @@ class OnebitDiLoCoStrategy(DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
-        self.outer_step = StreamingOuterStep.build(
-            [p for p in module.parameters() if p.requires_grad],
-            lambda: make_outer_compressor(self.compression, self.replica_group), fragments=self.fragments,
-            sync_every=self.sync_every, overlap_steps=self.overlap_steps, bucket_cap_mb=self.bucket_cap_mb,
-            optimizer=self.outer_optimizer, lr=self.outer_lr, momentum=self.outer_momentum, shard_group=self.node_group)
-        self.outer_step.on_sync = self._count_sync
-        self.inner_steps = 0
+        compression = self.outer_sync.settings.compression
+        self.outer_sync.build([p for p in module.parameters() if p.requires_grad],
+                               lambda: make_outer_compressor(compression, self.replica_group),
+                               shard_group=self.node_group)
 
     # ------------------------------------------------------------------ steps
     @override
@@ -294,30 +241,18 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.outer_step is not None:
-            self.inner_steps += 1
-            self.outer_step.after_inner_step(self.inner_steps)
+        self.outer_sync.after_optimizer_step()
         return output
-
-    @property
-    def steps_since_sync(self) -> int:
-        """Inner steps taken since the last outer sync (the position in the outer period)."""
-        return self.inner_steps % self.sync_every
 
     def sync(self) -> None:
         """Sync every fragment that took inner steps since its last sync now, unoverlapped (the exchanges in flight
         finished and rebased first), so that every rank's parameters are the outer ones, the same bits everywhere (a
         collective: every rank calls it at the same inner step)."""
-        assert self.outer_step is not None
-        self.outer_step.flush(self.inner_steps)
-
-    def _count_sync(self, fragment: int, sent: CommunicationCounters) -> None:
-        self.outer_syncs += 1
-        self.last_sync_communication = sent
+        self.outer_sync.sync()
 
     @override
     def on_train_end(self) -> None:
-        if self.outer_step is not None and not self.outer_step.params_are_outer:
+        if self.outer_sync.needs_final_sync():
             rank_zero_info("onebit_diloco: outer step at the end of fit (inner steps since the last sync), so that the "
                            "model holds every step")
             self.sync()
@@ -327,28 +262,14 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        outer_step = self.outer_step
-        if outer_step is not None and self._stashed is None:
-            outer_step.finish_in_flight()  # the newest outer model (the training does not change)
-            if not outer_step.params_are_outer:
-                self._stashed = [p.detach().clone() for p in outer_step.params]
-                outer_step.copy_outer_to_params()
+        self.outer_sync.swap_in_outer()
 
     @override
     def on_validation_end(self) -> None:
-        if self._stashed is not None:
-            with torch.no_grad():
-                for p, local in zip(self.outer_step.params, self._stashed):
-                    p.copy_(local)
-            self._stashed = None
+        self.outer_sync.swap_back()
         super().on_validation_end()
 
     # ------------------------------------------------------------------ bytes
-    @property
-    def outer_communication(self) -> CommunicationCounters:
-        """This rank's cumulative bytes of the outer syncs (this ``fit``'s and earlier ones')."""
-        return self._finished_outer + (self.outer_step.communication if self.outer_step else CommunicationCounters())
-
     @property
     def communication(self) -> CommunicationCounters:
         """This rank's cumulative communication: the inner gradient allreduces inside the replica (intra-node) and
@@ -371,7 +292,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     def _per_rank_state(self) -> dict[str, Any]:
         assert self.outer_step is not None
         self.outer_step.finish_in_flight()
-        local = self._stashed if self._stashed is not None else [p.detach().clone() for p in self.outer_step.params]
+        local = self.outer_sync.local_values()
         # the loss scaler's state too: replicas skip different steps, and the main file holds only rank 0's scaler
         return {"inner_steps": self.inner_steps, "local_params": local, "outer": self.outer_step.state_dict(),
                 "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
@@ -409,13 +330,13 @@ class OnebitDiLoCoStrategy(DDPStrategy):
 
     def _load_per_rank_state(self, state: dict[str, Any]) -> None:
         assert self.outer_step is not None
-        self.outer_step.load_state_dict(streaming_outer_state(state, self.sync_every))
+        self.outer_step.load_state_dict(streaming_outer_state(state, self.outer_sync.settings.sync_every))
         for optimizer, saved in zip(self.optimizers, state["inner_optimizers"]):
             optimizer.load_state_dict(saved)
         with torch.no_grad():
             for p, local in zip(self.outer_step.params, state["local_params"]):
                 p.copy_(local)
-        self.inner_steps = int(state["inner_steps"])
+        self.outer_sync.inner_steps = int(state["inner_steps"])
         if state.get("precision"):  # this rank's loss scaler (an older sidecar has none: rank 0's stays)
             self.precision_plugin.load_state_dict(state["precision"])
 
@@ -429,9 +350,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()  # unwraps DDP, which holds the node group
-        if self.outer_step is not None:
-            self._finished_outer = self.outer_communication
-            self.outer_step = None  # its compressor holds the replica group
+        self.outer_sync.release()  # its compressors hold the replica group
         self.gradient_sync.process_group = None
         self.gradient_sync.topology = None
         if self.topology is not None:

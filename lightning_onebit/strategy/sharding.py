@@ -5,9 +5,10 @@ Functions of the model, the mesh and the optimizer (no Lightning), so the strate
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,15 +24,16 @@ from lightning_onebit.optim.sharded import is_sharded
 log = logging.getLogger(__name__)
 
 
-def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optional[int]) -> list[list[int]]:
+def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optional[int],
+                    strategy: str = "onebit_fsdp") -> list[list[int]]:
     """The ``(M, L)`` rank grid of the ``("replicate", "shard")`` mesh: row ``n`` is node ``n``'s ranks by local index.
     ``placements``: every rank's ``(node_rank, local_rank)``; ``ranks_per_node`` overrides them (ranks ``kL .. kL +
     L - 1`` form node ``k``). Raises ``ValueError`` (pure: before any collective) for one node or uneven nodes, saying
-    what to use instead. One rank per node is allowed (nothing is sharded; ``onebit_adam`` does the same with less
-    overhead, which the strategy logs)."""
+    what to use instead (``strategy``: the strategy's name, for the message). One rank per node is allowed (nothing
+    is sharded; ``onebit_adam`` does the same with less overhead, which the strategy logs)."""
     if ranks_per_node is not None and len(placements) % ranks_per_node:
         raise ValueError(
-            f"strategy='onebit_fsdp' needs nodes of equal size, but ranks_per_node={ranks_per_node} does not divide "
+            f"strategy={strategy!r} needs nodes of equal size, but ranks_per_node={ranks_per_node} does not divide "
             f"the {len(placements)} ranks: pass a ranks_per_node that divides the world size"
         )
     topology = Topology.plan(placements, "auto", ranks_per_node=ranks_per_node)
@@ -40,7 +42,7 @@ def node_mesh_ranks(placements: Sequence[tuple[int, int]], ranks_per_node: Optio
         why = (f"all {topology.world_size} ranks are on one node" if topology.num_nodes == 1
                else f"nodes have uneven numbers of ranks {list(sizes)}")
         raise ValueError(
-            f"strategy='onebit_fsdp' shards the model inside each node and compresses across nodes, so it needs "
+            f"strategy={strategy!r} shards the model inside each node and compresses across nodes, so it needs "
             f"several nodes with the same number of ranks each, but {why}. On one node there is nothing to "
             "compress: use FSDP2 with a plain optimizer (strategy=ModelParallelStrategy()), or strategy='onebit_adam' "
             "to compress between the ranks; to simulate nodes on one host pass ranks_per_node. "
@@ -237,6 +239,20 @@ def fsdp_buckets(model: Module, optimizer: CompressedOptimizer) -> list[list[tor
         if own:
             buckets.append(own)
     return buckets
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: Optional[Module]) -> Iterator[None]:
+    """No reduce-scatter inside the node for the backward passes run meanwhile (the micro-batches before the last of
+    an accumulation): every FSDP group of ``model`` keeps its unsharded gradients to accumulate into."""
+    modules = fsdp_modules(model) if model is not None else []
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
 
 
 def _names(names: list[str], shown: int = 6) -> str:

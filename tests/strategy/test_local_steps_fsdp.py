@@ -1,0 +1,210 @@
+"""The ``onebit_diloco_fsdp`` strategy (``OnebitDiLoCoFSDPStrategy``: FSDP2 inside each replica, the compressed outer
+step across replicas) under Lightning on gloo, with the Llama-style test model sharded by its ``configure_model``:
+
+* 2 x 2 (4 ranks, 1-bit over two replicas, Nesterov, 2 fragments, 1 overlapped step) and 3 x 1 (the two-phase 1-bit
+  exchange with its server error): every replica's shards bitwise the same after every step that ends an exchange,
+  the same at the end of fit, and a run resumed from a checkpoint saved mid-period (an exchange in flight on 2 x 2)
+  continues bit for bit;
+* the 2 x 2 checkpoint resumed on 2 ranks (2 x 1): the outer model, each replica's own parameters, its AdamW state,
+  its error feedback, the outer momentum and the streaming rebase's saved parameters are the saved ones, whole; the
+  run goes on with its replicas bitwise the same after the syncs;
+* resuming with another number of replicas, one replica, and a layout that does not divide the world are refused on
+  every rank with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import pytest
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_onebit import OnebitDiLoCoFSDPStrategy
+from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.llama_models import LlamaLM, local_shards
+
+SYNC_EVERY, STEPS, SAVED_AT = 4, 10, 6
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+
+
+def _full(local: torch.Tensor, like: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride()).full_tensor()
+
+
+def snapshot(strategy: OnebitDiLoCoFSDPStrategy) -> dict[str, torch.Tensor]:
+    """The training state, each tensor whole (all-gathered over the replica: every rank of it calls this): outer
+    values, own parameters, error feedback, outer momentum, rebase starts and AdamW's moments, each flat."""
+    outer_step = strategy.outer_step
+    outer_step.finish_in_flight()
+    pairs = strategy.sharded_parameters
+    state = outer_step.per_parameter_state()
+    out: dict[str, torch.Tensor] = {}
+    for key in ("outer", "error_feedback", "momentum", "rebase_start"):
+        parts = [_full(t, p) for t, (_, p) in zip(state[key], pairs) if t is not None]
+        out[key] = torch.cat([t.reshape(-1) for t in parts]) if parts else torch.zeros(0)
+    out["local"] = torch.cat([p.full_tensor().reshape(-1) for _, p in pairs])
+    adam = strategy.optimizers[0].state
+    out["adam"] = torch.cat([adam[p][k].full_tensor().reshape(-1) for _, p in pairs for k in ("exp_avg", "exp_avg_sq")])
+    out["adam_step"] = torch.stack([adam[pairs[0][1]]["step"].reshape(())])
+    return out
+
+
+class Recorder(pl.Callback):
+    """Per optimizer step: the local shards and the step; the snapshot when a checkpoint is saved and after the
+    restore (at the start of training)."""
+
+    def __init__(self) -> None:
+        self.shards: list[torch.Tensor] = []
+        self.saved: Optional[dict] = None
+        self.restored: Optional[dict] = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step:
+            self.restored = snapshot(trainer.strategy)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.shards.append(local_shards(pl_module))
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        self.saved = snapshot(trainer.strategy)
+
+
+def _fit(rank: int, world_size: int, *, per_replica: int, steps: int = STEPS, ckpt_path: Optional[str] = None,
+         save_dir: Optional[str] = None, **strategy_kwargs: Any) -> dict[str, Any]:
+    strategy = OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=per_replica, **strategy_kwargs)
+    recorder = Recorder()
+    callbacks: list[Any] = [recorder]
+    if save_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{step}", every_n_train_steps=SAVED_AT,
+                                         save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+                         enable_checkpointing=save_dir is not None, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks)
+    model = LlamaLM(100 + rank, optimizer=_adamw)  # unseeded alike: the first replica's weights win
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return {"shards": recorder.shards, "final": local_shards(model), "saved": recorder.saved,
+            "restored": recorder.restored, "losses": model.losses, "syncs": strategy.outer_syncs,
+            "inner_steps": strategy.inner_steps, "bytes": strategy.communication.bytes_sent_inter_node}
+
+
+_STREAMED = dict(outer_optimizer="nesterov", fragments=2, overlap_steps=1)
+
+
+def scenario_2x2(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    run = os.path.join(workdir, "2x2")
+    full = _fit(rank, world_size, per_replica=2, save_dir=run, **_STREAMED)
+    resumed = _fit(rank, world_size, per_replica=2, ckpt_path=os.path.join(run, f"step={SAVED_AT}.ckpt"), **_STREAMED)
+    return {"full": full, "resumed": resumed}
+
+
+def scenario_3x1(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    run = os.path.join(workdir, "3x1")
+    full = _fit(rank, world_size, per_replica=1, save_dir=run)
+    resumed = _fit(rank, world_size, per_replica=1, ckpt_path=os.path.join(run, f"step={SAVED_AT}.ckpt"))
+    return {"full": full, "resumed": resumed}
+
+
+def _error(fn: Any) -> Optional[str]:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def scenario_2x1_from_2x2(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    path = os.path.join(workdir, "2x2", f"step={SAVED_AT}.ckpt")
+    resharded = _fit(rank, world_size, per_replica=1, ckpt_path=path, **_STREAMED)
+    one_replica = _error(lambda: _fit(rank, world_size, per_replica=2, steps=1))
+    return {"resharded": resharded, "one_replica": one_replica}
+
+
+def scenario_other_replicas(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """The 2 x 2 checkpoint on 4 ranks as 4 replicas of 1: refused."""
+    path = os.path.join(workdir, "2x2", f"step={SAVED_AT}.ckpt")
+    return {"error": _error(lambda: _fit(rank, world_size, per_replica=1, ckpt_path=path, **_STREAMED)),
+            "uneven": _error(lambda: _fit(rank, world_size, per_replica=3, steps=1))}
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    workdir = str(tmp_path_factory.mktemp("diloco_fsdp"))
+    four = run_distributed(run_scenarios, 4, (("2x2", scenario_2x2),), workdir, timeout_s=400)
+    two = run_distributed(run_scenarios, 2, (("2x1", scenario_2x1_from_2x2),), workdir, timeout_s=300)
+    refused = run_distributed(run_scenarios, 4, (("refused", scenario_other_replicas),), workdir, timeout_s=300)
+    three = run_distributed(run_scenarios, 3, (("3x1", scenario_3x1),), workdir, timeout_s=300)
+    return {"2x2": four, "2x1": two, "refused": refused, "3x1": three}
+
+
+def _replicas(ranks: list[dict], per_replica: int) -> list[list[dict]]:
+    """Per shard index, that shard's results on every replica."""
+    return [ranks[i::per_replica] for i in range(per_replica)]
+
+
+def test_2x2_replicas_agree_at_the_end_and_learn(sessions: dict) -> None:
+    runs = [r["full"] for r in scenario_results(sessions["2x2"], "2x2")]
+    for same_shard in _replicas(runs, 2):
+        first = same_shard[0]["final"]
+        assert all(torch.equal(r["final"], first) for r in same_shard[1:])
+        # between syncs the replicas differ (they train on different data)
+        assert not torch.equal(same_shard[0]["shards"][1], same_shard[1]["shards"][1])
+    for r in runs:
+        assert r["inner_steps"] == STEPS and r["bytes"] > 0
+        assert sum(r["losses"][-3:]) < sum(r["losses"][:3])
+
+
+def test_2x2_resume_mid_period_with_an_exchange_in_flight_is_bitwise(sessions: dict) -> None:
+    for rank, r in enumerate(scenario_results(sessions["2x2"], "2x2")):
+        full, resumed = r["full"], r["resumed"]
+        assert resumed["restored"] is not None and resumed["inner_steps"] == STEPS
+        for step, (a, b) in enumerate(zip(full["shards"][SAVED_AT:], resumed["shards"])):
+            assert torch.equal(a, b), f"rank {rank}: step {SAVED_AT + step + 1} differs after resume"
+        assert torch.equal(full["final"], resumed["final"])
+        # the state read back is the state saved, tensor for tensor
+        for key, saved in full["saved"].items():
+            assert torch.equal(saved, resumed["restored"][key]), key
+        assert full["saved"]["rebase_start"].numel() > 0  # an exchange was in flight at the save (overlap 1)
+        assert full["saved"]["momentum"].numel() > 0
+
+
+def test_3x1_two_phase_resume_is_bitwise_and_replicas_agree_after_every_sync(sessions: dict) -> None:
+    runs = scenario_results(sessions["3x1"], "3x1")
+    for step in range(SYNC_EVERY - 1, STEPS, SYNC_EVERY):  # after the inner steps 4 and 8
+        assert all(torch.equal(r["full"]["shards"][step], runs[0]["full"]["shards"][step]) for r in runs[1:])
+    for rank, r in enumerate(runs):
+        assert not torch.equal(r["full"]["shards"][0], runs[(rank + 1) % 3]["full"]["shards"][0])
+        for a, b in zip(r["full"]["shards"][SAVED_AT:], r["resumed"]["shards"]):
+            assert torch.equal(a, b), f"rank {rank}"
+        # the server error (the second compression's) is restored too: it is part of the state compared here
+        assert r["full"]["saved"]["error_feedback"].abs().sum() > 0
+
+
+def test_a_2x2_checkpoint_resumes_on_2x1_with_every_state_whole(sessions: dict) -> None:
+    saved = [r["full"]["saved"] for r in scenario_results(sessions["2x2"], "2x2")]
+    runs = scenario_results(sessions["2x1"], "2x1")
+    for replica, r in enumerate(runs):  # replica k was ranks 2k and 2k+1; it is rank k now
+        restored = r["resharded"]["restored"]
+        # the whole tensors the saving replica held (the error feedback: its two ranks' shards side by side)
+        for key in ("outer", "local", "error_feedback", "momentum", "rebase_start", "adam", "adam_step"):
+            assert torch.equal(restored[key], saved[2 * replica][key]), (replica, key)
+    a, b = (r["resharded"] for r in runs)
+    assert a["inner_steps"] == STEPS and torch.equal(a["final"], b["final"])
+    assert all(torch.isfinite(torch.tensor(r["resharded"]["losses"])).all() for r in runs)
+
+
+def test_another_replica_count_one_replica_and_an_uneven_layout_are_refused(sessions: dict) -> None:
+    refused = scenario_results(sessions["refused"], "refused")
+    for r in refused:
+        assert r["error"] is not None and "saved by 2 replicas and this run has 4" in r["error"], r["error"]
+        assert r["uneven"] is not None and "ranks_per_node=3 does not divide the 4 ranks" in r["uneven"]
+    for r in scenario_results(sessions["2x1"], "2x1"):
+        assert r["one_replica"] is not None and "needs two replicas or more" in r["one_replica"]
