@@ -26,11 +26,14 @@ from lightning_onebit.comm.agreement import agree
 from lightning_onebit.comm.topology import Topology
 from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.optim import CompressedOptimizer, StepKind
-from lightning_onebit.strategy import OnebitDiLoCoStrategy, OnebitFSDPStrategy, OnebitStrategy
+from lightning_onebit.strategy import OnebitDiLoCoFSDPStrategy, OnebitDiLoCoStrategy, OnebitFSDPStrategy, OnebitStrategy
 from lightning_onebit.strategy.stepping import onebit_optimizer, onebit_strategy
 
 #: Where the advisor's messages send the user: how the estimate is made, and why a link may give no speedup.
 _ADVISOR_DOCS = docs_pointer("guides/why-no-speedup")
+
+#: the local-steps strategies (DDP and FSDP2 inside the replica): counted by the strategy, advised on sync_every
+_LOCAL_STEPS = (OnebitDiLoCoStrategy, OnebitDiLoCoFSDPStrategy)
 
 
 class CommunicationMonitor(Callback):
@@ -160,11 +163,11 @@ class CommunicationMonitor(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = self._strategy = _monitored_strategy(trainer)
         # counted by the strategy; no advice (yet) under sharding
-        if isinstance(strategy, (OnebitFSDPStrategy, OnebitDiLoCoStrategy)):
+        if isinstance(strategy, (OnebitFSDPStrategy, *_LOCAL_STEPS)):
             self._start = self._last = strategy.communication
             self._last_step = trainer.global_step
             self.advice, self._local_steps = None, None
-            if isinstance(strategy, OnebitDiLoCoStrategy) and self.advise:  # the advice on sync_every
+            if isinstance(strategy, _LOCAL_STEPS) and self.advise:  # the advice on sync_every
                 self._local_steps = LocalStepsTimer(strategy, self.advise_steps, self.SETTLING_STEPS)
             return
         if not isinstance(strategy, OnebitStrategy):
@@ -286,10 +289,11 @@ class CommunicationMonitor(Callback):
             )
 
     def _counters_now(
-        self, strategy: Union[OnebitStrategy, OnebitFSDPStrategy, OnebitDiLoCoStrategy, DDPStrategy]
+        self, strategy: Union[OnebitStrategy, OnebitFSDPStrategy, OnebitDiLoCoStrategy, OnebitDiLoCoFSDPStrategy,
+                              DDPStrategy]
     ) -> Optional[CommunicationCounters]:
         """This rank's cumulative counters now (``None``: plain DDP with a hook of the user's, nothing counted)."""
-        if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy, OnebitDiLoCoStrategy)):
+        if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy, *_LOCAL_STEPS)):
             return strategy.communication
         if self._ddp_sync is None:
             return None
@@ -400,15 +404,16 @@ class CommunicationMonitor(Callback):
             )
 
 
-def _monitored_strategy(trainer: "pl.Trainer") -> Union[OnebitStrategy, OnebitFSDPStrategy, DDPStrategy]:
-    """The Trainer's strategy when the monitor can count it (``onebit_adam``, ``onebit_fsdp``, or plain DDP), else a
-    clear error."""
+def _monitored_strategy(trainer: "pl.Trainer") -> Any:
+    """The Trainer's strategy when the monitor can count it (``onebit_adam``, ``onebit_fsdp``, ``onebit_diloco``,
+    ``onebit_diloco_fsdp``, or plain DDP), else a clear error."""
     strategy = trainer.strategy
-    if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy, DDPStrategy)):
+    if isinstance(strategy, (OnebitStrategy, OnebitFSDPStrategy, *_LOCAL_STEPS, DDPStrategy)):
         return strategy
     raise ValueError(
-        "CommunicationMonitor needs the 'onebit_adam' or 'onebit_fsdp' strategy (lightning_onebit.OnebitStrategy, "
-        "OnebitFSDPStrategy) or plain DDP "
+        "CommunicationMonitor needs one of the strategies 'onebit_adam', 'onebit_fsdp', 'onebit_diloco' or "
+        "'onebit_diloco_fsdp' (lightning_onebit.OnebitStrategy, OnebitFSDPStrategy, OnebitDiLoCoStrategy, "
+        "OnebitDiLoCoFSDPStrategy) or plain DDP "
         f"(strategy='ddp', the baseline to compare with), but the Trainer uses {type(strategy).__name__}. Pass "
         "Trainer(strategy='onebit_adam') or Trainer(strategy='ddp'), or remove the callback."
     )

@@ -6,13 +6,13 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from lightning_onebit.callbacks.advice import LOCAL_STEPS_DOCS, LocalStepsAdvice
 from lightning_onebit.comm.agreement import agree
-from lightning_onebit.strategy import OnebitDiLoCoStrategy
+from lightning_onebit.strategy import OnebitDiLoCoFSDPStrategy, OnebitDiLoCoStrategy
 
 #: timed steps with an outer sync the advice needs at least (the first sync of a fit, which lays its buffers out, is
 #: never timed)
@@ -20,8 +20,9 @@ MIN_SYNCS_TIMED = 2
 
 
 class LocalStepsTimer:
-    """Times one ``fit``'s optimizer steps under ``onebit_diloco`` (wall time between the ends of consecutive optimizer
-    steps, as for ``onebit_adam``'s warmup): a step is a *sync step* when the strategy's ``outer_syncs`` grew in it.
+    """Times one ``fit``'s optimizer steps under ``onebit_diloco`` or ``onebit_diloco_fsdp`` (wall time between the
+    ends of consecutive optimizer steps, as for ``onebit_adam``'s warmup): a step is a *sync step* when the strategy's
+    ``outer_syncs`` grew in it.
 
     Not timed: the first ``settling_steps`` steps of the fit (buckets built, allocators warmed up), the fit's first
     sync step (the outer exchange lays its buffers out), and the step after a validation loop (which ran in between).
@@ -33,7 +34,8 @@ class LocalStepsTimer:
         settling_steps: steps at the start of the fit that are not timed.
     """
 
-    def __init__(self, strategy: OnebitDiLoCoStrategy, advise_steps: int, settling_steps: int) -> None:
+    def __init__(self, strategy: Union[OnebitDiLoCoStrategy, OnebitDiLoCoFSDPStrategy], advise_steps: int,
+                 settling_steps: int) -> None:
         self.strategy = strategy
         self.advise_steps = advise_steps
         self.settling_steps = settling_steps

@@ -8,6 +8,9 @@ step across replicas) under Lightning on gloo, with the Llama-style test model s
 * the 2 x 2 checkpoint resumed on 2 ranks (2 x 1): the outer model, each replica's own parameters, its AdamW state,
   its error feedback, the outer momentum and the streaming rebase's saved parameters are the saved ones, whole; the
   run goes on with its replicas bitwise the same after the syncs;
+* bf16-mixed, gradient accumulation, clipping and the strategy's own sharding (``shard_modules``) together, with
+  ``CommunicationMonitor`` and validation: the validation sees the outer model, and the training is the same bits
+  with or without it; ``Trainer(strategy="onebit_diloco_fsdp")`` by name;
 * resuming with another number of replicas, one replica, and a layout that does not divide the world are refused on
   every rank with the reason.
 """
@@ -22,9 +25,10 @@ import torch
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_onebit import OnebitDiLoCoFSDPStrategy
+from lightning_onebit import CommunicationMonitor, OnebitDiLoCoFSDPStrategy
 from tests.distributed import run_distributed, run_scenarios, scenario_results
-from tests.llama_models import LlamaLM, local_shards
+from tests.llama_models import LlamaBlock, LlamaLM, local_shards
+from tests.strategy.test_topology_lightning import RecordingLogger
 
 SYNC_EVERY, STEPS, SAVED_AT = 4, 10, 6
 
@@ -113,6 +117,43 @@ def scenario_3x1(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     return {"full": full, "resumed": resumed}
 
 
+class ValidatedLlama(LlamaLM):
+    """Validates on one batch; records the local shards it validated and the outer values then."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.validated: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        outer_step = self.trainer.strategy.outer_step
+        outer = outer_step.outer_values()
+        self.validated.append((local_shards(self), torch.cat([outer[id(t)].reshape(-1) for t in outer_step.params])))
+
+    def val_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+
+def _features(rank: int, world_size: int, validate: bool) -> dict[str, Any]:
+    strategy = OnebitDiLoCoFSDPStrategy(ranks_per_node=2, shard_modules=[LlamaBlock])
+    logger = RecordingLogger()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
+                         precision="bf16-mixed", accumulate_grad_batches=2, gradient_clip_val=0.5, logger=logger,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=1 if validate else 0, val_check_interval=6 if validate else 1.0,
+                         num_sanity_val_steps=0, log_every_n_steps=1, callbacks=[CommunicationMonitor()])
+    model = ValidatedLlama(100 + rank, optimizer=_adamw, shard=False)
+    trainer.fit(model)
+    logged = [row["comm/bytes_sent_total"] for row in logger.rows if "comm/bytes_sent_total" in row]
+    return {"final": local_shards(model), "validated": model.validated, "losses": model.losses, "logged": logged,
+            "bytes": strategy.communication.bytes_sent, "syncs": strategy.outer_syncs}
+
+
+def scenario_features(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    resolved = pl.Trainer(accelerator="cpu", devices=world_size, strategy="onebit_diloco_fsdp", logger=False).strategy
+    return {"by_name": type(resolved).__name__, "plain": _features(rank, world_size, False),
+            "validated": _features(rank, world_size, True)}
+
+
 def _error(fn: Any) -> Optional[str]:
     try:
         fn()
@@ -138,7 +179,8 @@ def scenario_other_replicas(rank: int, world_size: int, workdir: str) -> dict[st
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     workdir = str(tmp_path_factory.mktemp("diloco_fsdp"))
-    four = run_distributed(run_scenarios, 4, (("2x2", scenario_2x2),), workdir, timeout_s=400)
+    four = run_distributed(run_scenarios, 4, (("2x2", scenario_2x2), ("features", scenario_features)), workdir,
+                           timeout_s=400)
     two = run_distributed(run_scenarios, 2, (("2x1", scenario_2x1_from_2x2),), workdir, timeout_s=300)
     refused = run_distributed(run_scenarios, 4, (("refused", scenario_other_replicas),), workdir, timeout_s=300)
     three = run_distributed(run_scenarios, 3, (("3x1", scenario_3x1),), workdir, timeout_s=300)
@@ -208,3 +250,24 @@ def test_another_replica_count_one_replica_and_an_uneven_layout_are_refused(sess
         assert r["uneven"] is not None and "ranks_per_node=3 does not divide the 4 ranks" in r["uneven"]
     for r in scenario_results(sessions["2x1"], "2x1"):
         assert r["one_replica"] is not None and "needs two replicas or more" in r["one_replica"]
+
+
+def test_bf16_accumulation_clipping_strategy_sharding_validation_and_the_monitor(sessions: dict) -> None:
+    runs = scenario_results(sessions["2x2"], "features")
+    assert runs[0]["by_name"] == "OnebitDiLoCoFSDPStrategy"
+    for same_shard in _replicas(runs, 2):
+        for kind in ("plain", "validated"):
+            assert torch.equal(same_shard[0][kind]["final"], same_shard[1][kind]["final"])
+    for r in runs:
+        plain, validated = r["plain"], r["validated"]
+        # validation changes nothing in the training, and sees the outer model (not the replica's own shards)
+        assert torch.equal(plain["final"], validated["final"])
+        assert len(validated["validated"]) == 3  # after the optimizer steps 3, 6 and 9
+        for seen, outer in validated["validated"]:
+            assert torch.equal(seen, outer)
+        # the default sync_every=8: the sync after step 8 and the one at the end of fit (steps 9 and 10)
+        assert plain["syncs"] == 2
+        # the monitor logs the strategy's bytes per step (the end of fit's sync comes after the last step's log)
+        assert plain["logged"] and 0 < plain["logged"][-1] < plain["bytes"]
+        assert plain["logged"][6] == 0 < plain["logged"][7]  # nothing crosses before the first sync
+        assert sum(plain["losses"][-4:]) < sum(plain["losses"][:4])
