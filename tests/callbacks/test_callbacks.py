@@ -657,7 +657,8 @@ def test_ddp_with_a_comm_hook_of_its_own_warns_once_and_counts_nothing(session: 
 
 def test_monitor_refuses_a_strategy_other_than_onebit_or_ddp() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-    with pytest.raises(ValueError, match=r"'onebit_adam' or 'onebit_fsdp' strategy .* or plain DDP .* SingleDeviceStrategy"):
+    with pytest.raises(ValueError, match=r"'onebit_adam', 'onebit_fsdp', 'onebit_diloco' or 'onebit_diloco_fsdp' .* or plain DDP .* "
+                       r"SingleDeviceStrategy"):
         CommunicationMonitor().setup(trainer, TokenRegressor(), "fit")
 
 
