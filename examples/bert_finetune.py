@@ -47,8 +47,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_onebit  # noqa: F401  (registers the onebit_adam strategies)
-from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitDiLoCoStrategy, OnebitFSDPStrategy
-from lightning_onebit import OnebitStrategy
+from lightning_onebit import CommunicationMonitor, CompressedOptimizer, OnebitDiLoCoFSDPStrategy, OnebitDiLoCoStrategy
+from lightning_onebit import OnebitFSDPStrategy, OnebitStrategy
 from lightning_onebit.comm import CommunicationCounters, ring_allreduce_bytes
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -636,7 +636,7 @@ class BertFinetuneCLI(LightningCLI):
             monitor = _monitor(trainer)
             if monitor is not None and monitor.advice is not None:  # "will compression help?", and the measured answer
                 summary["advice"] = dataclasses.asdict(monitor.advice)
-        elif isinstance(strategy, OnebitDiLoCoStrategy):
+        elif isinstance(strategy, (OnebitDiLoCoStrategy, OnebitDiLoCoFSDPStrategy)):
             counters = strategy.communication
             trainable = summary["trainable_parameters"]
             summary.update(

@@ -17,6 +17,7 @@ replica (4 ranks as 2 x 2 saved, 2 as 2 x 1 resumed).
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +47,8 @@ from lightning_onebit.strategy.local_steps_fsdp_checkpoint import save_local_ste
 from lightning_onebit.strategy.local_steps_run import DEFAULTS, LocalStepsSettings, OuterSync, replica_layout
 from lightning_onebit.strategy.local_steps_run import with_local_steps_attributes
 from lightning_onebit.strategy.sharding import broadcast_from_first_replica, check_sharded, no_gradient_sync
-from lightning_onebit.strategy.sharding import node_device_mesh, node_mesh_ranks, shard_model
+from lightning_onebit.strategy.sharding import node_device_mesh, node_mesh_ranks, point_at_sharded_parameters
+from lightning_onebit.strategy.sharding import shard_model
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         self.outer_sync = OuterSync(settings)
         #: the trainable parameters by name (``DTensor`` s), in the outer step's order (this fit's)
         self.sharded_parameters: list[tuple[str, torch.Tensor]] = []
+        self._names_before_sharding: dict[int, tuple[Any, str]] = {}
 
     # ------------------------------------------------------------------ the mesh
     def replica_layout(self) -> tuple[int, int]:
@@ -149,10 +152,14 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)
-        replicas, per_replica = self.replica_layout()  # before the process group: a bad layout stops every rank
-        self._setup_distributed()
+        self.replica_layout()  # before the process group: a bad layout stops every rank
         env = self.cluster_environment
         assert env is not None and self.lightning_module is not None
+        # the parameters before sharding, by name: an optimizer built from them (LightningCLI builds its optimizer
+        # before fit) is pointed at the sharded ones in setup_optimizers
+        self._names_before_sharding = {id(p): (weakref.ref(p), name)
+                                       for name, p in self.lightning_module.named_parameters()}
+        self._setup_distributed()
         grid = node_mesh_ranks(agree((env.node_rank(), env.local_rank())), self.ranks_per_node, self.strategy_name)
         self._device_mesh = node_device_mesh(self.root_device.type, grid, self._timeout)
         self.lightning_module._device_mesh = self._device_mesh  # the module's configure_model shards with it
@@ -197,16 +204,10 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         assert self.model is not None
+        for optimizer in self.optimizers:
+            point_at_sharded_parameters(optimizer, self.model, self._names_before_sharding, self.strategy_name)
+        self._names_before_sharding = {}
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        ours = {id(p) for _, p in named}
-        foreign = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]
-                   if p.requires_grad and id(p) not in ours]
-        if foreign:
-            raise ValueError(
-                f"{type(self.optimizers[0]).__name__} holds {len(foreign)} parameter(s) that are not the sharded "
-                "model's (built before configure_model sharded it?): create the optimizer in configure_optimizers from "
-                "self.parameters()"
-            )
         replicate = self.device_mesh["replicate"].get_group()
         compression = self.outer_sync.settings.compression
         with torch.no_grad():

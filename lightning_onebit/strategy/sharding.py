@@ -193,16 +193,20 @@ def check_sharded(model: Module, shard_mesh: Any) -> None:
 
 
 def point_at_sharded_parameters(
-    optimizer: CompressedOptimizer, model: Module, names_before_sharding: dict[int, tuple[Any, str]]
+    optimizer: Any, model: Module, names_before_sharding: dict[int, tuple[Any, str]], strategy: str = "onebit_fsdp"
 ) -> None:
     """An optimizer built from the parameters as they were before sharding (LightningCLI builds its optimizer
     from ``model.parameters()`` before ``fit``) gets the sharded ones of the same names, in the same groups. It
     must not have stepped yet; any other foreign parameter is a ``ValueError``. ``names_before_sharding``: ``id`` of
-    each parameter before sharding -> (a weak reference to it, its name)."""
+    each parameter before sharding -> (a weak reference to it, its name). ``optimizer``: a
+    :class:`~lightning_onebit.optim.CompressedOptimizer` (whose stand-ins of sharded parameters are its own) or any
+    torch optimizer."""
     current = dict(model.named_parameters())
     held = {id(p) for p in current.values()}
+    shards = getattr(optimizer, "shards", None)
     groups = optimizer.param_groups
-    if all(optimizer.shards.dtensor_of(p) is not None or id(p) in held for g in groups for p in g["params"]):
+    if all(id(p) in held or (shards is not None and shards.dtensor_of(p) is not None)
+           for g in groups for p in g["params"]):
         return
     if optimizer.state:
         raise ValueError(f"{type(optimizer).__name__} holds parameters from before sharding and has state already: "
@@ -223,7 +227,7 @@ def point_at_sharded_parameters(
     optimizer.param_groups.clear()
     for group in rebuilt:
         optimizer.add_param_group(group)
-    log.info("onebit_fsdp: %s was built from the parameters before sharding; it now holds the sharded ones",
+    log.info("%s: %s was built from the parameters before sharding; it now holds the sharded ones", strategy,
              type(optimizer).__name__)
 
 

@@ -8,6 +8,7 @@ step across replicas) under Lightning on gloo, with the Llama-style test model s
 * the 2 x 2 checkpoint resumed on 2 ranks (2 x 1): the outer model, each replica's own parameters, its AdamW state,
   its error feedback, the outer momentum and the streaming rebase's saved parameters are the saved ones, whole; the
   run goes on with its replicas bitwise the same after the syncs;
+* an optimizer built from the parameters before sharding (as LightningCLI builds it) steps the sharded ones;
 * bf16-mixed, gradient accumulation, clipping and the strategy's own sharding (``shard_modules``) together, with
   ``CommunicationMonitor`` and validation: the validation sees the outer model, and the training is the same bits
   with or without it; ``Trainer(strategy="onebit_diloco_fsdp")`` by name;
@@ -148,10 +149,29 @@ def _features(rank: int, world_size: int, validate: bool) -> dict[str, Any]:
             "bytes": strategy.communication.bytes_sent, "syncs": strategy.outer_syncs}
 
 
+class EarlyOptimizerLlama(LlamaLM):
+    """Builds its AdamW from the parameters before sharding (as LightningCLI does)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.early = _adamw(self.parameters())
+
+    def configure_optimizers(self) -> Any:
+        return self.early
+
+
 def scenario_features(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     resolved = pl.Trainer(accelerator="cpu", devices=world_size, strategy="onebit_diloco_fsdp", logger=False).strategy
+    early = EarlyOptimizerLlama(100 + rank, optimizer=_adamw)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         strategy=OnebitDiLoCoFSDPStrategy(ranks_per_node=2))
+    trainer.fit(early)
+    sharded = {id(p) for p in early.parameters()}
     return {"by_name": type(resolved).__name__, "plain": _features(rank, world_size, False),
-            "validated": _features(rank, world_size, True)}
+            "validated": _features(rank, world_size, True),
+            "early_points_at_shards": all(id(p) in sharded for g in early.early.param_groups for p in g["params"])
+            and len(early.early.state) == len(sharded)}
 
 
 def _error(fn: Any) -> Optional[str]:
@@ -255,6 +275,8 @@ def test_another_replica_count_one_replica_and_an_uneven_layout_are_refused(sess
 def test_bf16_accumulation_clipping_strategy_sharding_validation_and_the_monitor(sessions: dict) -> None:
     runs = scenario_results(sessions["2x2"], "features")
     assert runs[0]["by_name"] == "OnebitDiLoCoFSDPStrategy"
+    # an optimizer built before sharding was pointed at the sharded parameters, and stepped them all
+    assert all(r["early_points_at_shards"] for r in runs)
     for same_shard in _replicas(runs, 2):
         for kind in ("plain", "validated"):
             assert torch.equal(same_shard[0][kind]["final"], same_shard[1][kind]["final"])

@@ -16,6 +16,7 @@ CONFIG = ROOT / "examples" / "configs" / "bert_onebit.yaml"
 DDP_CONFIG = ROOT / "examples" / "configs" / "bert_adamw.yaml"
 FSDP_CONFIG = ROOT / "examples" / "configs" / "bert_fsdp.yaml"
 DILOCO_CONFIG = ROOT / "examples" / "configs" / "bert_diloco.yaml"
+DILOCO_FSDP_CONFIG = ROOT / "examples" / "configs" / "bert_diloco_fsdp.yaml"
 #: what benchmarks/ read from a DDP run's --summary_json (bert_parity, convergence, freeze_sweep, result_tables)
 DDP_SUMMARY_KEYS = {"strategy", "optimizer", "steps", "trainable_parameters", "wall_s", "val_loss", "val_acc",
                     "val_f1", "bytes_sent", "bytes_fp32_equivalent", "rounds_per_100_steps"}
@@ -267,6 +268,24 @@ def test_the_local_steps_config_trains_on_2_processes_as_2_replicas(tmp_path):
     # two 1-bit syncs against eight fp32 allreduces: far more than 32 x 4 fewer bytes
     assert 0 < result["bytes_sent"] < result["bytes_fp32_equivalent"] / 100, result
     assert result["bytes_sent"] == result["bytes_sent_inter_node"], result  # a replica per process: nothing intra
+
+
+def test_the_sharded_local_steps_config_trains_on_4_processes_as_2_replicas_of_2(tmp_path):
+    """bert_diloco_fsdp.yaml as shipped (LightningCLI builds AdamW before the strategy shards the encoder layers; it
+    is pointed at the shards), a shorter outer period: 2 outer syncs in 8 steps, each rank sending its shard's 1-bit
+    exchange only."""
+    summary = tmp_path / "summary.json"
+    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(DILOCO_FSDP_CONFIG), "--trainer.max_steps", "8",
+               "--trainer.strategy.init_args.sync_every", "4", "--model.num_layers", "2", "--model.hidden_size", "64",
+               "--model.intermediate_size", "256", "--data.num_val", "100", "--trainer.enable_progress_bar", "false",
+               "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
+    proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["strategy"] == "OnebitDiLoCoFSDPStrategy" and result["optimizer"] == "AdamW", result
+    assert result["steps"] == 8 and result["outer_syncs"] == 2, result
+    assert 0 < result["bytes_sent"] < result["bytes_fp32_equivalent"] / 20, result
+    assert result["bytes_sent"] == result["bytes_sent_inter_node"], result  # FSDP's collectives are not counted
 
 
 def test_summary_table_is_short_and_aligned(example):
