@@ -6,7 +6,9 @@ by a veth pair (``benchmarks.netns.VethPair``): node k is namespace ``mn<pid>r<i
 256kb latency 50ms``. Traffic between the two ranks of a node goes over that namespace's (unshaped) loopback; only
 inter-node traffic crosses the veth. In each namespace it runs ``python -m torch.distributed.run --nnodes 2
 --nproc-per-node 2 --node-rank k --master-addr 10.77.<i>.1 ... -m benchmarks.multinode --worker ...`` from the
-repository root, with ``GLOO_SOCKET_IFNAME=v<k>`` and ``OMP_NUM_THREADS=1``. Namespaces and links are removed
+repository root, with ``GLOO_SOCKET_IFNAME=v<k>`` and ``OMP_NUM_THREADS=1``. ``--ranks-per-node 1`` runs one
+process per node instead (the flat layout: each process has a core of its own on a 2-core host, and the local steps'
+replica is that one rank, with no DDP inside it; ``onebit_flat`` is then the 1-bit Adam to compare with). Namespaces and links are removed
 afterwards, with anything still running in them, also on errors, Ctrl-C and SIGTERM (a SIGKILL of the benchmark
 cannot be caught: then ``ip netns list`` shows the ``mn<pid>...`` names to delete by hand).
 
@@ -337,14 +339,18 @@ def _local_steps(model: Any, cfg: Any, node_rank: int, local_rank: int, sync_eve
     from lightning_onebit.optim.streaming import StreamingOuterStep
     from lightning_onebit.strategy.local_steps import DEFAULTS, OUTER_LR
 
-    topo = Topology.build(node_rank=node_rank, local_rank=local_rank, mode="hierarchical")
     params = [p for p in model.parameters() if p.requires_grad]
+    if int(os.environ["LOCAL_WORLD_SIZE"]) == 1:  # a replica of one rank: the outer exchange over every rank
+        replica_group, node_group = None, None
+    else:
+        topo = Topology.build(node_rank=node_rank, local_rank=local_rank, mode="hierarchical")
+        replica_group, node_group = topo.inter_group, topo.intra_group
     outer = StreamingOuterStep.build(
-        params, lambda: make_outer_compressor(DEFAULTS.compressor, topo.inter_group), fragments=fragments,
+        params, lambda: make_outer_compressor(DEFAULTS.compressor, replica_group), fragments=fragments,
         sync_every=sync_every, overlap_steps=overlap_steps, bucket_cap_mb=DEFAULTS.bucket_cap_mb,
         optimizer=DEFAULTS.outer_optimizer, lr=OUTER_LR[DEFAULTS.outer_optimizer], momentum=DEFAULTS.outer_momentum,
-        shard_group=topo.intra_group)
-    ddp = DDP(model, process_group=topo.intra_group, broadcast_buffers=False)
+        shard_group=node_group)
+    ddp = model if node_group is None else DDP(model, process_group=node_group, broadcast_buffers=False)
     info = dict(sync_every=sync_every, fragments=fragments, overlap_steps=overlap_steps,
                 compressor=DEFAULTS.compressor, outer_optimizer=DEFAULTS.outer_optimizer,
                 exchange=type(outer.fragments[0].compressor).__name__)
@@ -392,11 +398,12 @@ def _fsdp_method(method: str, model: Any, node_rank: int, local_rank: int, warmu
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
-def _launch(cluster: netns.VethPair, k: int, worker_args: list[str], log: Path) -> subprocess.Popen:
+def _launch(cluster: netns.VethPair, k: int, worker_args: list[str], log: Path,
+            ranks_per_node: int) -> subprocess.Popen:
     """torchrun of the workers of node ``k`` inside its namespace, from the repository root; output to ``log``."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME=cluster.devices[k], OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
-    cmd = module_command("torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE),
+    cmd = module_command("torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(ranks_per_node),
                          "--node-rank", str(k), "--master-addr", cluster.addresses[0],
                          "--master-port", str(MASTER_PORT), "-m", __spec__.name, "--worker", *worker_args)
     with open(log, "wb") as f:
@@ -429,7 +436,7 @@ def run_rate(index: int, rate: str, args: argparse.Namespace) -> dict[str, Any]:
             logs = [sync_dir / f"node{k}.log" for k in range(NODES)]
             readings: dict[str, dict[str, Any]] = {}
             initial = cluster.wire()
-            procs = [_launch(cluster, k, _worker_args(args, tmp), logs[k]) for k in range(NODES)]
+            procs = [_launch(cluster, k, _worker_args(args, tmp), logs[k], args.ranks_per_node) for k in range(NODES)]
             started = time.monotonic()
             seen: set[str] = set()
             failure = None
@@ -461,13 +468,20 @@ def run_rate(index: int, rate: str, args: argparse.Namespace) -> dict[str, Any]:
                 for k in range(NODES):
                     print(f"----- node {k} launcher output (last lines) -----\n{_tail(logs[k])}", file=sys.stderr)
                 raise RuntimeError(f"{rate}: {failure}")
-            per_rank = [json.loads((sync_dir / f"rank{r}.json").read_text()) for r in range(NODES * RANKS_PER_NODE)]
+            per_rank = [json.loads((sync_dir / f"rank{r}.json").read_text())
+                        for r in range(NODES * args.ranks_per_node)]
             final = cluster.wire()
     return dict(per_rank=per_rank, wire=readings, wire_initial=initial, wire_final=final,
                 namespaces=cluster.namespaces, addresses=cluster.addresses)
 
 
 # ---------------------------------------------------------------------------------------------------- summary
+def _onebit_reference(args: argparse.Namespace) -> str:
+    """The 1-bit Adam method the others are compared with: the topology-aware one, or the flat one with one rank per
+    node (where the two are the same exchange)."""
+    return "onebit_hierarchical" if args.ranks_per_node > 1 else "onebit_flat"
+
+
 def slowest_median(per_rank: list[dict], method: str) -> float:
     series = [r["methods"][method]["times_s"] for r in per_rank]
     return statistics.median(max(step) for step in zip(*series))
@@ -487,11 +501,11 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
     per_rank, wire = run["per_rank"], run["wire"]
     n_params = per_rank[0]["model"]["params"]
-    world = NODES * RANKS_PER_NODE
+    world = NODES * args.ranks_per_node
     barrier_count = args.calibration_barriers + 2
     barrier = [{key: _delta(wire, "barriers", k, key) / barrier_count for key in ("qdisc_bytes", "tx_bytes")}
                for k in range(NODES)]
-    formulas = formula_bytes_per_node(n_params, NODES, RANKS_PER_NODE)
+    formulas = formula_bytes_per_node(n_params, NODES, args.ranks_per_node)
     rows: dict[str, dict[str, Any]] = {}
     for method in args.methods:
         steps = len(per_rank[0]["methods"][method]["times_s"])  # local_steps: rounded up to whole periods
@@ -552,7 +566,7 @@ def summarise(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             if key in per_rank[0]["methods"][method]:
                 row[key] = per_rank[0]["methods"][method][key]
         rows[method] = row
-    ref = rows.get("onebit_hierarchical", {}).get("step_s")
+    ref = rows.get(_onebit_reference(args), {}).get("step_s")
     for row in rows.values():
         row["ratio_to_hierarchical"] = row["step_s"] / ref if ref else None
     for name in FSDP_ONEBIT:
@@ -567,9 +581,9 @@ def _mb(x: Optional[float]) -> str:
 
 def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
     rows = summary["rows"]
-    print(f"\n=== {NODES} nodes x {RANKS_PER_NODE} ranks, veth shaped at {rate} (tbf burst {args.burst}, "
+    print(f"\n=== {NODES} nodes x {args.ranks_per_node} rank(s), veth shaped at {rate} (tbf burst {args.burst}, "
           f"latency {args.latency}) ===")
-    header = (f"{'method':21s}{'step (s)':>9s}{'/ hier':>8s}   {'MB leaving each node per step:':31s}"
+    header = (f"{'method':21s}{'step (s)':>9s}{'/ 1-bit':>8s}   {'MB leaving each node per step:':31s}"
               f"{'counters':>9s}{'veth tc':>10s}{'diff':>8s}{'veth tx':>10s}{'formula':>10s}")
     print(header)
     print("-" * len(header))
@@ -589,9 +603,8 @@ def print_rate(rate: str, summary: dict, args: argparse.Namespace) -> None:
     for method in (m for m in MEAN_METHODS if m in rows and "local_4proc" in rows):
         local = rows[method]["mean_step_s"]
         floor = rows["local_4proc"]["mean_step_s"]
-        others = ", ".join(f"{name} {rows[name]['mean_step_s']:.3f} s" for name in ("ddp_powersgd",
-                                                                                    "onebit_hierarchical", "ddp_fp32")
-                           if name in rows)
+        others = ", ".join(f"{name} {rows[name]['mean_step_s']:.3f} s"
+                           for name in ("ddp_powersgd", _onebit_reference(args), "ddp_fp32") if name in rows)
         print(f"  means of the timed steps: {method} (an outer sync every {args.sync_every}) {local:.3f} s, "
               f"{local / floor:.2f}x the no-communication floor (local_4proc, {floor:.3f} s)"
               + (f"; {others}" if others else ""))
@@ -634,6 +647,9 @@ def parse_args() -> argparse.Namespace:
                         help="W: OnebitAdam freeze_step; its warmup steps are untimed (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per method (default 8)")
     parser.add_argument("--untimed", type=int, default=2, help="untimed steps before the timed ones (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=RANKS_PER_NODE, choices=(1, 2),
+                        help="processes per simulated node (default 2); 1: every node one rank, each process a core of "
+                             "its own on a 2-core host (the flat layout: no onebit_hierarchical, no fsdp_* methods)")
     parser.add_argument("--sync-every", type=int, default=8,
                         help="local_steps: inner steps per outer sync (default 8, onebit_diloco's)")
     parser.add_argument("--fragments", type=int, default=1, help="local_steps_overlap: fragments (default 1)")
@@ -654,6 +670,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--warmup-steps, --steps, --untimed and --calibration-barriers must be >= 1")
     if args.worker:
         return args
+    if args.ranks_per_node == 1 and {"onebit_hierarchical", *FSDP_METHODS} & set(args.methods):
+        parser.error("--ranks-per-node 1: onebit_hierarchical and the fsdp_* methods need 2 ranks per node")
     problems = netns.problems()
     if problems:
         parser.error("; ".join(problems))
@@ -682,10 +700,10 @@ def main() -> None:
         args={k: v for k, v in vars(args).items() if k not in ("worker", "sync_dir", "parent_pid")},
         config=dict(cfg, methods=list(args.methods)),
         environment=dict(torch=torch.__version__, python=platform.python_version(), cpus=os.cpu_count(),
-                         nodes=NODES, ranks_per_node=RANKS_PER_NODE, threads_per_rank=1, backend="gloo",
+                         nodes=NODES, ranks_per_node=args.ranks_per_node, threads_per_rank=1, backend="gloo",
                          tbf=dict(burst=args.burst, latency=args.latency), loadavg_at_start=os.getloadavg(),
                          ddp_broadcast_buffers=False),
-        caveat=("one host simulates both nodes: 4 processes share its CPU cores (intra-node phases are CPU-bound "
+        caveat=(f"one host simulates both nodes: {NODES * args.ranks_per_node} processes share its CPU cores (intra-node phases are CPU-bound "
                 "here, unlike a real node) and other work may have used them at the same time"),
         rates={},
     )
@@ -702,13 +720,14 @@ def main() -> None:
     finally:
         netns.close_all()  # each rate's cluster is closed when its run ends; this is for an interrupted one
     n_params = payload["model"]["params"]
-    payload["formulas"] = dict(this_run=formula_bytes_per_node(n_params, NODES, RANKS_PER_NODE),
+    payload["formulas"] = dict(this_run=formula_bytes_per_node(n_params, NODES, args.ranks_per_node),
                                table=formula_table(n_params))
     print_formulas(n_params)
     payload["total_wall_s"] = time.perf_counter() - started
     print(f"\nmodel: {n_params / 1e6:.2f}M parameters; {args.layers} layers, hidden {args.hidden}, batch "
           f"{args.batch} x seq {args.seq} per rank; W={args.warmup_steps}, {args.untimed} untimed + {args.steps} "
-          f"timed steps per method. Timings: one shared host, 4 processes on {os.cpu_count()} cores.")
+          f"timed steps per method. Timings: one shared host, {NODES * args.ranks_per_node} processes on "
+          f"{os.cpu_count()} cores.")
     path = write_results(args.name, payload)
     print(f"written to {path} in {payload['total_wall_s']:.0f} s")
 
