@@ -1068,19 +1068,24 @@ def defaults_sweep_table() -> str:
 
 #: Issue 46's step times on two simulated nodes (``benchmarks.multinode`` with ``local_steps``)
 LOCAL_STEPS_LINK = "multinode_local_steps"
+#: the same on two simulated nodes of one rank each (``--ranks-per-node 1``)
+LOCAL_STEPS_LINK_FLAT = "multinode_local_steps_flat"
 _LINK_METHODS = {"ddp_fp32": "AdamW-DDP (fp32)", "ddp_powersgd": "DDP + PowerSGD r4",
-                 "onebit_hierarchical": "1-bit Adam (hierarchical)", "local_steps": "local steps (`onebit_diloco`)",
+                 "onebit_hierarchical": "1-bit Adam (hierarchical)", "onebit_flat": "1-bit Adam",
+                 "local_steps": "local steps (`onebit_diloco`)",
                  "local_steps_overlap": "local steps, overlapped",
                  "local_4proc": "no communication (the floor)"}
 
 
-def local_steps_link_table() -> str:
+def local_steps_link_table(name: str = LOCAL_STEPS_LINK) -> str:
     """Per link rate: each method's mean and median step, the mean over the floor's mean, and the bytes that crossed
-    the veth per node per step."""
+    the veth per node per step (``name``: the results file, 2 ranks per node or 1)."""
     from benchmarks.multinode import slowest_median
 
-    data = _load(LOCAL_STEPS_LINK)
+    data = _load(name)
     config = data["config"]
+    per_node = data["environment"]["ranks_per_node"]
+    rates = ",".join(data["rates"])
     rows = []
     for rate, result in data["rates"].items():
         methods = result["rows"]
@@ -1094,7 +1099,8 @@ def local_steps_link_table() -> str:
             rows.append([rate, label, f"{mean:.3f}", f"{median:.3f}", f"{mean / floor:.2f}x" if floor else "-",
                          f"{row['veth_bytes_per_node'] / 1e6:.3f}"])
     return (
-        f"Two simulated nodes of 2 ranks each (`python -m benchmarks.multinode --rates 200mbit,1gbit --methods "
+        f"Two simulated nodes of {per_node} rank{'s' if per_node > 1 else ''} each (`python -m benchmarks.multinode "
+        f"--rates {rates}" + (" --ranks-per-node 1" if per_node == 1 else "") + f" --methods "
         f"{' '.join(config['methods'])} --sync-every {config['sync_every']}"
         + (f" --overlap-steps {config['overlap_steps']} --fragments {config['fragments']}"
            if "local_steps_overlap" in config["methods"] else "")
@@ -1102,13 +1108,15 @@ def local_steps_link_table() -> str:
         f"pair shaped at the rate; the BERT of `benchmarks.slow_link`, {data['model']['params'] / 1e6:.1f}M "
         f"parameters, batch {config['batch']} x {config['seq']} per rank), {config['steps']} timed steps per method "
         f"({-(-config['steps'] // config['sync_every']) * config['sync_every']} for local steps: whole periods), each "
-        "step the slowest rank's. Local steps: DDP "
-        "inside the node, the 1-bit outer step across nodes every "
+        "step the slowest rank's. Local steps: "
+        + ("DDP inside the node, " if per_node > 1 else "each rank a replica, ")
+        + "the 1-bit outer step across nodes every "
         f"{config['sync_every']} steps, outer SGD (the strategy's defaults); its mean includes the sync"
         + (f"; overlapped: `overlap_steps={config['overlap_steps']}`, `fragments={config['fragments']}`"
            if "local_steps_overlap" in config["methods"] else "") + ". The "
-        "floor: every process trains alone. One host: 4 processes on 2 cores, so the in-node work is CPU-bound "
-        "here.\n\n"
+        "floor: every process trains alone. "
+        + ("One host: 4 processes on 2 cores, so the in-node work is CPU-bound here." if per_node > 1 else
+           "One host: 2 processes on 2 cores, a core each.") + "\n\n"
         + _table(["link", "method", "mean step (s)", "median step (s)", "mean / floor's mean", "MB leaving a node per "
                   "step (veth)"], rows)
     )
@@ -1256,6 +1264,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "warmup_sweep": warmup_sweep_table,
     "local_steps": local_steps_table,
     "local_steps_link": local_steps_link_table,
+    "local_steps_link_flat": lambda: local_steps_link_table(LOCAL_STEPS_LINK_FLAT),
     "defaults_sweep": defaults_sweep_table,
 }
 
@@ -1265,6 +1274,7 @@ AWAITING_RESULTS: dict[str, tuple[str, ...]] = {"overlap": _OVERLAP_RUNS, "large
                                                 "warmup_sweep": (WARMUP_SWEEP,),
                                                 "local_steps": (LOCAL_STEPS, LM_LOCAL_STEPS),
                                                 "local_steps_link": (LOCAL_STEPS_LINK,),
+                                                "local_steps_link_flat": (LOCAL_STEPS_LINK_FLAT,),
                                                 "defaults_sweep": (DEFAULTS_SWEEP,)}
 
 
