@@ -147,7 +147,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
     @property
     def replica_index(self) -> int:
         """This rank's replica: its row of the mesh."""
-        return self.global_rank // self.device_mesh.shape[1]
+        return int((self.device_mesh.mesh == self.global_rank).nonzero()[0, 0])
 
     @override
     def setup_environment(self) -> None:

@@ -127,6 +127,8 @@ class ValidatedLlama(LlamaLM):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         outer_step = self.trainer.strategy.outer_step
+        if outer_step is None:  # trainer.validate: no outer step outside fit
+            return
         outer = outer_step.outer_values()
         self.validated.append((local_shards(self), torch.cat([outer[id(t)].reshape(-1) for t in outer_step.params])))
 
@@ -186,7 +188,14 @@ def scenario_2x1_from_2x2(rank: int, world_size: int, workdir: str) -> dict[str,
     path = os.path.join(workdir, "2x2", f"step={SAVED_AT}.ckpt")
     resharded = _fit(rank, world_size, per_replica=1, ckpt_path=path, **_STREAMED)
     one_replica = _error(lambda: _fit(rank, world_size, per_replica=2, steps=1))
-    return {"resharded": resharded, "one_replica": one_replica}
+    # outside fit, a checkpoint loads the outer model (e.g. to validate it), resharded
+    model = ValidatedLlama(100 + rank, optimizer=_adamw)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=1,
+                         strategy=OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=1))
+    trainer.validate(model, ckpt_path=path)
+    whole = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+    return {"resharded": resharded, "one_replica": one_replica, "validated_model": whole}
 
 
 def scenario_other_replicas(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
@@ -258,6 +267,8 @@ def test_a_2x2_checkpoint_resumes_on_2x1_with_every_state_whole(sessions: dict) 
         # the whole tensors the saving replica held (the error feedback: its two ranks' shards side by side)
         for key in ("outer", "local", "error_feedback", "momentum", "rebase_start", "adam", "adam_step"):
             assert torch.equal(restored[key], saved[2 * replica][key]), (replica, key)
+        # trainer.validate(ckpt_path=...) loaded the outer model, whole
+        assert torch.equal(r["validated_model"], saved[0]["outer"])
     a, b = (r["resharded"] for r in runs)
     assert a["inner_steps"] == STEPS and torch.equal(a["final"], b["final"])
     assert all(torch.isfinite(torch.tensor(r["resharded"]["losses"])).all() for r in runs)
