@@ -243,22 +243,7 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
                 "or leave save_distributed_checkpoint=True for checkpoints to resume from"
             )
         self.accelerator.setup(trainer)
-        if self.shard_modules is not None:
-            shard_model(self.model, self.device_mesh["shard"], self.shard_modules, self.mixed_precision)
-        elif not is_overridden("configure_model", self.lightning_module):
-            raise TypeError(
-                "strategy='onebit_fsdp' needs the model sharded over the node: pass "
-                "OnebitFSDPStrategy(shard_modules=[YourBlock, ...]), or override the LightningModule's "
-                "configure_model() and call fully_shard(module, mesh=self.device_mesh['shard']) there"
-            )
-        _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        check_sharded(self.model, self.device_mesh["shard"])
-        replicate_group = self.device_mesh["replicate"].get_group()
-        # as DDP does: every node starts from the same weights, whatever each process's random state (a checkpoint
-        # to resume from is loaded after setup, over these)
-        broadcast_from_first_replica(self.model, replicate_group)
+        replicate_group = setup_sharded_model(self, self.shard_modules, self.mixed_precision)
         self.replica_sync = ReplicaAllReduceState(replicate_group, self._sync_predicate)
         register_replica_allreduce_hook(self.model, self.replica_sync)
         self.barrier()
@@ -430,3 +415,30 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
         strategy_registry.register(
             "onebit_fsdp", cls, description="FSDP2 inside each node, 1-bit Adam / 0/1 Adam across nodes"
         )
+
+
+def setup_sharded_model(strategy: ModelParallelStrategy, shard_modules: Optional[tuple[type[Module], ...]],
+                        mixed_precision: Any) -> Any:
+    """What both FSDP2 strategies (``onebit_fsdp``, ``onebit_diloco_fsdp``) do to the model at setup: shard it over
+    the node (``shard_modules``, else the LightningModule's ``configure_model``: a ``TypeError`` naming both when
+    neither applies), materialise it on the device, apply the precision plugin, check that every parameter is
+    sharded over the node (:func:`~lightning_onebit.strategy.sharding.check_sharded`), and make the replicas
+    identical as DDP does: the first replica's shards and rank 0's buffers, whatever each process's random state (a
+    checkpoint to resume from is loaded after setup, over these). A collective. Returns the replicate group."""
+    model, mesh = strategy.model, strategy.device_mesh
+    assert model is not None
+    if shard_modules is not None:
+        shard_model(model, mesh["shard"], shard_modules, mixed_precision)
+    elif not is_overridden("configure_model", strategy.lightning_module):
+        raise TypeError(
+            f"strategy='{strategy.strategy_name}' needs the model sharded over the node: pass "
+            f"{type(strategy).__name__}(shard_modules=[YourBlock, ...]), or override the LightningModule's "
+            "configure_model() and call fully_shard(module, mesh=self.device_mesh['shard']) there"
+        )
+    _materialize_distributed_module(model, strategy.root_device)
+    strategy.model = strategy.precision_plugin.convert_module(model)
+    strategy.model_to_device()
+    check_sharded(strategy.model, mesh["shard"])
+    replicate_group = mesh["replicate"].get_group()
+    broadcast_from_first_replica(strategy.model, replicate_group)
+    return replicate_group

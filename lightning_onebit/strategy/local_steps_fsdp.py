@@ -26,11 +26,9 @@ from typing import Any, Callable, Generator, Optional, Sequence, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -46,9 +44,9 @@ from lightning_onebit.strategy.local_steps_fsdp_checkpoint import load_local_ste
 from lightning_onebit.strategy.local_steps_fsdp_checkpoint import save_local_steps_checkpoint
 from lightning_onebit.strategy.local_steps_run import DEFAULTS, LocalStepsSettings, OuterSync, replica_layout
 from lightning_onebit.strategy.local_steps_run import with_local_steps_attributes
-from lightning_onebit.strategy.sharding import broadcast_from_first_replica, check_sharded, no_gradient_sync
-from lightning_onebit.strategy.sharding import node_device_mesh, node_mesh_ranks, point_at_sharded_parameters
-from lightning_onebit.strategy.sharding import shard_model
+from lightning_onebit.strategy.fsdp import setup_sharded_model
+from lightning_onebit.strategy.sharding import no_gradient_sync, node_device_mesh, node_mesh_ranks
+from lightning_onebit.strategy.sharding import point_at_sharded_parameters
 
 log = logging.getLogger(__name__)
 
@@ -176,21 +174,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self.shard_modules is not None:
-            shard_model(self.model, self.device_mesh["shard"], self.shard_modules, self.mixed_precision)
-        elif not is_overridden("configure_model", self.lightning_module):
-            raise TypeError(
-                f"strategy='{self.strategy_name}' needs the model sharded over the node: pass "
-                "OnebitDiLoCoFSDPStrategy(shard_modules=[YourBlock, ...]), or override the LightningModule's "
-                "configure_model() and call fully_shard(module, mesh=self.device_mesh['shard']) there"
-            )
-        _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        check_sharded(self.model, self.device_mesh["shard"])
-        # every replica starts from the first one's weights, whatever each process's random state (a checkpoint to
-        # resume from is loaded after setup, over these)
-        broadcast_from_first_replica(self.model, self.device_mesh["replicate"].get_group())
+        setup_sharded_model(self, self.shard_modules, self.mixed_precision)  # no gradient crosses replicas
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
