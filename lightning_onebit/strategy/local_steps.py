@@ -44,7 +44,8 @@ from lightning_onebit.strategy.arguments import check_process_group_options, ddp
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.local_steps_run import DEFAULTS, OUTER_LR, OuterSync, LocalStepsDefaults
-from lightning_onebit.strategy.local_steps_run import LocalStepsSettings, replica_layout, with_local_steps_attributes
+from lightning_onebit.strategy.local_steps_run import LocalStepsSettings, check_inner_optimizers, replica_layout
+from lightning_onebit.strategy.local_steps_run import with_local_steps_attributes
 from lightning_onebit.strategy.local_steps_state import STATE_KEY, agreed_per_rank_state, streaming_outer_state
 from lightning_onebit.strategy.sidecar import sidecar_path
 
@@ -225,6 +226,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         module = self.lightning_module
+        check_inner_optimizers(self.optimizers, self.strategy_name)
         assert module is not None
         compression = self.outer_sync.settings.compression
         self.outer_sync.build([p for p in module.parameters() if p.requires_grad],

@@ -43,7 +43,7 @@ from lightning_onebit.strategy.arguments import check_ranks_per_node, shard_modu
 from lightning_onebit.strategy.local_steps_fsdp_checkpoint import load_local_steps_checkpoint, outer_model_state
 from lightning_onebit.strategy.local_steps_fsdp_checkpoint import save_local_steps_checkpoint
 from lightning_onebit.strategy.local_steps_run import DEFAULTS, LocalStepsSettings, OuterSync, replica_layout
-from lightning_onebit.strategy.local_steps_run import with_local_steps_attributes
+from lightning_onebit.strategy.local_steps_run import check_inner_optimizers, with_local_steps_attributes
 from lightning_onebit.strategy.fsdp import setup_sharded_model
 from lightning_onebit.strategy.sharding import no_gradient_sync, node_device_mesh, node_mesh_ranks
 from lightning_onebit.strategy.sharding import point_at_sharded_parameters
@@ -188,6 +188,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         assert self.model is not None
+        check_inner_optimizers(self.optimizers, self.strategy_name)
         for optimizer in self.optimizers:
             point_at_sharded_parameters(optimizer, self.model, self._names_before_sharding, self.strategy_name)
         self._names_before_sharding = {}

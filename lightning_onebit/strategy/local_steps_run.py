@@ -17,7 +17,8 @@ from lightning_onebit.comm.outer_base import OuterCompression, OuterCompressor
 from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS
 from lightning_onebit.optim.streaming import StreamingOuterStep
 
-__all__ = ["DEFAULTS", "OUTER_LR", "LocalStepsDefaults", "LocalStepsSettings", "OuterSync", "replica_layout"]
+__all__ = ["DEFAULTS", "OUTER_LR", "LocalStepsDefaults", "LocalStepsSettings", "OuterSync",
+           "check_inner_optimizers", "replica_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,21 @@ def replica_layout(world_size: int, per_replica: int, strategy: str) -> tuple[in
             "K ranks as a replica, or use strategy='ddp'"
         )
     return replicas, per_replica
+
+
+def check_inner_optimizers(optimizers: Sequence[Any], strategy: str) -> None:
+    """``ValueError`` naming the fix (on every rank alike) when an inner optimizer is one of this package's compressed
+    optimizers: they exchange 1-bit momenta across every rank at every step, which local steps exist to avoid."""
+    from lightning_onebit.optim import CompressedOptimizer
+
+    compressed = [type(o).__name__ for o in optimizers if isinstance(getattr(o, "_optimizer", o), CompressedOptimizer)]
+    if compressed:
+        raise ValueError(
+            f"strategy='{strategy}' steps the optimizer of configure_optimizers locally (the inner optimizer) and "
+            f"communicates only in its outer step, but {compressed[0]} exchanges compressed momenta across all ranks "
+            "at every step: return a torch optimizer (e.g. torch.optim.AdamW), or use strategy='onebit_adam' "
+            "(or 'onebit_fsdp') for 1-bit Adam"
+        )
 
 
 class OuterSync:

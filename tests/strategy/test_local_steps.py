@@ -118,6 +118,11 @@ def _refused(rank: int, world_size: int, workdir: str, **strategy_kwargs: Any) -
     return {"error": None}
 
 
+def _refused_compressed(rank: int, world_size: int, workdir: str) -> dict:
+    """OnebitAdam as the inner optimizer."""
+    return _refused(rank, world_size, workdir, ranks_per_node=1, model=Regressor(optimizer="onebit", seed=0))
+
+
 def _missing_sidecar(rank: int, world_size: int, workdir: str) -> dict:
     run = os.path.join(workdir, "missing")
     _fit(rank, world_size, workdir, max_steps=4, ranks_per_node=1, compressor="topk",
@@ -142,6 +147,7 @@ SCENARIOS = {
         ("monitored_onebit", partial(_monitored, compressor="onebit", per_replica=1)),
         ("one_replica", partial(_refused, ranks_per_node=2)),
         ("one_node", _refused),
+        ("compressed_inner", _refused_compressed),
         ("missing_sidecar", _missing_sidecar)),
     3: (("learns_bf16", partial(_learns, compressor="bf16", per_replica=1)),
         ("uneven", partial(_refused, ranks_per_node=2))),
@@ -275,9 +281,11 @@ def test_learning_scenarios_count_bytes_only_at_syncs(sessions):
 @pytest.mark.parametrize("world_size, name, match", [
     (2, "one_replica", "needs two replicas or more, but all 2 rank\\(s\\) form one replica"),
     (2, "one_node", "nothing to synchronise"),
+    (2, "compressed_inner", "but OnebitAdam exchanges compressed momenta across all ranks at every step: return a "
+                            "torch optimizer"),
     (3, "uneven", "ranks_per_node=2 does not divide the 3 ranks"),
 ])
-def test_a_bad_replica_layout_stops_every_rank(sessions, world_size, name, match):
+def test_a_bad_replica_layout_or_a_compressed_inner_optimizer_stops_every_rank(sessions, world_size, name, match):
     import re
 
     for result in scenario_results(sessions[world_size], name):

@@ -12,8 +12,8 @@ step across replicas) under Lightning on gloo, with the Llama-style test model s
 * bf16-mixed, gradient accumulation, clipping and the strategy's own sharding (``shard_modules``) together, with
   ``CommunicationMonitor`` and validation: the validation sees the outer model, and the training is the same bits
   with or without it; ``Trainer(strategy="onebit_diloco_fsdp")`` by name;
-* resuming with another number of replicas, one replica, and a layout that does not divide the world are refused on
-  every rank with the reason.
+* resuming with another number of replicas, one replica, a layout that does not divide the world and a compressed
+  optimizer (``OnebitAdam``) as the inner one are refused on every rank with the reason.
 """
 
 from __future__ import annotations
@@ -201,8 +201,12 @@ def scenario_2x1_from_2x2(rank: int, world_size: int, workdir: str) -> dict[str,
 def scenario_other_replicas(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     """The 2 x 2 checkpoint on 4 ranks as 4 replicas of 1: refused."""
     path = os.path.join(workdir, "2x2", f"step={SAVED_AT}.ckpt")
+    onebit = LlamaLM(100 + rank)  # configure_optimizers returns OnebitAdam
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, strategy=OnebitDiLoCoFSDPStrategy(ranks_per_node=2))
     return {"error": _error(lambda: _fit(rank, world_size, per_replica=1, ckpt_path=path, **_STREAMED)),
-            "uneven": _error(lambda: _fit(rank, world_size, per_replica=3, steps=1))}
+            "uneven": _error(lambda: _fit(rank, world_size, per_replica=3, steps=1)),
+            "compressed_inner": _error(lambda: trainer.fit(onebit))}
 
 
 @pytest.fixture(scope="module")
@@ -274,11 +278,12 @@ def test_a_2x2_checkpoint_resumes_on_2x1_with_every_state_whole(sessions: dict) 
     assert all(torch.isfinite(torch.tensor(r["resharded"]["losses"])).all() for r in runs)
 
 
-def test_another_replica_count_one_replica_and_an_uneven_layout_are_refused(sessions: dict) -> None:
+def test_another_replica_count_one_replica_an_uneven_layout_and_a_compressed_inner_optimizer_are_refused(sessions: dict) -> None:
     refused = scenario_results(sessions["refused"], "refused")
     for r in refused:
         assert r["error"] is not None and "saved by 2 replicas and this run has 4" in r["error"], r["error"]
         assert r["uneven"] is not None and "ranks_per_node=3 does not divide the 4 ranks" in r["uneven"]
+        assert r["compressed_inner"] is not None and "OnebitAdam exchanges compressed momenta" in r["compressed_inner"]
     for r in scenario_results(sessions["2x1"], "2x1"):
         assert r["one_replica"] is not None and "needs two replicas or more" in r["one_replica"]
 
