@@ -5,6 +5,7 @@ step across replicas) under Lightning on gloo, with the Llama-style test model s
   exchange with its server error): every replica's shards bitwise the same after every step that ends an exchange,
   the same at the end of fit, and a run resumed from a checkpoint saved mid-period (an exchange in flight on 2 x 2)
   continues bit for bit;
+* with one rank per replica (2 x 1) it trains the same bits as ``onebit_diloco`` (every loss, the final model);
 * the 2 x 2 checkpoint resumed on 2 ranks (2 x 1): the outer model, each replica's own parameters, its AdamW state,
   its error feedback, the outer momentum and the streaming rebase's saved parameters are the saved ones, whole; the
   run goes on with its replicas bitwise the same after the syncs;
@@ -26,7 +27,7 @@ import torch
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_onebit import CommunicationMonitor, OnebitDiLoCoFSDPStrategy
+from lightning_onebit import CommunicationMonitor, OnebitDiLoCoFSDPStrategy, OnebitDiLoCoStrategy
 from tests.distributed import run_distributed, run_scenarios, scenario_results
 from tests.llama_models import LlamaBlock, LlamaLM, local_shards
 from tests.strategy.test_topology_lightning import RecordingLogger
@@ -195,7 +196,18 @@ def scenario_2x1_from_2x2(rank: int, world_size: int, workdir: str) -> dict[str,
                          strategy=OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=1))
     trainer.validate(model, ckpt_path=path)
     whole = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
-    return {"resharded": resharded, "one_replica": one_replica, "validated_model": whole}
+    return {"resharded": resharded, "one_replica": one_replica, "validated_model": whole,
+            "same_as_ddp": {fsdp: _one_rank_replicas(rank, world_size, fsdp) for fsdp in (True, False)}}
+
+
+def _one_rank_replicas(rank: int, world_size: int, fsdp: bool) -> tuple[torch.Tensor, list[float]]:
+    """A fit with replicas of one rank, under onebit_diloco_fsdp (the model sharded over one rank) or onebit_diloco."""
+    strategy = (OnebitDiLoCoFSDPStrategy if fsdp else OnebitDiLoCoStrategy)(sync_every=SYNC_EVERY, ranks_per_node=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = LlamaLM(100 + rank, optimizer=_adamw, shard=fsdp)
+    trainer.fit(model)
+    return local_shards(model), model.losses
 
 
 def scenario_other_replicas(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
@@ -276,6 +288,13 @@ def test_a_2x2_checkpoint_resumes_on_2x1_with_every_state_whole(sessions: dict) 
     a, b = (r["resharded"] for r in runs)
     assert a["inner_steps"] == STEPS and torch.equal(a["final"], b["final"])
     assert all(torch.isfinite(torch.tensor(r["resharded"]["losses"])).all() for r in runs)
+
+
+def test_with_one_rank_per_replica_it_trains_the_same_bits_as_onebit_diloco(sessions: dict) -> None:
+    for r in scenario_results(sessions["2x1"], "2x1"):
+        (fsdp, fsdp_losses), (ddp, ddp_losses) = r["same_as_ddp"][True], r["same_as_ddp"][False]
+        assert fsdp_losses == ddp_losses and len(fsdp_losses) == STEPS
+        assert torch.equal(fsdp, ddp)
 
 
 def test_another_replica_count_one_replica_an_uneven_layout_and_a_compressed_inner_optimizer_are_refused(sessions: dict) -> None:
