@@ -38,7 +38,7 @@ from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, restore_per
 from lightning_onebit.strategy.checkpoint_files import CheckpointIntegrityError, FolderSave, agree_on_problems
 from lightning_onebit.strategy.checkpoint_files import first_line, folder_problems
 from lightning_onebit.strategy.local_steps_run import OuterSync
-from lightning_onebit.strategy.sharded_checkpoint import is_distributed_checkpoint
+from lightning_onebit.strategy.sharded_checkpoint import is_distributed_checkpoint, save_sharded_checkpoint
 from lightning_onebit.strategy.sidecar import sidecar_in_folder
 
 log = logging.getLogger(__name__)
@@ -127,12 +127,10 @@ def save_local_steps_checkpoint(strategy: ShardedLocalSteps, checkpoint: dict[st
     """Write ``checkpoint`` as a distributed checkpoint at rank 0's ``filepath`` (see the module docstring): every
     rank calls it (a collective). Raises the same ``RuntimeError`` on every rank if any rank failed, leaving a
     checkpoint already under the name untouched."""
-    import torch.distributed.checkpoint as dcp
-
     rank, world_size = strategy.global_rank, strategy.world_size
     target, save_id = agree((str(filepath), uuid.uuid4().hex if rank == 0 else None))[0]
     save = FolderSave(Path(target), save_id, rank, world_size)
-    shards: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    shards: dict[str, Any] = {}
     checkpoint.pop("optimizer_states", None)  # each replica's, by parameter, below
     outer_step = strategy.outer_step
     if outer_step is not None:
@@ -148,13 +146,7 @@ def save_local_steps_checkpoint(strategy: ShardedLocalSteps, checkpoint: dict[st
                 "server_errors": [f.compressor.server_errors() for f in outer_step.fragments]}}
     save.begin(lambda folder: save_per_rank_state(checkpoint, sidecar_in_folder(folder, rank), save_id, rank,
                                                   world_size, None))
-    writer = save.storage_writer()
-    try:
-        dcp.save(shards, storage_writer=writer)
-    except BaseException:
-        save.abandon()  # DCP gathers every rank's failure: every rank is here
-        raise
-    save.finish(writer, checkpoint)
+    save_sharded_checkpoint(save, checkpoint, shards)
 
 
 def _check_record(record: dict[str, Any], strategy: ShardedLocalSteps, path: Path) -> None:

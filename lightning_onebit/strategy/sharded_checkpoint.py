@@ -147,14 +147,17 @@ def is_distributed_checkpoint(path: Optional[Path]) -> bool:
     return path is not None and path.is_dir() and (path / ".metadata").is_file()
 
 
-def save_sharded_checkpoint(save: FolderSave, checkpoint: dict[str, Any]) -> None:
+def save_sharded_checkpoint(save: FolderSave, checkpoint: dict[str, Any],
+                            extra_shards: Optional[dict[str, Any]] = None) -> None:
     """Write ``checkpoint`` (model and optimizer states as ``DTensor`` shards, the rest rank 0's ``meta.pt``) through
     ``save`` (:class:`~lightning_onebit.strategy.checkpoint_files.FolderSave`, begun): ``torch.distributed.checkpoint``
-    writes every rank's shards, then ``save.finish`` puts the folder in place. A collective."""
+    writes every rank's shards (and ``extra_shards``, more top-level keys), then ``save.finish`` puts the folder in
+    place. A collective."""
     import torch.distributed.checkpoint as dcp
 
     shards = {"state_dict": checkpoint.pop("state_dict")}
     shards.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+    shards.update(extra_shards or {})
     writer = save.storage_writer()
     try:
         dcp.save(shards, storage_writer=writer)

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -252,17 +253,22 @@ def test_the_sharded_config_trains_on_4_processes_as_2_nodes(tmp_path):
     assert "MomentumMask:" in proc.stdout + proc.stderr and "(rank 0's shard)" in proc.stdout + proc.stderr
 
 
-def test_the_local_steps_config_trains_on_2_processes_as_2_replicas(tmp_path):
-    """bert_diloco.yaml as shipped (AdamW inner steps, a 1-bit outer step), with a shorter outer period so that a
-    short run syncs: 2 outer syncs in 8 steps (after steps 4 and 8), nothing sent between them."""
+def _short_local_steps_run(config: Path, tmp_path: Path) -> dict:
+    """The example with ``config`` as shipped, a smaller model and an outer sync every 4 of 8 steps; its summary."""
     summary = tmp_path / "summary.json"
-    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(DILOCO_CONFIG), "--trainer.max_steps", "8",
+    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(config), "--trainer.max_steps", "8",
                "--trainer.strategy.init_args.sync_every", "4", "--model.num_layers", "2", "--model.hidden_size", "64",
                "--model.intermediate_size", "256", "--data.num_val", "100", "--trainer.enable_progress_bar", "false",
                "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
     proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(summary.read_text())
+    return json.loads(summary.read_text())
+
+
+def test_the_local_steps_config_trains_on_2_processes_as_2_replicas(tmp_path):
+    """bert_diloco.yaml (AdamW inner steps, a 1-bit outer step): 2 outer syncs in 8 steps (after steps 4 and 8),
+    nothing sent between them."""
+    result = _short_local_steps_run(DILOCO_CONFIG, tmp_path)
     assert result["strategy"] == "OnebitDiLoCoStrategy" and result["optimizer"] == "AdamW", result
     assert result["steps"] == 8 and result["outer_syncs"] == 2, result
     # two 1-bit syncs against eight fp32 allreduces: far more than 32 x 4 fewer bytes
@@ -271,17 +277,9 @@ def test_the_local_steps_config_trains_on_2_processes_as_2_replicas(tmp_path):
 
 
 def test_the_sharded_local_steps_config_trains_on_4_processes_as_2_replicas_of_2(tmp_path):
-    """bert_diloco_fsdp.yaml as shipped (LightningCLI builds AdamW before the strategy shards the encoder layers; it
-    is pointed at the shards), a shorter outer period: 2 outer syncs in 8 steps, each rank sending its shard's 1-bit
-    exchange only."""
-    summary = tmp_path / "summary.json"
-    command = [sys.executable, str(EXAMPLE), "fit", "--config", str(DILOCO_FSDP_CONFIG), "--trainer.max_steps", "8",
-               "--trainer.strategy.init_args.sync_every", "4", "--model.num_layers", "2", "--model.hidden_size", "64",
-               "--model.intermediate_size", "256", "--data.num_val", "100", "--trainer.enable_progress_bar", "false",
-               "--trainer.logger.init_args.save_dir", str(tmp_path), "--summary_json", str(summary)]
-    proc = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(summary.read_text())
+    """bert_diloco_fsdp.yaml (LightningCLI builds AdamW before the strategy shards the encoder layers; it is pointed
+    at the shards): 2 outer syncs in 8 steps, each rank sending its shard's 1-bit exchange only."""
+    result = _short_local_steps_run(DILOCO_FSDP_CONFIG, tmp_path)
     assert result["strategy"] == "OnebitDiLoCoFSDPStrategy" and result["optimizer"] == "AdamW", result
     assert result["steps"] == 8 and result["outer_syncs"] == 2, result
     assert 0 < result["bytes_sent"] < result["bytes_fp32_equivalent"] / 20, result
