@@ -209,10 +209,10 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         outer_step = self.outer_step
         if outer_step is None:
             return
-        current = [p.to_local() for _, p in self.sharded_parameters]
+        with torch.no_grad():  # views, no autograd node per parameter and step
+            current = [p.to_local() for _, p in self.sharded_parameters]
         if any(t.data_ptr() != held.data_ptr() for t, held in zip(current, outer_step.params)):
-            with torch.no_grad():
-                outer_step.replace_params([t.detach() for t in current])
+            outer_step.replace_params([t.detach() for t in current])
 
     # ------------------------------------------------------------------ steps
     @override
