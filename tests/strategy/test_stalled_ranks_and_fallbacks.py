@@ -2,7 +2,8 @@
 rank fail within the strategy's timeout, with an error naming the process group, in flat and hierarchical modes, with
 and without overlap, and under ``onebit_fsdp`` (whose device mesh's groups wait the strategy's timeout too);
 ``topology="auto"`` with a ``ranks_per_node`` that does not divide the world size falls back to
-flat and says why; and the smaller items of the same run (the ``freeze_step="auto"`` warning, the advisor with
+flat and says why; the same stall under both local-steps strategies (``onebit_diloco`` and ``onebit_diloco_fsdp``);
+and the smaller items of the same run (the ``freeze_step="auto"`` warning, the advisor with
 ZeroOneAdam, ``CommunicationMonitor``'s argument checks).
 
 The stall cases (4 CPU gloo ranks as 2 nodes x 2, ``ranks_per_node=2``) each need a fresh set of ranks (a stalled
@@ -29,11 +30,13 @@ import time
 from typing import Any, Optional
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import lightning.pytorch as pl
 import lightning_onebit  # noqa: F401  (registers the strategies)
-from lightning_onebit import CommunicationMonitor, OnebitFSDPStrategy, OnebitStrategy, Topology, ZeroOneAdam
+from lightning_onebit import CommunicationMonitor, OnebitDiLoCoFSDPStrategy, OnebitDiLoCoStrategy, OnebitFSDPStrategy
+from lightning_onebit import OnebitStrategy, Topology, ZeroOneAdam
 from lightning_onebit.optim import AutoFreeze, OnebitAdam
 from tests.capture import capture_logs, capture_warnings
 from tests.distributed import free_port, run_distributed, run_scenarios, scenario_results
@@ -139,6 +142,50 @@ def _stall_fsdp_fit(rank: int, world_size: int, workdir: str, overlap: bool) -> 
         overlapped=strategy.overlap_state is not None,
         group_timeouts=[_timeout_s(strategy.device_mesh[dim].get_group()) for dim in ("replicate", "shard")],
     )
+    _write_json(_report_path(workdir, rank), report)
+    return report
+
+
+class GroupTimeouts(pl.Callback):
+    """At the start of training: how long each group a local-steps strategy made waits."""
+
+    def __init__(self) -> None:
+        self.seconds: list[Optional[float]] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, OnebitDiLoCoFSDPStrategy):
+            groups = [strategy.device_mesh[dim].get_group() for dim in ("replicate", "shard")]
+        else:
+            groups = [strategy.replica_group, strategy.node_group]
+        self.seconds = [_timeout_s(group) for group in groups]
+
+
+def _stall_local_steps_fit(rank: int, world_size: int, workdir: str, fsdp: bool) -> dict[str, Any]:
+    """The stall under ``onebit_diloco`` or ``onebit_diloco_fsdp`` (2 replicas x 2, an outer sync after every
+    ``STALL_STEP`` steps): rank 3 stops before the step that ends the first period; its node peer waits inside the node
+    (DDP's allreduce or FSDP's all-gather), rank 1 in the outer exchange with it, and rank 0 in the outer exchange
+    with rank 2."""
+    _world_with_the_strategy_timeout(rank, world_size)
+    timeout = datetime.timedelta(seconds=STALL_TIMEOUT_S)
+    stall, timeouts = StallOneRank(workdir), GroupTimeouts()
+    if fsdp:
+        strategy: Any = OnebitDiLoCoFSDPStrategy(sync_every=STALL_STEP, ranks_per_node=PER_NODE, timeout=timeout)
+        trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=MAX_STEPS,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[stall, timeouts])
+        model, data = LlamaLM(0, optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3)), None
+    else:
+        strategy = OnebitDiLoCoStrategy(sync_every=STALL_STEP, ranks_per_node=PER_NODE, timeout=timeout)
+        trainer = pl.Trainer(**trainer_kwargs(world_size, MAX_STEPS, strategy=strategy, callbacks=[stall, timeouts]))
+        model, data = Regressor(optimizer="adamw"), loader(rank, MAX_STEPS)
+    report: dict[str, Any] = dict(rank=rank, error_type=None, message="")
+    try:
+        trainer.fit(model, data)
+    except Exception as error:  # noqa: BLE001 - the report says what it was
+        report.update(error_type=type(error).__name__, message=str(error))
+    report.update(elapsed_s=None if stall.started is None else time.monotonic() - stall.started,
+                  reported_at=time.time(), group_timeouts=timeouts.seconds)
     _write_json(_report_path(workdir, rank), report)
     return report
 
@@ -260,6 +307,21 @@ def test_a_stalled_rank_under_onebit_fsdp_fails_every_survivor_within_the_timeou
         if rank == 2:  # rank 3's node peer: in FSDP's collective inside the node, gloo's timeout error
             assert f"Timed out waiting {STALL_TIMEOUT_S * 1000:g}ms" in report["message"], report
         else:  # in the compressed exchange across nodes: the error names the group
+            assert "in the process group of global ranks [" in report["message"], report
+            assert f"with a timeout of {STALL_TIMEOUT_S:g} s" in report["message"], report
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["onebit_diloco", "onebit_diloco_fsdp"])
+def test_a_stalled_rank_under_local_steps_fails_every_survivor_within_the_timeout(tmp_path: Any, fsdp: bool) -> None:
+    stalled, reports = _run_stall_case(str(tmp_path), fsdp, fit=_stall_local_steps_fit)
+    _check_every_survivor_reported(stalled, reports)
+    for rank, report in reports.items():
+        # the replica group and the node's group wait the strategy's timeout
+        assert report["group_timeouts"] == [STALL_TIMEOUT_S, STALL_TIMEOUT_S], report
+        assert report["error_type"] is not None, f"rank {rank} finished the fit without its peer: {report}"
+        assert report["elapsed_s"] <= STALL_TIMEOUT_S + MARGIN_S, report
+        assert report["reported_at"] <= stalled["killed_at"], report
+        if rank != 2:  # in the outer exchange (rank 2, rank 3's node peer, waits in a collective inside the node)
             assert "in the process group of global ranks [" in report["message"], report
             assert f"with a timeout of {STALL_TIMEOUT_S:g} s" in report["message"], report
 
