@@ -34,8 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lightning_onebit.comm.agreement import agree
-from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
-from lightning_onebit.strategy.sidecar import SIDECAR_RECORD_KEY
+from lightning_onebit.strategy.checkpoint_kinds import DCP_METADATA, first_line, fsdp_file_problem
 
 __all__ = [
     "MANIFEST_NAME",
@@ -44,11 +43,9 @@ __all__ = [
     "FolderSave",
     "LoadProblems",
     "agree_on_problems",
-    "ddp_folder_problem",
     "file_digest",
     "first_line",
     "folder_problems",
-    "fsdp_file_problem",
     "put_in_place",
 ]
 
@@ -58,7 +55,6 @@ MANIFEST_FORMAT = 1
 #: ``meta.pt`` key of ``{"save_id": ..., "manifest": MANIFEST_NAME}``: the save that wrote the folder.
 SAVE_RECORD_KEY = "onebit_save"
 #: DCP's metadata file and Lightning's file in a distributed checkpoint.
-DCP_METADATA = ".metadata"
 LIGHTNING_METADATA = "meta.pt"
 _PARTIAL = ".onebit-partial-"
 _PREVIOUS = ".onebit-previous-"
@@ -272,60 +268,6 @@ def _interrupted_saves(path: Path) -> str:
             f"{MANIFEST_NAME} and {LIGHTNING_METADATA} in it is complete: rename it to {path.name} to resume from it)")
 
 
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message, at most 200 characters (torch's advice that follows does not
-    apply to a damaged file)."""
-    lines = str(err).strip().splitlines()
-    return lines[0][:200] if lines else ""
-
-
-def _peek(path: Path, weights_only: Optional[bool]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """The checkpoint in the file at ``path`` (its tensors mapped, not read), or the reason it cannot be read."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    except Exception as err:  # noqa: BLE001 - a reason for the message, not a crash
-        return None, f"{type(err).__name__}: {first_line(err)}"
-    return (checkpoint, None) if isinstance(checkpoint, dict) else (None, f"it holds a {type(checkpoint).__name__}")
-
-
-def _written_by_onebit_adam(checkpoint: dict[str, Any]) -> bool:
-    states = checkpoint.get("optimizer_states") or []
-    return SIDECAR_RECORD_KEY in checkpoint or any(isinstance(s, dict) and CHECKPOINT_KEY in s for s in states)
-
-
-def fsdp_file_problem(path: Path, weights_only: Optional[bool] = None) -> str:
-    """Why ``onebit_fsdp`` cannot resume training from the single file at ``path``, and what to do instead."""
-    checkpoint, unreadable = _peek(path, weights_only)
-    from_weights = (f"to start onebit_fsdp from its weights, load them into the model before fit "
-                    f"(model.load_state_dict(torch.load({str(path)!r})['state_dict'])) and fit without ckpt_path: the "
-                    "optimizer state and error feedback start afresh")
-    if checkpoint is None:
-        return (f"{path} is a file that is not a readable checkpoint ({unreadable}); strategy='onebit_fsdp' resumes "
-                "from its own distributed checkpoints, which are folders")
-    if _written_by_onebit_adam(checkpoint):
-        return (f"{path} is a onebit_adam checkpoint (one file, written by OnebitStrategy), and strategy='onebit_fsdp' "
-                "resumes only from its own distributed checkpoints (folders): resume it with strategy='onebit_adam', "
-                f"or {from_weights}")
-    if "optimizer_states" not in checkpoint:
-        return (f"{path} holds model weights only (one file, as OnebitFSDPStrategy(save_distributed_checkpoint=False) "
-                f"writes), nothing to resume training from: {from_weights}")
-    return (f"{path} is a single-file checkpoint (as strategy='ddp' writes), and strategy='onebit_fsdp' resumes only "
-            f"from its own distributed checkpoints (folders): resume it with the strategy that wrote it, or "
-            f"{from_weights}")
-
-
-def ddp_folder_problem(path: Path) -> Optional[str]:
-    """Why the folder at ``path`` is not a checkpoint ``onebit_adam`` can load (``None`` if it is not a folder)."""
-    if not path.is_dir():
-        return None
-    if (path / DCP_METADATA).is_file():
-        return (f"{path} is a onebit_fsdp checkpoint (a folder of shards written by OnebitFSDPStrategy), and "
-                "strategy='onebit_adam' loads one file: resume it with strategy='onebit_fsdp' (at any world size: it "
-                "is resharded); to take its weights elsewhere, torch.distributed.checkpoint.format_utils."
-                "dcp_to_torch_save(folder, file) writes them to one file")
-    return f"{path} is a folder, not a checkpoint file"
-
-
 def _share(names: Sequence[str], sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
     """The files rank ``rank`` verifies: the largest first, each to the rank with the fewest bytes so far (the same
     split on every rank)."""
@@ -389,23 +331,23 @@ class LoadProblems:
 
 
 def folder_problems(path: Path, rank: int, world_size: int, resuming: bool,
-                    weights_only: Optional[bool] = None) -> LoadProblems:
+                    weights_only: Optional[bool] = None, strategy: str = "onebit_fsdp") -> LoadProblems:
     """What this rank finds wrong with loading the checkpoint at ``path`` under ``onebit_fsdp`` (``resuming``: a
     fit that restores the optimizer, which needs a distributed checkpoint), having verified its share of the
     folder's files against the manifest. Reads files, never communicates (and never raises for a file it cannot
     read): pass the result to :func:`agree_on_problems`."""
     try:
-        return _folder_problems(path, rank, world_size, resuming, weights_only)
+        return _folder_problems(path, rank, world_size, resuming, weights_only, strategy)
     except OSError as err:
         return LoadProblems(damaged=[f"{path} cannot be read ({type(err).__name__}: {err})"])
 
 
 def _folder_problems(path: Path, rank: int, world_size: int, resuming: bool,
-                     weights_only: Optional[bool]) -> LoadProblems:
+                     weights_only: Optional[bool], strategy: str) -> LoadProblems:
     if not os.path.lexists(path):
         return LoadProblems(wrong_kind=[f"there is no checkpoint at {path}{_interrupted_saves(path)}"])
     if path.is_file():
-        return LoadProblems(wrong_kind=[fsdp_file_problem(path, weights_only)] if resuming else [])
+        return LoadProblems(wrong_kind=[fsdp_file_problem(path, weights_only, strategy)] if resuming else [])
     if not (path / DCP_METADATA).is_file():
         return LoadProblems(wrong_kind=[
             f"{path} is a folder but not a distributed checkpoint (it has no {DCP_METADATA}){_interrupted_saves(path)}"

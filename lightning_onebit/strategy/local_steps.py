@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -43,6 +44,8 @@ from lightning_onebit.hooks import GradientSyncState, switchable_allreduce_hook
 from lightning_onebit.strategy.arguments import check_process_group_options, ddp_kwargs_for
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, agree_run_id, owned_sidecar
 from lightning_onebit.strategy.checkpoint import remove_sidecar, restore_per_rank_state, save_per_rank_state
+from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems
+from lightning_onebit.strategy.checkpoint_kinds import ddp_folder_problem
 from lightning_onebit.strategy.local_steps_run import DEFAULTS, OUTER_LR, OuterSync, LocalStepsDefaults
 from lightning_onebit.strategy.local_steps_run import LocalStepsSettings, check_inner_optimizers, replica_layout
 from lightning_onebit.strategy.local_steps_run import with_local_steps_attributes
@@ -316,6 +319,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
     def load_checkpoint(
         self, checkpoint_path: Union[str, "os.PathLike[str]"], weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
+        problem = ddp_folder_problem(Path(os.fspath(checkpoint_path)), self.strategy_name)  # a distributed one
+        agree_on_problems(LoadProblems(wrong_kind=[problem] if problem else []), checkpoint_path, self.strategy_name)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         restore_per_rank_state(checkpoint, sidecar_path(checkpoint_path, self.global_rank), self.global_rank,
                                self.world_size)

@@ -37,6 +37,7 @@ from lightning_onebit.optim.streaming import StreamingOuterStep
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.checkpoint_files import CheckpointIntegrityError, FolderSave, agree_on_problems
 from lightning_onebit.strategy.checkpoint_files import first_line, folder_problems
+from lightning_onebit.strategy.checkpoint_kinds import LOCAL_STEPS_RECORD_KEY
 from lightning_onebit.strategy.local_steps_run import OuterSync
 from lightning_onebit.strategy.sharded_checkpoint import is_distributed_checkpoint, save_sharded_checkpoint
 from lightning_onebit.strategy.sidecar import sidecar_in_folder
@@ -47,7 +48,7 @@ __all__ = ["LOCAL_STEPS_KEY", "ShardedLocalSteps", "load_local_steps_checkpoint"
            "save_local_steps_checkpoint"]
 
 #: The key of the strategy's record in ``meta.pt`` and of its per-rank state in the sidecars.
-LOCAL_STEPS_KEY = "onebit_diloco_fsdp"
+LOCAL_STEPS_KEY = LOCAL_STEPS_RECORD_KEY
 
 
 class ShardedLocalSteps(Protocol):
@@ -209,8 +210,8 @@ def load_local_steps_checkpoint(strategy: ShardedLocalSteps, path: Path,
 
     rank, world_size = strategy.global_rank, strategy.world_size
     outer_step = strategy.outer_step
-    verified = agree_on_problems(folder_problems(path, rank, world_size, outer_step is not None, weights_only), path,
-                                 strategy.strategy_name)
+    problems = folder_problems(path, rank, world_size, outer_step is not None, weights_only, strategy.strategy_name)
+    verified = agree_on_problems(problems, path, strategy.strategy_name)
     if not is_distributed_checkpoint(path):
         return ModelParallelStrategy.load_checkpoint(strategy, path, weights_only=weights_only)
     checkpoint = torch.load(path / "meta.pt", weights_only=weights_only)

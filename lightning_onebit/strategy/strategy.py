@@ -30,7 +30,8 @@ from lightning_onebit.strategy.arguments import the_compressed_optimizer
 from lightning_onebit.strategy.clipping import AgreedClippingPrecision, agreed_clipping_precision
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, PER_RANK_STATUS_KEY, agree_run_id
 from lightning_onebit.strategy.checkpoint import restore_per_rank_state, save_per_rank_state
-from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems, ddp_folder_problem
+from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_problems
+from lightning_onebit.strategy.checkpoint_kinds import ddp_folder_problem
 from lightning_onebit.strategy.error_feedback import ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import GRADIENT_HOOKS, decide_overlap, note_bucket_cap, overlap_blocker
 from lightning_onebit.strategy.overlap_policy import overlap_fallback

@@ -13,8 +13,9 @@ step across replicas) under Lightning on gloo, with the Llama-style test model s
 * bf16-mixed, gradient accumulation, clipping and the strategy's own sharding (``shard_modules``) together, with
   ``CommunicationMonitor`` and validation: the validation sees the outer model, and the training is the same bits
   with or without it; ``Trainer(strategy="onebit_diloco_fsdp")`` by name;
-* resuming with another number of replicas, one replica, a layout that does not divide the world and a compressed
-  optimizer (``OnebitAdam``) as the inner one are refused on every rank with the reason.
+* resuming with another number of replicas, one replica, a layout that does not divide the world, a compressed
+  optimizer (``OnebitAdam``) as the inner one, a single-file checkpoint, and this strategy's folder under
+  ``onebit_diloco`` are refused on every rank with the reason and the strategy to use.
 """
 
 from __future__ import annotations
@@ -196,7 +197,11 @@ def scenario_2x1_from_2x2(rank: int, world_size: int, workdir: str) -> dict[str,
                          strategy=OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=1))
     trainer.validate(model, ckpt_path=path)
     whole = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+    ddp = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, strategy=OnebitDiLoCoStrategy(ranks_per_node=1))
+    folder_under_ddp = _error(lambda: ddp.fit(LlamaLM(100 + rank, optimizer=_adamw, shard=False), ckpt_path=path))
     return {"resharded": resharded, "one_replica": one_replica, "validated_model": whole,
+            "folder_under_ddp": folder_under_ddp,
             "same_as_ddp": {fsdp: _one_rank_replicas(rank, world_size, fsdp) for fsdp in (True, False)}}
 
 
@@ -213,12 +218,17 @@ def _one_rank_replicas(rank: int, world_size: int, fsdp: bool) -> tuple[torch.Te
 def scenario_other_replicas(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     """The 2 x 2 checkpoint on 4 ranks as 4 replicas of 1: refused."""
     path = os.path.join(workdir, "2x2", f"step={SAVED_AT}.ckpt")
+    a_file = os.path.join(workdir, "ddp.ckpt")
+    if rank == 0:
+        torch.save({"state_dict": {}, "optimizer_states": [{}], "global_step": 3}, a_file)
+    torch.distributed.barrier()
     onebit = LlamaLM(100 + rank)  # configure_optimizers returns OnebitAdam
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, strategy=OnebitDiLoCoFSDPStrategy(ranks_per_node=2))
     return {"error": _error(lambda: _fit(rank, world_size, per_replica=1, ckpt_path=path, **_STREAMED)),
             "uneven": _error(lambda: _fit(rank, world_size, per_replica=3, steps=1)),
-            "compressed_inner": _error(lambda: trainer.fit(onebit))}
+            "compressed_inner": _error(lambda: trainer.fit(onebit)),
+            "file": _error(lambda: _fit(rank, world_size, per_replica=2, ckpt_path=a_file))}
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +313,14 @@ def test_another_replica_count_one_replica_an_uneven_layout_and_a_compressed_inn
         assert r["error"] is not None and "saved by 2 replicas and this run has 4" in r["error"], r["error"]
         assert r["uneven"] is not None and "ranks_per_node=3 does not divide the 4 ranks" in r["uneven"]
         assert r["compressed_inner"] is not None and "OnebitAdam exchanges compressed momenta" in r["compressed_inner"]
+        # a single file (as strategy='ddp' writes) says what it is and what to do instead
+        assert r["file"] is not None and "strategy='onebit_diloco_fsdp' cannot load the checkpoint" in r["file"]
+        assert "is a single-file checkpoint (as strategy='ddp' writes)" in r["file"], r["file"]
+    for r in scenario_results(sessions["2x1"], "2x1"):  # and onebit_diloco, given this strategy's folder
+        message = r["folder_under_ddp"]
+        assert message is not None and "strategy='onebit_diloco' cannot load the checkpoint" in message, message
+        assert "is a onebit_diloco_fsdp checkpoint" in message and "resume it with strategy='onebit_diloco_fsdp'" in (
+            message)
     for r in scenario_results(sessions["2x1"], "2x1"):
         assert r["one_replica"] is not None and "needs two replicas or more" in r["one_replica"]
 
