@@ -276,3 +276,56 @@ def test_gathering_the_payloads_inside_the_replica_gives_the_bits_of_gathering_t
             assert all(same_bits(a, b) for a, b in zip(by_payloads["after"][sync], results[0][True]["after"][sync]))
         assert by_payloads["exchanged"] == by_shards["exchanged"] > 0  # the same bytes across replicas
         assert 0 < by_payloads["gathered"] < by_shards["gathered"]  # fewer inside the replica
+
+
+class RoundingReplicas(SimulatedReplicas):
+    """:class:`SimulatedReplicas` whose own values go through bf16 with error feedback (an elementwise compressor:
+    its result does not depend on how the values are cut into buckets)."""
+
+    def average_(self, buckets: Sequence[OuterBucket]) -> None:
+        for bucket in buckets:
+            accumulated = self._accumulate(bucket)
+            wire = accumulated.to(torch.bfloat16).float()
+            accumulated.sub_(wire)
+            bucket.values.copy_(wire)
+        super().average_(buckets)
+
+
+def test_the_per_parameter_state_restores_at_another_bucket_layout_and_continues_alike():
+    """Outer values, error feedback and Nesterov momentum saved by parameter from one bucket layout and loaded into an
+    outer step of another (as a sharded checkpoint resumed at another layout): both continue bit for bit."""
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(5, 3), (7,), (2, 2, 3)]
+    first = [torch.randn(s, generator=generator) for s in shapes]
+    steps = {}
+    for name, numel in (("wide", 1 << 20), ("narrow", 8)):
+        params = [t.clone() for t in first]
+        steps[name] = (OuterStep(params, RoundingReplicas(2), "nesterov", LR, MOMENTUM, bucket_numel=numel), params)
+    assert len(steps["wide"][0].buckets) == 1 and len(steps["narrow"][0].buckets) > 3
+
+    def sync(name: str, drift: list[torch.Tensor], other: list[torch.Tensor]) -> None:
+        step, params = steps[name]
+        with torch.no_grad():
+            for p, d in zip(params, drift):
+                p.add_(d)
+        step.compressor.others = {key: [value] for key, value in _flat_pieces(step, other).items()}
+        step.sync()
+
+    def random_like() -> list[torch.Tensor]:
+        return [torch.randn(s, generator=generator) * 0.1 for s in shapes]
+
+    for _ in range(3):  # only the wide one trains, then hands its state over
+        sync("wide", random_like(), random_like())
+    state = steps["wide"][0].per_parameter_state()
+    assert all(e.abs().sum() > 0 for e in state["error_feedback"]) and all(m is not None for m in state["momentum"])
+    steps["narrow"][0].load_per_parameter_state(state)
+    steps["narrow"][0].copy_outer_to_params()
+    for _ in range(3):
+        drift, other = random_like(), random_like()
+        for name in steps:
+            sync(name, drift, other)
+    wide, narrow = (steps[name][0].per_parameter_state() for name in ("wide", "narrow"))
+    for key in ("outer", "error_feedback", "momentum"):
+        assert all(torch.equal(a, b) for a, b in zip(wide[key], narrow[key])), key
+    with pytest.raises(ValueError, match=r"outer state 'outer' of parameter 0: saved with shape \(3, 5\)"):
+        steps["narrow"][0].load_per_parameter_state(dict(state, outer=[state["outer"][0].t()] + state["outer"][1:]))
