@@ -147,29 +147,28 @@ class OnebitAverage(OuterCompressor):
 
     def error_feedback(self, key: Hashable) -> Optional[torch.Tensor]:
         """The worker error of bucket ``key`` (the server error is the state's)."""
-        state = self.state.error_feedback_state_dict()["buckets"].get(key)
-        return None if state is None else state["worker_error"]
+        buffers = self.state.existing_buffers(key)
+        return None if buffers is None else buffers.worker_error
 
     def set_error_feedback(self, bucket: OuterBucket, values: torch.Tensor) -> None:
         buffers = self.state.buffers(bucket.key, self._layout(bucket, self.replicas), bucket.values)
         buffers.worker_error.copy_(values.reshape(buffers.worker_error.shape))
 
     def server_errors(self) -> dict[Hashable, torch.Tensor]:
-        saved = self.state.error_feedback_state_dict()["buckets"]
-        return {key: entry["server_error"] for key, entry in saved.items()}
+        return {key: buffers.server_error.detach().clone() for key, buffers in self.state.bucket_buffers().items()}
 
     def load_server_errors(self, saved: dict[Hashable, torch.Tensor], buckets: Sequence[OuterBucket]) -> None:
-        present = [b for b in buckets if b.key in saved]
         unknown = set(saved) - {b.key for b in buckets}
-        for b in present:
-            server = self.state.buffers(b.key, self._layout(b, self.replicas), b.values).server_error
-            if tuple(saved[b.key].shape) != tuple(server.shape):
-                raise ValueError(f"bucket {b.key!r}: the saved server error has {saved[b.key].numel()} elements, not "
-                                 f"{server.numel()}")
         if unknown:
             raise ValueError(f"saved server errors of buckets {sorted(map(str, unknown))} that this run does not have")
-        for b in present:
-            self.state.buffers(b.key, self._layout(b, self.replicas), b.values).server_error.copy_(saved[b.key])
+        layouts = {b.key: self._layout(b, self.replicas) for b in buckets if b.key in saved}
+        for key, layout in layouts.items():
+            if saved[key].numel() != layout.chunk_numel:
+                raise ValueError(f"bucket {key!r}: the saved server error has {saved[key].numel()} elements, not "
+                                 f"{layout.chunk_numel}")
+        for b in buckets:
+            if b.key in layouts:
+                self.state.buffers(b.key, layouts[b.key], b.values).server_error.copy_(saved[b.key])
 
     def error_state_dict(self) -> dict[str, Any]:
         return {"kind": self.config.kind, "replicas": self.replicas, "exchange": self.state.error_feedback_state_dict()}

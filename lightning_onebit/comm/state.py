@@ -190,6 +190,14 @@ class CompressedAllreduceState:
             buffers = self._buckets[key] = moved
         return buffers
 
+    def existing_buffers(self, key: Hashable) -> Optional[BucketBuffers]:
+        """Bucket ``key``'s buffers if its exchange has run (or they were restored), else ``None``; nothing made."""
+        return self._buckets.get(key)
+
+    def bucket_buffers(self) -> dict[Hashable, BucketBuffers]:
+        """Every bucket's buffers made so far, by key (a new dict of the live buffers)."""
+        return dict(self._buckets)
+
     def error_feedback_norm(self) -> float:
         """L2 norm of all error-feedback buffers of this rank (worker and server); one host read per device."""
         return _error_norm(self._buckets.values())

@@ -135,6 +135,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         #: the trainable parameters by name (``DTensor`` s), in the outer step's order (this fit's)
         self.sharded_parameters: list[tuple[str, torch.Tensor]] = []
         self._names_before_sharding: dict[int, tuple[Any, str]] = {}
+        self._views_settled = False  # whether FSDP2's lazy init has run since the outer step took the local views
 
     # ------------------------------------------------------------------ the mesh
     def replica_layout(self) -> tuple[int, int]:
@@ -200,14 +201,16 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         self.outer_sync.build(local, lambda: make_outer_compressor(compression, replicate), shard_group=None,
                               sizes=[p.numel() for _, p in named])
         assert self.outer_step is not None
+        self._views_settled = False
         by_id = {id(t): pair for t, pair in zip(local, named)}
         self.sharded_parameters = [by_id[id(t)] for t in self.outer_step.params]
 
     def _point_at_local_shards(self) -> None:
-        """FSDP2 may give a parameter a new local tensor once (its lazy init re-pads the shard, and a state dict
-        loaded with ``assign``): the outer step then follows it (same shapes, same values)."""
+        """FSDP2 may give a parameter a new local tensor once (its lazy init, at the first forward, re-pads the shard;
+        and a state dict loaded with ``assign``): the outer step then follows it (same shapes, same values). Checked
+        up to the first optimizer step of a fit and of a resumed run, not on every step."""
         outer_step = self.outer_step
-        if outer_step is None:
+        if outer_step is None or self._views_settled:
             return
         with torch.no_grad():  # views, no autograd node per parameter and step
             current = [p.to_local() for _, p in self.sharded_parameters]
@@ -225,6 +228,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._point_at_local_shards()
+        self._views_settled = True  # a forward ran: FSDP2's lazy init is behind us
         self.outer_sync.after_optimizer_step()
         return output
 
@@ -301,6 +305,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         found a problem
         (:func:`~lightning_onebit.strategy.local_steps_fsdp_checkpoint.load_local_steps_checkpoint`)."""
         self._point_at_local_shards()
+        self._views_settled = False  # a load may assign new tensors
         return load_local_steps_checkpoint(self, Path(agree(checkpoint_path)[0]), weights_only)
 
     # ------------------------------------------------------------------ teardown and registry

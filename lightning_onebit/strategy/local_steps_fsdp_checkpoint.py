@@ -98,8 +98,10 @@ def outer_model_state(state: dict[str, Any], model: Module, outer_step: Streamin
     return {key: outer.get(id(params[key]), value) if key in params else value for key, value in state.items()}
 
 
-def _training_state(strategy: ShardedLocalSteps) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """``(this replica's state, the outer momentum, the record for meta.pt)`` of a fit in progress."""
+def _training_state(strategy: ShardedLocalSteps, server_errors: list[dict[Any, torch.Tensor]]
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(this replica's state, the outer momentum, the record for meta.pt)`` of a fit in progress
+    (``server_errors``: each fragment's, the same emptiness on every rank)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     outer_step = strategy.outer_step
@@ -119,7 +121,7 @@ def _training_state(strategy: ShardedLocalSteps) -> tuple[dict[str, Any], dict[s
     record = {"replicas": replicas, "ranks_per_replica": per_replica, "names": names,
               "inner_steps": strategy.outer_sync.inner_steps, "schedule": outer_step.schedule_state(),
               "momentum": sorted(momentum), "compressor": strategy.outer_sync.settings.compression.kind,
-              "server_errors": any(f.compressor.server_errors() for f in outer_step.fragments)}
+              "server_errors": any(server_errors)}
     return replica, momentum, record
 
 
@@ -136,7 +138,8 @@ def save_local_steps_checkpoint(strategy: ShardedLocalSteps, checkpoint: dict[st
     outer_step = strategy.outer_step
     if outer_step is not None:
         outer_step.finish_in_flight()
-        replica, momentum, record = _training_state(strategy)
+        server_errors = [f.compressor.server_errors() for f in outer_step.fragments]
+        replica, momentum, record = _training_state(strategy, server_errors)
         shards[f"replica{strategy.replica_index}"] = replica
         if momentum:
             shards["outer_momentum"] = momentum
@@ -144,7 +147,7 @@ def save_local_steps_checkpoint(strategy: ShardedLocalSteps, checkpoint: dict[st
         if record["server_errors"]:
             checkpoint[PER_RANK_STATE_KEY] = {LOCAL_STEPS_KEY: {
                 "layout": tuple(strategy.device_mesh.shape),
-                "server_errors": [f.compressor.server_errors() for f in outer_step.fragments]}}
+                "server_errors": server_errors}}
     save.begin(lambda folder: save_per_rank_state(checkpoint, sidecar_in_folder(folder, rank), save_id, rank,
                                                   world_size, None))
     save_sharded_checkpoint(save, checkpoint, shards)

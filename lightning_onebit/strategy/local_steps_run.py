@@ -14,6 +14,7 @@ import torch
 from lightning_onebit._checks import check_bucket_cap_mb, check_integer, check_real
 from lightning_onebit.comm.accounting import CommunicationCounters
 from lightning_onebit.comm.outer_base import OuterCompression, OuterCompressor
+from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS
 from lightning_onebit.optim.streaming import StreamingOuterStep
 
@@ -104,8 +105,6 @@ def replica_layout(world_size: int, per_replica: int, strategy: str) -> tuple[in
 def check_inner_optimizers(optimizers: Sequence[Any], strategy: str) -> None:
     """``ValueError`` naming the fix (on every rank alike) when an inner optimizer is one of this package's compressed
     optimizers: they exchange 1-bit momenta across every rank at every step, which local steps exist to avoid."""
-    from lightning_onebit.optim import CompressedOptimizer
-
     compressed = [type(o).__name__ for o in optimizers if isinstance(getattr(o, "_optimizer", o), CompressedOptimizer)]
     if compressed:
         raise ValueError(
