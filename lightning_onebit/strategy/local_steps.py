@@ -257,10 +257,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        if self.outer_sync.needs_final_sync():
-            rank_zero_info("onebit_diloco: outer step at the end of fit (inner steps since the last sync), so that the "
-                           "model holds every step")
-            self.sync()
+        self.outer_sync.sync_at_end_of_fit(self.strategy_name)
         super().on_train_end()
 
     # ------------------------------------------------------------------ validation on the outer model

@@ -247,10 +247,8 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        if self.outer_sync.needs_final_sync():
-            rank_zero_info(f"{self.strategy_name}: outer step at the end of fit (inner steps since the last sync), so "
-                           "that the model holds every step")
-            self.sync()
+        self._point_at_local_shards()
+        self.outer_sync.sync_at_end_of_fit(self.strategy_name)
         super().on_train_end()
 
     @override

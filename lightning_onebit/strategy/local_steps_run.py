@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_onebit._checks import check_bucket_cap_mb, check_integer, check_real
 from lightning_onebit.comm.accounting import CommunicationCounters
@@ -119,8 +120,8 @@ class OuterSync:
     """The outer step of a local-steps strategy and its bookkeeping (see the module docstring).
 
     :meth:`build` at the start of every fit; then :meth:`after_optimizer_step` after every inner optimizer step,
-    :meth:`swap_in_outer` / :meth:`swap_back` around validation, :meth:`sync_if_behind` at the end of fit and
-    :meth:`release` at teardown. :attr:`outer_step` is ``None`` outside ``fit``.
+    :meth:`swap_in_outer` / :meth:`swap_back` around validation, :meth:`sync_at_end_of_fit` and :meth:`release` at
+    teardown. :attr:`outer_step` is ``None`` outside ``fit``.
     """
 
     def __init__(self, settings: LocalStepsSettings) -> None:
@@ -167,9 +168,13 @@ class OuterSync:
         assert self.outer_step is not None
         self.outer_step.flush(self.inner_steps)
 
-    def needs_final_sync(self) -> bool:
-        """Whether the parameters are not the outer ones (inner steps since the last sync, or a rebase to come)."""
-        return self.outer_step is not None and not self.outer_step.params_are_outer
+    def sync_at_end_of_fit(self, strategy: str) -> None:
+        """When the parameters are not the outer ones (inner steps since the last sync, or a rebase to come), one more
+        sync, said once, so that the model ``fit`` leaves behind holds every step (a collective)."""
+        if self.outer_step is not None and not self.outer_step.params_are_outer:
+            rank_zero_info(f"{strategy}: outer step at the end of fit (inner steps since the last sync), so that the "
+                           "model holds every step")
+            self.sync()
 
     # ------------------------------------------------------------------ validation on the outer model
     def swap_in_outer(self) -> None:
