@@ -44,10 +44,9 @@ def record(directory: Path, commit: str) -> dict[str, Any]:
     steps = [dict(step=m[1], exit=int(m[2]), seconds=int(m[3]), limit_s=int(m[4]))
              for m in map(STEP.match, summary.splitlines()) if m]
     environment = [line for line in summary.splitlines()[:6] if not STEP.match(line)]
-    fits = {}
-    for name in ("fit_one_gpu", "fit_two_processes"):
-        path = directory / f"{name}.json"
-        fits[name] = json.loads(path.read_text()) if path.exists() else None
+    # every fit the script ran (a step named fit_*), its summary or None where it wrote none
+    fits = {s["step"]: json.loads(path.read_text()) if (path := directory / f"{s['step']}.json").exists() else None
+            for s in steps if s["step"].startswith("fit_")}
     kernels = directory / "gpu_kernels.json"
     junit = directory / "pytest_junit.xml"
     tests = tests_from_junit(junit) if junit.exists() else []

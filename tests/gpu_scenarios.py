@@ -126,3 +126,39 @@ def resume_scenario(rank: int, world_size: int, device: str, workdir: str, saved
     net, opt = _train(rank, device, 1, start=saved_at, net=net, opt=opt)
     return dict(uninterrupted=uninterrupted, resumed=_snapshot(net, opt), restored_device=restored_device,
                 restored_norm=restored_norm)
+
+
+def outer_steps_scenario(rank: int, world_size: int, device: str, kind: str, float64_norms: bool,
+                         inner_steps: int = 12) -> dict[str, Any]:
+    """Local steps without Lightning, each rank a replica: a model on ``device`` takes ``inner_steps`` drifts of its
+    own (made on the CPU from the rank and step, so every device sees the same values), and a
+    :class:`~lightning_onebit.optim.StreamingOuterStep` of compressor ``kind`` (2 fragments, every 4 steps, the
+    exchange overlapped with 1 inner step, outer SGD at lr 1: every operation exact or a kernel the GPU suite checks
+    bitwise) syncs it, then flushes. ``float64_norms``: the CPU accumulates the 1-bit scales' norms in float64, as
+    CUDA does. Returns the outer values after every sync and the parameters after the flush (on the CPU), and the
+    devices that the outer values and the error feedback live on."""
+    from lightning_onebit.comm import make_outer_compressor
+    from lightning_onebit.kernels import torch_kernels
+    from lightning_onebit.optim.streaming import StreamingOuterStep
+
+    if float64_norms:
+        torch_kernels.NORM_ACCUMULATE_DTYPE["cpu"] = torch.float64
+    net = Net().to(device)  # Net seeds itself: the same first values on every rank
+    params = list(net.parameters())
+    step = StreamingOuterStep.build(params, lambda: make_outer_compressor(kind), fragments=2, sync_every=4,
+                                    overlap_steps=1, optimizer="sgd", lr=1.0, bucket_cap_mb=0.0005)
+    syncs: list[list[torch.Tensor]] = []
+    step.on_sync = lambda fragment, sent: syncs.append(
+        [v.cpu().clone() for f in step.fragments for v in f.outer_values().values()])
+    g = torch.Generator().manual_seed(1000 + rank)
+    for inner in range(1, inner_steps + 1):
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=g).mul_(0.01).to(device))
+        step.after_inner_step(inner)
+    step.flush(inner_steps)
+    errors = [f.compressor.error_feedback(b.key) for f in step.fragments for b in f.buckets]
+    return dict(syncs=syncs, final=[p.detach().cpu().clone() for p in params],
+                outer_devices={v.device.type for f in step.fragments for v in f.outer_values().values()},
+                error_devices={e.device.type for e in errors if e is not None},
+                errors=sum(e is not None for e in errors))

@@ -165,11 +165,31 @@ def new_group_family(
     own = dist.get_rank(group)
     global_ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     mine = None
-    for ranks in members:
-        created = dist.new_group([global_ranks[r] for r in ranks], timeout=timeout)
-        if own in ranks:
-            mine = created
+    with _gloo_unbound():
+        for ranks in members:
+            created = dist.new_group([global_ranks[r] for r in ranks], timeout=timeout)
+            if own in ranks:
+                mine = created
     return mine
+
+
+@contextlib.contextmanager
+def _gloo_unbound() -> Iterator[None]:
+    """On gloo, the default group unbound from its device while groups are made. torch splits every new group from a
+    default group bound to a device (Lightning binds a CUDA device); gloo says it can split, but on torch 2.11 (CUDA
+    tensors on gloo, seen on an H200) a rank outside the new group then fails (``ProcessGroupGloo`` has no
+    ``perform_nocolor_split``). Unbound, each group is its own gloo connection, as on a CPU."""
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    name = dist.get_backend()
+    if bound is None or "gloo" not in name or "nccl" in name:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
 
 
 def is_registered(group: Any) -> bool:

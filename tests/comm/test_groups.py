@@ -52,3 +52,19 @@ def test_no_split_without_a_bound_device_or_backend_support(cuda_bound_default_g
     cuda_bound_default_group("nccl", splits=False)
     assert not groups.split_group_supported()
 
+
+
+@pytest.mark.parametrize("name, unbound", [("gloo", True), ("cpu:gloo,cuda:gloo", True), ("nccl", False)])
+def test_groups_on_gloo_are_made_with_the_default_group_unbound(cuda_bound_default_group, monkeypatch, name,
+                                                                 unbound):
+    # torch 2.11 splits new groups from a default group bound to a device; a gloo rank outside the new group then
+    # fails (ProcessGroupGloo has no perform_nocolor_split; an H200 run, 4 processes sharing the GPU over gloo)
+    cuda_bound_default_group(name, splits=False)  # nccl: the new_group route too
+    default = dist.distributed_c10d._get_default_group()
+    seen = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, timeout=None: seen.append(default.bound_device_id) or ranks)
+    assert groups.new_group_family([[0, 1], [2, 3]], timeout=1) == [2, 3]
+    assert seen == [None, None] if unbound else seen == [torch.device("cuda", 0)] * 2
+    assert default.bound_device_id == torch.device("cuda", 0)  # bound again afterwards

@@ -12,7 +12,9 @@ torch *fake* process group (no data move; for stream-ordering and host-sync chec
 * compressed steps of every optimizer under ``torch.cuda.set_sync_debug_mode("error")`` and under
   ``TORCH_CUDA_SANITIZER=1`` (the overlap hook's side stream);
 * 2 ranks on the GPU: the overlapped exchange gives the in-step bits with a ``compress=False`` embedding bucket that
-  starts no exchange; resume with the error feedback kept continues the uninterrupted run bit for bit.
+  starts no exchange; resume with the error feedback kept continues the uninterrupted run bit for bit;
+* local steps' outer step (streamed, overlapped) on 2 and 3 ranks on the GPU with every compressor: the replicas'
+  outer values the same bits after every sync, the state on the GPU, and the same values as the same run on the CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from lightning_onebit.kernels import Segments, cupy_kernels, torch_kernels
 from tests.distributed import run_distributed
 from tests.gpu_scenarios import (
     lamb_run,
+    outer_steps_scenario,
     overlap_scenario,
     resume_scenario,
     warmup_against_fused_adamw,
@@ -186,3 +189,22 @@ def test_two_ranks_on_one_gpu_keep_resume_continues_bitwise(tmp_path):
                 _bits_equal(a, b, f"rank {rank}: {name} after the first resumed step")
         for a, b in zip(r["resumed"]["params"], r["uninterrupted"]["params"]):
             _bits_equal(a, b, f"rank {rank}: parameters after the first resumed step")
+
+
+@pytest.mark.parametrize("kind, world_size", [("onebit", 2), ("onebit", 3), ("topk", 2), ("none", 2), ("bf16", 3)])
+def test_outer_steps_on_the_gpu_agree_across_replicas_and_with_the_cpu(kind, world_size):
+    cuda = run_distributed(outer_steps_scenario, world_size, "cuda", kind, True, timeout_s=300)
+    cpu = run_distributed(outer_steps_scenario, world_size, "cpu", kind, True, timeout_s=300)
+    assert len(cuda[0]["syncs"]) == len(cpu[0]["syncs"]) > 0
+    for rank, r in enumerate(cuda):
+        assert r["outer_devices"] == {"cuda"}, f"rank {rank}: outer values on {r['outer_devices']}"
+        if kind != "none":
+            assert r["errors"] > 0 and r["error_devices"] == {"cuda"}, f"rank {rank}: error feedback {r}"
+        for i, (values, reference) in enumerate(zip(r["syncs"], cuda[0]["syncs"])):
+            for a, b in zip(values, reference):
+                _bits_equal(a, b, f"sync {i}: rank {rank} against rank 0")
+        for a, b in zip(r["final"], cuda[0]["final"]):
+            _bits_equal(a, b, f"rank {rank}: parameters after the flush")
+    for i, (values, reference) in enumerate(zip(cuda[0]["syncs"], cpu[0]["syncs"])):
+        for a, b in zip(values, reference):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"sync {i}, CUDA against CPU: {m}")

@@ -39,11 +39,18 @@ def test_record_reads_steps_tests_and_fits(tmp_path):
 
 @pytest.mark.slow
 def test_the_script_runs_its_fits_on_the_cpu(tmp_path):
-    """The two fits of gpu_check.sh on the CPU (3 steps each): one process, then two over gloo; about 1.5 minutes."""
-    env = dict(os.environ, ACCELERATOR="cpu", PRECISION="32", MAX_STEPS="3", OUT=str(tmp_path), PYTHON="python")
+    """The fits of gpu_check.sh on the CPU: 1-bit Adam in one process, then two over gloo (3 steps each); local steps
+    on two, onebit_fsdp and the sharded local steps on four (8 steps each, a sync every 8); about 3 minutes."""
+    env = dict(os.environ, ACCELERATOR="cpu", PRECISION="32", MAX_STEPS="3", DILOCO_STEPS="8", OUT=str(tmp_path),
+               PYTHON="python")
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     for name in ("fit_one_gpu", "fit_two_processes"):
         summary = json.loads((tmp_path / f"{name}.json").read_text())
         assert summary["steps"] == 3 and summary["stage"] == "compression", summary
+    summary = json.loads((tmp_path / "fit_fsdp.json").read_text())
+    assert summary["steps"] == 8 and summary["strategy"] == "OnebitFSDPStrategy", summary
+    for name, strategy in (("fit_diloco", "OnebitDiLoCoStrategy"), ("fit_diloco_fsdp", "OnebitDiLoCoFSDPStrategy")):
+        summary = json.loads((tmp_path / f"{name}.json").read_text())
+        assert summary["steps"] == 8 and summary["strategy"] == strategy and summary["outer_syncs"] == 1, summary
