@@ -48,7 +48,7 @@ from lightning_onebit.strategy.checkpoint_files import LoadProblems, agree_on_pr
 from lightning_onebit.strategy.checkpoint_kinds import ddp_folder_problem
 from lightning_onebit.strategy.local_steps_run import DEFAULTS, OUTER_LR, OuterSync, LocalStepsDefaults
 from lightning_onebit.strategy.local_steps_run import LocalStepsSettings, check_inner_optimizers, replica_layout
-from lightning_onebit.strategy.local_steps_run import with_local_steps_attributes
+from lightning_onebit.strategy.local_steps_run import persistent_buffers, with_local_steps_attributes
 from lightning_onebit.strategy.local_steps_state import STATE_KEY, agreed_per_rank_state, streaming_outer_state
 from lightning_onebit.strategy.sidecar import sidecar_path
 
@@ -82,7 +82,10 @@ class OnebitDiLoCoStrategy(DDPStrategy):
       missing or foreign one stops every rank with the reason.
     * **Bytes:** :attr:`communication` (inner DDP allreduces inside the node, outer syncs), :attr:`outer_communication`
       and :attr:`last_sync_communication`; :class:`~lightning_onebit.CommunicationMonitor` logs them per step.
-    * Buffers (e.g. BatchNorm statistics) are not averaged across replicas: each replica keeps its own.
+    * **Buffers** (e.g. BatchNorm statistics) are not parameters: at every sync of the first fragment (once per outer
+      period) and at the end of fit every rank takes rank 0's, as DDP does at every forward (one broadcast per
+      dtype, counted in :attr:`outer_communication`), so the replicas then hold the same bits; a checkpoint keeps
+      each rank's own in its sidecar.
     * An inner step is an optimizer step (not a batch: accumulation), one a loss scaler skips included; with several
       optimizers, every one's step counts.
 
@@ -234,7 +237,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         compression = self.outer_sync.settings.compression
         self.outer_sync.build([p for p in module.parameters() if p.requires_grad],
                                lambda: make_outer_compressor(compression, self.replica_group),
-                               shard_group=self.node_group)
+                               shard_group=self.node_group, buffers=persistent_buffers(module))
 
     # ------------------------------------------------------------------ steps
     @override
@@ -298,7 +301,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         # the loss scaler's state too: replicas skip different steps, and the main file holds only rank 0's scaler
         return {"inner_steps": self.inner_steps, "local_params": local, "outer": self.outer_step.state_dict(),
                 "inner_optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-                "precision": self.precision_plugin.state_dict()}
+                "precision": self.precision_plugin.state_dict(),
+                "local_buffers": [b.detach().clone() for b in self.outer_sync.buffers]}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, "os.PathLike[str]"],
@@ -340,6 +344,9 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         with torch.no_grad():
             for p, local in zip(self.outer_step.params, state["local_params"]):
                 p.copy_(local)
+        with torch.no_grad():  # this replica's own buffers (an older sidecar has none: rank 0's stay)
+            for buffer, saved in zip(self.outer_sync.buffers, state.get("local_buffers") or ()):
+                buffer.copy_(saved)
         self.outer_sync.inner_steps = int(state["inner_steps"])
         if state.get("precision"):  # this rank's loss scaler (an older sidecar has none: rank 0's stays)
             self.precision_plugin.load_state_dict(state["precision"])

@@ -43,7 +43,8 @@ from lightning_onebit.strategy.arguments import check_ranks_per_node, shard_modu
 from lightning_onebit.strategy.local_steps_fsdp_checkpoint import load_local_steps_checkpoint, outer_model_state
 from lightning_onebit.strategy.local_steps_fsdp_checkpoint import save_local_steps_checkpoint
 from lightning_onebit.strategy.local_steps_run import DEFAULTS, LocalStepsSettings, OuterSync, replica_layout
-from lightning_onebit.strategy.local_steps_run import check_inner_optimizers, with_local_steps_attributes
+from lightning_onebit.strategy.local_steps_run import check_inner_optimizers, persistent_buffers
+from lightning_onebit.strategy.local_steps_run import with_local_steps_attributes
 from lightning_onebit.strategy.fsdp import setup_sharded_model
 from lightning_onebit.strategy.sharding import no_gradient_sync, node_device_mesh, node_mesh_ranks
 from lightning_onebit.strategy.sharding import point_at_sharded_parameters
@@ -78,7 +79,9 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
       the same layout, reset (and logged) at another.
     * **Precision:** ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` (Lightning's
       ``ModelParallelStrategy``'s), or FSDP2's ``mixed_precision`` policy for the modules the strategy shards.
-    * Buffers are not averaged across replicas: each replica keeps its own.
+    * **Buffers** (e.g. BatchNorm statistics): every rank takes rank 0's at every sync of the first fragment and at
+      the end of fit, as under ``onebit_diloco``. A checkpoint holds rank 0's: a resume from one saved between two
+      syncs starts every rank from those (bit for bit only for a model whose buffers the steps do not change).
 
     Args:
         sync_every, compressor, fragments, overlap_steps, outer_optimizer, outer_lr, outer_momentum, bucket_cap_mb:
@@ -199,7 +202,7 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
         with torch.no_grad():
             local = [p.to_local().detach() for _, p in named]
         self.outer_sync.build(local, lambda: make_outer_compressor(compression, replicate), shard_group=None,
-                              sizes=[p.numel() for _, p in named])
+                              sizes=[p.numel() for _, p in named], buffers=persistent_buffers(self.model))
         assert self.outer_step is not None
         self._views_settled = False
         by_id = {id(t): pair for t, pair in zip(local, named)}

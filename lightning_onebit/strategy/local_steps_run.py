@@ -10,17 +10,19 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_onebit._checks import check_bucket_cap_mb, check_integer, check_real
-from lightning_onebit.comm.accounting import CommunicationCounters
+from lightning_onebit.comm.accounting import CommunicationCounters, count_ring_bytes
+from lightning_onebit.comm.groups import broadcast_coalesced, is_distributed
 from lightning_onebit.comm.outer_base import OuterCompression, OuterCompressor
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.outer_step import OUTER_OPTIMIZERS
 from lightning_onebit.optim.streaming import StreamingOuterStep
 
 __all__ = ["DEFAULTS", "OUTER_LR", "LocalStepsDefaults", "LocalStepsSettings", "OuterSync",
-           "check_inner_optimizers", "replica_layout"]
+           "check_inner_optimizers", "persistent_buffers", "replica_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +118,13 @@ def check_inner_optimizers(optimizers: Sequence[Any], strategy: str) -> None:
         )
 
 
+def persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """``module``'s buffers that its state dict holds (e.g. BatchNorm statistics; not caches registered with
+    ``persistent=False``, such as rotary tables), in ``buffers()`` order."""
+    saved = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    return [b for b in module.buffers() if id(b) in saved]
+
+
 class OuterSync:
     """The outer step of a local-steps strategy and its bookkeeping (see the module docstring).
 
@@ -133,13 +142,19 @@ class OuterSync:
         self.outer_syncs = 0
         self.last_sync_communication = CommunicationCounters()
         self._finished = CommunicationCounters()  # the outer counters of fits that ended
+        self._buffer_counters = CommunicationCounters()  # the buffers' broadcasts at the syncs, every fit's
         self._stashed: Optional[list[torch.Tensor]] = None  # the local parameters while the outer ones validate
+        #: the module's buffers (e.g. BatchNorm statistics), every rank's made rank 0's at every sync
+        self.buffers: list[torch.Tensor] = []
 
     def build(self, params: Sequence[torch.Tensor], make_compressor: Callable[[], OuterCompressor], *,
-              shard_group: Any = None, sizes: Optional[Sequence[int]] = None) -> None:
+              shard_group: Any = None, sizes: Optional[Sequence[int]] = None,
+              buffers: Sequence[torch.Tensor] = ()) -> None:
         """The outer step over ``params`` (their values now are the first outer parameters), each fragment's
         compressor from ``make_compressor()``; ``sizes``: the parameters' sizes the fragments are cut by (default
-        theirs; a sharded model passes the whole parameters' sizes, so that every layout cuts alike)."""
+        theirs; a sharded model passes the whole parameters' sizes, so that every layout cuts alike); ``buffers``:
+        the module's buffers, which every rank takes from rank 0 at each sync of the first fragment (once per outer
+        period) and at the end of fit."""
         s = self.settings
         self.outer_step = StreamingOuterStep.build(
             params, make_compressor, fragments=s.fragments, sync_every=s.sync_every, overlap_steps=s.overlap_steps,
@@ -147,6 +162,7 @@ class OuterSync:
             shard_group=shard_group, sizes=sizes)
         self.outer_step.on_sync = self._count_sync
         self.inner_steps = 0
+        self.buffers = list(buffers)
 
     def _count_sync(self, fragment: int, sent: CommunicationCounters) -> None:
         self.outer_syncs += 1
@@ -156,7 +172,22 @@ class OuterSync:
         """Count an inner step; sync the fragments due after it (a collective on those steps)."""
         if self.outer_step is not None:
             self.inner_steps += 1
-            self.outer_step.after_inner_step(self.inner_steps)
+            if 0 in self.outer_step.after_inner_step(self.inner_steps):
+                self.sync_buffers()
+
+    def sync_buffers(self) -> None:
+        """Every rank takes rank 0's buffers (a collective over every rank: one broadcast per dtype), as DDP does at
+        every forward: buffers are not parameters (no pseudo-gradient, no outer optimizer), and the replicas then
+        hold the same bits; counted as a ring broadcast, ``(W - 1) / W`` of the bytes per rank, inter-node."""
+        if not self.buffers or not is_distributed() or dist.get_world_size() == 1:
+            return
+        with torch.no_grad():
+            broadcast_coalesced(self.buffers)
+        world = dist.get_world_size()
+        nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
+        count_ring_bytes(self._buffer_counters, nbytes * (world - 1) // world, world, dist.get_rank(), None)
+        self._buffer_counters.collectives += 1
+        self._buffer_counters.calls += 1
 
     @property
     def steps_since_sync(self) -> int:
@@ -167,6 +198,7 @@ class OuterSync:
         """Sync every fragment that took inner steps since its last sync now, unoverlapped (a collective)."""
         assert self.outer_step is not None
         self.outer_step.flush(self.inner_steps)
+        self.sync_buffers()
 
     def sync_at_end_of_fit(self, strategy: str) -> None:
         """When the parameters are not the outer ones (inner steps since the last sync, or a rebase to come), one more
@@ -205,14 +237,17 @@ class OuterSync:
     # ------------------------------------------------------------------ bytes and teardown
     @property
     def outer_communication(self) -> CommunicationCounters:
-        """This rank's cumulative bytes of the outer syncs (this ``fit``'s and earlier ones')."""
-        return self._finished + (self.outer_step.communication if self.outer_step else CommunicationCounters())
+        """This rank's cumulative bytes of the outer syncs, the buffers' broadcasts included (this ``fit``'s and
+        earlier ones')."""
+        return (self._finished + self._buffer_counters
+                + (self.outer_step.communication if self.outer_step else CommunicationCounters()))
 
     def release(self) -> None:
         """At teardown: keep the counters, drop the outer step (its compressors hold the replica group)."""
         if self.outer_step is not None:
-            self._finished = self.outer_communication
+            self._finished = self._finished + self.outer_step.communication
             self.outer_step = None
+            self.buffers = []
 
 
 _SETTINGS = ("sync_every", "compression", "fragments", "overlap_steps", "outer_optimizer", "outer_lr", "outer_momentum",

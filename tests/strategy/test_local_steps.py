@@ -49,6 +49,32 @@ class Recorder(pl.Callback):
         self.validated.append(flat_params(pl_module))
 
 
+class NormalizedRegressor(Regressor):
+    """``Regressor`` with a BatchNorm after its first layer: buffers (running statistics) that each replica's own
+    data change."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.norm = nn.BatchNorm1d(self.l1.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.norm(self.l1(x))))
+
+
+def flat_buffers(module: nn.Module) -> torch.Tensor:
+    return torch.cat([b.detach().double().reshape(-1).clone() for b in module.buffers()])
+
+
+class BufferRecorder(pl.Callback):
+    """After every optimizer step: the flat buffers and the position in the outer period."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.steps.append({"since_sync": trainer.strategy.steps_since_sync, "buffers": flat_buffers(pl_module)})
+
+
 class ValidatedRegressor(Regressor):
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -139,6 +165,21 @@ def _missing_sidecar(rank: int, world_size: int, workdir: str) -> dict:
     return {"error": None}
 
 
+def _buffers(rank: int, world_size: int, workdir: str, per_replica: int) -> dict:
+    """A BatchNorm model, 10 steps (syncs after 3, 6 and 9, one more at the end of fit); then the same run saved at
+    step 4 (between two syncs) and resumed."""
+    run = os.path.join(workdir, f"buffers-{per_replica}")
+
+    def fit(**kwargs: Any) -> dict:
+        recorder = BufferRecorder()
+        model = NormalizedRegressor(optimizer="adamw", seed=0, data_seed=7 + rank)
+        out = _fit(rank, world_size, workdir, max_steps=10, model=model, compressor="onebit",
+                   ranks_per_node=per_replica, callbacks=[recorder] + kwargs.pop("callbacks", []), **kwargs)
+        return dict(out, buffer_steps=recorder.steps, final_buffers=flat_buffers(model))
+    every_4 = ModelCheckpoint(dirpath=run, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    return {"full": fit(callbacks=[every_4]), "resumed": fit(ckpt_path=os.path.join(run, "step=4.ckpt"))}
+
+
 SCENARIOS = {
     2: (("learns_onebit", partial(_learns, compressor="onebit", per_replica=1)),
         ("learns_topk", partial(_learns, compressor="topk", per_replica=1)),
@@ -148,14 +189,16 @@ SCENARIOS = {
         ("one_replica", partial(_refused, ranks_per_node=2)),
         ("one_node", _refused),
         ("compressed_inner", _refused_compressed),
-        ("missing_sidecar", _missing_sidecar)),
+        ("missing_sidecar", _missing_sidecar),
+        ("buffers", partial(_buffers, per_replica=1))),
     3: (("learns_bf16", partial(_learns, compressor="bf16", per_replica=1)),
         ("uneven", partial(_refused, ranks_per_node=2))),
     4: (("learns_none_2x2", partial(_learns, compressor="none", per_replica=2)),
         ("learns_onebit_2x2", partial(_learns, compressor="onebit", per_replica=2)),
         ("learns_topk_flat", partial(_learns, compressor="topk", per_replica=1)),
         ("resume_topk_2x2", partial(_resume, compressor="topk", per_replica=2)),
-        ("monitored_none_2x2", partial(_monitored, compressor="none", per_replica=2))),
+        ("monitored_none_2x2", partial(_monitored, compressor="none", per_replica=2)),
+        ("buffers_2x2", partial(_buffers, per_replica=2))),
 }
 
 
@@ -190,6 +233,36 @@ def test_replicas_are_identical_after_every_outer_sync_and_only_then(sessions, w
     assert identical([r["final"] for r in results])
     assert not torch.equal(results[0]["final"], results[0]["steps"][-1]["params"])
     assert all(r["inner_steps"] == 10 for r in results)
+
+
+@pytest.mark.parametrize("world_size, name", [(2, "buffers"), (4, "buffers_2x2")])
+def test_buffers_are_rank_0s_after_every_sync_and_resume_bitwise(sessions, world_size, name):
+    results = scenario_results(sessions[world_size], name)
+    full = [r["full"] for r in results]
+    steps = full[0]["buffer_steps"]
+    assert [i + 1 for i, s in enumerate(steps) if s["since_sync"] == 0] == [3, 6, 9]
+    for i in range(len(steps)):
+        buffers = [f["buffer_steps"][i]["buffers"] for f in full]
+        if steps[i]["since_sync"] == 0:
+            assert identical(buffers), f"step {i + 1}: the ranks' buffers differ right after the outer sync"
+        else:  # each replica's own data moved its running statistics
+            assert not torch.equal(buffers[0], buffers[-1]), f"step {i + 1}: the replicas' buffers did not drift"
+    assert identical([f["final_buffers"] for f in full])  # the sync at the end of fit
+    for rank, r in enumerate(results):  # the sidecar kept this rank's own buffers, saved between two syncs
+        for before, after in zip(r["full"]["buffer_steps"][4:], r["resumed"]["buffer_steps"]):
+            assert torch.equal(before["buffers"], after["buffers"]), f"rank {rank}: buffers after the resume"
+        assert torch.equal(r["full"]["final"], r["resumed"]["final"])
+        assert torch.equal(r["full"]["final_buffers"], r["resumed"]["final_buffers"])
+    # the broadcasts are counted with the outer bytes: 4 syncs of the buffers (3 periods and the end of fit)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in NormalizedRegressor().buffers())
+    for r in results:
+        extra = r["full"]["communication"].bytes_sent_inter_node - _outer_bytes(r["full"])
+        assert extra == 4 * (buffer_bytes * (world_size - 1) // world_size)
+
+
+def _outer_bytes(out: dict) -> int:
+    """The inter-node bytes of the outer exchanges alone: the last sync's times the syncs (every sync the same)."""
+    return 4 * out["last_sync"].bytes_sent_inter_node
 
 
 @pytest.mark.parametrize("world_size, name, per_replica", LEARNS)

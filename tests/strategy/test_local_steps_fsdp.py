@@ -30,7 +30,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_onebit import CommunicationMonitor, OnebitDiLoCoFSDPStrategy, OnebitDiLoCoStrategy
 from tests.distributed import run_distributed, run_scenarios, scenario_results
+from tests.lightning_models import loader
 from tests.llama_models import LlamaBlock, LlamaLM, local_shards
+from tests.strategy.test_local_steps import BufferRecorder, NormalizedRegressor, flat_buffers
 from tests.strategy.test_topology_lightning import RecordingLogger
 
 SYNC_EVERY, STEPS, SAVED_AT = 4, 10, 6
@@ -186,6 +188,28 @@ def _error(fn: Any) -> Optional[str]:
     return None
 
 
+class ShardedNormalizedRegressor(NormalizedRegressor):
+    """Without ``Regressor``'s records of whole flat parameters (its parameters are DTensors here)."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        pass
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        pl.LightningModule.optimizer_step(self, *args, **kwargs)
+
+
+def scenario_buffers(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """A BatchNorm model sharded with ``shard_modules``, 2 x 2: every rank's buffers after every step."""
+    recorder = BufferRecorder()
+    strategy = OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=2, shard_modules=torch.nn.Linear)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[recorder], limit_val_batches=0)
+    model = ShardedNormalizedRegressor(optimizer="adamw", seed=0, data_seed=7 + rank)
+    trainer.fit(model, loader(rank, 20))
+    return {"steps": recorder.steps, "final": flat_buffers(model)}
+
+
 def scenario_2x1_from_2x2(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     path = os.path.join(workdir, "2x2", f"step={SAVED_AT}.ckpt")
     resharded = _fit(rank, world_size, per_replica=1, ckpt_path=path, **_STREAMED)
@@ -234,8 +258,8 @@ def scenario_other_replicas(rank: int, world_size: int, workdir: str) -> dict[st
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     workdir = str(tmp_path_factory.mktemp("diloco_fsdp"))
-    four = run_distributed(run_scenarios, 4, (("2x2", scenario_2x2), ("features", scenario_features)), workdir,
-                           timeout_s=400)
+    four = run_distributed(run_scenarios, 4, (("2x2", scenario_2x2), ("features", scenario_features),
+                                              ("buffers", scenario_buffers)), workdir, timeout_s=400)
     two = run_distributed(run_scenarios, 2, (("2x1", scenario_2x1_from_2x2),), workdir, timeout_s=300)
     refused = run_distributed(run_scenarios, 4, (("refused", scenario_other_replicas),), workdir, timeout_s=300)
     three = run_distributed(run_scenarios, 3, (("3x1", scenario_3x1),), workdir, timeout_s=300)
@@ -257,6 +281,19 @@ def test_2x2_replicas_agree_at_the_end_and_learn(sessions: dict) -> None:
     for r in runs:
         assert r["inner_steps"] == STEPS and r["bytes"] > 0
         assert sum(r["losses"][-3:]) < sum(r["losses"][:3])
+
+
+def test_buffers_are_rank_0s_on_every_rank_after_every_sync(sessions: dict) -> None:
+    ranks = scenario_results(sessions["2x2"], "buffers")
+    steps = ranks[0]["steps"]
+    assert [i + 1 for i, s in enumerate(steps) if s["since_sync"] == 0] == [SYNC_EVERY, 2 * SYNC_EVERY]
+    for i in range(len(steps)):
+        buffers = [r["steps"][i]["buffers"] for r in ranks]
+        if steps[i]["since_sync"] == 0:
+            assert all(torch.equal(b, buffers[0]) for b in buffers), f"step {i + 1}: buffers differ after the sync"
+        else:  # FSDP2 leaves buffers alone: every rank's own data moved its statistics
+            assert not torch.equal(buffers[0], buffers[-1]), f"step {i + 1}: the buffers did not drift"
+    assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)  # the sync at the end of fit
 
 
 def test_2x2_resume_mid_period_with_an_exchange_in_flight_is_bitwise(sessions: dict) -> None:
