@@ -344,7 +344,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
         with torch.no_grad():
             for p, local in zip(self.outer_step.params, state["local_params"]):
                 p.copy_(local)
-        with torch.no_grad():  # this replica's own buffers (an older sidecar has none: rank 0's stay)
+            # this rank's own buffers (an older sidecar has none: rank 0's stay)
             for buffer, saved in zip(self.outer_sync.buffers, state.get("local_buffers") or ()):
                 buffer.copy_(saved)
         self.outer_sync.inner_steps = int(state["inner_steps"])
