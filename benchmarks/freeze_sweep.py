@@ -67,7 +67,8 @@ Issue 46's runs (not in the default runs): local steps with a compressed outer s
   pseudo-gradient averaged by ``C`` (``none``: fp32, plain DiLoCo; ``bf16``; ``onebit``: the 1-bit exchange with error
   feedback; ``topk``: chunked top-k + 2-bit values with error feedback), and DiLoCo's outer optimizer,
   named (``--trainer.strategy.outer_optimizer nesterov`` with lr 0.7, momentum 0.9);
-* ``diloco_C_sgd@H``: the same with ``--trainer.strategy.outer_optimizer sgd --trainer.strategy.outer_lr 1``
+* ``diloco_C_sgd@H``: the same with ``--trainer.strategy.outer_optimizer sgd --trainer.strategy.outer_lr 1``;
+  ``diloco_C_sgdL@H`` (e.g. ``diloco_onebit_sgd0.7@8``) at ``outer_lr`` ``L``
   (SparseLoCo's form: no outer momentum, the error feedback its memory; ``diloco_none_sgd@H`` is plain periodic
   model averaging, local SGD).
 
@@ -161,7 +162,7 @@ _WARMUP_EXCHANGE = re.compile(r"(fp32|bf16|int8)|powersgd([0-9]+)(?:s([0-9]+))?"
 _DDP_FAMILY = re.compile(r"ddp_(bf16|int8)|ddp_powersgd_r([0-9]+)")
 #: the outer compressors of the local-steps runs (``diloco_C@H``), as ``OnebitDiLoCoStrategy`` names them
 DILOCO_COMPRESSORS = ("none", "bf16", "onebit", "topk")
-_DILOCO_FAMILY = re.compile(r"diloco_(none|bf16|onebit|topk)(_sgd)?")
+_DILOCO_FAMILY = re.compile(r"diloco_(none|bf16|onebit|topk)(_sgd((?:0|[1-9]\d*)\.\d+)?)?")
 #: a local-steps run's period and streaming: ``H``, then ``fF`` (fragments) and ``oT`` (overlapped steps), e.g. ``8f4o1``
 _DILOCO_PERIOD = re.compile(r"(\d+)(?:f(\d+))?(?:o(\d+))?")
 #: the DDP baselines' strategy (a DDP comm hook registered on every device, counted, checked that it ran)
@@ -245,6 +246,17 @@ def diloco_run(name: str) -> Optional[tuple[str, int, str]]:
     return match.group(1), int(period.group(1)), "sgd" if match.group(2) else "nesterov"
 
 
+def diloco_outer_lr(name: str) -> Optional[float]:
+    """The outer lr a local-steps run names: ``L`` for ``diloco_C_sgdL@H``, 1 for ``diloco_C_sgd@H``, ``None`` for
+    DiLoCo's Nesterov (``diloco_C@H``: lr 0.7) and any other run."""
+    diloco = diloco_run(name)
+    if diloco is None or diloco[2] != "sgd":
+        return None
+    match = _DILOCO_FAMILY.fullmatch(name.partition("@")[0])
+    assert match is not None
+    return float(match.group(3)) if match.group(3) else 1.0
+
+
 def diloco_streaming(name: str) -> tuple[int, int]:
     """``(fragments, overlap_steps)`` of a local-steps run: ``diloco_C@HfFoT`` streams ``F`` fragments with ``T``
     inner steps overlapping each exchange (``f`` and ``o`` may each be left out: 1 and 0)."""
@@ -303,7 +315,9 @@ def canonical_run(name: str) -> str:
     diloco = diloco_run(name)
     if diloco is not None:
         compressor, every, outer = diloco
-        return f"diloco_{compressor}{'_sgd' if outer == 'sgd' else ''}@{every}{_streaming_suffix(name)}"
+        lr = diloco_outer_lr(name)
+        outer_name = "" if lr is None else "_sgd" if lr == 1 else f"_sgd{lr:g}" if lr % 1 else f"_sgd{lr:.1f}"
+        return f"diloco_{compressor}{outer_name}@{every}{_streaming_suffix(name)}"
     family, freeze = parse_run(name)
     base = family if freeze is None else f"{family}@{freeze}"
     exchange = split_exchange(name)[1]
@@ -346,7 +360,8 @@ def run_args(name: str, steps: int, lamb_lr: Optional[str],
         if (fragments, overlap) != (1, 0):
             args += ["--trainer.strategy.fragments", str(fragments), "--trainer.strategy.overlap_steps", str(overlap)]
         if outer == "sgd":
-            args += ["--trainer.strategy.outer_optimizer", "sgd", "--trainer.strategy.outer_lr", "1"]
+            args += ["--trainer.strategy.outer_optimizer", "sgd", "--trainer.strategy.outer_lr",
+                     f"{diloco_outer_lr(name):g}"]
         else:  # DiLoCo's, named: the config takes the strategy's default outer optimizer
             args += ["--trainer.strategy.outer_optimizer", "nesterov", "--trainer.strategy.outer_lr", "0.7",
                      "--trainer.strategy.outer_momentum", "0.9"]
@@ -849,7 +864,8 @@ def order_runs(names: set[str]) -> list[str]:
         diloco = diloco_run(name)
         if diloco is not None:  # last, by compressor (as DILOCO_COMPRESSORS), outer optimizer, then period
             compressor, every, outer = diloco
-            return (6, DILOCO_COMPRESSORS.index(compressor), outer != "nesterov", every, diloco_streaming(name), name)
+            return (6, DILOCO_COMPRESSORS.index(compressor), outer != "nesterov", -(diloco_outer_lr(name) or 0), every,
+                    diloco_streaming(name), name)
         rank = 1 if ddp_exchange(name) is not None else family_rank[parse_run(name)[0]]
         return (rank, fixed(name), name)
 

@@ -243,7 +243,7 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
     """``(kind, options)`` of a run name: ``("ddp", {})`` for ``adamw``, ``("onebit_adam", {})`` for
     ``onebit_adam@auto``, ``("onebit_diloco", {sync_every, compressor, outer_optimizer[, outer_lr]})`` for
     ``diloco_C@H`` and ``diloco_C_sgd@H``; ``ValueError`` for any other."""
-    from benchmarks.freeze_sweep import ddp_exchange, diloco_run, diloco_streaming
+    from benchmarks.freeze_sweep import ddp_exchange, diloco_outer_lr, diloco_run, diloco_streaming
 
     if name == "adamw":
         return "ddp", {}
@@ -270,7 +270,7 @@ def parse_lm_run(name: str) -> tuple[str, dict[str, Any]]:
     compressor, every, outer = diloco
     options: dict[str, Any] = dict(sync_every=every, compressor=compressor, outer_optimizer=outer)
     if outer == "sgd":
-        options["outer_lr"] = 1.0
+        options["outer_lr"] = diloco_outer_lr(name)
     fragments, overlap = diloco_streaming(name)
     if (fragments, overlap) != (1, 0):
         options.update(fragments=fragments, overlap_steps=overlap)

@@ -24,6 +24,8 @@ from tests.paths import EXAMPLE, ROOT
     ("diloco_onebit@1", "diloco_onebit@1", ("onebit", 1, "nesterov")),
     ("diloco_topk_sgd@128", "diloco_topk_sgd@128", ("topk", 128, "sgd")),
     ("diloco_none_sgd@8", "diloco_none_sgd@8", ("none", 8, "sgd")),  # plain model averaging (local SGD)
+    ("diloco_onebit_sgd0.70@8", "diloco_onebit_sgd0.7@8", ("onebit", 8, "sgd")),  # outer lr 0.7
+    ("diloco_onebit_sgd1.0@8", "diloco_onebit_sgd@8", ("onebit", 8, "sgd")),
 ])
 def test_local_steps_run_names(name, canonical, parsed):
     assert fs.diloco_run(name) == parsed and fs.canonical_run(name) == canonical
@@ -34,7 +36,7 @@ def test_local_steps_run_names(name, canonical, parsed):
 @pytest.mark.parametrize("name", [
     "diloco_none",  # the period is part of the name
     "diloco_none@0", "diloco_none@x", "diloco_none@-8", "diloco_fp16@8", "diloco@8", "diloco_topk@8+bf16",
-    "diloco_onebit_adam@8",
+    "diloco_onebit_adam@8", "diloco_onebit_sgd0@8", "diloco_onebit_sgd.5@8", "diloco_onebit0.7@8",
 ])
 def test_bad_local_steps_run_names_are_refused(name):
     with pytest.raises(ValueError):
@@ -47,13 +49,16 @@ def test_local_steps_runs_sort_last_by_compressor_outer_optimizer_and_period():
     assert fs.order_runs(names) == ["adamw", "ddp_powersgd_r4@0.1", "onebit_adam@auto", "diloco_none@8",
                                     "diloco_none@32", "diloco_onebit@8", "diloco_topk@8", "diloco_topk@32",
                                     "diloco_topk_sgd@8"]
+    assert fs.order_runs({"diloco_onebit_sgd0.5@8", "diloco_onebit_sgd@8", "diloco_onebit_sgd0.7@8"}) == [
+        "diloco_onebit_sgd@8", "diloco_onebit_sgd0.7@8", "diloco_onebit_sgd0.5@8"]
+    assert fs.diloco_outer_lr("diloco_onebit_sgd0.7@8") == 0.7 and fs.diloco_outer_lr("diloco_onebit@8") is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the strategy the example's CLI builds from a run's arguments
 @pytest.mark.parametrize(("name", "every", "kind", "outer", "lr"), [
     ("diloco_topk@8", 8, "topk", "nesterov", 0.7), ("diloco_onebit_sgd@16", 16, "onebit", "sgd", 1.0),
-    ("diloco_none@32", 32, "none", "nesterov", 0.7),
+    ("diloco_none@32", 32, "none", "nesterov", 0.7), ("diloco_onebit_sgd0.7@8", 8, "onebit", "sgd", 0.7),
 ])
 def test_local_steps_run_builds_onebit_diloco_with_its_compressor_and_period(example, name, every, kind, outer, lr):
     from lightning_onebit import OnebitDiLoCoStrategy
