@@ -29,8 +29,8 @@ Runs (``--runs``), the names of ``benchmarks.freeze_sweep``:
   bytes: its warmup's and its compressed stage's counters; ``zeroone_adam``: the same strategy with
   ``ZeroOneAdam`` and its defaults; a ``+fp32`` suffix on either: ``OnebitStrategy(warmup_exchange="fp32")``;
 * ``diloco_C@H`` / ``diloco_C_sgd@H``: ``OnebitDiLoCoStrategy(ranks_per_node=1, sync_every=H, compressor=C)`` (2
-  replicas of one rank, inner AdamW as ``adamw``; ``_sgd``: ``outer_optimizer="sgd", outer_lr=1``); bytes: the
-  strategy's counters;
+  replicas of one rank, inner AdamW as ``adamw``; ``_sgd``: ``outer_optimizer="sgd", outer_lr=1``, ``_sgdL``: at
+  ``outer_lr=L``); bytes: the strategy's counters;
 * ``torchft_diloco@H``: torchft's own ``torchft.local_sgd.DiLoCo`` (no Lightning) on the same model, data and inner
   AdamW: 2 replicas of one process each, a ``Manager`` each (synchronous quorum, gloo), its lighthouse started in the
   run's first process; outer ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``, an fp32 allreduce of every
