@@ -32,10 +32,13 @@ FAMILIES = (
 
 def family_of(name: str) -> tuple[str, str, str]:
     """``(label, colour, marker)`` of a run name; the outer step without momentum (``_sgd``) keeps its compressor's
-    colour with a plus for a marker."""
+    colour with a plus for a marker at lr 1 and a pentagon at another lr (``_sgdL``)."""
+    lr = re.search(r"_sgd([0-9.]*)@", name)
     for test, label, colour, marker in FAMILIES:
         if test(name):
-            return (f"{label}, outer SGD lr 1", colour, "P") if "_sgd@" in name else (label, colour, marker)
+            if lr is None:
+                return label, colour, marker
+            return (f"{label}, outer SGD lr {lr.group(1) or '1'}", colour, "p" if lr.group(1) else "P")
     return name, "tab:gray", "."
 
 

@@ -103,8 +103,8 @@ class OnebitDiLoCoStrategy(DDPStrategy):
             next sync; the outer model is bitwise the same everywhere). In ``[0, sync_every - 1]``. Default 0.
         outer_optimizer: ``"sgd"`` (no momentum: ``theta_outer -= outer_lr * average``, SparseLoCo's
             error-feedback-only form) or ``"nesterov"`` (SGD with Nesterov momentum, DiLoCo's). Default ``"sgd"``.
-        outer_lr: the outer learning rate, > 0. Default ``None``: 1 for ``"sgd"``, DiLoCo's 0.7 for ``"nesterov"``
-            (:data:`OUTER_LR`).
+        outer_lr: the outer learning rate, > 0 (1 with ``"sgd"``: the average applied as it is). Default ``None``:
+            0.7 for ``"sgd"`` (measured), DiLoCo's 0.7 for ``"nesterov"`` (:data:`OUTER_LR`).
         outer_momentum: ``"nesterov"``'s momentum, in (0, 1). Default 0.9 (DiLoCo's).
         ranks_per_node: ranks per replica: ranks ``kL .. kL + L - 1`` form replica ``k`` (e.g. to simulate nodes on
             one host); ``None`` (default): the nodes of Lightning's cluster environment (``Trainer(num_nodes=M,

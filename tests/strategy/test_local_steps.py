@@ -396,7 +396,7 @@ def test_the_strategy_is_registered_with_the_measured_defaults():
     assert isinstance(strategy, OnebitDiLoCoStrategy)
     assert (strategy.sync_every, strategy.compression) == (8, OuterCompression("onebit")) == (
         DEFAULTS.sync_every, OuterCompression(DEFAULTS.compressor))
-    assert (strategy.outer_optimizer, strategy.outer_lr, strategy.outer_momentum) == ("sgd", 1.0, 0.9)
+    assert (strategy.outer_optimizer, strategy.outer_lr, strategy.outer_momentum) == ("sgd", 0.7, 0.9)
     # outer_lr's default follows the outer optimizer: DiLoCo's Nesterov keeps its 0.7; a given one is kept
     assert OnebitDiLoCoStrategy(outer_optimizer="nesterov").outer_lr == 0.7 == OUTER_LR["nesterov"]
     assert OnebitDiLoCoStrategy(outer_optimizer="nesterov", outer_lr=0.5).outer_lr == 0.5

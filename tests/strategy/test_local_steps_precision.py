@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning_onebit import OnebitDiLoCoStrategy
 from lightning_onebit.comm import OUTER_COMPRESSIONS, OuterCompression, make_outer_compressor
 from lightning_onebit.optim.outer_step import OuterStep
+from lightning_onebit.strategy.local_steps import OUTER_LR
 from tests.distributed import run_sessions, scenario_results
 from tests.lightning_models import Regressor, flat_params, held_out_loss, loader, trainer_kwargs
 from tests.tensors import identical, seed_of
@@ -287,8 +288,8 @@ def test_under_true_half_precision_the_outer_step_and_its_exchange_are_in_the_mo
 
 @pytest.mark.parametrize("world_size", list(SCENARIOS))
 def test_under_bf16_mixed_the_fp32_outer_step_is_the_average_of_the_replicas_bit_for_bit(sessions, world_size):
-    """compressor "none", outer SGD at lr 1: ``outer - ((outer - local_a) + (outer - local_b)) / 2`` in fp32, exactly
-    what the ranks computed (the pseudo-gradient is neither rounded to bf16 nor averaged under autocast)."""
+    """compressor "none", outer SGD at its default lr: ``outer - lr ((outer - local_a) + (outer - local_b)) / 2`` in
+    fp32, exactly what the ranks computed (the pseudo-gradient is neither rounded to bf16 nor averaged under autocast)."""
     results, per_replica = scenario_results(sessions[world_size], "bf16_none"), PER_REPLICA[world_size]
     firsts = results[::per_replica]
     for s, synced_at in enumerate(SYNCED_AT):
@@ -296,11 +297,11 @@ def test_under_bf16_mixed_the_fp32_outer_step_is_the_average_of_the_replicas_bit
         assert all(torch.equal(r["syncs"][s]["outer"], outer) for r in results)
         a, b = (r["syncs"][s]["local"] for r in firsts)
         assert a.dtype == b.dtype == outer.dtype == torch.float32
-        expected = outer.add(((outer - a) + (outer - b)) / 2, alpha=-1.0)
+        expected = outer.add(((outer - a) + (outer - b)) / 2, alpha=-OUTER_LR["sgd"])
         got = firsts[0]["steps"][synced_at - 1]["params"]
         assert torch.equal(got, expected), f"sync {s + 1}"
         rounded = [(outer - local).bfloat16().float() for local in (a, b)]  # what a bf16 pseudo-gradient would give
-        assert not torch.equal(got, outer.add((rounded[0] + rounded[1]) / 2, alpha=-1.0))
+        assert not torch.equal(got, outer.add((rounded[0] + rounded[1]) / 2, alpha=-OUTER_LR["sgd"]))
 
 
 def test_an_exchange_under_autocast_gives_the_same_bits_as_without(sessions):
