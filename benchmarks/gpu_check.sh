@@ -22,11 +22,11 @@
 #                           gloo, which moves the CUDA tensors through host memory): the flat compressed exchange,
 #                           the replicas' bits compared every 10 steps (ReplicaCheck)
 #   fit_diloco.log/.json    `bert_diloco.yaml` (local steps, a 1-bit outer step every 8 inner AdamW steps) on two
-#                           processes on the GPU, each a replica, 16-mixed (the loss scaler on CUDA), DILOCO_STEPS steps
+#                           processes on the GPU, each a replica, 16-mixed (the loss scaler on CUDA), SHORT_STEPS steps
 #   fit_fsdp.log/.json      `bert_fsdp.yaml` (onebit_fsdp: 1-bit Adam across 2 replicas of 2 FSDP2 shards) on four
-#                           processes on the GPU, bf16-mixed, DILOCO_STEPS steps with a fixed warmup of half
+#                           processes on the GPU, bf16-mixed, SHORT_STEPS steps with a fixed warmup of half
 #   fit_diloco_fsdp.log/.json   `bert_diloco_fsdp.yaml` (FSDP2 inside each replica) on four processes on the GPU,
-#                           2 replicas x 2 shards, bf16-mixed, DILOCO_STEPS steps
+#                           2 replicas x 2 shards, bf16-mixed, SHORT_STEPS steps
 #
 # The exit status is the number of steps that failed.
 set -u
@@ -36,11 +36,12 @@ ACCELERATOR=${ACCELERATOR:-gpu}
 PYTHON=${PYTHON:-python3}
 PRECISION=${PRECISION:-bf16-mixed}
 MAX_STEPS=${MAX_STEPS:-}
-DILOCO_STEPS=${DILOCO_STEPS:-160}
+SHORT_STEPS=${SHORT_STEPS:-160}  # the steps of the local-steps and FSDP2 fits
 ONLY=${ONLY:-}  # a regular expression: only the steps whose name it matches (a rerun of what failed)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-export OUT ACCELERATOR PYTHON PRECISION MAX_STEPS DILOCO_STEPS PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export OUT ACCELERATOR PYTHON PRECISION MAX_STEPS SHORT_STEPS PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SUMMARY="$OUT/summary.txt"
 failed=0
 
@@ -67,8 +68,9 @@ fit_args() {  # fit_args CONFIG PRECISION [STEPS [FIXED_FREEZE]]
     if [ -n "$steps" ]; then
         FIT+=(--trainer.max_steps "$steps" --trainer.max_epochs -1 --trainer.val_check_interval $((steps / 2))
             --trainer.check_val_every_n_epoch null)
-        [ "${4:-0}" = 1 ] && FIT+=(--optimizer.init_args.freeze_step $((steps / 2))
-            --optimizer.init_args.auto_freeze null)
+        if [ "${4:-0}" = 1 ]; then
+            FIT+=(--optimizer.init_args.freeze_step $((steps / 2)) --optimizer.init_args.auto_freeze null)
+        fi
     fi
 }
 
@@ -121,12 +123,12 @@ step fit_two_processes 200 "$OUT/fit_two_processes.log" bash "$0" --processes 2 
 
 # local steps: the loss scaler's 16-mixed where the accelerator has it (the CPU has bf16 only)
 fit_args examples/configs/bert_diloco.yaml "$([ "$ACCELERATOR" = gpu ] && echo 16-mixed || echo "$PRECISION")" \
-    "$DILOCO_STEPS"
+    "$SHORT_STEPS"
 step fit_diloco 150 "$OUT/fit_diloco.log" bash "$0" --processes 2 "${FIT[@]}" --summary_json "$OUT/fit_diloco.json"
 # FSDP2 inside each node (2 x 2 on four processes): onebit_fsdp (1-bit Adam), then the sharded local steps
-fit_args examples/configs/bert_fsdp.yaml "$PRECISION" "$DILOCO_STEPS" 1
+fit_args examples/configs/bert_fsdp.yaml "$PRECISION" "$SHORT_STEPS" 1
 step fit_fsdp 150 "$OUT/fit_fsdp.log" bash "$0" --processes 4 "${FIT[@]}" --summary_json "$OUT/fit_fsdp.json"
-fit_args examples/configs/bert_diloco_fsdp.yaml "$PRECISION" "$DILOCO_STEPS"
+fit_args examples/configs/bert_diloco_fsdp.yaml "$PRECISION" "$SHORT_STEPS"
 step fit_diloco_fsdp 150 "$OUT/fit_diloco_fsdp.log" bash "$0" --processes 4 "${FIT[@]}" \
     --summary_json "$OUT/fit_diloco_fsdp.json"
 

@@ -41,7 +41,7 @@ def test_record_reads_steps_tests_and_fits(tmp_path):
 def test_the_script_runs_its_fits_on_the_cpu(tmp_path):
     """The fits of gpu_check.sh on the CPU: 1-bit Adam in one process, then two over gloo (3 steps each); local steps
     on two, onebit_fsdp and the sharded local steps on four (8 steps each, a sync every 8); about 3 minutes."""
-    env = dict(os.environ, ACCELERATOR="cpu", PRECISION="32", MAX_STEPS="3", DILOCO_STEPS="8", OUT=str(tmp_path),
+    env = dict(os.environ, ACCELERATOR="cpu", PRECISION="32", MAX_STEPS="3", SHORT_STEPS="8", OUT=str(tmp_path),
                PYTHON="python")
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
                             text=True, timeout=600)
