@@ -635,10 +635,16 @@ def _span(values: list[float]) -> str:
 
 def _local_steps_headline(capped: dict[str, Any]) -> list[str]:
     """The README's local-steps figures: ``onebit_diloco`` with its defaults (the 1-bit outer step every 8 inner steps,
-    outer SGD) on the example and on the byte-level language model, both seeds, against AdamW-DDP."""
+    outer SGD at its default lr: the run named after them) on the example and on the byte-level language model, both
+    seeds, against AdamW-DDP."""
+    from benchmarks.freeze_sweep import canonical_run
+    from lightning_onebit.strategy.local_steps_run import DEFAULTS, OUTER_LR
+
     if not (RESULTS / "local_steps_sweep.json").exists() or not (RESULTS / "lm_local_steps.json").exists():
         return []
-    name = "diloco_onebit_sgd@8"
+    lr = OUTER_LR[DEFAULTS.outer_optimizer]
+    assert DEFAULTS.outer_optimizer == "sgd", "the headline names the outer SGD's runs"
+    name = canonical_run(f"diloco_{DEFAULTS.compressor}_sgd{float(lr)}@{DEFAULTS.sync_every}")
     example = _load("local_steps_sweep")["runs"]
     lm = _load("lm_local_steps")["runs"]
     pairs = [(example.get(f"synthetic/{name}/{s}"), capped.get(f"synthetic/adamw/{s}")) for s in (0, 1)]
@@ -660,8 +666,8 @@ def _local_steps_headline(capped: dict[str, Any]) -> list[str]:
             tasks.append(f"{label} {mine} (AdamW-DDP {theirs})")
     fine_tuning = f"; fine-tuning, {'; '.join(tasks)}" if tasks else ""
     return [
-        f"- **Local steps** (`strategy=\"onebit_diloco\"`, its defaults: a 1-bit outer step every 8 inner AdamW "
-        f"steps): the example reaches {accs} (AdamW-DDP {refs}, seeds 0 / 1){fine_tuning}, with "
+        f"- **Local steps** (`strategy=\"onebit_diloco\"`, its defaults: a 1-bit outer step every "
+        f"{DEFAULTS.sync_every} inner AdamW steps, outer SGD at lr {lr:g}): the example reaches {accs} (AdamW-DDP {refs}, seeds 0 / 1){fine_tuning}, with "
         f"**{_span(ratios)} fewer bytes**; a byte-level language model trained from scratch ends {losses} above AdamW-DDP's validation loss "
         f"with {lm_fewer:.0f}x fewer bytes ([local steps](docs/guides/local-steps.md))."
     ]

@@ -267,9 +267,13 @@ def _outer_bytes(out: dict) -> int:
 
 @pytest.mark.parametrize("world_size, name, per_replica", LEARNS)
 def test_a_short_run_learns(sessions, world_size, name, per_replica):
-    for result in scenario_results(sessions[world_size], name):
-        losses = result["losses"]
-        assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    results = scenario_results(sessions[world_size], name)
+    # the ranks' mean training loss (each rank's own batches: one rank's last 3 can sit above its first 3 under the
+    # damped outer step, which pulls every replica part of the way back at each sync)
+    first = sum(sum(r["losses"][:3]) for r in results) / (3 * len(results))
+    last = sum(sum(r["losses"][-3:]) for r in results) / (3 * len(results))
+    assert last < first
+    for result in results:  # the synced model, on held-out data
         assert result["held_out"] < result["start"]
 
 
