@@ -257,6 +257,14 @@ def diloco_outer_lr(name: str) -> Optional[float]:
     return float(match.group(3)) if match.group(3) else 1.0
 
 
+def _outer_suffix(lr: Optional[float]) -> str:
+    """The outer optimizer's part of a canonical local-steps name: none for Nesterov, ``_sgd`` at lr 1, else
+    ``_sgdL`` with a decimal point (``_sgd0.7``, ``_sgd2.0``)."""
+    if lr is None:
+        return ""
+    return "_sgd" if lr == 1 else f"_sgd{lr:g}" if lr % 1 else f"_sgd{lr:.1f}"
+
+
 def diloco_streaming(name: str) -> tuple[int, int]:
     """``(fragments, overlap_steps)`` of a local-steps run: ``diloco_C@HfFoT`` streams ``F`` fragments with ``T``
     inner steps overlapping each exchange (``f`` and ``o`` may each be left out: 1 and 0)."""
@@ -315,9 +323,7 @@ def canonical_run(name: str) -> str:
     diloco = diloco_run(name)
     if diloco is not None:
         compressor, every, outer = diloco
-        lr = diloco_outer_lr(name)
-        outer_name = "" if lr is None else "_sgd" if lr == 1 else f"_sgd{lr:g}" if lr % 1 else f"_sgd{lr:.1f}"
-        return f"diloco_{compressor}{outer_name}@{every}{_streaming_suffix(name)}"
+        return f"diloco_{compressor}{_outer_suffix(diloco_outer_lr(name))}@{every}{_streaming_suffix(name)}"
     family, freeze = parse_run(name)
     base = family if freeze is None else f"{family}@{freeze}"
     exchange = split_exchange(name)[1]

@@ -33,12 +33,14 @@ FAMILIES = (
 def family_of(name: str) -> tuple[str, str, str]:
     """``(label, colour, marker)`` of a run name; the outer step without momentum (``_sgd``) keeps its compressor's
     colour with a plus for a marker at lr 1 and a pentagon at another lr (``_sgdL``)."""
-    lr = re.search(r"_sgd([0-9.]*)@", name)
+    from benchmarks.freeze_sweep import diloco_outer_lr
+
+    lr = diloco_outer_lr(name) if name.startswith("diloco") else None
     for test, label, colour, marker in FAMILIES:
         if test(name):
             if lr is None:
                 return label, colour, marker
-            return (f"{label}, outer SGD lr {lr.group(1) or '1'}", colour, "p" if lr.group(1) else "P")
+            return f"{label}, outer SGD lr {lr:g}", colour, "P" if lr == 1 else "p"
     return name, "tab:gray", "."
 
 

@@ -128,21 +128,18 @@ def resume_scenario(rank: int, world_size: int, device: str, workdir: str, saved
                 restored_norm=restored_norm)
 
 
-def outer_steps_scenario(rank: int, world_size: int, device: str, kind: str, float64_norms: bool,
-                         inner_steps: int = 12) -> dict[str, Any]:
+def outer_steps_scenario(rank: int, world_size: int, device: str, kind: str, inner_steps: int = 12) -> dict[str, Any]:
     """Local steps without Lightning, each rank a replica: a model on ``device`` takes ``inner_steps`` drifts of its
     own (made on the CPU from the rank and step, so every device sees the same values), and a
     :class:`~lightning_onebit.optim.StreamingOuterStep` of compressor ``kind`` (2 fragments, every 4 steps, the
     exchange overlapped with 1 inner step, outer SGD at lr 1: every operation exact or a kernel the GPU suite checks
-    bitwise) syncs it, then flushes. ``float64_norms``: the CPU accumulates the 1-bit scales' norms in float64, as
-    CUDA does. Returns the outer values after every sync and the parameters after the flush (on the CPU), and the
+    bitwise) syncs it, then flushes. The CPU accumulates the 1-bit scales' norms in float64, as CUDA does. Returns the outer values after every sync and the parameters after the flush (on the CPU), and the
     devices that the outer values and the error feedback live on."""
     from lightning_onebit.comm import make_outer_compressor
     from lightning_onebit.kernels import torch_kernels
     from lightning_onebit.optim.streaming import StreamingOuterStep
 
-    if float64_norms:
-        torch_kernels.NORM_ACCUMULATE_DTYPE["cpu"] = torch.float64
+    torch_kernels.NORM_ACCUMULATE_DTYPE["cpu"] = torch.float64
     net = Net().to(device)  # Net seeds itself: the same first values on every rank
     params = list(net.parameters())
     step = StreamingOuterStep.build(params, lambda: make_outer_compressor(kind), fragments=2, sync_every=4,

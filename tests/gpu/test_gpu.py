@@ -193,8 +193,8 @@ def test_two_ranks_on_one_gpu_keep_resume_continues_bitwise(tmp_path):
 
 @pytest.mark.parametrize("kind, world_size", [("onebit", 2), ("onebit", 3), ("topk", 2), ("none", 2), ("bf16", 3)])
 def test_outer_steps_on_the_gpu_agree_across_replicas_and_with_the_cpu(kind, world_size):
-    cuda = run_distributed(outer_steps_scenario, world_size, "cuda", kind, True, timeout_s=300)
-    cpu = run_distributed(outer_steps_scenario, world_size, "cpu", kind, True, timeout_s=300)
+    cuda = run_distributed(outer_steps_scenario, world_size, "cuda", kind, timeout_s=300)
+    cpu = run_distributed(outer_steps_scenario, world_size, "cpu", kind, timeout_s=300)
     assert len(cuda[0]["syncs"]) == len(cpu[0]["syncs"]) > 0
     for rank, r in enumerate(cuda):
         assert r["outer_devices"] == {"cuda"}, f"rank {rank}: outer values on {r['outer_devices']}"
