@@ -33,10 +33,11 @@ rank, ``broadcast_buffers=False``: BERT's buffers are constant position / token-
                        ``lightning_onebit.hooks.ordered_powersgd_hook``) + AdamW; W plain steps untimed
   local_steps          ``onebit_diloco``'s engine with its defaults: each node is a replica whose 2 ranks average
                        gradients by DDP over the node's group (loopback), AdamW inner steps, and every
-                       ``--sync-every`` (8) inner steps ``lightning_onebit.optim.outer_step.OuterStep`` (the 1-bit
-                       outer step, outer SGD lr 1): rank l of each node exchanges shard l across nodes, the new shards
-                       are all-gathered in the node. Its figure is the MEAN step over a whole number of periods (the
-                       median would hide the syncs): ``--steps`` is rounded up to a multiple of ``--sync-every``
+                       ``--sync-every`` (its default) inner steps ``lightning_onebit.optim.outer_step.OuterStep``
+                       (the 1-bit outer step, outer SGD at its default lr): rank l of each node exchanges shard l
+                       across nodes, the new shards are all-gathered in the node. Its figure is the MEAN step over a
+                       whole number of periods (the median would hide the syncs): ``--steps`` is rounded up to a
+                       multiple of ``--sync-every``
   local_steps_overlap  the same with ``--overlap-steps`` (1) inner steps running while each exchange is in flight
                        and ``--fragments`` (1) fragments (``OnebitDiLoCoStrategy(overlap_steps=, fragments=)``)
   local_4proc          every process trains its own replica, no communication (compute reference under the same
@@ -650,8 +651,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ranks-per-node", type=int, default=RANKS_PER_NODE, choices=(1, 2),
                         help="processes per simulated node (default 2); 1: every node one rank, each process a core of "
                              "its own on a 2-core host (the flat layout: no onebit_hierarchical, no fsdp_* methods)")
-    parser.add_argument("--sync-every", type=int, default=8,
-                        help="local_steps: inner steps per outer sync (default 8, onebit_diloco's)")
+    parser.add_argument("--sync-every", type=int, default=None,
+                        help="local_steps: inner steps per outer sync (default onebit_diloco's)")
     parser.add_argument("--fragments", type=int, default=1, help="local_steps_overlap: fragments (default 1)")
     parser.add_argument("--overlap-steps", type=int, default=1,
                         help="local_steps_overlap: inner steps overlapping each exchange (default 1)")
@@ -668,6 +669,12 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.warmup_steps < 1 or args.steps < 1 or args.untimed < 1 or args.calibration_barriers < 1:
         parser.error("--warmup-steps, --steps, --untimed and --calibration-barriers must be >= 1")
+    if args.sync_every is None:
+        from lightning_onebit.strategy.local_steps_run import DEFAULTS
+
+        args.sync_every = DEFAULTS.sync_every
+    if args.sync_every < 1:
+        parser.error("--sync-every must be >= 1")
     if args.worker:
         return args
     if args.ranks_per_node == 1 and {"onebit_hierarchical", *FSDP_METHODS} & set(args.methods):

@@ -90,7 +90,7 @@ class OnebitDiLoCoStrategy(DDPStrategy):
       optimizers, every one's step counts.
 
     Args:
-        sync_every: inner optimizer steps between outer syncs, an integer >= 1. Default 8 (:data:`DEFAULTS`, which
+        sync_every: inner optimizer steps between outer syncs, an integer >= 1. Default 4 (:data:`DEFAULTS`, which
             says how it was chosen).
         compressor: ``"none"`` (fp32), ``"bf16"``, ``"onebit"`` or ``"topk"``, or an
             :class:`~lightning_onebit.comm.outer.OuterCompression` with its options (top-k's chunk and kept values,

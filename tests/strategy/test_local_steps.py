@@ -398,7 +398,7 @@ def test_the_strategy_is_registered_with_the_measured_defaults():
     trainer = pl.Trainer(strategy="onebit_diloco", accelerator="cpu", devices=1, logger=False)
     strategy = trainer.strategy
     assert isinstance(strategy, OnebitDiLoCoStrategy)
-    assert (strategy.sync_every, strategy.compression) == (8, OuterCompression("onebit")) == (
+    assert (strategy.sync_every, strategy.compression) == (4, OuterCompression("onebit")) == (
         DEFAULTS.sync_every, OuterCompression(DEFAULTS.compressor))
     assert (strategy.outer_optimizer, strategy.outer_lr, strategy.outer_momentum) == ("sgd", 0.7, 0.9)
     # outer_lr's default follows the outer optimizer: DiLoCo's Nesterov keeps its 0.7; a given one is kept

@@ -40,7 +40,10 @@ def test_record_reads_steps_tests_and_fits(tmp_path):
 @pytest.mark.slow
 def test_the_script_runs_its_fits_on_the_cpu(tmp_path):
     """The fits of gpu_check.sh on the CPU: 1-bit Adam in one process, then two over gloo (3 steps each); local steps
-    on two, onebit_fsdp and the sharded local steps on four (8 steps each, a sync every 8); about 3 minutes."""
+    on two, onebit_fsdp and the sharded local steps on four (8 steps each, a sync every ``DEFAULTS.sync_every``, the
+    configs'); about 3 minutes."""
+    from lightning_onebit.strategy.local_steps_run import DEFAULTS
+
     env = dict(os.environ, ACCELERATOR="cpu", PRECISION="32", MAX_STEPS="3", SHORT_STEPS="8", OUT=str(tmp_path),
                PYTHON="python")
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
@@ -53,4 +56,4 @@ def test_the_script_runs_its_fits_on_the_cpu(tmp_path):
     assert summary["steps"] == 8 and summary["strategy"] == "OnebitFSDPStrategy", summary
     for name, strategy in (("fit_diloco", "OnebitDiLoCoStrategy"), ("fit_diloco_fsdp", "OnebitDiLoCoFSDPStrategy")):
         summary = json.loads((tmp_path / f"{name}.json").read_text())
-        assert summary["steps"] == 8 and summary["strategy"] == strategy and summary["outer_syncs"] == 1, summary
+        assert summary["steps"] == 8 and summary["strategy"] == strategy and summary["outer_syncs"] == 8 // DEFAULTS.sync_every, summary
