@@ -1208,7 +1208,7 @@ def local_steps_table() -> str:
         "without momentum at lr 1, `diloco_C_sgdL@H` at lr L (`diloco_none_sgd@H`: plain model averaging; a suffix "
         "`fF` streams F fragments, "
         "`oT` overlaps T inner steps with each exchange). Accuracy at the last step (for local "
-        "steps on the outer model of the last sync before it: 620 is not a multiple of 32 or 8), its difference in "
+        "steps on the outer model of the last sync up to it: 620 is a multiple of 4, not of 8 or 32), its difference in "
         "points to the same seed's AdamW-DDP; bytes per rank over the whole run, counted on the ring model of "
         "`lightning_onebit.comm.accounting` (the strategies' and hooks' own counters), the same task's AdamW-DDP "
         "bytes over the run's (mean over seeds); bits per trainable parameter per optimizer step. `-`: not run. "
