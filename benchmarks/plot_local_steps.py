@@ -91,9 +91,8 @@ def plot(synthetic: Optional[dict[str, Any]], lm: Optional[dict[str, Any]], path
     fig, axes = plt.subplots(len(panels), 1, figsize=(8.3, 3.6 * len(panels)), dpi=100, squeeze=False)
     for ax, (runs, value, ylabel, title, percent) in zip(axes[:, 0], panels):
         _panel(ax, points(runs, value), ylabel, title, percent)
-    fig.text(0.01, 0.003, "local steps: hollow = an outer step every 8 inner steps, filled = another period (4, 16 "
-             "or 32: the bytes tell which); outer step Nesterov lr 0.7 momentum 0.9 unless the legend says SGD",
-             fontsize=7)
+    fig.text(0.01, 0.003, "local steps: hollow = a sync every 8 inner steps, filled = another period (4, 16 or 32); "
+             "outer Nesterov (0.7, 0.9) unless the legend says SGD", fontsize=7)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path)
     plt.close(fig)
