@@ -642,8 +642,8 @@ def _local_steps_headline(capped: dict[str, Any]) -> list[str]:
 
     if not (RESULTS / "local_steps_sweep.json").exists() or not (RESULTS / "lm_local_steps.json").exists():
         return []
-    lr = OUTER_LR[DEFAULTS.outer_optimizer]
     assert DEFAULTS.outer_optimizer == "sgd", "the headline names the outer SGD's runs"
+    lr = OUTER_LR["sgd"]
     name = canonical_run(f"diloco_{DEFAULTS.compressor}_sgd{float(lr)}@{DEFAULTS.sync_every}")
     example = _load("local_steps_sweep")["runs"]
     lm = _load("lm_local_steps")["runs"]

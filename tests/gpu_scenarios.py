@@ -133,8 +133,9 @@ def outer_steps_scenario(rank: int, world_size: int, device: str, kind: str, inn
     own (made on the CPU from the rank and step, so every device sees the same values), and a
     :class:`~lightning_onebit.optim.StreamingOuterStep` of compressor ``kind`` (2 fragments, every 4 steps, the
     exchange overlapped with 1 inner step, outer SGD at lr 1: every operation exact or a kernel the GPU suite checks
-    bitwise) syncs it, then flushes. The CPU accumulates the 1-bit scales' norms in float64, as CUDA does. Returns the outer values after every sync and the parameters after the flush (on the CPU), and the
-    devices that the outer values and the error feedback live on."""
+    bitwise) syncs it, then flushes. The CPU accumulates the 1-bit scales' norms in float64, as CUDA does. Returns
+    the outer values after every sync and the parameters after the flush (on the CPU), and the devices that the outer
+    values and the error feedback live on."""
     from lightning_onebit.comm import make_outer_compressor
     from lightning_onebit.kernels import torch_kernels
     from lightning_onebit.optim.streaming import StreamingOuterStep
