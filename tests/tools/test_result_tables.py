@@ -103,3 +103,34 @@ def test_defaults_sweep_table_applies_issue_44s_test_per_seed(tmp_path, monkeypa
     assert rows["1"] == ["98.50%", "98.60% (+0.10, 2.0x)", "-", "97.80% (-0.70, 5.0x)", "97.70% (-0.80, 6.0x)",
                          "98.10% (-0.40, 30.0x)", "-", "6.0x / 1.20x",
                          "not met: 0.5 point, PowerSGD's accuracy, 1.5x PowerSGD's bytes"]
+
+
+def test_example_seeds_table_counts_seeds_against_powersgd_and_adamw(tmp_path, monkeypatch):
+    import json
+
+    def run(name, seed, acc, loss):
+        return dict(_run("synthetic", name, seed, acc), validations=[{"step": 620, "val_acc": acc, "val_loss": loss}])
+
+    def write(name, runs):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"tasks": {}, "runs": {
+            f"{r['task']}/{r['run']}/{r['seed']}": r for r in runs}}))
+
+    # seed 0's references from the earlier files, seed 1's from the new one; the new file's 1-bit run wins
+    write("freeze_sweep_capped", [run("adamw", 0, 0.996, 0.011)])
+    write("defaults_sweep", [run("ddp_powersgd_r4@0.1", 0, 1.0, 0.001),
+                             run("onebit_adam@auto+powersgd4", 0, 0.990, 0.05)])
+    write("example_seeds", [
+        run("onebit_adam@auto+powersgd4", 0, 0.997, 0.016),  # under PowerSGD, above AdamW-DDP
+        run("adamw", 1, 0.998, 0.010), run("ddp_powersgd_r4@0.1", 1, 0.992, 0.029),
+        run("onebit_adam@auto+powersgd4", 1, 0.998, 0.001),  # above PowerSGD, equal to AdamW-DDP
+        run("onebit_adam@0.5+powersgd4", 1, 0.991, 0.002),  # under both
+    ])
+    monkeypatch.setattr(result_tables, "RESULTS", tmp_path)
+    text = result_tables.example_seeds_table()
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                             for line in text.splitlines() if line[:4] in ("| 0 ", "| 1 "))}
+    assert rows["0"] == ["99.6% / 0.0110", "100.0% / 0.0010", "99.7% / 0.0160", "-", "-"]
+    assert rows["1"] == ["99.8% / 0.0100", "99.2% / 0.0290", "99.8% / 0.0010", "99.1% / 0.0020", "-"]
+    assert "1-bit Adam (defaults): 1 / 2 of 2" in text
+    assert "frozen at 1/2: 0 / 0 of 1" in text
+    assert "DDP + PowerSGD r4: 2 / 1 of 2" in text
