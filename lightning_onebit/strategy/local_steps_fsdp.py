@@ -80,8 +80,9 @@ class OnebitDiLoCoFSDPStrategy(ModelParallelStrategy):
     * **Precision:** ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` (Lightning's
       ``ModelParallelStrategy``'s), or FSDP2's ``mixed_precision`` policy for the modules the strategy shards.
     * **Buffers** (e.g. BatchNorm statistics): every rank takes rank 0's at every sync of the first fragment and at
-      the end of fit, as under ``onebit_diloco``. A checkpoint holds rank 0's: a resume from one saved between two
-      syncs starts every rank from those (bit for bit only for a model whose buffers the steps do not change).
+      the end of fit, as under ``onebit_diloco``. A checkpoint's module state dict holds rank 0's, and each rank's
+      sidecar its own, so a resume from one saved between two syncs is bit for bit at the same layout; at another
+      every rank starts from rank 0's (with a warning).
 
     Args:
         sync_every, compressor, fragments, overlap_steps, outer_optimizer, outer_lr, outer_momentum, bucket_cap_mb:

@@ -12,8 +12,10 @@ A checkpoint is a folder saved whole or not at all, with a manifest of its files
 * ``"outer_momentum"``: the outer optimizer's momentum per parameter, when it has one (the same on every replica);
 * ``meta.pt`` (rank 0): Lightning's loops and schedulers, and under :data:`LOCAL_STEPS_KEY` the schedule's position
   (inner steps, each fragment's syncs, the rebases due), the replica layout and the parameter names;
-* a sidecar per rank, only for the two-phase 1-bit exchange (more than two replicas): its server error, laid out by
-  the exchange's buckets, so it is restored at the same layout and reset (with a warning) at another.
+* a sidecar per rank, when the model has buffers or the 1-bit exchange is two-phase (more than two replicas): this
+  rank's own buffers (e.g. BatchNorm statistics; the module's state dict holds rank 0's) and the exchange's server
+  error, laid out by its buckets. Both are restored at the same layout; at another the server error is reset and
+  every rank starts from the state dict's buffers, rank 0's, with a warning.
 
 Every ``DTensor`` is a shard over the replica's ``"shard"`` mesh, so ``torch.distributed.checkpoint`` reshards it to
 the mesh of the run that loads it. The replicas must be as many as when saved (replica ``k`` continues replica
@@ -28,11 +30,13 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_onebit.comm.agreement import agree
+from lightning_onebit.comm.groups import broadcast_coalesced
 from lightning_onebit.optim.streaming import StreamingOuterStep
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.checkpoint_files import CheckpointIntegrityError, FolderSave, agree_on_problems
@@ -89,13 +93,21 @@ def _by_name(names: Sequence[str], values: Sequence[Optional[torch.Tensor]], par
 def outer_model_state(state: dict[str, Any], model: Module, outer_step: StreamingOuterStep,
                       sharded_parameters: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """``state`` (the model's ``get_model_state_dict``) with every trainable parameter's outer value (every name of a
-    tied one), as ``DTensor`` s. Finishes the exchanges in flight (a collective; the training does not change)."""
+    tied one), as ``DTensor`` s, and rank 0's buffers (each rank holds its own between two syncs, and
+    ``torch.distributed.checkpoint`` writes a tensor that every rank holds from one rank, chosen per tensor: without
+    this a BatchNorm's mean could come from one rank and its variance from another). A collective: it finishes the
+    exchanges in flight and broadcasts the buffers; the training does not change."""
+    buffers = {key: b for key, b in model.named_buffers(remove_duplicate=False) if key in state}
+    rank0_buffers = {key: b.detach().clone() for key, b in buffers.items()}
+    if rank0_buffers and dist.is_available() and dist.is_initialized():
+        broadcast_coalesced(list(rank0_buffers.values()))
     outer_step.finish_in_flight()
     values = outer_step.outer_values()
     outer = {id(p): _as_dtensor(values[id(local)].clone(), p)
              for (_, p), local in zip(sharded_parameters, outer_step.params)}
     params = dict(model.named_parameters(remove_duplicate=False))
-    return {key: outer.get(id(params[key]), value) if key in params else value for key, value in state.items()}
+    return {key: outer.get(id(params[key]), value) if key in params else rank0_buffers.get(key, value)
+            for key, value in state.items()}
 
 
 def _training_state(strategy: ShardedLocalSteps, server_errors: list[dict[Any, torch.Tensor]]
@@ -121,7 +133,7 @@ def _training_state(strategy: ShardedLocalSteps, server_errors: list[dict[Any, t
     record = {"replicas": replicas, "ranks_per_replica": per_replica, "names": names,
               "inner_steps": strategy.outer_sync.inner_steps, "schedule": outer_step.schedule_state(),
               "momentum": sorted(momentum), "compressor": strategy.outer_sync.settings.compression.kind,
-              "server_errors": any(server_errors)}
+              "server_errors": any(server_errors), "local_buffers": len(strategy.outer_sync.buffers)}
     return replica, momentum, record
 
 
@@ -144,10 +156,11 @@ def save_local_steps_checkpoint(strategy: ShardedLocalSteps, checkpoint: dict[st
         if momentum:
             shards["outer_momentum"] = momentum
         checkpoint[LOCAL_STEPS_KEY] = record
-        if record["server_errors"]:
+        if record["server_errors"] or record["local_buffers"]:
             checkpoint[PER_RANK_STATE_KEY] = {LOCAL_STEPS_KEY: {
                 "layout": tuple(strategy.device_mesh.shape),
-                "server_errors": server_errors}}
+                "server_errors": server_errors,
+                "local_buffers": [b.detach().clone() for b in strategy.outer_sync.buffers]}}
     save.begin(lambda folder: save_per_rank_state(checkpoint, sidecar_in_folder(folder, rank), save_id, rank,
                                                   world_size, None))
     save_sharded_checkpoint(save, checkpoint, shards)
@@ -237,7 +250,7 @@ def load_local_steps_checkpoint(strategy: ShardedLocalSteps, path: Path,
     if outer_step is not None:
         _restore_training(strategy, template, record)
         restore_per_rank_state(checkpoint, sidecar_in_folder(path, rank), rank, world_size)
-        _restore_server_errors(strategy, checkpoint, record)
+        _restore_per_rank(strategy, checkpoint, record)
     checkpoint.pop(PER_RANK_STATE_KEY, None)
     return checkpoint
 
@@ -272,21 +285,40 @@ def _restore_training(strategy: ShardedLocalSteps, template: dict[str, Any],
     strategy.outer_sync.inner_steps = int(record["inner_steps"])
 
 
-def _restore_server_errors(strategy: ShardedLocalSteps, checkpoint: dict[str, Any],
-                           record: Optional[dict[str, Any]]) -> None:
-    """The two-phase exchange's server errors from this rank's sidecar when the layout is the saved one; else reset,
-    said once (every rank decides alike: the layout is the same everywhere, a bad sidecar is agreed on)."""
-    if record is None or not record["server_errors"]:
+def _restore_per_rank(strategy: ShardedLocalSteps, checkpoint: dict[str, Any],
+                      record: Optional[dict[str, Any]]) -> None:
+    """This rank's own buffers and the two-phase exchange's server errors from its sidecar when the layout is the
+    saved one; else the buffers stay the state dict's (rank 0's) and the server errors are reset, said once (every
+    rank decides alike: the layout is the same everywhere, a bad sidecar is agreed on). A checkpoint saved before the
+    sidecars held buffers restores its server errors as before and leaves the buffers the state dict's."""
+    if record is None:
+        return
+    saved_buffers = record.get("local_buffers", 0)
+    wanted = [(what, instead) for what, instead, saved in (
+        ("its buffers", "every rank starts from rank 0's buffers", saved_buffers),
+        ("the server error", "the two-phase 1-bit exchange's server error restarts from zero", record["server_errors"]))
+        if saved]
+    if not wanted:
         return
     outer_step = strategy.outer_step
     assert outer_step is not None
     state = (checkpoint.get(PER_RANK_STATE_KEY) or {}).get(LOCAL_STEPS_KEY)
     layout = tuple(strategy.device_mesh.shape)
-    usable = state is not None and tuple(state["layout"]) == layout
+    buffers = strategy.outer_sync.buffers
+    shapes = [b.shape for b in buffers]
+    usable = (state is not None and tuple(state["layout"]) == layout
+              and (not saved_buffers or [b.shape for b in state.get("local_buffers") or ()] == shapes))
     if all(agree(usable)):
-        for fragment, saved in zip(outer_step.fragments, state["server_errors"]):
-            fragment.compressor.load_server_errors(saved, fragment.buckets)
+        if record["server_errors"]:
+            for fragment, saved in zip(outer_step.fragments, state["server_errors"]):
+                fragment.compressor.load_server_errors(saved, fragment.buckets)
+        if saved_buffers:
+            with torch.no_grad():
+                for buffer, saved in zip(buffers, state["local_buffers"]):
+                    buffer.copy_(saved)
         return
-    rank_zero_warn(f"{strategy.strategy_name}: the two-phase 1-bit exchange's server error (laid out by its buckets) "
-                   f"was saved at {record['replicas']} x {record['ranks_per_replica']} ranks and is reset at "
-                   f"{layout[0]} x {layout[1]} (or a rank's sidecar is missing); every other state was restored")
+    rank_zero_warn(f"{strategy.strategy_name}: each rank's own state kept beside the checkpoint ("
+                   + " and ".join(what for what, _ in wanted) + f") was saved at {record['replicas']} x "
+                   f"{record['ranks_per_replica']} ranks and is not restored at {layout[0]} x {layout[1]} (or a rank's "
+                   "sidecar is missing or holds other buffers): " + "; ".join(instead for _, instead in wanted)
+                   + "; every other state was restored")

@@ -4,7 +4,8 @@ step across replicas) under Lightning on gloo, with the Llama-style test model s
 * 2 x 2 (4 ranks, 1-bit over two replicas, Nesterov, 2 fragments, 1 overlapped step) and 3 x 1 (the two-phase 1-bit
   exchange with its server error): every replica's shards bitwise the same after every step that ends an exchange,
   the same at the end of fit, and a run resumed from a checkpoint saved mid-period (an exchange in flight on 2 x 2)
-  continues bit for bit;
+  continues bit for bit; a BatchNorm model's (2 x 2) too, every rank's own buffers included, and resumed at 2 x 1
+  every rank starts from rank 0's buffers, with a warning;
 * with one rank per replica (2 x 1) it trains the same bits as ``onebit_diloco`` (every loss, the final model);
 * the 2 x 2 checkpoint resumed on 2 ranks (2 x 1): the outer model, each replica's own parameters, its AdamW state,
   its error feedback, the outer momentum and the streaming rebase's saved parameters are the saved ones, whole; the
@@ -200,15 +201,48 @@ class ShardedNormalizedRegressor(NormalizedRegressor):
 
 
 def scenario_buffers(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
-    """A BatchNorm model sharded with ``shard_modules``, 2 x 2: every rank's buffers after every step."""
-    recorder = BufferRecorder()
-    strategy = OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=2, shard_modules=torch.nn.Linear)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+    """A BatchNorm model sharded with ``shard_modules``, 2 x 2: every rank's buffers after every step; then the same
+    run saved at step ``SAVED_AT`` (between two syncs) and resumed from there."""
+    run = os.path.join(workdir, "buffers")
+
+    def fit(ckpt_path: Optional[str] = None) -> dict[str, Any]:
+        recorder = BufferRecorder()
+        strategy = OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=2, shard_modules=torch.nn.Linear)
+        save = ModelCheckpoint(dirpath=run, filename="{step}", every_n_train_steps=SAVED_AT, save_top_k=-1)
+        trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, logger=False,
+                             enable_checkpointing=ckpt_path is None, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[recorder] + ([save] if ckpt_path is None else []),
+                             limit_val_batches=0)
+        model = ShardedNormalizedRegressor(optimizer="adamw", seed=0, data_seed=7 + rank)
+        trainer.fit(model, loader(rank, 20), ckpt_path=ckpt_path)
+        return {"steps": recorder.steps, "final": flat_buffers(model)}
+
+    full = fit()
+    return dict(full, resumed=fit(os.path.join(run, f"step={SAVED_AT}.ckpt")))
+
+
+def scenario_buffers_2x1(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """The BatchNorm model's 2 x 2 checkpoint (saved between two syncs) resumed on 2 x 1: the warning, and the
+    buffers every rank starts from."""
+    import warnings
+
+    class FirstStep(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            if not hasattr(self, "buffers"):
+                self.buffers = flat_buffers(pl_module)
+
+    first = FirstStep()
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[recorder], limit_val_batches=0)
+                         strategy=OnebitDiLoCoFSDPStrategy(sync_every=SYNC_EVERY, ranks_per_node=1,
+                                                           shard_modules=torch.nn.Linear),
+                         callbacks=[first], limit_val_batches=0)
     model = ShardedNormalizedRegressor(optimizer="adamw", seed=0, data_seed=7 + rank)
-    trainer.fit(model, loader(rank, 20))
-    return {"steps": recorder.steps, "final": flat_buffers(model)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(rank, 20), ckpt_path=os.path.join(workdir, "buffers", f"step={SAVED_AT}.ckpt"))
+    return {"buffers": first.buffers, "final": flat_buffers(model), "steps": trainer.global_step,
+            "warnings": [str(w.message) for w in caught if "kept beside the checkpoint" in str(w.message)]}
 
 
 def scenario_2x1_from_2x2(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
@@ -261,7 +295,8 @@ def sessions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     workdir = str(tmp_path_factory.mktemp("diloco_fsdp"))
     four = run_distributed(run_scenarios, 4, (("2x2", scenario_2x2), ("features", scenario_features),
                                               ("buffers", scenario_buffers)), workdir, timeout_s=400)
-    two = run_distributed(run_scenarios, 2, (("2x1", scenario_2x1_from_2x2),), workdir, timeout_s=300)
+    two = run_distributed(run_scenarios, 2, (("2x1", scenario_2x1_from_2x2), ("buffers_2x1", scenario_buffers_2x1)),
+                          workdir, timeout_s=300)
     refused = run_distributed(run_scenarios, 4, (("refused", scenario_other_replicas),), workdir, timeout_s=300)
     three = run_distributed(run_scenarios, 3, (("3x1", scenario_3x1),), workdir, timeout_s=300)
     return {"2x2": four, "2x1": two, "refused": refused, "3x1": three}
@@ -295,6 +330,28 @@ def test_buffers_are_rank_0s_on_every_rank_after_every_sync(sessions: dict) -> N
         else:  # FSDP2 leaves buffers alone: every rank's own data moved its statistics
             assert not torch.equal(buffers[0], buffers[-1]), f"step {i + 1}: the buffers did not drift"
     assert all(torch.equal(r["final"], ranks[0]["final"]) for r in ranks)  # the sync at the end of fit
+
+
+def test_a_resume_between_syncs_gives_every_rank_its_own_buffers_back(sessions: dict) -> None:
+    ranks = scenario_results(sessions["2x2"], "buffers")
+    assert ranks[0]["steps"][SAVED_AT - 1]["since_sync"] != 0  # saved between two syncs: the ranks' buffers differ
+    assert not torch.equal(ranks[0]["steps"][SAVED_AT - 1]["buffers"], ranks[-1]["steps"][SAVED_AT - 1]["buffers"])
+    for rank, r in enumerate(ranks):
+        resumed = r["resumed"]["steps"]
+        assert len(resumed) == STEPS - SAVED_AT
+        for step, (before, after) in enumerate(zip(r["steps"][SAVED_AT:], resumed), start=SAVED_AT + 1):
+            assert torch.equal(before["buffers"], after["buffers"]), f"rank {rank}: buffers at step {step}"
+        assert torch.equal(r["final"], r["resumed"]["final"])
+
+
+def test_at_another_layout_every_rank_starts_from_rank_0s_buffers_and_is_told(sessions: dict) -> None:
+    ranks = scenario_results(sessions["2x1"], "buffers_2x1")
+    saved = [r["steps"][SAVED_AT - 1]["buffers"] for r in scenario_results(sessions["2x2"], "buffers")]
+    assert all(torch.equal(r["buffers"], saved[0]) for r in ranks)  # rank 0's, every tensor of them
+    assert all(r["steps"] == STEPS and torch.isfinite(r["final"]).all() for r in ranks)
+    (message,) = ranks[0]["warnings"]
+    assert "(its buffers) was saved at 2 x 2 ranks and is not restored at 2 x 1" in message
+    assert "every rank starts from rank 0's buffers" in message and "server error" not in message
 
 
 def test_2x2_resume_mid_period_with_an_exchange_in_flight_is_bitwise(sessions: dict) -> None:
