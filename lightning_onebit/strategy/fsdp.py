@@ -53,6 +53,7 @@ from lightning_onebit.strategy.error_feedback import ErrorFeedbackPolicy
 from lightning_onebit.strategy.overlap_policy import decide_overlap, overlap_blocker, overlap_fallback
 from lightning_onebit.strategy.sharded_precision import ShardedPrecision, sharded_precision
 from lightning_onebit.strategy.sharded_checkpoint import is_distributed_checkpoint, load_sharded_checkpoint
+from lightning_onebit.strategy.sharded_checkpoint import with_rank0_buffers
 from lightning_onebit.strategy.sharded_checkpoint import save_sharded_checkpoint, sharded_optimizer_state
 from lightning_onebit.strategy.sharding import (
     broadcast_from_first_replica,
@@ -358,6 +359,11 @@ class OnebitFSDPStrategy(CompressedStepping, ModelParallelStrategy):
             )
         assert self.model is not None
         return sharded_optimizer_state(inner, self.model)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict, rank 0's buffers in it (:func:`with_rank0_buffers`)."""
+        return with_rank0_buffers(super().lightning_module_state_dict(), self.model)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

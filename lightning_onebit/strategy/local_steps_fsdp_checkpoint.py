@@ -30,13 +30,11 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_onebit.comm.agreement import agree
-from lightning_onebit.comm.groups import broadcast_coalesced
 from lightning_onebit.optim.streaming import StreamingOuterStep
 from lightning_onebit.strategy.checkpoint import PER_RANK_STATE_KEY, restore_per_rank_state, save_per_rank_state
 from lightning_onebit.strategy.checkpoint_files import CheckpointIntegrityError, FolderSave, agree_on_problems
@@ -44,6 +42,7 @@ from lightning_onebit.strategy.checkpoint_files import first_line, folder_proble
 from lightning_onebit.strategy.checkpoint_kinds import LOCAL_STEPS_RECORD_KEY
 from lightning_onebit.strategy.local_steps_run import OuterSync
 from lightning_onebit.strategy.sharded_checkpoint import is_distributed_checkpoint, save_sharded_checkpoint
+from lightning_onebit.strategy.sharded_checkpoint import with_rank0_buffers
 from lightning_onebit.strategy.sidecar import sidecar_in_folder
 
 log = logging.getLogger(__name__)
@@ -93,21 +92,16 @@ def _by_name(names: Sequence[str], values: Sequence[Optional[torch.Tensor]], par
 def outer_model_state(state: dict[str, Any], model: Module, outer_step: StreamingOuterStep,
                       sharded_parameters: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """``state`` (the model's ``get_model_state_dict``) with every trainable parameter's outer value (every name of a
-    tied one), as ``DTensor`` s, and rank 0's buffers (each rank holds its own between two syncs, and
-    ``torch.distributed.checkpoint`` writes a tensor that every rank holds from one rank, chosen per tensor: without
-    this a BatchNorm's mean could come from one rank and its variance from another). A collective: it finishes the
-    exchanges in flight and broadcasts the buffers; the training does not change."""
-    buffers = {key: b for key, b in model.named_buffers(remove_duplicate=False) if key in state}
-    rank0_buffers = {key: b.detach().clone() for key, b in buffers.items()}
-    if rank0_buffers and dist.is_available() and dist.is_initialized():
-        broadcast_coalesced(list(rank0_buffers.values()))
+    tied one), as ``DTensor`` s, and rank 0's buffers (:func:`with_rank0_buffers`: each rank holds its own between two
+    syncs). A collective: it finishes the exchanges in flight and broadcasts the buffers; the training does not
+    change."""
+    state = with_rank0_buffers(state, model)
     outer_step.finish_in_flight()
     values = outer_step.outer_values()
     outer = {id(p): _as_dtensor(values[id(local)].clone(), p)
              for (_, p), local in zip(sharded_parameters, outer_step.params)}
     params = dict(model.named_parameters(remove_duplicate=False))
-    return {key: outer.get(id(params[key]), value) if key in params else rank0_buffers.get(key, value)
-            for key, value in state.items()}
+    return {key: outer.get(id(params[key]), value) if key in params else value for key, value in state.items()}
 
 
 def _training_state(strategy: ShardedLocalSteps, server_errors: list[dict[Any, torch.Tensor]]

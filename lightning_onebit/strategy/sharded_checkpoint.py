@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.nn import Module
 
+from lightning_onebit.comm.groups import broadcast_coalesced
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.optim.checkpoint import CHECKPOINT_KEY
 from lightning_onebit.strategy.checkpoint_files import CheckpointIntegrityError, FolderSave, first_line
@@ -27,7 +28,7 @@ from lightning_onebit.strategy.checkpoint_files import CheckpointIntegrityError,
 log = logging.getLogger(__name__)
 
 __all__ = ["load_sharded_checkpoint", "load_sharded_optimizer_state", "save_sharded_checkpoint",
-           "sharded_optimizer_state"]
+           "sharded_optimizer_state", "with_rank0_buffers"]
 
 # the optimizer's record of the auto-freeze measurement (per rank under sharding: not saved, see the module docstring)
 _DETECTOR_KEY = "auto_freeze"
@@ -140,6 +141,21 @@ def _set_path(container: Any, path: tuple, value: Any) -> None:
     if isinstance(container, list):
         container.extend([None] * (last + 1 - len(container)))
     container[last] = value
+
+
+def with_rank0_buffers(state: dict[str, Any], model: Module) -> dict[str, Any]:
+    """``state`` (``model``'s state dict) with rank 0's values of ``model``'s buffers. FSDP2 leaves each rank its own
+    buffers (e.g. BatchNorm statistics from its own batches), and ``torch.distributed.checkpoint`` writes a tensor
+    every rank holds from one rank chosen per tensor: without this a BatchNorm's mean could come from one rank and
+    its variance from another. A collective over every rank (one broadcast per dtype of every persistent buffer,
+    also where ``state`` is empty: a consolidated state dict is rank 0's alone); ``model`` is unchanged."""
+    persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    rank0 = {key: b.detach().clone() for key, b in model.named_buffers(remove_duplicate=False) if id(b) in persistent}
+    if rank0 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        broadcast_coalesced(list(rank0.values()))
+    # on the state's device: a consolidated state dict is offloaded to the CPU
+    return {key: rank0[key].to(value.device) if key in rank0 and isinstance(value, torch.Tensor) else value
+            for key, value in state.items()}
 
 
 def is_distributed_checkpoint(path: Optional[Path]) -> bool:

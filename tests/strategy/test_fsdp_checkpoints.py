@@ -261,8 +261,51 @@ def scenario_legacy(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
     return out
 
 
+class NormalizedModel(Model):
+    """``Model`` with a BatchNorm before its head: FSDP2 leaves every rank the running statistics of its own batches."""
+
+    def __init__(self) -> None:
+        super().__init__(data_by_step=True)
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(x)))
+
+
+class BuffersAtStart(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.buffers = [b.detach().clone() for b in pl_module.buffers()]
+
+
+def scenario_buffers(rank: int, world_size: int, workdir: str) -> dict[str, Any]:
+    """A BatchNorm model saved after 6 steps, and resumed: the buffers each rank had at the save, and at the resume."""
+    path = os.path.join(workdir, "buffers.ckpt")
+    model = NormalizedModel()
+    trainer = _trainer(_fsdp(), 6)
+    trainer.fit(model)
+    saved = [b.detach().clone() for b in model.buffers()]
+    trainer.save_checkpoint(path)
+    unchanged = all(torch.equal(a, b) for a, b in zip(saved, model.buffers()))
+    at_start = BuffersAtStart()
+    _trainer(_fsdp(), 8, [at_start]).fit(NormalizedModel(), ckpt_path=path)
+    # the consolidated weights (rank 0 writes them alone; every rank takes part in the buffers' broadcast)
+    weights = os.path.join(workdir, "buffers_weights.ckpt")
+    consolidated = _trainer(OnebitFSDPStrategy(ranks_per_node=2, shard_modules=[Block],
+                                               save_distributed_checkpoint=False), 6)
+    model = NormalizedModel()
+    consolidated.fit(model)
+    consolidated.save_checkpoint(weights, weights_only=True)
+    dist.barrier()
+    written = torch.load(weights, weights_only=True)["state_dict"]
+    return {"saved": saved, "unchanged": unchanged, "resumed": at_start.buffers,
+            "consolidated_own": [b.detach().clone() for b in model.buffers()],
+            "consolidated_written": [written[f"norm.{name}"] for name in ("running_mean", "running_var",
+                                                                           "num_batches_tracked")]}
+
+
 SCENARIOS = (("atomic", scenario_atomic), ("model_checkpoint", scenario_model_checkpoint),
-             ("damaged", scenario_damaged), ("other_strategy", scenario_other_strategy), ("legacy", scenario_legacy))
+             ("damaged", scenario_damaged), ("other_strategy", scenario_other_strategy), ("legacy", scenario_legacy),
+             ("buffers", scenario_buffers))
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +438,18 @@ def test_a_checkpoint_written_before_manifests_resumes_unverified(session: dict[
         _refused(r["truncated"], "CheckpointIntegrityError", f"the checkpoint {folder} could not be read",
                  "records no digests")
     assert any("records no digests of its files" in w for w in ranks[0]["resumed"]["warnings"])
+
+
+def test_the_checkpoint_holds_rank_0s_buffers_every_one_of_them(session: dict[str, Any]) -> None:
+    """Before: ``torch.distributed.checkpoint`` wrote each buffer from one rank chosen per tensor, so a BatchNorm's
+    running mean and variance came from different ranks."""
+    ranks = _results(session, "buffers")
+    assert not torch.equal(ranks[0]["saved"][0], ranks[-1]["saved"][0])  # each rank's own statistics at the save
+    for rank, r in enumerate(ranks):
+        assert r["unchanged"], f"rank {rank}: the save changed the model's buffers"
+        for name, got, want in zip(("running_mean", "running_var", "num_batches_tracked"), r["resumed"],
+                                   ranks[0]["saved"]):
+            assert torch.equal(got, want), f"rank {rank}: {name} resumed is not rank 0's"
+    # save_distributed_checkpoint=False: the one file holds rank 0's too
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["consolidated_written"], ranks[0]["consolidated_own"]))
+    assert not torch.equal(ranks[0]["consolidated_own"][0], ranks[-1]["consolidated_own"][0])
