@@ -1109,6 +1109,12 @@ def example_seeds_table() -> str:
             cells.append("-" if run is None else
                          f"{run['val_acc']:.1%} / {run['validations'][-1]['val_loss']:.4f}")
         table.append([str(seed), *cells])
+    means = []
+    for name in EXAMPLE_SEEDS_RUNS.values():
+        got = [runs[("synthetic", name, s)] for s in seeds if ("synthetic", name, s) in runs]
+        means.append(f"{statistics.mean(r['val_acc'] for r in got):.2%} / "
+                     f"{statistics.mean(r['validations'][-1]['val_loss'] for r in got):.4f}" if got else "-")
+    table.append(["mean", *means])
     counts = []
     for label, name in EXAMPLE_SEEDS_RUNS.items():
         pairs = [(runs[("synthetic", name, s)], runs.get(("synthetic", "ddp_powersgd_r4@0.1", s)),
@@ -1124,7 +1130,7 @@ def example_seeds_table() -> str:
         f"(`{DEFAULTS_CANDIDATE['1-bit Adam']}`) and with the variance frozen at half and three quarters of the run "
         "(`onebit_adam@0.5+powersgd4`, `onebit_adam@0.75+powersgd4`; the same PowerSGD warmup), AdamW-DDP and DDP + "
         "PowerSGD rank 4 as in the table above. Each cell: accuracy on the 1,000 validation reviews / validation "
-        "loss, at the last step (620). At least as accurate as DDP + PowerSGD rank 4 / as AdamW-DDP, same seed: "
+        "loss, at the last step (620); the last row their means over the seeds run. At least as accurate as DDP + PowerSGD rank 4 / as AdamW-DDP, same seed: "
         + "; ".join(counts) + f". The 1-bit runs with library {', '.join(own)} (`results/{EXAMPLE_SEEDS}.json`), "
         "the references of seeds 0 and 1 from " + ", ".join(f"`results/{name}.json`" for name in copied) + ".\n\n"
         + _table(["seed", *EXAMPLE_SEEDS_RUNS], table)

@@ -131,6 +131,8 @@ def test_example_seeds_table_counts_seeds_against_powersgd_and_adamw(tmp_path, m
                                              for line in text.splitlines() if line[:4] in ("| 0 ", "| 1 "))}
     assert rows["0"] == ["99.6% / 0.0110", "100.0% / 0.0010", "99.7% / 0.0160", "-", "-"]
     assert rows["1"] == ["99.8% / 0.0100", "99.2% / 0.0290", "99.8% / 0.0010", "99.1% / 0.0020", "-"]
+    (mean,) = [[c.strip() for c in line.split("|")[2:-1]] for line in text.splitlines() if line.startswith("| mean ")]
+    assert mean == ["99.70% / 0.0105", "99.60% / 0.0150", "99.75% / 0.0085", "99.10% / 0.0020", "-"]
     assert "1-bit Adam (defaults): 1 / 2 of 2" in text
     assert "frozen at 1/2: 0 / 0 of 1" in text
     assert "DDP + PowerSGD r4: 2 / 1 of 2" in text
