@@ -183,8 +183,7 @@ class OuterStep:
         if self._pending is not None:
             raise RuntimeError("the outer step's exchange is in flight: finish() it before starting another")
         for f in self._flats:
-            self._local_shard_into(f, f.pseudo)
-            torch.sub(f.outer[f.shard], f.pseudo, out=f.pseudo)
+            self._pseudo_gradient_into(f)
         self._check_finite()
         self._pending = self.compressor.start_average_(self.buckets)
 
@@ -259,14 +258,16 @@ class OuterStep:
                         start = lo + bucket.values.storage_offset() - f.pseudo.storage_offset()
                         f.outer[start : start + bucket.values.numel()].add_(bucket.values, alpha=-lr)
 
-    def _local_shard_into(self, f: _Flat, out: torch.Tensor) -> None:
-        """This rank's shard of the flat local parameters, written into ``out`` (padding zero)."""
+    def _pseudo_gradient_into(self, f: _Flat) -> None:
+        """``f.pseudo = outer - local`` on this rank's shard, one pass per parameter piece (the padding, outer and
+        local both zero there: zero), the same bits as the whole shard's subtraction."""
         lo, hi = f.shard.start, f.shard.stop
-        out.zero_()
         for p, offset in zip(f.params, f.offsets):
             a, b = max(offset, lo), min(offset + p.numel(), hi)
             if a < b:
-                out[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+                torch.sub(f.outer[a:b], p.detach().reshape(-1)[a - offset : b - offset], out=f.pseudo[a - lo : b - lo])
+        if hi > f.numel:
+            f.pseudo[max(f.numel - lo, 0) :].zero_()
 
     def _gather_shards(self) -> None:
         """Every rank of the replica gets every new outer shard (one all-gather per dtype, inside the replica)."""
