@@ -130,3 +130,15 @@ def test_the_slugs_follow_github() -> None:
     freeze_step = _anchors(DOCS / "guides" / "freeze-step.md")
     assert "embedding-tables" in freeze_step and "embedding" not in freeze_step
     assert not any(a.startswith("torchrun") for a in _anchors(DOCS / "guides" / "multi-node.md"))  # a code comment
+
+
+def test_every_benchmark_command_in_the_docs_names_a_module_that_exists():
+    """``python -m benchmarks.NAME`` in the README, CONTRIBUTING and the docs pages runs a module of ``benchmarks/``
+    (CONTRIBUTING named ``benchmarks.readme_results``, which had become ``benchmarks.result_tables``)."""
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(DOCS.rglob("*.md"))]
+    named = {(page.relative_to(ROOT).as_posix(), name) for page in pages
+             for name in re.findall(r"python -m benchmarks\.([A-Za-z_][A-Za-z0-9_]*)", page.read_text(encoding="utf-8"))}
+    assert named, "no benchmark command found: the pattern is wrong"
+    missing = sorted((page, name) for page, name in named
+                     if name != "NAME" and not (ROOT / "benchmarks" / f"{name}.py").is_file())
+    assert not missing, f"commands naming no module of benchmarks/: {missing}"
