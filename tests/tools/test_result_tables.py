@@ -92,6 +92,7 @@ def test_defaults_sweep_table_applies_issue_44s_test_per_seed(tmp_path, monkeypa
         _run("mail", "onebit_adam@auto+powersgd4", 1, 0.977, bytes_sent=5.0),  # -0.8, under PowerSGD, 1.2x fewer
         _run("mail", "zeroone_adam+powersgd4", 1, 0.981, bytes_sent=1.0),
         _run("mail", "ddp_bf16", 1, 0.986, bytes_sent=15.0),  # a baseline: accuracy and AdamW-DDP's bytes over its
+        _run("mail", "onebit_adam@auto+powersgd4", 2, 0.990, bytes_sent=2.0),  # a third seed: shown, no references
     ])
     monkeypatch.setattr(result_tables, "RESULTS", tmp_path)
     rows = {cells[1]: cells[2:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
@@ -103,6 +104,7 @@ def test_defaults_sweep_table_applies_issue_44s_test_per_seed(tmp_path, monkeypa
     assert rows["1"] == ["98.50%", "98.60% (+0.10, 2.0x)", "-", "97.80% (-0.70, 5.0x)", "97.70% (-0.80, 6.0x)",
                          "98.10% (-0.40, 30.0x)", "-", "6.0x / 1.20x",
                          "not met: 0.5 point, PowerSGD's accuracy, 1.5x PowerSGD's bytes"]
+    assert rows["2"] == ["-", "-", "-", "-", "99.00%", "-", "-", "-", "-"]
 
 
 def test_example_seeds_table_counts_seeds_against_powersgd_and_adamw(tmp_path, monkeypatch):
