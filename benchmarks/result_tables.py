@@ -1195,19 +1195,22 @@ _REFERENCE_RUN = re.compile(r"adamw|ddp_bf16|ddp_powersgd_r[0-9]+@[0-9.]+|onebit
 
 def local_steps_runs() -> dict[str, Any]:
     """The runs of :data:`LOCAL_STEPS`, completed by the AdamW-DDP, DDP + PowerSGD and 1-bit Adam (``auto``) runs of
-    :data:`LOCAL_STEPS_REFERENCES` made with the same settings for a key the file does not hold (those made before
-    the bits per parameter per step were recorded get them over the parameters of the same task's model)."""
+    :data:`LOCAL_STEPS_REFERENCES` made with the same settings, for a seed the file holds, for a key the file does not
+    hold (those made before the bits per parameter per step were recorded get them over the parameters of the same
+    task's model)."""
     from benchmarks.freeze_sweep import bits_per_parameter_step
 
     results = _load(LOCAL_STEPS)
     runs = dict(results["runs"])
     settings = [r["settings"] for r in runs.values()]
+    seeds = {int(r["seed"]) for r in runs.values()}
     parameters = {r["task"]: r["trainable_parameters"] for r in runs.values() if r.get("trainable_parameters")}
     for name in LOCAL_STEPS_REFERENCES:
         if not (RESULTS / f"{name}.json").exists():
             continue
         for key, run in _load(name)["runs"].items():
-            if key not in runs and _REFERENCE_RUN.fullmatch(run["run"]) and run["settings"] in settings:
+            if (key not in runs and _REFERENCE_RUN.fullmatch(run["run"]) and run["settings"] in settings
+                    and int(run["seed"]) in seeds):
                 copied = dict(run, copied_from=name)
                 if copied.get("bits_per_parameter_step") is None and run["task"] in parameters:
                     copied["bits_per_parameter_step"] = bits_per_parameter_step(
