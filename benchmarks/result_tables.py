@@ -1125,14 +1125,16 @@ def example_seeds_table() -> str:
         counts.append(f"{label}: {sum(r['val_acc'] >= psgd['val_acc'] for r, psgd, _ in pairs)} / "
                       f"{sum(r['val_acc'] >= ref['val_acc'] for r, _, ref in pairs)} of {len(pairs)}")
     own = sorted({r["library"] for r in runs.values() if r.get("source") == EXAMPLE_SEEDS})
-    copied = sorted({r["source"] for r in runs.values() if r.get("source") != EXAMPLE_SEEDS})
+    copied = sorted({r["source"] for r in runs.values()
+                     if r.get("source") != EXAMPLE_SEEDS and r["run"] in EXAMPLE_SEEDS_RUNS.values()})
     return (
         "Each run is the example on 2 CPU ranks (`python -m benchmarks.freeze_sweep --name example_seeds "
         "--val-checks 2 --tasks synthetic`, the runs and seeds named): 1-bit Adam with its defaults "
         f"(`{DEFAULTS_CANDIDATE['1-bit Adam']}`) and with the variance frozen at half and three quarters of the run "
         "(`onebit_adam@0.5+powersgd4`, `onebit_adam@0.75+powersgd4`; the same PowerSGD warmup), AdamW-DDP and DDP + "
         "PowerSGD rank 4 as in the table above. Each cell: accuracy on the 1,000 validation reviews / validation "
-        "loss, at the last step (620); the last row their means over the seeds run. At least as accurate as DDP + PowerSGD rank 4 / as AdamW-DDP, same seed: "
+        "loss, at the last step (620); the last row their means over the seeds run. At least as accurate as DDP + "
+        "PowerSGD rank 4 / as AdamW-DDP, same seed: "
         + "; ".join(counts) + f". The 1-bit runs with library {', '.join(own)} (`results/{EXAMPLE_SEEDS}.json`), "
         "the references of seeds 0 and 1 from " + ", ".join(f"`results/{name}.json`" for name in copied) + ".\n\n"
         + _table(["seed", *EXAMPLE_SEEDS_RUNS], table)
