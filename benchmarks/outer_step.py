@@ -33,19 +33,19 @@ def _syncs(rank: int, world_size: int, per_replica: int, n_params: float, syncs:
     import torch
     import torch.distributed as dist
 
+    from lightning_onebit.comm.groups import new_group_family
     from lightning_onebit.comm.outer import make_outer_compressor
     from lightning_onebit.optim.outer_step import OuterStep
 
     replicas = world_size // per_replica
-    # every rank creates every group, in the same order
-    replica_groups = [dist.new_group([k * per_replica + s for k in range(replicas)]) for s in range(per_replica)]
-    shard_groups = [dist.new_group(list(range(k * per_replica, (k + 1) * per_replica))) for k in range(replicas)]
-    shard, replica = rank % per_replica, rank // per_replica
+    # the ranks l of every replica (the exchange), and the ranks of each replica (the shards)
+    replica_group = new_group_family([[k * per_replica + s for k in range(replicas)] for s in range(per_replica)])
+    shard_group = new_group_family([list(range(k * per_replica, (k + 1) * per_replica)) for k in range(replicas)])
     generator = torch.Generator().manual_seed(0)
     params = [torch.randn(shape, generator=generator) * 0.02 for shape in bert_like_shapes(n_params)]
-    step = OuterStep(params, make_outer_compressor("onebit", replica_groups[shard]), optimizer="sgd", lr=0.7,
-                     shard_group=shard_groups[replica] if per_replica > 1 else None)
-    moves = torch.Generator().manual_seed(1 + replica)  # the replicas' inner steps differ
+    step = OuterStep(params, make_outer_compressor("onebit", replica_group), optimizer="sgd", lr=0.7,
+                     shard_group=shard_group if per_replica > 1 else None)
+    moves = torch.Generator().manual_seed(1 + rank // per_replica)  # the replicas' inner steps differ
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for sync in range(syncs + 2):
         with torch.no_grad():
